@@ -1,0 +1,273 @@
+"""The one rules module: range checks and cross-knob compatibility, run before anything is built.
+
+Two kinds of failure:
+
+* :class:`ConfigError` — the input is wrong whatever the machine (bad value, incompatible knobs).
+  ``vramsweep train`` exits 2; the sweeper rejects the search space before any trial starts.
+* :class:`UnsupportedError` — valid, but this machine cannot run it (flash-attn on CPU, Liger without
+  CUDA, Unsloth not installed). ``vramsweep train`` exits 2; a sweep records the trial as
+  ``unsupported`` and moves on.
+
+Every message names the override to change and the allowed values.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+from omegaconf import DictConfig
+
+from vramsweep.config.compose import ConfigError
+from vramsweep.config.schema import (
+    DTYPES,
+    GROUP_OPTIONS,
+    MODEL_FAMILIES,
+    MODEL_SOURCES,
+    SCHEDULES,
+    TRUNCATIONS,
+)
+
+OPTIMIZER_IMPLS = (
+    "torch_adamw",
+    "bnb_adamw8bit",
+    "bnb_paged_adamw8bit",
+    "bnb_paged_adamw32bit",
+    "adafactor",
+)
+
+
+class UnsupportedError(ConfigError):
+    """A valid config that this machine cannot run (recorded as ``unsupported`` in sweeps)."""
+
+
+def cuda_available() -> bool:
+    """True when CUDA can be used. Never initialises CUDA (safe in a sweeper parent process)."""
+    if os.environ.get("VRAMSWEEP_FORCE_NO_CUDA") == "1":
+        return False
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def _module_available(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def _num(cfg: DictConfig, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _check_range(cfg, key, lo, hi, *, integer=False, lo_open=False, hi_open=False):
+    v = _num(cfg, key)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ConfigError(f"{key}={v!r} must be a number", key=key, allowed=[f"{lo}..{hi}"])
+    if integer and not float(v).is_integer():
+        raise ConfigError(f"{key}={v!r} must be an integer", key=key, allowed=[f"{lo}..{hi}"])
+    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
+        raise ConfigError(f"{key}={v} is not a finite number", key=key, allowed=[f"{lo}..{hi}"])
+    bad = (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi)
+    if bad:
+        lb = "(" if lo_open else "["
+        rb = ")" if hi_open else "]"
+        raise ConfigError(f"{key}={v} is out of range {lb}{lo}, {hi}{rb}", key=key, allowed=[f"{lb}{lo}, {hi}{rb}"])
+
+
+def _check_choice(cfg, key, allowed):
+    v = _num(cfg, key)
+    if v not in allowed:
+        raise ConfigError(f"{key}={v!r} is not a known value", key=key, allowed=allowed)
+
+
+def _rules_values(cfg: DictConfig) -> None:
+    for group, options in GROUP_OPTIONS.items():
+        name = cfg[group].name if group in cfg and "name" in cfg[group] else None
+        if name is not None and name not in options and group not in ("hardware",):
+            raise ConfigError(f"{group}={name} is not a known option", key=group, allowed=options)
+    _check_choice(cfg, "model.source", MODEL_SOURCES)
+    _check_choice(cfg, "model.family", MODEL_FAMILIES)
+    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        _check_range(cfg, f"model.{k}", 1, 10**7, integer=True)
+    if cfg.model.num_heads % cfg.model.num_kv_heads:
+        raise ConfigError(
+            f"model.num_kv_heads={cfg.model.num_kv_heads} must divide model.num_heads={cfg.model.num_heads}",
+            key="model.num_kv_heads",
+            allowed=[d for d in range(1, cfg.model.num_heads + 1) if cfg.model.num_heads % d == 0],
+        )
+    _check_choice(cfg, "quant.bits", (4, 8, 16))
+    if cfg.quant.bits == 4:
+        _check_choice(cfg, "quant.quant_type", ("nf4", "fp4"))
+    _check_choice(cfg, "quant.compute_dtype", DTYPES)
+    _check_choice(cfg, "adapter.method", ("lora", "full"))
+    _check_range(cfg, "adapter.r", 1, 4096, integer=True)
+    _check_range(cfg, "adapter.alpha", 0, 1e6, lo_open=True)
+    _check_range(cfg, "adapter.dropout", 0.0, 1.0, hi_open=True)
+    targets = cfg.adapter.targets
+    if isinstance(targets, str):
+        if not targets:
+            raise ConfigError("adapter.targets is empty", key="adapter.targets", allowed=["all-linear", "[q_proj,v_proj,...]"])
+    elif not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ConfigError(
+            f"adapter.targets={list(targets) if targets is not None else targets} must be 'all-linear' or a non-empty list of module names",
+            key="adapter.targets",
+            allowed=["all-linear", "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"],
+        )
+    _check_choice(cfg, "optimizer.impl", OPTIMIZER_IMPLS)
+    _check_range(cfg, "optimizer.weight_decay", 0.0, 1.0)
+    _check_range(cfg, "optimizer.eps", 0.0, 1.0, lo_open=True)
+    if len(cfg.optimizer.betas) != 2:
+        raise ConfigError(f"optimizer.betas={list(cfg.optimizer.betas)} needs two values", key="optimizer.betas", allowed=["[b1, b2] in [0, 1)"])
+    for i, b in enumerate(cfg.optimizer.betas):
+        if not (0.0 <= float(b) < 1.0):
+            raise ConfigError(f"optimizer.betas[{i}]={b} is out of range", key="optimizer.betas", allowed=["[0, 1)"])
+    _check_range(cfg, "optimizer.min_8bit_size", 0, 10**9, integer=True)
+    _check_choice(cfg, "attention.implementation", GROUP_OPTIONS["attention"])
+    _check_range(cfg, "context.max_tokens", 32, 10**7, integer=True)
+    _check_choice(cfg, "context.truncation", TRUNCATIONS)
+    _check_range(cfg, "context.decay", 0.0, 1.0, lo_open=True)
+    _check_range(cfg, "context.min_tokens_per_section", 0, 10**7, integer=True)
+    _check_choice(cfg, "vocab.mode", ("full", "corpus", "top_k"))
+    _check_choice(cfg, "vocab.fallback", ("error", "unk"))
+    _check_range(cfg, "vocab.reserve", 0, 10**7, integer=True)
+    if cfg.vocab.mode == "top_k":
+        _check_range(cfg, "vocab.top_k", 1, 10**7, integer=True)
+    _check_choice(cfg, "data.source", ("embedded", "jsonl"))
+    _check_range(cfg, "data.num_docs", 1, 10**6, integer=True)
+    _check_range(cfg, "data.num_eval_docs", 1, 10**6, integer=True)
+    _check_choice(cfg, "hardware.device", ("cpu", "cuda"))
+    _check_range(cfg, "hardware.budget_gib", 0.0, 1e5)
+    _check_range(cfg, "hardware.memory_gib", 0.0, 1e5)
+    _check_range(cfg, "train.steps", 1, 10**7, integer=True)
+    _check_range(cfg, "train.micro_batch", 1, 4096, integer=True)
+    _check_range(cfg, "train.grad_accum", 1, 4096, integer=True)
+    _check_range(cfg, "train.lr", 0.0, 1.0, lo_open=True)
+    _check_choice(cfg, "train.schedule", SCHEDULES)
+    _check_range(cfg, "train.warmup_steps", 0, cfg.train.steps, integer=True)
+    _check_range(cfg, "train.max_grad_norm", 0.0, 1e6)
+    _check_choice(cfg, "train.dtype", DTYPES)
+    _check_range(cfg, "train.eval_every", 0, 10**7, integer=True)
+    _check_range(cfg, "train.eval_batches", 1, 10**5, integer=True)
+    _check_range(cfg, "train.measure_warmup_steps", 0, 10**7, integer=True)
+    if cfg.train.measure_warmup_steps >= cfg.train.steps:
+        raise ConfigError(
+            f"train.measure_warmup_steps={cfg.train.measure_warmup_steps} leaves no measured step with train.steps={cfg.train.steps}",
+            key="train.measure_warmup_steps",
+            allowed=[f"0..{cfg.train.steps - 1}"],
+        )
+    _check_range(cfg, "train.threads", 0, 1024, integer=True)
+    _check_choice(cfg, "logger.mode", ("auto", "offline", "online"))
+
+
+def _rules_combinations(cfg: DictConfig) -> None:
+    if cfg.kernels.liger and cfg.kernels.unsloth:
+        raise ConfigError(
+            "kernels: Liger and Unsloth cannot both be on (Unsloth patches the same modules)",
+            key="kernels",
+            allowed=GROUP_OPTIONS["kernels"],
+        )
+    if cfg.adapter.method == "full" and cfg.quant.bits != 16:
+        raise ConfigError(
+            f"quant={cfg.quant.name} ({cfg.quant.bits}-bit) cannot be combined with adapter=full: quantised "
+            "base weights are frozen; train an adapter or use quant=none",
+            key="quant",
+            allowed=["quant=none with adapter=full", "adapter=lora|rslora|dora with any quant"],
+        )
+    if cfg.adapter.use_rslora and cfg.adapter.method != "lora":
+        raise ConfigError("adapter.use_rslora needs adapter.method=lora", key="adapter.use_rslora", allowed=[False])
+    if cfg.attention.implementation == "flash_attention_2" and cfg.train.dtype == "fp32":
+        raise ConfigError(
+            "attention=flash_attention_2 needs fp16/bf16 compute, got train.dtype=fp32",
+            key="train.dtype",
+            allowed=["bf16", "fp16"],
+        )
+    if cfg.model.source == "embedded" and cfg.model.name != "tiny":
+        pass  # other embedded sizes are allowed (custom dims)
+    if cfg.context.max_tokens > cfg.model.max_position_embeddings and cfg.model.source != "path":
+        raise ConfigError(
+            f"context.max_tokens={cfg.context.max_tokens} is longer than the model's positions "
+            f"(model.max_position_embeddings={cfg.model.max_position_embeddings})",
+            key="context.max_tokens",
+            allowed=[f"32..{cfg.model.max_position_embeddings}"],
+        )
+    if cfg.vocab.mode != "full" and cfg.model.source == "arch":
+        raise ConfigError(
+            "vocab=sliced needs a tokenizer and corpus: it works with the embedded model or model.path, not "
+            f"architecture-only model={cfg.model.name}",
+            key="vocab",
+            allowed=["full"],
+        )
+    if cfg.model.source == "path":
+        p = cfg.model.path
+        if not p or not os.path.isdir(str(p)):
+            raise ConfigError(f"model.path={p!r} is not a local folder (nothing is downloaded)", key="model.path", allowed=["<local HF folder with config.json>"])
+        if not os.path.isfile(os.path.join(str(p), "config.json")):
+            raise ConfigError(f"model.path={p!r} has no config.json", key="model.path", allowed=["<local HF folder with config.json>"])
+    if cfg.data.source == "jsonl":
+        for key in ("path", "eval_path"):
+            p = cfg.data[key]
+            if key == "eval_path" and p is None:
+                continue
+            if not p or not os.path.isfile(str(p)):
+                raise ConfigError(f"data.{key}={p!r} is not a readable JSONL file", key=f"data.{key}", allowed=["<path to .jsonl>"])
+
+
+def _rules_machine(cfg: DictConfig) -> None:
+    """Environment-dependent rules: raise :class:`UnsupportedError`."""
+    has_cuda = cuda_available()
+    if cfg.hardware.device == "cuda" and not has_cuda:
+        raise UnsupportedError(
+            f"hardware={cfg.hardware.name} needs CUDA and none is available here",
+            key="hardware",
+            allowed=["cpu"],
+        )
+    if cfg.attention.implementation == "flash_attention_2":
+        if not has_cuda or cfg.hardware.device != "cuda":
+            raise UnsupportedError(
+                "attention=flash_attention_2 needs a CUDA device (hardware=<gpu profile>)",
+                key="attention",
+                allowed=["eager", "sdpa"],
+            )
+        if not _module_available("flash_attn"):
+            raise UnsupportedError(
+                "attention=flash_attention_2 needs the flash-attn package (not installed); attention=sdpa uses "
+                "PyTorch's FlashAttention-2 kernel on CUDA",
+                key="attention",
+                allowed=["eager", "sdpa"],
+            )
+    if cfg.kernels.liger:
+        if not has_cuda or cfg.hardware.device != "cuda":
+            raise UnsupportedError("kernels=liger needs CUDA (Triton kernels)", key="kernels", allowed=["none", "unsloth"])
+        if not _module_available("liger_kernel"):
+            raise UnsupportedError("kernels=liger needs liger-kernel (pip install -e '.[gpu]')", key="kernels", allowed=["none"])
+    if cfg.kernels.unsloth and not _module_available("unsloth"):
+        raise UnsupportedError("kernels=unsloth needs unsloth (make unsloth)", key="kernels", allowed=["none", "liger"])
+    if cfg.quant.bits != 16 and not _module_available("bitsandbytes"):
+        raise UnsupportedError(f"quant={cfg.quant.name} needs bitsandbytes", key="quant", allowed=["none"])
+    if cfg.optimizer.impl.startswith("bnb_") and not _module_available("bitsandbytes"):
+        raise UnsupportedError(f"optimizer={cfg.optimizer.name} needs bitsandbytes", key="optimizer", allowed=["adamw", "adafactor"])
+
+
+RULES: tuple[Callable[[DictConfig], None], ...] = (_rules_values, _rules_combinations)
+
+
+def validate(cfg: DictConfig, *, machine: bool = True) -> None:
+    """Run every rule; raise the first :class:`ConfigError` (or :class:`UnsupportedError`).
+
+    Args:
+        cfg: a composed trial config.
+        machine: also check what this machine can run (CUDA, optional packages).
+    """
+    for rule in RULES:
+        rule(cfg)
+    if machine:
+        _rules_machine(cfg)

@@ -1,0 +1,233 @@
+"""Typed schema for every config group.
+
+Each YAML option under ``conf/<group>/`` starts with ``defaults: [base_<group>, _self_]`` so that
+OmegaConf rejects unknown keys and wrong types at compose time. Range checks and cross-knob rules
+live in :mod:`vramsweep.config.rules` (OmegaConf does not run ``__post_init__`` on merge).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+# Allowed option names per group (the YAML files under conf/ must match these exactly).
+GROUP_OPTIONS: dict[str, tuple[str, ...]] = {
+    "quant": ("none", "nf4", "nf4_dq", "fp4", "int8"),
+    "adapter": ("lora", "rslora", "dora", "full"),
+    "optimizer": ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor"),
+    "attention": ("eager", "sdpa", "flash_attention_2"),
+    "kernels": ("none", "liger", "unsloth"),
+    "checkpointing": ("off", "on"),
+    "vocab": ("full", "sliced"),
+    "logger": ("wandb", "none"),
+    "hardware": (
+        "cpu",
+        "rtx4080_16gb",
+        "rtx4090_24gb",
+        "t4_16gb",
+        "a100_80gb",
+        "h100_80gb",
+        "h200_141gb",
+    ),
+}
+
+DTYPES = ("fp32", "bf16", "fp16")
+TRUNCATIONS = ("none", "head", "tail", "exp_decay")
+SCHEDULES = ("constant", "linear", "cosine", "constant_with_warmup")
+MODEL_SOURCES = ("embedded", "path", "arch")
+MODEL_FAMILIES = ("qwen3", "llama")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    source: str = "embedded"  # embedded | path | arch
+    path: Optional[str] = None  # local HF folder when source=path (never downloaded)
+    family: str = "qwen3"  # qwen3 | llama (architecture used for source=embedded/arch)
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = True
+    rope_theta: float = 1000000.0
+    rms_norm_eps: float = 1e-6
+    # Embedded model only: pre-training budget for the cached base model.
+    pretrain_steps: int = 400
+    pretrain_seq_len: int = 256
+    pretrain_batch: int = 8
+
+
+@dataclass
+class QuantConfig:
+    name: str = "none"
+    bits: int = 16  # 16 (none), 8 (int8 LLM.int8), 4 (nf4/fp4)
+    quant_type: Optional[str] = None  # nf4 | fp4 (4-bit only)
+    double_quant: bool = False  # quantise the absmax constants: 4.5 -> ~4.127 bits/param
+    compute_dtype: str = "bf16"  # dtype the 4-bit matmuls dequantise to
+    blocksize: int = 64  # bitsandbytes' fixed 4-bit block size (informational; used by the estimator)
+    skip_modules: list[str] = field(default_factory=lambda: ["lm_head"])
+
+
+@dataclass
+class AdapterConfig:
+    name: str = "lora"
+    method: str = "lora"  # lora | full
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: Any = "all-linear"  # "all-linear" or a list of module names
+    use_rslora: bool = False  # scaling alpha/sqrt(r) instead of alpha/r
+    use_dora: bool = False  # weight-decomposed LoRA: + one magnitude vector per adapted layer
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    impl: str = "torch_adamw"  # torch_adamw | bnb_adamw8bit | bnb_paged_adamw8bit | bnb_paged_adamw32bit | adafactor
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    min_8bit_size: int = 0  # bnb keeps tensors smaller than this in 32-bit state (bnb default 4096)
+
+
+@dataclass
+class AttentionConfig:
+    name: str = "sdpa"
+    implementation: str = "sdpa"  # passed as attn_implementation
+
+
+@dataclass
+class KernelsConfig:
+    name: str = "none"
+    liger: bool = False
+    unsloth: bool = False
+    liger_fused_linear_cross_entropy: bool = True
+    liger_rms_norm: bool = True
+    liger_swiglu: bool = True
+    liger_rope: bool = True
+
+
+@dataclass
+class CheckpointingConfig:
+    name: str = "off"
+    enabled: bool = False
+    use_reentrant: bool = False
+
+
+@dataclass
+class ContextConfig:
+    max_tokens: int = 512
+    truncation: str = "tail"  # none | head | tail | exp_decay
+    decay: float = 0.5  # exp_decay: each older section gets `decay` x the budget of the next newer one
+    min_tokens_per_section: int = 16  # exp_decay: floor below which an old section is dropped
+
+
+@dataclass
+class VocabConfig:
+    name: str = "full"
+    mode: str = "full"  # full | corpus | top_k
+    top_k: int = 0
+    reserve: int = 0
+    fallback: str = "error"  # error | unk: what to do with tokens outside the kept set
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"
+    source: str = "embedded"  # embedded | jsonl
+    path: Optional[str] = None  # JSONL file when source=jsonl
+    eval_path: Optional[str] = None
+    num_docs: int = 48  # synthetic training documents
+    num_eval_docs: int = 6
+    seed: int = 1234
+    instructions: str = "Write the next section of this grant report."
+
+
+@dataclass
+class HardwareConfig:
+    name: str = "cpu"
+    device: str = "cpu"  # cpu | cuda
+    memory_gib: float = 0.0  # nominal device memory; 0 = no budget
+    budget_gib: float = 0.0  # usable budget for trials (sweeps treat larger peaks as infeasible)
+    peak_bf16_flops: float = 0.0  # dense tensor FLOP/s for MFU; 0 = unknown (mfu null)
+    bandwidth_bytes_per_s: float = 0.0
+    overhead_bytes: int = 0  # CUDA context + allocator slack (estimator)
+    emulate_cap: bool = True  # on a larger GPU, cap this process at budget_gib
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 30  # optimizer steps
+    micro_batch: int = 2
+    grad_accum: int = 1
+    lr: float = 1e-3
+    schedule: str = "cosine"
+    warmup_steps: int = 2
+    max_grad_norm: float = 1.0
+    dtype: str = "bf16"  # fp32 | bf16 | fp16
+    seed: int = 0
+    eval_every: int = 0  # optimizer steps between intermediate evals (0 = only before/after)
+    eval_batches: int = 4
+    measure_warmup_steps: int = 2  # excluded from tokens/s
+    threads: int = 0  # torch CPU threads; 0 = torch default
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "none"
+    project: str = "vramsweep"
+    mode: str = "auto"  # auto (online if a key is set, else offline) | offline | online
+    dir: Optional[str] = None
+
+
+@dataclass
+class TrialConfig:
+    """The composed config of one trial (``conf/train.yaml``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    results_dir: str = "results"
+    name: Optional[str] = None  # run name; default derived from the overrides
+    sweep: Any = None  # sweep settings when composed with sweep=<name> (see sweeps/)
+
+
+_SCHEMAS = {
+    "model": ModelConfig,
+    "quant": QuantConfig,
+    "adapter": AdapterConfig,
+    "optimizer": OptimizerConfig,
+    "attention": AttentionConfig,
+    "kernels": KernelsConfig,
+    "checkpointing": CheckpointingConfig,
+    "context": ContextConfig,
+    "vocab": VocabConfig,
+    "data": DataConfig,
+    "hardware": HardwareConfig,
+    "train": TrainConfig,
+    "logger": LoggerConfig,
+}
+
+
+def register_configs() -> None:
+    """Register ``base_<group>`` schemas and the top-level ``trial_schema`` in Hydra's ConfigStore."""
+    cs = ConfigStore.instance()
+    for group, schema in _SCHEMAS.items():
+        cs.store(group=group, name=f"base_{group}", node=schema)
+    cs.store(name="trial_schema", node=TrialConfig)
