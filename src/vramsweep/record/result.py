@@ -1,0 +1,95 @@
+"""Trial result JSON (DESIGN.md §5): one file per trial, written atomically (temp + fsync + replace)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "oom", "unsupported", "diverged", "error", "infeasible_estimate", "pruned")
+METRIC_KEYS = (
+    "peak_memory_bytes",
+    "memory_kind",
+    "memory_breakdown_bytes",
+    "tokens_per_s",
+    "step_time_s",
+    "mfu",
+    "train_loss",
+    "initial_eval_loss",
+    "eval_loss",
+    "eval_ppl",
+    "task_score",
+)
+
+
+def empty_metrics() -> dict[str, Any]:
+    """Every metric key present, all null (never write a figure that was not measured)."""
+    return {k: None for k in METRIC_KEYS}
+
+
+def new_result(*, status: str = "ok", reason: str | None = None, sweep: str | None = None,
+               trial: int | None = None, overrides: list[str] | None = None,
+               config: dict | None = None) -> dict[str, Any]:
+    if status not in STATUSES:
+        raise ValueError(f"status={status!r} (allowed: {', '.join(STATUSES)})")
+    return {
+        "schema": SCHEMA_VERSION,
+        "status": status,
+        "reason": reason,
+        "sweep": sweep,
+        "trial": trial,
+        "overrides": list(overrides or []),
+        "config": config or {},
+        "metrics": empty_metrics(),
+        "estimate": None,
+        "meta": {},
+    }
+
+
+def _clean(obj: Any) -> Any:
+    """JSON has no NaN/inf: store them as null (the reason field says why)."""
+    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def atomic_write_json(path: str | os.PathLike, data: Any) -> Path:
+    """Write ``data`` as JSON to ``path`` atomically: a reader sees the old file or the new, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(_clean(data), fh, indent=2, sort_keys=False, allow_nan=False)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+    return path
+
+
+def load_result(path: str | os.PathLike) -> dict[str, Any]:
+    with open(path) as fh:
+        return json.load(fh)
