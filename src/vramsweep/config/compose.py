@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -43,20 +45,42 @@ def list_options(group: str) -> list[str]:
     return sorted(p.stem for p in d.glob("*.yaml"))
 
 
-def _translate_hydra_error(exc: Exception) -> ConfigError:
-    msg = str(exc).strip().splitlines()
-    text = " ".join(line.strip() for line in msg if line.strip())
-    # Unknown option in a group: "Could not find 'quant/nf5'" -> name the group's options.
-    import re
+def _schema_fields(dotted: str) -> list[str] | None:
+    """Known keys of the node that ``dotted`` would live in (for unknown-key messages)."""
+    import dataclasses
 
+    from vramsweep.config.schema import TrialConfig
+
+    node: Any = TrialConfig
+    for part in dotted.split(".")[:-1]:
+        fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+        if part not in fields:
+            return None
+        f = fields[part]
+        node = f.default_factory() if f.default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
+        if node is None or not dataclasses.is_dataclass(node):
+            return None
+    return sorted(f.name for f in dataclasses.fields(node))
+
+
+def _translate_hydra_error(exc: Exception) -> ConfigError:
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+    cause = exc.__cause__
+    cause_line = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
+    # Unknown option in a group: "Could not find 'quant/nf5'" -> name the group's options.
     m = re.search(r"Could not find '([\w/]+)/([\w.\-]+)'", text)
     if m:
         group, opt = m.group(1), m.group(2)
         return ConfigError(f"unknown option {group}={opt}", key=group, allowed=list_options(group))
     m = re.search(r"Could not override '([\w.]+)'", text)
     if m:
-        return ConfigError(f"bad override for '{m.group(1)}': {text}", key=m.group(1))
-    return ConfigError(f"invalid config: {text}")
+        key = m.group(1)
+        return ConfigError(f"unknown key '{key}' ({cause_line or text})", key=key, allowed=_schema_fields(key))
+    m = re.search(r"Error merging override ([\w.]+)=(.*)", text)
+    if m:
+        key = m.group(1)
+        return ConfigError(f"bad value for {key}={m.group(2)}: {cause_line}", key=key)
+    return ConfigError(f"invalid config: {text}" + (f": {cause_line}" if cause_line else ""))
 
 
 def compose(overrides: list[str] | tuple[str, ...] = (), *, validate_rules: bool = True) -> DictConfig:

@@ -58,7 +58,7 @@ class ModelConfig:
     rope_theta: float = 1000000.0
     rms_norm_eps: float = 1e-6
     # Embedded model only: pre-training budget for the cached base model.
-    pretrain_steps: int = 400
+    pretrain_steps: int = 150
     pretrain_seq_len: int = 256
     pretrain_batch: int = 8
 

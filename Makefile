@@ -1,0 +1,60 @@
+# vramsweep — every target sets itself up on a fresh machine (creates .venv and installs).
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export VRAMSWEEP_CACHE ?= $(CURDIR)/.cache/vramsweep
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export WANDB_MODE ?= offline
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: help install demo test test-fast test-slow lint format bench clean unsloth gpu-smoke
+
+help: ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@command -v $(PY) >/dev/null || { echo "need $(PY)"; exit 1; }
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP) ## create .venv and install vramsweep + dev tools
+
+demo: $(STAMP) ## the main job: a real demo sweep on the embedded tiny model (CPU), then its report
+	$(BIN)/vramsweep train -m sweep=demo
+	$(BIN)/vramsweep report results/sweeps/demo
+
+lint: $(STAMP) ## ruff lint + format check
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+format: $(STAMP) ## ruff autofix + format
+	$(BIN)/ruff check --fix src tests bench
+	$(BIN)/ruff format src tests bench
+
+test: $(STAMP) lint ## lint + the test suite (fast tests, then slow ones)
+	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m slow
+
+test-fast: $(STAMP) ## the fast suite only
+	$(BIN)/pytest -q
+
+test-slow: $(STAMP) ## slow end-to-end tests only
+	$(BIN)/pytest -q -m slow
+
+bench: $(STAMP) ## overhead + sweep-efficiency benchmarks (prints measured ratios)
+	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/sweep_efficiency.py
+
+unsloth: $(STAMP) ## optional: install unsloth without its CUDA-pulling pins
+	$(BIN)/pip install -q --no-deps unsloth==2026.10.9 unsloth_zoo==2026.10.9
+
+gpu-smoke: $(STAMP) ## on a CUDA machine: the one-shot GPU smoke sweep
+	bash scripts/gpu_smoke.sh
+
+clean: ## remove the venv, caches and results
+	rm -rf $(VENV) .cache results wandb .pytest_cache .ruff_cache

@@ -1,0 +1,215 @@
+"""Build the trial model: source -> quantisation -> attention -> kernels -> vocab -> checkpointing -> adapter.
+
+Every knob changes what is built (and :attr:`Built.notes` records what was applied):
+
+* ``quant``: a ``BitsAndBytesConfig`` passed to ``from_pretrained`` -> ``bnb.nn.Linear4bit`` /
+  ``Linear8bitLt`` layers (lm_head and embeddings stay in the compute dtype).
+* ``attention``: ``attn_implementation``.
+* ``kernels``: Liger patches before loading, or Unsloth's ``FastLanguageModel`` (see ``kernels.py``).
+* ``checkpointing``: ``gradient_checkpointing_enable`` (non-reentrant by default).
+* ``adapter``: PEFT ``LoraConfig`` (``use_rslora``, ``use_dora``) or every weight trainable (full).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+DTYPE_MAP = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return DTYPE_MAP[name]
+
+
+@dataclass
+class Built:
+    model: torch.nn.Module
+    tokenizer: Any
+    device: torch.device
+    notes: dict = field(default_factory=dict)
+    id_map: Any = None  # vocab slicing IdMap when vocab.mode != full
+
+
+def cache_root() -> Path:
+    """Local cache for built artefacts (embedded model, arch weights): ``VRAMSWEEP_CACHE`` or ~/.cache."""
+    env = os.environ.get("VRAMSWEEP_CACHE")
+    root = Path(env) if env else Path.home() / ".cache" / "vramsweep"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def hf_config(mcfg: DictConfig):
+    """A transformers config from the model group's dims (source=embedded|arch)."""
+    common = dict(
+        vocab_size=int(mcfg.vocab_size),
+        hidden_size=int(mcfg.hidden_size),
+        intermediate_size=int(mcfg.intermediate_size),
+        num_hidden_layers=int(mcfg.num_layers),
+        num_attention_heads=int(mcfg.num_heads),
+        num_key_value_heads=int(mcfg.num_kv_heads),
+        head_dim=int(mcfg.head_dim),
+        max_position_embeddings=int(mcfg.max_position_embeddings),
+        tie_word_embeddings=bool(mcfg.tie_word_embeddings),
+        rms_norm_eps=float(mcfg.rms_norm_eps),
+        use_cache=False,
+    )
+    if mcfg.family == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(rope_theta=float(mcfg.rope_theta), **common)
+    from transformers import LlamaConfig
+
+    return LlamaConfig(rope_theta=float(mcfg.rope_theta), **common)
+
+
+def bnb_config(cfg: DictConfig):
+    """``BitsAndBytesConfig`` for ``cfg.quant`` (None for 16-bit)."""
+    q = cfg.quant
+    if q.bits == 16:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if q.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=list(q.skip_modules))
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.quant_type,
+        bnb_4bit_use_double_quant=bool(q.double_quant),
+        bnb_4bit_compute_dtype=torch_dtype(q.compute_dtype),
+        llm_int8_skip_modules=list(q.skip_modules),
+    )
+
+
+def _arch_weights_dir(cfg: DictConfig) -> Path:
+    """Random-init weights for an architecture-only model, saved once so quantised loading works."""
+    from transformers import AutoModelForCausalLM
+
+    mcfg = cfg.model
+    key = hashlib.sha256(json.dumps({k: mcfg[k] for k in sorted(mcfg) if k != "name"}, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    out = cache_root() / "arch" / f"{mcfg.name}-{cfg.train.dtype}-{key}"
+    if (out / "COMPLETE").exists():
+        return out
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(mcfg), dtype=torch_dtype(cfg.train.dtype))
+    model.save_pretrained(out)
+    (out / "COMPLETE").write_text("ok\n")
+    return out
+
+
+def model_source(cfg: DictConfig) -> tuple[Path | None, Any]:
+    """(weights dir, tokenizer) for the configured source; the embedded model is built/cached on demand."""
+    src = cfg.model.source
+    if src == "embedded":
+        from vramsweep.embedded import ensure_embedded
+
+        path = ensure_embedded(cfg.model)
+    elif src == "path":
+        path = Path(str(cfg.model.path))
+    else:
+        path = None
+    tokenizer = None
+    if path is not None and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return path, tokenizer
+
+
+def count_quantised_layers(model: torch.nn.Module) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for mod in model.modules():
+        name = type(mod).__name__
+        if name in ("Linear4bit", "Linear8bitLt"):
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def build_model(cfg: DictConfig, *, keep_ids: list[int] | None = None) -> Built:
+    """Build the model for one trial. ``keep_ids``: vocabulary rows to keep when ``vocab`` slices."""
+    from vramsweep.build import kernels
+
+    device = torch.device("cuda" if cfg.hardware.device == "cuda" else "cpu")
+    dtype = torch_dtype(cfg.train.dtype)
+    notes: dict[str, Any] = {"device": str(device), "dtype": cfg.train.dtype}
+    path, tokenizer = model_source(cfg)
+    if path is None and cfg.model.source == "arch" and cfg.quant.bits != 16:
+        path = _arch_weights_dir(cfg)
+
+    if cfg.kernels.unsloth:
+        model, tok = kernels.load_with_unsloth(cfg, path)
+        notes["kernels"] = "unsloth.FastLanguageModel"
+        return Built(model=model, tokenizer=tok or tokenizer, device=device, notes=notes)
+
+    if cfg.kernels.liger:
+        notes["kernels"] = kernels.apply_liger(cfg)
+    else:
+        notes["kernels"] = "none"
+
+    from transformers import AutoModelForCausalLM
+
+    load_kw: dict[str, Any] = dict(dtype=dtype, attn_implementation=cfg.attention.implementation)
+    qconf = bnb_config(cfg)
+    if path is None:
+        torch.manual_seed(int(cfg.train.seed))
+        model = AutoModelForCausalLM.from_config(hf_config(cfg.model), **load_kw)
+    else:
+        if qconf is not None:
+            load_kw["quantization_config"] = qconf
+        if device.type == "cuda":
+            load_kw["device_map"] = {"": torch.cuda.current_device()}
+        model = AutoModelForCausalLM.from_pretrained(str(path), **load_kw)
+    if device.type == "cuda" and qconf is None:
+        model.to(device)
+    model.config.use_cache = False
+    notes["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+    notes["quantised_layers"] = count_quantised_layers(model)
+
+    id_map = None
+    if cfg.vocab.mode != "full":
+        from vramsweep.build.vocab import slice_model_and_tokenizer
+
+        if keep_ids is None:
+            raise ValueError("vocab slicing needs keep_ids from the training corpus")
+        old_v = model.get_input_embeddings().weight.shape[0]
+        model, tokenizer, id_map = slice_model_and_tokenizer(model, tokenizer, keep_ids)
+        notes["vocab"] = {"original": int(old_v), "kept": int(model.get_input_embeddings().weight.shape[0])}
+
+    if cfg.checkpointing.enabled:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": bool(cfg.checkpointing.use_reentrant)})
+        if cfg.checkpointing.use_reentrant:
+            model.enable_input_require_grads()
+        notes["gradient_checkpointing"] = True
+    else:
+        notes["gradient_checkpointing"] = False
+
+    a = cfg.adapter
+    if a.method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        targets = a.targets if isinstance(a.targets, str) else list(a.targets)
+        lcfg = LoraConfig(
+            r=int(a.r), lora_alpha=float(a.alpha), lora_dropout=float(a.dropout), target_modules=targets,
+            use_rslora=bool(a.use_rslora), use_dora=bool(a.use_dora), task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lcfg)
+        if device.type == "cuda":
+            model.to(device)
+        notes["adapter"] = {"type": "lora", "rslora": bool(a.use_rslora), "dora": bool(a.use_dora)}
+    else:
+        for p in model.parameters():
+            p.requires_grad_(True)
+        notes["adapter"] = {"type": "full"}
+    if cfg.kernels.liger:
+        notes["kernels_instance"] = kernels.apply_liger_to_instance(cfg, model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    notes["trainable_params"] = int(trainable)
+    notes["total_params"] = int(sum(p.numel() for p in model.parameters()))
+    return Built(model=model, tokenizer=tokenizer, device=device, notes=notes, id_map=id_map)

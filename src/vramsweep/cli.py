@@ -1,0 +1,158 @@
+"""``vramsweep`` command line: train | estimate | report | pick.
+
+Overrides are ordinary Hydra overrides (``quant=nf4 adapter.r=64``). Bad input exits 2 with a message
+naming the override and the allowed values, and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+EPILOG_TRAIN = """\
+config groups (choose with <group>=<option>):
+{groups}
+
+examples:
+  vramsweep train                                   # one trial, embedded tiny model (CPU)
+  vramsweep train quant=nf4_dq adapter=rslora optimizer=adamw_8bit checkpointing=on
+  vramsweep train model=local model.path=/models/Qwen3-8B hardware=rtx4080_16gb quant=nf4_dq
+  vramsweep train -m sweep=demo                     # a sweep (our Optuna sweeper)
+  vramsweep train --cfg quant=nf4                   # print the composed config, run nothing
+"""
+
+
+def _groups_text() -> str:
+    from vramsweep.config.compose import list_options
+
+    lines = []
+    for g in ("model", "quant", "adapter", "optimizer", "attention", "kernels", "checkpointing", "context",
+              "vocab", "data", "hardware", "train", "logger", "sweep", "experiment"):
+        opts = list_options(g)
+        lines.append(f"  {g:<14} {', '.join(opts) if opts else '(none yet)'}")
+    return "\n".join(lines)
+
+
+def _err(msg: str) -> int:
+    print(f"vramsweep: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    if args.multirun:
+        try:
+            from vramsweep.sweeper import run_multirun
+        except ImportError as exc:
+            return _err(f"the sweeper is not available: {exc}")
+        return run_multirun(overrides)
+    from vramsweep.config import ConfigError, compose
+
+    try:
+        cfg = compose(overrides, validate_rules=True)
+    except ConfigError as exc:
+        return _err(str(exc))
+    if args.cfg:
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(cfg))
+        return 0
+    from vramsweep.trial import default_result_path, run_trial
+
+    path = default_result_path(cfg, overrides)
+    res = run_trial(cfg, result_path=path, overrides=overrides)
+    m = res["metrics"]
+
+    def f(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+
+    print(f"status: {res['status']}" + (f" ({res['reason']})" if res.get("reason") else ""))
+    peak = m.get("peak_memory_bytes")
+    print(f"peak memory: {f(peak / 2**20 if peak else None, '.1f')} MiB ({m.get('memory_kind')})")
+    bd = m.get("memory_breakdown_bytes") or {}
+    if bd:
+        print("  breakdown: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in bd.items()))
+    print(f"tokens/s: {f(m.get('tokens_per_s'), '.1f')}   step time: {f(m.get('step_time_s'), '.3f')} s   mfu: {f(m.get('mfu'), '.3f')}")
+    print(f"eval loss: {f(m.get('initial_eval_loss'), '.4f')} -> {f(m.get('eval_loss'), '.4f')}   ppl: {f(m.get('eval_ppl'), '.2f')}   task score: {f(m.get('task_score'), '.3f')}")
+    est = res.get("estimate") or {}
+    if est.get("peak_memory_bytes"):
+        print(f"estimate: {est['peak_memory_bytes'] / 2**20:.1f} MiB")
+    print(f"result: {path}")
+    return 0 if res["status"] in ("ok",) else 1
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    try:
+        from vramsweep.estimate import run_calibrate, run_estimate
+    except ImportError as exc:
+        return _err(f"the estimator is not available: {exc}")
+    if args.calibrate:
+        return run_calibrate(args.calibrate)
+    return run_estimate(list(args.overrides), as_json=args.json)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    try:
+        from vramsweep.report import run_report
+    except ImportError as exc:
+        return _err(f"reports are not available: {exc}")
+    return run_report(args.target, study=args.study, out_dir=args.out, wandb=args.wandb)
+
+
+def cmd_pick(args: argparse.Namespace) -> int:
+    try:
+        from vramsweep.report import run_pick
+    except ImportError as exc:
+        return _err(f"pick is not available: {exc}")
+    return run_pick(args.target, budget_gib=args.budget_gib, min_tokens_per_s=args.min_tokens_per_s,
+                    prefer=args.prefer, headroom_gib=args.headroom_gib, name=args.name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vramsweep", description="Ablation sweeps for memory-bounded LLM fine-tuning.")
+    sub = p.add_subparsers(dest="command", metavar="{train,estimate,report,pick}")
+    t = sub.add_parser("train", help="run one trial (or a sweep with -m)", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=EPILOG_TRAIN.format(groups=_groups_text()))
+    t.add_argument("-m", "--multirun", action="store_true", help="run a sweep (use with sweep=<name>)")
+    t.add_argument("--cfg", action="store_true", help="print the composed config and exit")
+    t.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. quant=nf4 adapter.r=64")
+    t.set_defaults(func=cmd_train)
+    e = sub.add_parser("estimate", help="predict peak memory and its breakdown (no weights needed)")
+    e.add_argument("--json", action="store_true", help="print a JSON object")
+    e.add_argument("--calibrate", metavar="SWEEP_DIR", help="fit activation constants from a sweep's measured trials")
+    e.add_argument("overrides", nargs="*")
+    e.set_defaults(func=cmd_estimate)
+    r = sub.add_parser("report", help="ablation tables, Pareto front, importances for a sweep")
+    r.add_argument("target", help="sweep folder, or a storage URL (with --study)")
+    r.add_argument("--study", help="study name when target is a storage URL")
+    r.add_argument("--out", help="output folder (default: the sweep folder)")
+    r.add_argument("--wandb", action="store_true", help="also log a sweep-summary W&B run")
+    r.set_defaults(func=cmd_report)
+    k = sub.add_parser("pick", help="write a pinned production config that fits a memory budget")
+    k.add_argument("target", help="sweep folder")
+    k.add_argument("--budget-gib", type=float, required=True)
+    k.add_argument("--min-tokens-per-s", type=float, default=None)
+    k.add_argument("--prefer", choices=("quality", "speed"), default="quality")
+    k.add_argument("--headroom-gib", type=float, default=0.0)
+    k.add_argument("--name", default=None, help="experiment name (conf/experiment/<name>.yaml)")
+    k.set_defaults(func=cmd_pick)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,490 @@
+"""One trial: build -> data -> train N optimizer steps -> measure -> record.
+
+The engine is a minimal PEFT loop (forward, backward, clip, optimizer step, scheduler) rather than
+TRL's SFTTrainer, which reached only ~0.5x its tokens/s on our CPUs (it also computes token accuracy
+and entropy from the full logits every step); see ``bench/overhead.py``. Libraries still do what they
+do well: optimizers by name (torch/bitsandbytes/transformers), schedules (``transformers.get_scheduler``),
+gradient checkpointing (``gradient_checkpointing_enable``), adapters (PEFT) and tracking (W&B).
+
+Failures never raise out of :func:`run_trial`: they become statuses (DESIGN.md §5) with a reason, and
+whatever was measured before the failure is kept.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import random
+import time
+import traceback
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from vramsweep.config.compose import ConfigError
+from vramsweep.record.result import atomic_write_json, new_result
+
+Reporter = Callable[[int, float], bool]
+
+
+class Diverged(RuntimeError):
+    pass
+
+
+class Pruned(RuntimeError):
+    pass
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def _fault(kind: str, step: int) -> None:
+    """Test hook: ``VRAMSWEEP_FAULT=oom@1`` / ``nan@2`` / ``error@0`` injects a failure at a step."""
+    spec = os.environ.get("VRAMSWEEP_FAULT", "")
+    if not spec or "@" not in spec:
+        return
+    what, at = spec.split("@", 1)
+    if what == kind and int(at) == step:
+        import torch
+
+        if kind == "oom":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected by VRAMSWEEP_FAULT)")
+        if kind == "error":
+            raise RuntimeError("injected error (VRAMSWEEP_FAULT)")
+
+
+def run_name(overrides: list[str] | tuple[str, ...]) -> str:
+    if not overrides:
+        return "default"
+    keep = [o.replace("/", "_").replace("=", "-").replace(",", "_") for o in overrides]
+    name = "_".join(keep)
+    return name[:120]
+
+
+def default_result_path(cfg: DictConfig, overrides) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    return Path(str(cfg.results_dir)) / "runs" / f"{stamp}_{run_name(overrides)}" / "result.json"
+
+
+def collect_meta(cfg: DictConfig) -> dict[str, Any]:
+    import platform
+    import subprocess
+
+    import torch
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("transformers", "peft", "bitsandbytes", "optuna", "hydra", "omegaconf", "wandb", "liger_kernel", "unsloth"):
+        try:
+            m = __import__(mod)
+            versions[mod] = getattr(m, "__version__", "?")
+        except Exception:
+            continue
+    try:
+        from vramsweep.config.compose import repo_root
+
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo_root(), capture_output=True, text=True, timeout=5).stdout.strip() or None
+    except Exception:
+        sha = None
+    if cfg.hardware.device == "cuda" and torch.cuda.is_available():
+        device = torch.cuda.get_device_name(0)
+    else:
+        device = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()})"
+    return {
+        "device": device,
+        "hardware_profile": cfg.hardware.name,
+        "versions": versions,
+        "git_sha": sha,
+        "seed": int(cfg.train.seed),
+        "hostname": platform.node(),
+        "pid": os.getpid(),
+        "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# data helpers
+
+
+def _random_token_data(cfg: DictConfig):
+    """Architecture-only models have no tokenizer: random token sequences of exactly max_tokens."""
+    import torch
+
+    from vramsweep.data.examples import Example
+
+    g = torch.Generator().manual_seed(int(cfg.data.seed))
+    n = max(8, int(cfg.train.micro_batch) * 2)
+    L = int(cfg.context.max_tokens)
+    V = int(cfg.model.vocab_size)
+
+    def mk(i: int) -> Example:
+        ids = torch.randint(3, V, (L,), generator=g).tolist()
+        return Example(input_ids=ids, labels=list(ids), doc_id=f"random-{i}", target_section=0, n_context_tokens=0, fact_spans=[])
+
+    from vramsweep.data_prep import TrialData
+
+    return TrialData(train=[mk(i) for i in range(n)], eval=[mk(n + i) for i in range(4)], pad_id=0,
+                     stats={"random_tokens": True})
+
+
+def _batches(examples: list, batch_size: int, count: int, seed: int) -> list[list]:
+    """``count`` micro-batches cycling through a seeded shuffle; the two longest go first (fail fast:
+    an OOM shows on step 0, and the tracked warm-up steps see the worst case)."""
+    rng = random.Random(seed)
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    out: list[list] = []
+    pos = 0
+    while len(out) < count:
+        batch = []
+        for _ in range(batch_size):
+            if pos % len(order) == 0 and pos:
+                rng.shuffle(order)
+            batch.append(examples[order[pos % len(order)]])
+            pos += 1
+        out.append(batch)
+    lengths = [max(len(e.input_ids) for e in b) for b in out]
+    ranked = sorted(range(len(out)), key=lambda i: (-lengths[i], i))
+    first = ranked[: min(2, len(out))]
+    rest = [i for i in range(len(out)) if i not in first]
+    return [out[i] for i in first + rest]
+
+
+def _eval_subset(examples: list, n: int) -> list:
+    if len(examples) <= n:
+        return list(examples)
+    step = len(examples) / n
+    return [examples[int(i * step)] for i in range(n)]
+
+
+# --------------------------------------------------------------------------------------------------
+# the loop
+
+
+def evaluate(model, batches: list[dict], device) -> tuple[float, float | None, int]:
+    """Held-out mean loss over target tokens, and the task score (teacher-forced exact match of the
+    fact values the target repeats from earlier sections; None when no spans)."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    total, count, hits, spans = 0.0, 0, 0, 0
+    with torch.no_grad():
+        for b in batches:
+            ids = b["input_ids"].to(device)
+            logits = model(input_ids=ids, attention_mask=b["attention_mask"].to(device)).logits.float()
+            labels = b["labels"].to(device)
+            shift_logits = logits[:, :-1]
+            shift_labels = labels[:, 1:]
+            loss = torch.nn.functional.cross_entropy(
+                shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100, reduction="sum"
+            )
+            total += float(loss)
+            count += int((shift_labels != -100).sum())
+            pred = logits.argmax(-1)
+            for row, fact_spans in enumerate(b["fact_spans"]):
+                for s, e in fact_spans:
+                    if s < 1 or e > ids.shape[1]:
+                        continue
+                    spans += 1
+                    hits += int(bool((pred[row, s - 1 : e - 1] == ids[row, s:e]).all()))
+    if was_training:
+        model.train()
+    return total / max(count, 1), (hits / spans if spans else None), spans
+
+
+def _collate(examples: list, pad_id: int) -> dict:
+    from vramsweep.data.examples import collate
+
+    b = collate(examples, pad_id)
+    b["fact_spans"] = [list(e.fact_spans) for e in examples]
+    return b
+
+
+def _mfu(cfg: DictConfig, notes: dict, tokens_per_s: float | None, mean_seq: float) -> float | None:
+    peak = float(cfg.hardware.peak_bf16_flops)
+    if not tokens_per_s or peak <= 0 or cfg.hardware.device != "cuda":
+        return None
+    total = notes.get("total_params", 0)
+    trainable = notes.get("trainable_params", 0)
+    frozen = total - trainable
+    per_token = 4 * frozen + 6 * trainable  # forward 2P + input-grad 2P (+ weight-grad 2P if trainable)
+    if cfg.checkpointing.enabled:
+        per_token += 2 * total  # recomputed forward
+    L, h = int(cfg.model.num_layers), int(cfg.model.num_heads) * int(cfg.model.head_dim)
+    per_token += 12 * L * h * mean_seq
+    return per_token * tokens_per_s / peak
+
+
+def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> None:
+    import torch
+
+    from vramsweep.build import build_model, build_optimizer, build_scheduler
+    from vramsweep.build.model import model_source
+    from vramsweep.data_prep import EVAL_BATCH, build_trial_data
+    from vramsweep.measure import TensorMemoryTracker
+    from vramsweep.measure.cpu import model_state_tensors, optimizer_state_tensors, tensor_bytes
+
+    m = result["metrics"]
+    t = cfg.train
+    if int(t.threads) > 0:
+        torch.set_num_threads(int(t.threads))
+    random.seed(int(t.seed))
+    torch.manual_seed(int(t.seed))
+
+    cuda_mon = None
+    if cfg.hardware.device == "cuda":
+        from vramsweep.measure.cuda import CudaMemoryMonitor
+
+        cuda_mon = CudaMemoryMonitor(cfg)
+        cuda_mon.start()
+        result["meta"]["cuda"] = cuda_mon.meta()
+
+    _, tokenizer = model_source(cfg)
+    data = build_trial_data(cfg, tokenizer) if tokenizer is not None else _random_token_data(cfg)
+    keep_ids = None
+    if cfg.vocab.mode != "full":
+        from vramsweep.build.vocab import kept_ids
+
+        keep_ids = kept_ids(tokenizer, data.corpus_texts, mode=str(cfg.vocab.mode), top_k=int(cfg.vocab.top_k), reserve=int(cfg.vocab.reserve))
+    built = build_model(cfg, keep_ids=keep_ids)
+    model, device = built.model, built.device
+    result["meta"]["build"] = built.notes
+    result["meta"]["data"] = data.stats
+    pad_id = data.pad_id
+    if built.id_map is not None:
+        from vramsweep.build.vocab import remap_examples
+
+        fallback = str(cfg.vocab.fallback)
+        data.train = remap_examples(data.train, built.id_map, fallback=fallback)
+        data.eval = remap_examples(data.eval, built.id_map, fallback=fallback)
+        pad_id = int(built.id_map.encode([pad_id])[0])
+
+    ga, mb = int(t.grad_accum), int(t.micro_batch)
+    micro = _batches(data.train, mb, int(t.steps) * ga, int(t.seed))
+    eval_batches = [
+        _collate(chunk, pad_id)
+        for chunk in (lambda ex: [ex[i : i + EVAL_BATCH] for i in range(0, len(ex), EVAL_BATCH)])(
+            _eval_subset(data.eval, int(t.eval_batches) * EVAL_BATCH)
+        )
+    ]
+
+    t_eval = time.perf_counter()
+    init_loss, init_task, _ = evaluate(model, eval_batches, device)
+    m["initial_eval_loss"] = init_loss
+    m["initial_task_score"] = init_task
+    eval_s = time.perf_counter() - t_eval
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer, opt_notes = build_optimizer(cfg, params)
+    scheduler = build_scheduler(cfg, optimizer)
+    result["meta"]["optimizer"] = opt_notes
+    model.train()
+
+    warm = int(t.measure_warmup_steps)
+    tracker = TensorMemoryTracker(model, optimizer) if device.type == "cpu" else None
+    tokens = pad_tokens = target_tokens = 0
+    losses: list[float] = []
+    grad_bytes = 0
+    intermediate: list[dict] = []
+    m["intermediate_eval"] = intermediate
+    t_measure = None
+    eval_in_measure = 0.0
+    seq_sum = seq_n = 0
+    for step in range(int(t.steps)):
+        if step == warm:
+            if tracker is not None:
+                tracker.close()
+                m["peak_memory_bytes"] = int(tracker.peak_bytes)
+                m["memory_kind"] = "cpu_tracked"
+                m["memory_breakdown_bytes"] = tracker.breakdown()
+                tracker = None
+            t_measure = time.perf_counter()
+        ctx = tracker if tracker is not None else _null()
+        with ctx:
+            step_loss = 0.0
+            for k in range(ga):
+                _fault("oom", step)
+                _fault("error", step)
+                batch = _collate(micro[step * ga + k], pad_id)
+                ids = batch["input_ids"].to(device)
+                out = model(input_ids=ids, attention_mask=batch["attention_mask"].to(device), labels=batch["labels"].to(device))
+                loss = out.loss / ga
+                if os.environ.get("VRAMSWEEP_FAULT") == f"nan@{step}":
+                    loss = loss * float("nan")
+                loss.backward()
+                step_loss += float(loss.detach())
+                if step >= warm:
+                    n_tok = int(batch["attention_mask"].sum())
+                    tokens += n_tok
+                    pad_tokens += int(batch["attention_mask"].numel()) - n_tok
+                    target_tokens += int((batch["labels"] != -100).sum())
+                    seq_sum += n_tok
+                    seq_n += ids.shape[0]
+                del out, loss
+            if step == 0:
+                grad_bytes = tensor_bytes(p.grad for p in params if p.grad is not None)
+            if not math.isfinite(step_loss):
+                raise Diverged(f"train loss is {step_loss} at optimizer step {step}")
+            if float(t.max_grad_norm) > 0:
+                torch.nn.utils.clip_grad_norm_(params, float(t.max_grad_norm))
+            if tracker is not None:
+                with tracker.optimizer_phase():
+                    optimizer.step()
+            else:
+                optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+        if logger is not None:
+            logger.log({"train/loss": step_loss, "train/lr": scheduler.get_last_lr()[0]}, step=step + 1)
+        ee = int(t.eval_every)
+        if ee and (step + 1) % ee == 0 and step + 1 < int(t.steps):
+            te = time.perf_counter()
+            ev, task, _ = evaluate(model, eval_batches, device)
+            eval_in_measure += time.perf_counter() - te if step >= warm else 0.0
+            intermediate.append({"step": step + 1, "eval_loss": ev, "task_score": task})
+            m["eval_loss"] = ev
+            m["eval_ppl"] = math.exp(min(ev, 50.0))
+            if logger is not None:
+                logger.log({"eval/loss": ev}, step=step + 1)
+            if not math.isfinite(ev):
+                raise Diverged(f"eval loss is {ev} at optimizer step {step + 1}")
+            if reporter is not None and reporter(step + 1, ev):
+                raise Pruned(f"pruned by the sweeper after {step + 1} steps (eval_loss {ev:.4f})")
+        if step >= warm or step == 0:
+            m["train_loss"] = sum(losses[-5:]) / len(losses[-5:])
+    if tracker is not None:  # steps <= warm-up: keep the tracked peak anyway
+        tracker.close()
+        m["peak_memory_bytes"] = int(tracker.peak_bytes)
+        m["memory_kind"] = "cpu_tracked"
+        m["memory_breakdown_bytes"] = tracker.breakdown()
+    measured_s = (time.perf_counter() - t_measure - eval_in_measure) if t_measure is not None else None
+    measured_steps = int(t.steps) - warm
+    if measured_s and measured_steps > 0:
+        m["tokens_per_s"] = tokens / measured_s
+        m["step_time_s"] = measured_s / measured_steps
+        m["measured_steps"] = measured_steps
+        m["tokens_trained"] = tokens
+        m["padding_tokens"] = pad_tokens
+        m["target_tokens"] = target_tokens
+        m["mfu"] = _mfu(cfg, built.notes, m["tokens_per_s"], seq_sum / max(seq_n, 1))
+    m["state_bytes"] = {
+        "params": tensor_bytes(model_state_tensors(model)),
+        "grads": grad_bytes,
+        "optimizer": tensor_bytes(optimizer_state_tensors(optimizer)),
+    }
+    if cuda_mon is not None:
+        cuda_mon.stop()
+        m.update(cuda_mon.metrics(m["state_bytes"]))
+        result["meta"]["cuda"] = cuda_mon.meta()
+
+    te = time.perf_counter()
+    final, task, n_spans = evaluate(model, eval_batches, device)
+    eval_s += time.perf_counter() - te
+    m["eval_loss"] = final
+    m["eval_ppl"] = math.exp(min(final, 50.0))
+    m["task_score"] = task
+    m["task_spans"] = n_spans
+    result["meta"]["eval_s"] = round(eval_s, 3)
+    if not math.isfinite(final):
+        raise Diverged(f"final eval loss is {final}")
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def run_trial(
+    cfg: DictConfig,
+    *,
+    result_path: str | os.PathLike | None = None,
+    sweep: str | None = None,
+    trial: int | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    reporter: Reporter | None = None,
+    design: dict | None = None,
+) -> dict:
+    """Run one trial and return its result dict (also written atomically to ``result_path``)."""
+    from vramsweep.config.rules import UnsupportedError, validate
+
+    started = datetime.now(UTC)
+    t0 = time.perf_counter()
+    result = new_result(sweep=sweep, trial=trial, overrides=list(overrides),
+                        config=OmegaConf.to_container(cfg, resolve=True))
+    result["meta"] = collect_meta(cfg)
+    result["meta"]["started"] = started.isoformat()
+    if design is not None:
+        result["meta"]["design"] = design
+    try:
+        from vramsweep.estimate import estimate
+
+        result["estimate"] = estimate(cfg)
+    except Exception as exc:  # the estimator must never cost a measurement
+        result["estimate"] = None
+        result["meta"]["estimate_error"] = f"{type(exc).__name__}: {exc}"
+
+    logger = None
+    status, reason, oom = "ok", None, False
+    try:
+        validate(cfg)
+        from vramsweep.record.wandb_logger import start_logger
+
+        logger = start_logger(cfg, name=run_name(overrides) if trial is None else f"{sweep}-{trial:04d}",
+                              group=sweep, result=result)
+        _train(cfg, result, reporter, logger)
+    except UnsupportedError as exc:
+        status, reason = "unsupported", str(exc)
+    except ConfigError as exc:
+        status, reason = "error", f"config: {exc}"
+    except Diverged as exc:
+        status, reason = "diverged", str(exc)
+    except Pruned as exc:
+        status, reason = "pruned", str(exc)
+    except BaseException as exc:  # noqa: BLE001 - failures are data
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        if _is_oom(exc):
+            status, reason, oom = "oom", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}", True
+        else:
+            status, reason = "error", f"{type(exc).__name__}: {str(exc)[:500]}"
+            result["meta"]["traceback"] = traceback.format_exc()[-4000:]
+    # Recover memory outside the except block (a live traceback pins the tensors).
+    gc.collect()
+    if oom:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except Exception:
+            pass
+    result["status"], result["reason"] = status, reason
+    result["meta"]["wall_s"] = round(time.perf_counter() - t0, 3)
+    result["meta"]["finished"] = datetime.now(UTC).isoformat()
+    if logger is not None:
+        logger.finish(result)
+    if result_path is not None:
+        atomic_write_json(result_path, result)
+        result["meta"]["result_path"] = str(result_path)
+    return result
+
+
+def run_trial_overrides(overrides: list[str] | tuple[str, ...] = (), **kw: Any) -> dict:
+    """Compose + validate (ConfigError propagates), then :func:`run_trial`."""
+    from vramsweep.config import compose
+
+    cfg = compose(list(overrides), validate_rules=True)
+    return run_trial(cfg, overrides=list(overrides), **kw)

@@ -1,0 +1,44 @@
+"""Shared fixtures: one cached embedded model per session, isolated results folders, no network."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("VRAMSWEEP_CACHE", str(ROOT / ".cache" / "vramsweep"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+# Small, fast trial settings shared by tests that run real trials on the embedded model.
+FAST = [
+    "train.steps=4",
+    "train.measure_warmup_steps=2",
+    "train.eval_batches=1",
+    "train.warmup_steps=0",
+    "data.num_docs=4",
+    "data.num_eval_docs=1",
+    "context.max_tokens=128",
+]
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir() -> Path:
+    """Build (or reuse) the cached embedded model once per session."""
+    from vramsweep.config import compose
+    from vramsweep.embedded import ensure_embedded
+
+    cfg = compose([])
+    return ensure_embedded(cfg.model, progress=False)
+
+
+@pytest.fixture()
+def results_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "results"
+    return d

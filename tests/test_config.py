@@ -1,0 +1,142 @@
+"""Composition of every shipped config, and the rules: each bad input exits 2, names the override and
+the allowed values, and writes nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vramsweep.cli import main
+from vramsweep.config import ConfigError, compose
+from vramsweep.config.compose import conf_dir, list_options
+from vramsweep.config.rules import UnsupportedError
+from vramsweep.config.schema import GROUP_OPTIONS
+
+GROUPS = ["model", "quant", "adapter", "optimizer", "attention", "kernels", "checkpointing", "context",
+          "vocab", "data", "hardware", "train", "logger"]
+
+
+def test_defaults_compose_and_validate():
+    cfg = compose([])
+    assert cfg.model.source == "embedded"
+    assert cfg.quant.bits == 16 and cfg.adapter.method == "lora"
+    assert cfg.adapter.targets == "all-linear"
+
+
+@pytest.mark.parametrize("group", sorted(GROUP_OPTIONS))
+def test_group_options_match_schema(group):
+    assert set(list_options(group)) == set(GROUP_OPTIONS[group])
+
+
+def _all_options():
+    for g in GROUPS:
+        for opt in list_options(g):
+            yield g, opt
+
+
+@pytest.mark.parametrize(("group", "option"), list(_all_options()))
+def test_every_option_composes(group, option):
+    over = [f"{group}={option}"]
+    if group == "model" and option == "local":
+        over.append(f"model.path={conf_dir()}")  # any folder; the rules then ask for config.json
+    if group == "data" and option == "jsonl":
+        over.append("data.path=/nonexistent.jsonl")
+    cfg = compose(over, validate_rules=False)
+    if group in GROUP_OPTIONS:
+        assert cfg[group].name == option
+
+
+def test_every_yaml_knob_has_a_comment():
+    for path in conf_dir().glob("*/*.yaml"):
+        text = path.read_text()
+        assert text.lstrip().startswith("#"), f"{path} should start with a comment on its memory/speed effect"
+
+
+BAD = [
+    (["quant=nf5"], "quant", "nf4_dq"),
+    (["adapter=lorax"], "adapter", "rslora"),
+    (["optimizer=sgd"], "optimizer", "adamw_8bit"),
+    (["attention=flash3"], "attention", "sdpa"),
+    (["hardware=rtx9090"], "hardware", "rtx4080_16gb"),
+    (["adapter.r=abc"], "adapter.r", "Integer"),
+    (["adapter.rank=8"], "adapter.rank", "adapter"),
+    (["adapter.r=0"], "adapter.r", "[1, 4096]"),
+    (["adapter.r=100000"], "adapter.r", "[1, 4096]"),
+    (["adapter.alpha=-1"], "adapter.alpha", "(0"),
+    (["adapter.dropout=1.5"], "adapter.dropout", "[0.0, 1.0)"),
+    (["train.lr=0"], "train.lr", "(0.0, 1.0]"),
+    (["train.lr=nan"], "train.lr", "finite"),
+    (["train.lr=5"], "train.lr", "(0.0, 1.0]"),
+    (["train.steps=0"], "train.steps", "[1,"),
+    (["train.micro_batch=0"], "train.micro_batch", "[1, 4096]"),
+    (["train.grad_accum=-2"], "train.grad_accum", "[1, 4096]"),
+    (["train.dtype=fp8"], "train.dtype", "bf16"),
+    (["train.schedule=exp"], "train.schedule", "cosine"),
+    (["kernels.liger=true", "kernels.unsloth=true"], "kernels", "liger"),
+    (["attention=flash_attention_2"], "attention", "sdpa"),
+    (["attention=flash_attention_2", "train.dtype=fp32"], "train.dtype", "bf16"),
+    (["quant=nf4", "adapter=full"], "quant", "quant=none"),
+    (["quant=int8", "adapter=full"], "quant", "quant=none"),
+    (["context.max_tokens=100000"], "context.max_tokens", "4096"),
+    (["context.max_tokens=8"], "context.max_tokens", "[32,"),
+    (["context.truncation=middle"], "context.truncation", "exp_decay"),
+    (["context.decay=0"], "context.decay", "(0.0, 1.0]"),
+    (["model=local", "model.path=/nonexistent/model"], "model.path", "local HF folder"),
+    (["model.num_kv_heads=3"], "model.num_kv_heads", "2"),
+    (["train.measure_warmup_steps=30"], "train.measure_warmup_steps", "0..29"),
+    (["hardware=rtx4080_16gb"], "hardware", "cpu"),
+    (["optimizer.betas=[0.9,1.5]"], "optimizer.betas", "[0, 1)"),
+    (["vocab=sliced", "model=qwen3_8b"], "vocab", "full"),
+    (["data=jsonl", "data.path=/nonexistent.jsonl"], "data.path", ".jsonl"),
+    (["train.dtype=true"], "train.dtype", "bf16"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key", "allowed_hint"), BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_input_exits_2_names_key_and_allowed(overrides, key, allowed_hint, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("VRAMSWEEP_FORCE_NO_CUDA", "1")
+    monkeypatch.chdir(tmp_path)
+    before = set(Path(tmp_path).rglob("*"))
+    code = main(["train", f"results_dir={tmp_path / 'results'}", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert key.split(".")[0] in err
+    assert allowed_hint in err, err
+    assert set(Path(tmp_path).rglob("*")) == before, "a rejected config must write nothing"
+
+
+def test_bad_input_via_console_script_exits_2(tmp_path):
+    exe = Path(sys.executable).with_name("vramsweep")
+    env = dict(os.environ, VRAMSWEEP_FORCE_NO_CUDA="1")
+    p = subprocess.run([str(exe), "train", "quant=nf5"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2
+    assert "quant=nf5" in p.stderr and "nf4_dq" in p.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_unsupported_is_a_config_error_subclass():
+    os.environ["VRAMSWEEP_FORCE_NO_CUDA"] = "1"
+    try:
+        with pytest.raises(UnsupportedError):
+            compose(["kernels=liger"])
+        with pytest.raises(ConfigError):
+            compose(["kernels=liger"])
+        # machine checks can be skipped (estimates, sweep-space validation)
+        cfg = compose(["kernels=liger"], validate_rules=False)
+        from vramsweep.config.rules import validate
+
+        validate(cfg, machine=False)
+    finally:
+        del os.environ["VRAMSWEEP_FORCE_NO_CUDA"]
+
+
+def test_help_lists_groups(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "nf4_dq" in out and "paged_adamw_8bit" in out and "flash_attention_2" in out
