@@ -16,8 +16,21 @@ from vramsweep.config.compose import conf_dir, list_options
 from vramsweep.config.rules import UnsupportedError
 from vramsweep.config.schema import GROUP_OPTIONS
 
-GROUPS = ["model", "quant", "adapter", "optimizer", "attention", "kernels", "checkpointing", "context",
-          "vocab", "data", "hardware", "train", "logger"]
+GROUPS = [
+    "model",
+    "quant",
+    "adapter",
+    "optimizer",
+    "attention",
+    "kernels",
+    "checkpointing",
+    "context",
+    "vocab",
+    "data",
+    "hardware",
+    "train",
+    "logger",
+]
 
 
 def test_defaults_compose_and_validate():
@@ -112,7 +125,9 @@ def test_bad_input_exits_2_names_key_and_allowed(overrides, key, allowed_hint, t
 def test_bad_input_via_console_script_exits_2(tmp_path):
     exe = Path(sys.executable).with_name("vramsweep")
     env = dict(os.environ, VRAMSWEEP_FORCE_NO_CUDA="1")
-    p = subprocess.run([str(exe), "train", "quant=nf5"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run(
+        [str(exe), "train", "quant=nf5"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120
+    )
     assert p.returncode == 2
     assert "quant=nf5" in p.stderr and "nf4_dq" in p.stderr
     assert not any(tmp_path.iterdir())

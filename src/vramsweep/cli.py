@@ -27,8 +27,23 @@ def _groups_text() -> str:
     from vramsweep.config.compose import list_options
 
     lines = []
-    for g in ("model", "quant", "adapter", "optimizer", "attention", "kernels", "checkpointing", "context",
-              "vocab", "data", "hardware", "train", "logger", "sweep", "experiment"):
+    for g in (
+        "model",
+        "quant",
+        "adapter",
+        "optimizer",
+        "attention",
+        "kernels",
+        "checkpointing",
+        "context",
+        "vocab",
+        "data",
+        "hardware",
+        "train",
+        "logger",
+        "sweep",
+        "experiment",
+    ):
         opts = list_options(g)
         lines.append(f"  {g:<14} {', '.join(opts) if opts else '(none yet)'}")
     return "\n".join(lines)
@@ -73,8 +88,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     bd = m.get("memory_breakdown_bytes") or {}
     if bd:
         print("  breakdown: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in bd.items()))
-    print(f"tokens/s: {f(m.get('tokens_per_s'), '.1f')}   step time: {f(m.get('step_time_s'), '.3f')} s   mfu: {f(m.get('mfu'), '.3f')}")
-    print(f"eval loss: {f(m.get('initial_eval_loss'), '.4f')} -> {f(m.get('eval_loss'), '.4f')}   ppl: {f(m.get('eval_ppl'), '.2f')}   task score: {f(m.get('task_score'), '.3f')}")
+    print(
+        f"tokens/s: {f(m.get('tokens_per_s'), '.1f')}   step time: {f(m.get('step_time_s'), '.3f')} s   mfu: {f(m.get('mfu'), '.3f')}"
+    )
+    print(
+        f"eval loss: {f(m.get('initial_eval_loss'), '.4f')} -> {f(m.get('eval_loss'), '.4f')}   ppl: {f(m.get('eval_ppl'), '.2f')}   task score: {f(m.get('task_score'), '.3f')}"
+    )
     est = res.get("estimate") or {}
     if est.get("peak_memory_bytes"):
         print(f"estimate: {est['peak_memory_bytes'] / 2**20:.1f} MiB")
@@ -105,22 +124,36 @@ def cmd_pick(args: argparse.Namespace) -> int:
         from vramsweep.report import run_pick
     except ImportError as exc:
         return _err(f"pick is not available: {exc}")
-    return run_pick(args.target, budget_gib=args.budget_gib, min_tokens_per_s=args.min_tokens_per_s,
-                    prefer=args.prefer, headroom_gib=args.headroom_gib, name=args.name)
+    return run_pick(
+        args.target,
+        budget_gib=args.budget_gib,
+        min_tokens_per_s=args.min_tokens_per_s,
+        prefer=args.prefer,
+        headroom_gib=args.headroom_gib,
+        name=args.name,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vramsweep", description="Ablation sweeps for memory-bounded LLM fine-tuning.")
+    p = argparse.ArgumentParser(
+        prog="vramsweep", description="Ablation sweeps for memory-bounded LLM fine-tuning."
+    )
     sub = p.add_subparsers(dest="command", metavar="{train,estimate,report,pick}")
-    t = sub.add_parser("train", help="run one trial (or a sweep with -m)", formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog=EPILOG_TRAIN.format(groups=_groups_text()))
+    t = sub.add_parser(
+        "train",
+        help="run one trial (or a sweep with -m)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG_TRAIN.format(groups=_groups_text()),
+    )
     t.add_argument("-m", "--multirun", action="store_true", help="run a sweep (use with sweep=<name>)")
     t.add_argument("--cfg", action="store_true", help="print the composed config and exit")
     t.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. quant=nf4 adapter.r=64")
     t.set_defaults(func=cmd_train)
     e = sub.add_parser("estimate", help="predict peak memory and its breakdown (no weights needed)")
     e.add_argument("--json", action="store_true", help="print a JSON object")
-    e.add_argument("--calibrate", metavar="SWEEP_DIR", help="fit activation constants from a sweep's measured trials")
+    e.add_argument(
+        "--calibrate", metavar="SWEEP_DIR", help="fit activation constants from a sweep's measured trials"
+    )
     e.add_argument("overrides", nargs="*")
     e.set_defaults(func=cmd_estimate)
     r = sub.add_parser("report", help="ablation tables, Pareto front, importances for a sweep")

@@ -36,7 +36,9 @@ def load_documents(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
         return docs, load_jsonl(str(d.eval_path))
     n_eval = max(1, len(docs) // 10)
     if len(docs) < 2:
-        raise ValueError(f"data.path={d.path}: need at least 2 documents (or data.eval_path) for a held-out eval")
+        raise ValueError(
+            f"data.path={d.path}: need at least 2 documents (or data.eval_path) for a held-out eval"
+        )
     return docs[:-n_eval], docs[-n_eval:]
 
 
@@ -69,6 +71,9 @@ def build_trial_data(cfg: DictConfig, tokenizer: Any) -> TrialData:
         raise ValueError("the eval documents produced no examples (need documents with >= 2 sections)")
     stats = {"train": examples_stats(train), "eval": examples_stats(ev)}
     return TrialData(
-        train=train, eval=ev, pad_id=int(tokenizer.pad_token_id), stats=stats,
+        train=train,
+        eval=ev,
+        pad_id=int(tokenizer.pad_token_id),
+        stats=stats,
         corpus_texts=doc_texts(train_docs) + doc_texts(eval_docs),
     )

@@ -97,7 +97,9 @@ def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dic
     opt = torch.optim.AdamW(model.parameters(), lr=PRETRAIN_LR, betas=(0.9, 0.95), weight_decay=0.01)
     from transformers import get_scheduler
 
-    sched = get_scheduler("cosine", optimizer=opt, num_warmup_steps=max(1, steps // 20), num_training_steps=steps)
+    sched = get_scheduler(
+        "cosine", optimizer=opt, num_warmup_steps=max(1, steps // 20), num_training_steps=steps
+    )
     gen = torch.Generator().manual_seed(PRETRAIN_SEED)
     order = torch.randperm(blocks.shape[0], generator=gen)
     losses = []

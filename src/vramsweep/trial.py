@@ -82,7 +82,17 @@ def collect_meta(cfg: DictConfig) -> dict[str, Any]:
     import torch
 
     versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for mod in ("transformers", "peft", "bitsandbytes", "optuna", "hydra", "omegaconf", "wandb", "liger_kernel", "unsloth"):
+    for mod in (
+        "transformers",
+        "peft",
+        "bitsandbytes",
+        "optuna",
+        "hydra",
+        "omegaconf",
+        "wandb",
+        "liger_kernel",
+        "unsloth",
+    ):
         try:
             m = __import__(mod)
             versions[mod] = getattr(m, "__version__", "?")
@@ -91,7 +101,12 @@ def collect_meta(cfg: DictConfig) -> dict[str, Any]:
     try:
         from vramsweep.config.compose import repo_root
 
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo_root(), capture_output=True, text=True, timeout=5).stdout.strip() or None
+        sha = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=repo_root(), capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
     except Exception:
         sha = None
     if cfg.hardware.device == "cuda" and torch.cuda.is_available():
@@ -127,12 +142,23 @@ def _random_token_data(cfg: DictConfig):
 
     def mk(i: int) -> Example:
         ids = torch.randint(3, V, (L,), generator=g).tolist()
-        return Example(input_ids=ids, labels=list(ids), doc_id=f"random-{i}", target_section=0, n_context_tokens=0, fact_spans=[])
+        return Example(
+            input_ids=ids,
+            labels=list(ids),
+            doc_id=f"random-{i}",
+            target_section=0,
+            n_context_tokens=0,
+            fact_spans=[],
+        )
 
     from vramsweep.data_prep import TrialData
 
-    return TrialData(train=[mk(i) for i in range(n)], eval=[mk(n + i) for i in range(4)], pad_id=0,
-                     stats={"random_tokens": True})
+    return TrialData(
+        train=[mk(i) for i in range(n)],
+        eval=[mk(n + i) for i in range(4)],
+        pad_id=0,
+        stats={"random_tokens": True},
+    )
 
 
 def _batches(examples: list, batch_size: int, count: int, seed: int) -> list[list]:
@@ -185,7 +211,10 @@ def evaluate(model, batches: list[dict], device) -> tuple[float, float | None, i
             shift_logits = logits[:, :-1]
             shift_labels = labels[:, 1:]
             loss = torch.nn.functional.cross_entropy(
-                shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100, reduction="sum"
+                shift_logits.reshape(-1, shift_logits.shape[-1]),
+                shift_labels.reshape(-1),
+                ignore_index=-100,
+                reduction="sum",
             )
             total += float(loss)
             count += int((shift_labels != -100).sum())
@@ -254,7 +283,13 @@ def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> 
     if cfg.vocab.mode != "full":
         from vramsweep.build.vocab import kept_ids
 
-        keep_ids = kept_ids(tokenizer, data.corpus_texts, mode=str(cfg.vocab.mode), top_k=int(cfg.vocab.top_k), reserve=int(cfg.vocab.reserve))
+        keep_ids = kept_ids(
+            tokenizer,
+            data.corpus_texts,
+            mode=str(cfg.vocab.mode),
+            top_k=int(cfg.vocab.top_k),
+            reserve=int(cfg.vocab.reserve),
+        )
     built = build_model(cfg, keep_ids=keep_ids)
     model, device = built.model, built.device
     result["meta"]["build"] = built.notes
@@ -316,7 +351,11 @@ def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> 
                 _fault("error", step)
                 batch = _collate(micro[step * ga + k], pad_id)
                 ids = batch["input_ids"].to(device)
-                out = model(input_ids=ids, attention_mask=batch["attention_mask"].to(device), labels=batch["labels"].to(device))
+                out = model(
+                    input_ids=ids,
+                    attention_mask=batch["attention_mask"].to(device),
+                    labels=batch["labels"].to(device),
+                )
                 loss = out.loss / ga
                 if os.environ.get("VRAMSWEEP_FAULT") == f"nan@{step}":
                     loss = loss * float("nan")
@@ -422,8 +461,9 @@ def run_trial(
 
     started = datetime.now(UTC)
     t0 = time.perf_counter()
-    result = new_result(sweep=sweep, trial=trial, overrides=list(overrides),
-                        config=OmegaConf.to_container(cfg, resolve=True))
+    result = new_result(
+        sweep=sweep, trial=trial, overrides=list(overrides), config=OmegaConf.to_container(cfg, resolve=True)
+    )
     result["meta"] = collect_meta(cfg)
     result["meta"]["started"] = started.isoformat()
     if design is not None:
@@ -442,8 +482,12 @@ def run_trial(
         validate(cfg)
         from vramsweep.record.wandb_logger import start_logger
 
-        logger = start_logger(cfg, name=run_name(overrides) if trial is None else f"{sweep}-{trial:04d}",
-                              group=sweep, result=result)
+        logger = start_logger(
+            cfg,
+            name=run_name(overrides) if trial is None else f"{sweep}-{trial:04d}",
+            group=sweep,
+            result=result,
+        )
         _train(cfg, result, reporter, logger)
     except UnsupportedError as exc:
         status, reason = "unsupported", str(exc)

@@ -28,8 +28,11 @@ def liger_patch_name(cfg: DictConfig) -> str:
     if family not in LIGER_PATCHES:
         from vramsweep.config.rules import UnsupportedError
 
-        raise UnsupportedError(f"kernels=liger has no patch for model family {family!r}", key="kernels",
-                               allowed=sorted(LIGER_PATCHES))
+        raise UnsupportedError(
+            f"kernels=liger has no patch for model family {family!r}",
+            key="kernels",
+            allowed=sorted(LIGER_PATCHES),
+        )
     return LIGER_PATCHES[family]
 
 
@@ -93,12 +96,17 @@ def load_with_unsloth(cfg: DictConfig, path) -> tuple[Any, Any]:
     if path is None:
         from vramsweep.config.rules import UnsupportedError
 
-        raise UnsupportedError("kernels=unsloth needs weights on disk (model=tiny or model.path)", key="kernels",
-                               allowed=["none", "liger"])
+        raise UnsupportedError(
+            "kernels=unsloth needs weights on disk (model=tiny or model.path)",
+            key="kernels",
+            allowed=["none", "liger"],
+        )
     if cfg.quant.bits == 4 and cfg.quant.quant_type != "nf4":
         from vramsweep.config.rules import UnsupportedError
 
-        raise UnsupportedError("kernels=unsloth quantises with NF4 only", key="quant", allowed=["nf4", "nf4_dq", "none"])
+        raise UnsupportedError(
+            "kernels=unsloth quantises with NF4 only", key="quant", allowed=["nf4", "nf4_dq", "none"]
+        )
     from unsloth import FastLanguageModel
 
     load, peft = unsloth_kwargs(cfg)

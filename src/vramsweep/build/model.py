@@ -93,7 +93,9 @@ def _arch_weights_dir(cfg: DictConfig) -> Path:
     from transformers import AutoModelForCausalLM
 
     mcfg = cfg.model
-    key = hashlib.sha256(json.dumps({k: mcfg[k] for k in sorted(mcfg) if k != "name"}, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        json.dumps({k: mcfg[k] for k in sorted(mcfg) if k != "name"}, sort_keys=True, default=str).encode()
+    ).hexdigest()[:16]
     out = cache_root() / "arch" / f"{mcfg.name}-{cfg.train.dtype}-{key}"
     if (out / "COMPLETE").exists():
         return out
@@ -183,7 +185,9 @@ def build_model(cfg: DictConfig, *, keep_ids: list[int] | None = None) -> Built:
         notes["vocab"] = {"original": int(old_v), "kept": int(model.get_input_embeddings().weight.shape[0])}
 
     if cfg.checkpointing.enabled:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": bool(cfg.checkpointing.use_reentrant)})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": bool(cfg.checkpointing.use_reentrant)}
+        )
         if cfg.checkpointing.use_reentrant:
             model.enable_input_require_grads()
         notes["gradient_checkpointing"] = True
@@ -196,8 +200,13 @@ def build_model(cfg: DictConfig, *, keep_ids: list[int] | None = None) -> Built:
 
         targets = a.targets if isinstance(a.targets, str) else list(a.targets)
         lcfg = LoraConfig(
-            r=int(a.r), lora_alpha=float(a.alpha), lora_dropout=float(a.dropout), target_modules=targets,
-            use_rslora=bool(a.use_rslora), use_dora=bool(a.use_dora), task_type="CAUSAL_LM",
+            r=int(a.r),
+            lora_alpha=float(a.alpha),
+            lora_dropout=float(a.dropout),
+            target_modules=targets,
+            use_rslora=bool(a.use_rslora),
+            use_dora=bool(a.use_dora),
+            task_type="CAUSAL_LM",
         )
         model = get_peft_model(model, lcfg)
         if device.type == "cuda":

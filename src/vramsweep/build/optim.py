@@ -22,8 +22,14 @@ def build_optimizer(cfg: DictConfig, params: list[torch.nn.Parameter]) -> tuple[
         from transformers.optimization import Adafactor
 
         opt = Adafactor(
-            params, lr=lr, eps=(1e-30, 1e-3), beta1=None, weight_decay=o.weight_decay,
-            scale_parameter=False, relative_step=False, warmup_init=False,
+            params,
+            lr=lr,
+            eps=(1e-30, 1e-3),
+            beta1=None,
+            weight_decay=o.weight_decay,
+            scale_parameter=False,
+            relative_step=False,
+            warmup_init=False,
         )
     else:
         import bitsandbytes as bnb
@@ -41,7 +47,9 @@ def build_optimizer(cfg: DictConfig, params: list[torch.nn.Parameter]) -> tuple[
             on_cuda = any(p.is_cuda for p in params)
             notes["paged"] = on_cuda
             if not on_cuda:
-                notes["paged_fallback"] = "CPU: bitsandbytes keeps paged-optimizer state as ordinary (non-paged) tensors"
+                notes["paged_fallback"] = (
+                    "CPU: bitsandbytes keeps paged-optimizer state as ordinary (non-paged) tensors"
+                )
     notes["optimizer_class"] = f"{type(opt).__module__}.{type(opt).__name__}"
     return opt, notes
 

@@ -75,7 +75,9 @@ def _translate_hydra_error(exc: Exception) -> ConfigError:
     m = re.search(r"Could not override '([\w.]+)'", text)
     if m:
         key = m.group(1)
-        return ConfigError(f"unknown key '{key}' ({cause_line or text})", key=key, allowed=_schema_fields(key))
+        return ConfigError(
+            f"unknown key '{key}' ({cause_line or text})", key=key, allowed=_schema_fields(key)
+        )
     m = re.search(r"Error merging override ([\w.]+)=(.*)", text)
     if m:
         key = m.group(1)

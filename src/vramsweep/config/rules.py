@@ -80,7 +80,9 @@ def _check_range(cfg, key, lo, hi, *, integer=False, lo_open=False, hi_open=Fals
     if bad:
         lb = "(" if lo_open else "["
         rb = ")" if hi_open else "]"
-        raise ConfigError(f"{key}={v} is out of range {lb}{lo}, {hi}{rb}", key=key, allowed=[f"{lb}{lo}, {hi}{rb}"])
+        raise ConfigError(
+            f"{key}={v} is out of range {lb}{lo}, {hi}{rb}", key=key, allowed=[f"{lb}{lo}, {hi}{rb}"]
+        )
 
 
 def _check_choice(cfg, key, allowed):
@@ -96,7 +98,15 @@ def _rules_values(cfg: DictConfig) -> None:
             raise ConfigError(f"{group}={name} is not a known option", key=group, allowed=options)
     _check_choice(cfg, "model.source", MODEL_SOURCES)
     _check_choice(cfg, "model.family", MODEL_FAMILIES)
-    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+    for k in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+    ):
         _check_range(cfg, f"model.{k}", 1, 10**7, integer=True)
     if cfg.model.num_heads % cfg.model.num_kv_heads:
         raise ConfigError(
@@ -115,7 +125,11 @@ def _rules_values(cfg: DictConfig) -> None:
     targets = cfg.adapter.targets
     if isinstance(targets, str):
         if not targets:
-            raise ConfigError("adapter.targets is empty", key="adapter.targets", allowed=["all-linear", "[q_proj,v_proj,...]"])
+            raise ConfigError(
+                "adapter.targets is empty",
+                key="adapter.targets",
+                allowed=["all-linear", "[q_proj,v_proj,...]"],
+            )
     elif not targets or not all(isinstance(t, str) and t for t in targets):
         raise ConfigError(
             f"adapter.targets={list(targets) if targets is not None else targets} must be 'all-linear' or a non-empty list of module names",
@@ -126,10 +140,16 @@ def _rules_values(cfg: DictConfig) -> None:
     _check_range(cfg, "optimizer.weight_decay", 0.0, 1.0)
     _check_range(cfg, "optimizer.eps", 0.0, 1.0, lo_open=True)
     if len(cfg.optimizer.betas) != 2:
-        raise ConfigError(f"optimizer.betas={list(cfg.optimizer.betas)} needs two values", key="optimizer.betas", allowed=["[b1, b2] in [0, 1)"])
+        raise ConfigError(
+            f"optimizer.betas={list(cfg.optimizer.betas)} needs two values",
+            key="optimizer.betas",
+            allowed=["[b1, b2] in [0, 1)"],
+        )
     for i, b in enumerate(cfg.optimizer.betas):
         if not (0.0 <= float(b) < 1.0):
-            raise ConfigError(f"optimizer.betas[{i}]={b} is out of range", key="optimizer.betas", allowed=["[0, 1)"])
+            raise ConfigError(
+                f"optimizer.betas[{i}]={b} is out of range", key="optimizer.betas", allowed=["[0, 1)"]
+            )
     _check_range(cfg, "optimizer.min_8bit_size", 0, 10**9, integer=True)
     _check_choice(cfg, "attention.implementation", GROUP_OPTIONS["attention"])
     _check_range(cfg, "context.max_tokens", 32, 10**7, integer=True)
@@ -183,7 +203,9 @@ def _rules_combinations(cfg: DictConfig) -> None:
             allowed=["quant=none with adapter=full", "adapter=lora|rslora|dora with any quant"],
         )
     if cfg.adapter.use_rslora and cfg.adapter.method != "lora":
-        raise ConfigError("adapter.use_rslora needs adapter.method=lora", key="adapter.use_rslora", allowed=[False])
+        raise ConfigError(
+            "adapter.use_rslora needs adapter.method=lora", key="adapter.use_rslora", allowed=[False]
+        )
     if cfg.attention.implementation == "flash_attention_2" and cfg.train.dtype == "fp32":
         raise ConfigError(
             "attention=flash_attention_2 needs fp16/bf16 compute, got train.dtype=fp32",
@@ -209,16 +231,28 @@ def _rules_combinations(cfg: DictConfig) -> None:
     if cfg.model.source == "path":
         p = cfg.model.path
         if not p or not os.path.isdir(str(p)):
-            raise ConfigError(f"model.path={p!r} is not a local folder (nothing is downloaded)", key="model.path", allowed=["<local HF folder with config.json>"])
+            raise ConfigError(
+                f"model.path={p!r} is not a local folder (nothing is downloaded)",
+                key="model.path",
+                allowed=["<local HF folder with config.json>"],
+            )
         if not os.path.isfile(os.path.join(str(p), "config.json")):
-            raise ConfigError(f"model.path={p!r} has no config.json", key="model.path", allowed=["<local HF folder with config.json>"])
+            raise ConfigError(
+                f"model.path={p!r} has no config.json",
+                key="model.path",
+                allowed=["<local HF folder with config.json>"],
+            )
     if cfg.data.source == "jsonl":
         for key in ("path", "eval_path"):
             p = cfg.data[key]
             if key == "eval_path" and p is None:
                 continue
             if not p or not os.path.isfile(str(p)):
-                raise ConfigError(f"data.{key}={p!r} is not a readable JSONL file", key=f"data.{key}", allowed=["<path to .jsonl>"])
+                raise ConfigError(
+                    f"data.{key}={p!r} is not a readable JSONL file",
+                    key=f"data.{key}",
+                    allowed=["<path to .jsonl>"],
+                )
 
 
 def _rules_machine(cfg: DictConfig) -> None:
@@ -246,15 +280,25 @@ def _rules_machine(cfg: DictConfig) -> None:
             )
     if cfg.kernels.liger:
         if not has_cuda or cfg.hardware.device != "cuda":
-            raise UnsupportedError("kernels=liger needs CUDA (Triton kernels)", key="kernels", allowed=["none", "unsloth"])
+            raise UnsupportedError(
+                "kernels=liger needs CUDA (Triton kernels)", key="kernels", allowed=["none", "unsloth"]
+            )
         if not _module_available("liger_kernel"):
-            raise UnsupportedError("kernels=liger needs liger-kernel (pip install -e '.[gpu]')", key="kernels", allowed=["none"])
+            raise UnsupportedError(
+                "kernels=liger needs liger-kernel (pip install -e '.[gpu]')", key="kernels", allowed=["none"]
+            )
     if cfg.kernels.unsloth and not _module_available("unsloth"):
-        raise UnsupportedError("kernels=unsloth needs unsloth (make unsloth)", key="kernels", allowed=["none", "liger"])
+        raise UnsupportedError(
+            "kernels=unsloth needs unsloth (make unsloth)", key="kernels", allowed=["none", "liger"]
+        )
     if cfg.quant.bits != 16 and not _module_available("bitsandbytes"):
         raise UnsupportedError(f"quant={cfg.quant.name} needs bitsandbytes", key="quant", allowed=["none"])
     if cfg.optimizer.impl.startswith("bnb_") and not _module_available("bitsandbytes"):
-        raise UnsupportedError(f"optimizer={cfg.optimizer.name} needs bitsandbytes", key="optimizer", allowed=["adamw", "adafactor"])
+        raise UnsupportedError(
+            f"optimizer={cfg.optimizer.name} needs bitsandbytes",
+            key="optimizer",
+            allowed=["adamw", "adafactor"],
+        )
 
 
 RULES: tuple[Callable[[DictConfig], None], ...] = (_rules_values, _rules_combinations)

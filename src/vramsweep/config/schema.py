@@ -89,7 +89,9 @@ class AdapterConfig:
 @dataclass
 class OptimizerConfig:
     name: str = "adamw"
-    impl: str = "torch_adamw"  # torch_adamw | bnb_adamw8bit | bnb_paged_adamw8bit | bnb_paged_adamw32bit | adafactor
+    impl: str = (
+        "torch_adamw"  # torch_adamw | bnb_adamw8bit | bnb_paged_adamw8bit | bnb_paged_adamw32bit | adafactor
+    )
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     weight_decay: float = 0.0

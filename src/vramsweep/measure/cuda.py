@@ -42,7 +42,9 @@ class _NvmlSampler(threading.Thread):
             import pynvml
 
             pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0))
+            handle = pynvml.nvmlDeviceGetHandleByIndex(
+                int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0)
+            )
             pid = os.getpid()
             while not self._stop.is_set():
                 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
@@ -77,7 +79,11 @@ class CudaMemoryMonitor:
         self.nvml.stop()
 
     def meta(self) -> dict:
-        return {"cap": self.cap, "nvml_error": self.nvml.error, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+        return {
+            "cap": self.cap,
+            "nvml_error": self.nvml.error,
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        }
 
     def metrics(self, state_bytes: dict) -> dict:
         import torch

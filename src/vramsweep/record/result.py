@@ -31,9 +31,15 @@ def empty_metrics() -> dict[str, Any]:
     return {k: None for k in METRIC_KEYS}
 
 
-def new_result(*, status: str = "ok", reason: str | None = None, sweep: str | None = None,
-               trial: int | None = None, overrides: list[str] | None = None,
-               config: dict | None = None) -> dict[str, Any]:
+def new_result(
+    *,
+    status: str = "ok",
+    reason: str | None = None,
+    sweep: str | None = None,
+    trial: int | None = None,
+    overrides: list[str] | None = None,
+    config: dict | None = None,
+) -> dict[str, Any]:
     if status not in STATUSES:
         raise ValueError(f"status={status!r} (allowed: {', '.join(STATUSES)})")
     return {

@@ -28,7 +28,9 @@ class WandbLogger:
 
     def finish(self, result: dict) -> None:
         try:
-            summary = {k: v for k, v in result["metrics"].items() if isinstance(v, int | float) and v is not None}
+            summary = {
+                k: v for k, v in result["metrics"].items() if isinstance(v, int | float) and v is not None
+            }
             summary["status"] = result["status"]
             if result.get("reason"):
                 summary["reason"] = result["reason"]
@@ -56,10 +58,14 @@ def start_logger(cfg: DictConfig, *, name: str, group: str | None, result: dict)
     wdir = Path(str(cfg.logger.dir)) if cfg.logger.dir else Path(str(cfg.results_dir))
     wdir.mkdir(parents=True, exist_ok=True)
     kw = dict(
-        project=str(cfg.logger.project), name=name, group=group, dir=str(wdir),
-        config=OmegaConf.to_container(cfg, resolve=True), reinit="finish_previous",
+        project=str(cfg.logger.project),
+        name=name,
+        group=group,
+        dir=str(wdir),
+        config=OmegaConf.to_container(cfg, resolve=True),
+        reinit="finish_previous",
     )
-    for attempt in ([mode, "offline"] if mode == "online" else [mode]):
+    for attempt in [mode, "offline"] if mode == "online" else [mode]:
         try:
             settings = wandb.Settings(init_timeout=20, silent=True, console="off")
             run = wandb.init(mode=attempt, settings=settings, **kw)
