@@ -1,0 +1,630 @@
+"""Load a sweep's trial results from a sweep folder or an Optuna storage, tolerating partial data.
+
+A sweep folder (docs/CONTRACTS.md) holds ``sweep.json``, ``trials/<NNNN>.json`` (DESIGN.md §5) and usually
+``study.db``. Result JSONs are the primary record; trials that exist only in the study (still running, or
+killed before their JSON was written) are filled in from the study so a partial or multi-worker sweep
+shows every trial. A storage URL + study name is read the same way from the trials' user attrs
+(``result`` dict or ``result_path``), falling back to ``trial.params``/``trial.values``.
+
+Nothing here raises on bad *data* (missing keys, NaN, unreadable files become notes); bad *input*
+(missing folder, unknown study) raises :class:`ReportError`, which the CLI turns into exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GIB = float(1024**3)
+#: Statuses that are failures (everything except ``ok``); ``running`` marks study trials without a result.
+FAILURE_STATUSES = ("oom", "unsupported", "diverged", "error", "infeasible_estimate", "pruned")
+#: Objectives used when ``sweep.json`` names none.
+DEFAULT_OBJECTIVES: tuple[tuple[str, str], ...] = (
+    ("peak_memory_bytes", "minimize"),
+    ("tokens_per_s", "maximize"),
+    ("eval_loss", "minimize"),
+)
+#: Override keys that never describe a knob of the trial itself.
+_IGNORED_KEYS = ("sweep", "hydra", "experiment")
+#: Keys ignored when deciding whether two trials ran the same design point (seed repeats differ here).
+REPEAT_KEYS = ("train.seed",)
+
+
+class ReportError(Exception):
+    """Bad input for ``report``/``pick`` (missing folder, unknown study, bad argument): exit code 2."""
+
+
+def num(value: Any) -> float | None:
+    """``value`` as a finite float, else None (bools, strings, NaN and inf are not measurements)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    f = float(value)
+    return f if math.isfinite(f) else None
+
+
+def parse_override(text: str) -> tuple[str, str] | None:
+    """Split a Hydra override ``[+|++]key=value`` into ``(key, value)``; None for deletions/garbage.
+
+    Sweep selection and ``hydra.*`` settings are not knobs and return None too.
+    """
+    text = str(text).strip()
+    if not text or text.startswith("~") or "=" not in text:
+        return None
+    key, value = text.split("=", 1)
+    key = key.lstrip("+").strip()
+    if key.startswith("override "):
+        key = key[len("override ") :].strip()
+    key = key.lstrip("/")
+    if not key or key.split(".")[0].split("/")[0] in _IGNORED_KEYS:
+        return None
+    value = value.strip()
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        value = value[1:-1]
+    return key, value
+
+
+def override_dict(overrides: Iterable[str]) -> dict[str, str]:
+    """Overrides as ``{key: value}`` (last one wins), knobs only."""
+    out: dict[str, str] = {}
+    for text in overrides or ():
+        kv = parse_override(text)
+        if kv is not None:
+            out[kv[0]] = kv[1]
+    return out
+
+
+def norm_value(value: Any) -> str:
+    """Canonical string for comparing a knob value across overrides and configs (16 == "16" == 16.0)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(float(value))
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(norm_value(v) for v in value) + "]"
+    text = str(value).strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        text = text[1:-1]
+    low = text.lower()
+    if low in ("true", "false", "null", "none"):
+        return "null" if low in ("null", "none") else low
+    try:
+        return repr(float(text))
+    except ValueError:
+        return text
+
+
+def display_value(value: Any) -> str:
+    """Short human form of a knob value for tables and labels."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(display_value(v) for v in value) + "]"
+    return str(value)
+
+
+def _lookup(config: dict, dotted: str) -> tuple[bool, Any]:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+@dataclass
+class TrialRecord:
+    """One trial's result (DESIGN.md §5), normalised: every accessor tolerates missing data."""
+
+    number: int
+    status: str
+    reason: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    estimate: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    source: str = "json"  # json | storage
+    path: str | None = None
+
+    @classmethod
+    def from_result(
+        cls,
+        result: dict[str, Any],
+        *,
+        number: int | None = None,
+        source: str = "json",
+        path: str | None = None,
+    ) -> TrialRecord:
+        """Build from a result dict; ``number`` is used when the dict has no integer ``trial``."""
+        trial = result.get("trial")
+        if isinstance(trial, bool) or not isinstance(trial, int):
+            trial = number if number is not None else -1
+        status = result.get("status")
+        status = str(status) if status else "error"
+        reason = result.get("reason")
+        if status != "ok" and not reason:
+            reason = "no reason recorded"
+        return cls(
+            number=int(trial),
+            status=status,
+            reason=str(reason) if reason is not None else None,
+            overrides=[str(o) for o in (result.get("overrides") or []) if o is not None],
+            config=result.get("config") if isinstance(result.get("config"), dict) else {},
+            metrics=result.get("metrics") if isinstance(result.get("metrics"), dict) else {},
+            estimate=result.get("estimate") if isinstance(result.get("estimate"), dict) else None,
+            meta=result.get("meta") if isinstance(result.get("meta"), dict) else {},
+            source=source,
+            path=path,
+        )
+
+    # -- measurements -------------------------------------------------------------------------
+    def metric(self, name: str) -> float | None:
+        """A finite numeric metric, else None."""
+        return num(self.metrics.get(name))
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def peak_bytes(self) -> float | None:
+        return self.metric("peak_memory_bytes")
+
+    @property
+    def peak_gib(self) -> float | None:
+        b = self.peak_bytes
+        return None if b is None else b / GIB
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.metric("tokens_per_s")
+
+    @property
+    def eval_loss(self) -> float | None:
+        return self.metric("eval_loss")
+
+    @property
+    def eval_ppl(self) -> float | None:
+        return self.metric("eval_ppl")  # only when measured: never derived here
+
+    @property
+    def task_score(self) -> float | None:
+        return self.metric("task_score")
+
+    @property
+    def memory_kind(self) -> str | None:
+        kind = self.metrics.get("memory_kind")
+        return str(kind) if kind else None
+
+    @property
+    def breakdown(self) -> dict[str, float]:
+        raw = self.metrics.get("memory_breakdown_bytes")
+        if not isinstance(raw, dict):
+            return {}
+        return {str(k): v for k, v in ((k, num(v)) for k, v in raw.items()) if v is not None}
+
+    @property
+    def estimate_bytes(self) -> float | None:
+        if not self.estimate:
+            return None
+        return num(self.estimate.get("peak_memory_bytes"))
+
+    @property
+    def estimate_gib(self) -> float | None:
+        b = self.estimate_bytes
+        return None if b is None else b / GIB
+
+    @property
+    def estimate_error_pct(self) -> float | None:
+        """(estimate − measured) / measured × 100; positive = the estimator over-predicts."""
+        est, peak = self.estimate_bytes, self.peak_bytes
+        if est is None or peak is None or peak <= 0:
+            return None
+        return (est - peak) / peak * 100.0
+
+    # -- design and knobs ---------------------------------------------------------------------
+    @property
+    def design(self) -> dict[str, Any] | None:
+        d = self.meta.get("design")
+        return d if isinstance(d, dict) and d.get("kind") else None
+
+    @property
+    def override_map(self) -> dict[str, str]:
+        return override_dict(self.overrides)
+
+    @property
+    def recorded_budget_gib(self) -> float | None:
+        """``config.hardware.budget_gib`` as recorded (0 = no budget), None when not recorded."""
+        found, v = _lookup(self.config, "hardware.budget_gib")
+        return num(v) if found else None
+
+    def knob_value(self, key: str) -> Any:
+        """The value this trial ran with for knob ``key`` (``quant`` -> its option name, ``adapter.r``)."""
+        found, v = _lookup(self.config, key)
+        if found:
+            if isinstance(v, dict):
+                return v.get("name", self.override_map.get(key))
+            return v
+        return self.override_map.get(key)
+
+
+@dataclass
+class SweepData:
+    """Every trial of one sweep plus its settings; ``notes`` collects what was skipped and why."""
+
+    name: str
+    folder: Path | None
+    settings: dict[str, Any]
+    trials: list[TrialRecord]
+    notes: list[str] = field(default_factory=list)
+    storage: str | None = None
+    study_name: str | None = None
+
+    # -- budget and feasibility ---------------------------------------------------------------
+    @property
+    def budget_gib(self) -> float | None:
+        """The budget shared by the trials (plot line, summary); None when none or when they differ."""
+        budgets = {self.trial_budget_gib(t) for t in self.trials}
+        budgets.discard(None)
+        if not self.trials:
+            b = num(self.settings.get("budget_gib"))
+            return b if b is not None and b > 0 else None
+        return budgets.pop() if len(budgets) == 1 else None
+
+    def trial_budget_gib(self, trial: TrialRecord) -> float | None:
+        """The trial's own ``hardware.budget_gib`` when recorded, else ``sweep.json`` budget_gib; None for 0.
+
+        Same precedence as the sweeper's budget constraint (a sweep may vary ``hardware``).
+        """
+        b = trial.recorded_budget_gib
+        if b is None:
+            b = num(self.settings.get("budget_gib"))
+        return b if b is not None and b > 0 else None
+
+    def fits(self, trial: TrialRecord) -> bool | None:
+        """Peak within the budget; None when there is no budget to compare with."""
+        budget = self.trial_budget_gib(trial)
+        if budget is None:
+            return None
+        peak = trial.peak_gib
+        return peak is not None and peak <= budget
+
+    def feasible(self, trial: TrialRecord) -> bool:
+        """Status ok and (no budget, or peak ≤ budget). Only feasible trials can be best."""
+        return trial.ok and self.fits(trial) is not False
+
+    # -- objectives and knobs -----------------------------------------------------------------
+    @property
+    def objectives(self) -> list[tuple[str, str]]:
+        out = []
+        for obj in self.settings.get("objectives") or []:
+            if isinstance(obj, dict) and obj.get("metric"):
+                direction = str(obj.get("direction", "minimize")).lower()
+                out.append((str(obj["metric"]), "maximize" if direction.startswith("max") else "minimize"))
+        return out or list(DEFAULT_OBJECTIVES)
+
+    def _design_overrides(self) -> list[str]:
+        out: list[str] = []
+        for key in ("baseline", "stack"):
+            out += [str(o) for o in self.settings.get(key) or []]
+        for change in self.settings.get("factors") or []:
+            out += [str(o) for o in (change if isinstance(change, list | tuple) else [change])]
+        return out
+
+    def candidate_knobs(self) -> list[str]:
+        """Every key any trial or the design overrides, in first-seen order."""
+        keys: dict[str, None] = {}
+        for t in self.trials:
+            for k in t.override_map:
+                keys.setdefault(k)
+        for k in override_dict(self._design_overrides()):
+            keys.setdefault(k)
+        return list(keys)
+
+    def varying_knobs(self) -> list[str]:
+        """Knobs whose value differs between trials; all candidate knobs when none varies."""
+        candidates = self.candidate_knobs()
+        varying = [k for k in candidates if len({norm_value(t.knob_value(k)) for t in self.trials}) > 1]
+        return varying or candidates
+
+    def knob_label(
+        self, trial: TrialRecord, keys: list[str] | None = None, *, values_only: bool = False
+    ) -> str:
+        """``quant=nf4 adapter.r=64`` (or ``nf4 64`` with ``values_only``) for the given/varying knobs."""
+        keys = self.varying_knobs() if keys is None else keys
+        if values_only:
+            return " ".join(display_value(trial.knob_value(k)) for k in keys if k not in REPEAT_KEYS)
+        return " ".join(f"{k}={display_value(trial.knob_value(k))}" for k in keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------------------------
+def safe_url(url: str) -> str:
+    """A storage URL with any password masked (for messages)."""
+    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
+
+
+def _read_json(path: Path) -> Any:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _load_result_files(folder: Path, notes: list[str]) -> dict[int, TrialRecord]:
+    trials_dir = folder / "trials"
+    out: dict[int, TrialRecord] = {}
+    if not trials_dir.is_dir():
+        return out
+    for path in sorted(trials_dir.glob("*.json")):
+        if path.name.startswith("."):
+            continue  # temp files of an atomic write in progress
+        try:
+            data = _read_json(path)
+        except (OSError, ValueError) as exc:
+            notes.append(f"skipped {path.name}: unreadable ({exc.__class__.__name__}: {exc})")
+            continue
+        if not isinstance(data, dict):
+            notes.append(f"skipped {path.name}: not a result object")
+            continue
+        stem_number = int(path.stem) if path.stem.isdigit() else None
+        rec = TrialRecord.from_result(data, number=stem_number, path=str(path))
+        if rec.number < 0:
+            notes.append(f"skipped {path.name}: no trial number")
+            continue
+        if rec.number in out:
+            notes.append(f"trial {rec.number}: duplicate result {path.name} ignored")
+            continue
+        out[rec.number] = rec
+    return out
+
+
+def _sqlite_path(url: str) -> Path | None:
+    if url.startswith("sqlite:///"):
+        return Path(url[len("sqlite:///") :])
+    return None
+
+
+def _open_study(url: str, study: str | None) -> Any:
+    """Load an Optuna study without ever creating a storage or study."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    path = _sqlite_path(url)
+    if path is not None and not path.is_file():
+        raise ReportError(f"no such study database: {path}")
+    try:
+        names = optuna.get_all_study_names(storage=url)
+    except Exception as exc:  # driver missing, server down, not an optuna DB, ...
+        raise ReportError(f"cannot open storage {safe_url(url)}: {exc.__class__.__name__}: {exc}") from exc
+    if study is None:
+        if len(names) == 1:
+            study = names[0]
+        elif not names:
+            raise ReportError(f"storage {safe_url(url)} holds no study")
+        else:
+            raise ReportError(
+                f"storage {safe_url(url)} holds several studies; pick one with --study "
+                f"(studies: {', '.join(sorted(names))})"
+            )
+    elif study not in names:
+        raise ReportError(
+            f"unknown study {study!r} in {safe_url(url)} (studies: {', '.join(sorted(names)) or 'none'})"
+        )
+    try:
+        return optuna.load_study(study_name=study, storage=url)
+    except Exception as exc:
+        raise ReportError(f"cannot load study {study!r}: {exc.__class__.__name__}: {exc}") from exc
+
+
+def _metric_names(study: Any, settings: dict[str, Any]) -> list[str]:
+    names = getattr(study, "metric_names", None)
+    if names and all(names):
+        return [str(n) for n in names]
+    objs = [o.get("metric") for o in settings.get("objectives") or [] if isinstance(o, dict)]
+    return [str(o) for o in objs if o]
+
+
+def record_from_frozen(trial: Any, metric_names: list[str], base_folder: Path | None = None) -> TrialRecord:
+    """A :class:`TrialRecord` from an Optuna ``FrozenTrial`` (user attrs ``result``/``result_path``)."""
+    from optuna.trial import TrialState
+
+    ua = dict(trial.user_attrs or {})
+    result = ua.get("result")
+    if isinstance(result, str):
+        try:
+            result = json.loads(result)
+        except ValueError:
+            result = None
+    path = None
+    if not isinstance(result, dict) and ua.get("result_path"):
+        candidates = [Path(str(ua["result_path"]))]
+        if base_folder is not None:
+            candidates.append(base_folder / "trials" / Path(str(ua["result_path"])).name)
+        for p in candidates:
+            try:
+                if p.is_file():
+                    result, path = _read_json(p), str(p)
+                    break
+            except (OSError, ValueError):
+                continue
+    if isinstance(result, dict):
+        rec = TrialRecord.from_result(result, number=trial.number, source="storage", path=path)
+        rec.number = trial.number
+        return rec
+    # Fallback: rebuild what the study itself knows.
+    state = trial.state
+    if state == TrialState.COMPLETE:
+        status = str(ua.get("status") or "ok")
+    elif state == TrialState.PRUNED:
+        status = "pruned"
+    elif state == TrialState.FAIL:
+        status = str(ua.get("status") or "error")
+    else:
+        status = "running"
+    reason = ua.get("reason") or (trial.system_attrs or {}).get("fail_reason")
+    if status == "running":
+        reason = reason or f"no result yet (state {state.name})"
+    elif status != "ok":
+        reason = reason or f"optuna state {state.name}"
+    metrics: dict[str, Any] = {}
+    values = trial.values or []
+    for name, value in zip(metric_names, values):
+        metrics[name] = value
+    from vramsweep.record.result import METRIC_KEYS
+
+    for key in METRIC_KEYS:
+        if key in ua:
+            metrics[key] = ua[key]
+    meta = {"design": ua["design"]} if isinstance(ua.get("design"), dict) else {}
+    if isinstance(ua.get("overrides"), list):
+        overrides = [str(o) for o in ua["overrides"]]
+    else:  # fixed designs store "(default)" for keys a point leaves alone
+        overrides = [f"{k}={v}" for k, v in (trial.params or {}).items() if v != "(default)"]
+    return TrialRecord(
+        number=trial.number,
+        status=status,
+        reason=str(reason) if reason else None,
+        overrides=overrides,
+        config=ua.get("config") if isinstance(ua.get("config"), dict) else {},
+        metrics=metrics,
+        meta=meta,
+        source="storage",
+    )
+
+
+def _records_from_study(study: Any, settings: dict[str, Any], folder: Path | None) -> dict[int, TrialRecord]:
+    names = _metric_names(study, settings)
+    try:
+        trials = study.get_trials(deepcopy=False)
+    except Exception as exc:  # e.g. a locked SQLite file while workers write
+        raise ReportError(
+            f"cannot read the trials of study {study.study_name!r}: {exc.__class__.__name__}: {exc}"
+        ) from exc
+    return {t.number: record_from_frozen(t, names, folder) for t in trials}
+
+
+def load_sweep(target: str, *, study: str | None = None) -> SweepData:
+    """Load a sweep from a folder, its ``sweep.json``/``study.db``, or a storage URL (+ study name).
+
+    Raises:
+        ReportError: the target does not exist, is not a sweep, or names an unknown study.
+    """
+    target = str(target)
+    if "://" in target:
+        return _load_storage(target, study)
+    path = Path(target).expanduser()
+    if not path.exists():
+        raise ReportError(f"no such sweep folder: {path}")
+    if path.is_file():
+        if path.name == "sweep.json":
+            path = path.parent
+        elif path.suffix in (".db", ".sqlite", ".sqlite3"):
+            return _load_storage(f"sqlite:///{path.resolve()}", study, folder=path.parent)
+        else:
+            raise ReportError(f"{path} is not a sweep folder, sweep.json or study database")
+    return _load_folder(path, study)
+
+
+def _load_settings(folder: Path, notes: list[str]) -> dict[str, Any]:
+    p = folder / "sweep.json"
+    if not p.is_file():
+        return {}
+    try:
+        data = _read_json(p)
+    except (OSError, ValueError) as exc:
+        notes.append(f"sweep.json unreadable ({exc}); design and budget derived from the trials")
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _load_folder(folder: Path, study: str | None) -> SweepData:
+    notes: list[str] = []
+    settings = _load_settings(folder, notes)
+    records = _load_result_files(folder, notes)
+    storage = settings.get("storage") if isinstance(settings.get("storage"), str) else None
+    study_name = study or (
+        settings.get("study_name") if isinstance(settings.get("study_name"), str) else None
+    )
+    db = folder / "study.db"
+    url = None
+    if db.is_file():
+        url = f"sqlite:///{db.resolve()}"
+    elif storage and _sqlite_path(storage) is not None and _sqlite_path(storage).is_file():  # type: ignore[union-attr]
+        url = storage
+    elif storage and "://" in storage:
+        notes.append(
+            f"sweep.json names storage {safe_url(storage)}; pass it as the target (with --study) "
+            "to include trials recorded by other machines"
+        )
+    if url is not None:
+        try:
+            st = _open_study(url, study_name)
+            from_study = _records_from_study(st, settings, folder)
+            study_name = st.study_name
+            added = [n for n in from_study if n not in records]
+            for n in added:
+                records[n] = from_study[n]
+            if added:
+                notes.append(
+                    f"{len(added)} trial(s) without a result JSON taken from the study "
+                    f"({', '.join(f'#{n}' for n in sorted(added))})"
+                )
+            storage = url
+        except ReportError as exc:
+            if study is not None:
+                raise
+            notes.append(f"study database not used: {exc}")
+    elif study is not None:
+        raise ReportError(f"--study {study!r} given but {folder} has no study database")
+    name = str(settings.get("name") or folder.name)
+    return SweepData(
+        name=name,
+        folder=folder,
+        settings=settings,
+        trials=[records[n] for n in sorted(records)],
+        notes=notes,
+        storage=storage,
+        study_name=study_name,
+    )
+
+
+def _load_storage(url: str, study: str | None, folder: Path | None = None) -> SweepData:
+    notes: list[str] = []
+    st = _open_study(url, study)
+    if folder is None:
+        sqlite = _sqlite_path(url)
+        if sqlite is not None:
+            folder = sqlite.resolve().parent
+    settings = _load_settings(folder, notes) if folder is not None else {}
+    if not settings and isinstance(st.user_attrs.get("sweep"), dict):
+        settings = dict(st.user_attrs["sweep"])
+    records = _records_from_study(st, settings, folder)
+    if folder is None:
+        # A result_path points into <sweep folder>/trials/: reports go next to them.
+        for rec in records.values():
+            if rec.path:
+                folder = Path(rec.path).resolve().parent.parent
+                break
+    if folder is not None and not settings:
+        settings = _load_settings(folder, notes)
+    name = str(settings.get("name") or st.study_name)
+    return SweepData(
+        name=name,
+        folder=folder,
+        settings=settings,
+        trials=[records[n] for n in sorted(records)],
+        notes=notes,
+        storage=url,
+        study_name=st.study_name,
+    )

@@ -1,0 +1,574 @@
+"""``vramsweep pick``: choose the production config that fits a memory budget and pin it as a Hydra experiment.
+
+Eligible trials: status ``ok``, measured peak ≤ ``budget_gib − headroom_gib`` and (when given) tokens/s ≥
+``min_tokens_per_s``. Ranking:
+
+* ``prefer="quality"``: lowest eval loss, then lower peak memory, then higher tokens/s, then lower trial number;
+* ``prefer="speed"``: highest tokens/s, then lower eval loss, then lower peak memory, then lower trial number.
+
+A missing eval loss / tokens/s ranks last for its key. The winner is written to
+``<conf>/experiment/<name>.yaml`` (``# @package _global_``): ``override /<group>: <option>`` for every config
+group the trial selected, plus explicit values for every other field that differs from what those
+options compose to (all of ``context.*`` and ``train.*``, and every key the trial overrode, are pinned
+regardless). The file is then composed back and compared with the trial's config. ``production.md``
+(sweep folder) says why it won. ``conf/train.yaml`` has no ``experiment`` slot in its defaults list
+(the usual Hydra experiment pattern), so the experiment is appended with ``+experiment=<name>``.
+
+Exit codes of :func:`run_pick`: 0 written; 1 the written experiment did not compose (removed again);
+2 bad input or nothing fits.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vramsweep.report.ablation import atomic_write_text
+from vramsweep.report.load import ReportError, SweepData, TrialRecord, load_sweep, safe_url
+from vramsweep.report.tables import Column, Table, fmt, gib
+
+#: Top-level config keys never pinned (where results go, run name, the sweep that produced the trial).
+UNPINNED_TOP = ("results_dir", "name", "sweep", "hydra")
+#: Sections pinned in full (knob values with no option file of their own).
+ALWAYS_PIN = ("context", "train")
+TRAIN_COMMAND = "vramsweep train +experiment={name}"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]*$")
+PREFER = ("quality", "speed")
+TOP_N = 5
+
+
+# ---------------------------------------------------------------------------------------------
+# selection
+# ---------------------------------------------------------------------------------------------
+def rank_key(trial: TrialRecord, prefer: str) -> tuple:
+    """Sort key: smaller is better (see the module docstring for the order)."""
+    inf = math.inf
+    loss = trial.eval_loss if trial.eval_loss is not None else inf
+    tps = -trial.tokens_per_s if trial.tokens_per_s is not None else inf
+    peak = trial.peak_bytes if trial.peak_bytes is not None else inf
+    if prefer == "speed":
+        return (tps, loss, peak, trial.number)
+    return (loss, peak, tps, trial.number)
+
+
+def eligible(sweep: SweepData, limit_gib: float, min_tokens_per_s: float | None) -> list[TrialRecord]:
+    """Ok trials with a measured peak ≤ ``limit_gib`` and (optionally) enough throughput."""
+    out = []
+    for t in sweep.trials:
+        if not t.ok or t.peak_gib is None or t.peak_gib > limit_gib:
+            continue
+        if min_tokens_per_s is not None and (t.tokens_per_s is None or t.tokens_per_s < min_tokens_per_s):
+            continue
+        out.append(t)
+    return out
+
+
+def closest(
+    sweep: SweepData, limit_gib: float, min_tokens_per_s: float | None, n: int = 3
+) -> list[tuple[TrialRecord, str]]:
+    """The ``n`` measured ok trials nearest to eligibility (smallest excess over the limit first)."""
+    scored = []
+    for t in sweep.trials:
+        if not t.ok or t.peak_gib is None:
+            continue
+        over = max(0.0, t.peak_gib - limit_gib)
+        short = 0.0
+        why = []
+        if over > 0:
+            why.append(f"{over:.4f} GiB over")
+        if min_tokens_per_s is not None:
+            tps = t.tokens_per_s
+            if tps is None or tps < min_tokens_per_s:
+                short = 1.0 if tps is None else (min_tokens_per_s - tps) / min_tokens_per_s
+                why.append(
+                    "tokens/s not measured" if tps is None else f"tokens/s {tps:.1f} < {min_tokens_per_s:g}"
+                )
+        scored.append(((over, short, t.peak_gib, t.number), t, ", ".join(why)))
+    scored.sort(key=lambda x: x[0])
+    return [(t, why) for _, t, why in scored[:n]]
+
+
+# ---------------------------------------------------------------------------------------------
+# experiment file
+# ---------------------------------------------------------------------------------------------
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Leaves of nested dicts as ``{"a.b": value}`` (lists are leaves)."""
+    if not isinstance(node, dict):
+        return {prefix: node} if prefix else {}
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[parts[-1]] = value
+
+
+def compose_in(conf_dir: Path, overrides: list[str]) -> dict[str, Any]:
+    """Compose ``<conf_dir>/train.yaml`` with ``overrides`` (no rules: the trial already passed them).
+
+    Mirrors :func:`vramsweep.config.compose` for an explicit conf folder. Raises ReportError.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from vramsweep.config.schema import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir.resolve()), version_base=None):
+            cfg = hydra_compose(config_name="train", overrides=list(overrides))
+        container = OmegaConf.to_container(cfg, resolve=True)
+    except Exception as exc:
+        text = " ".join(str(exc).split())
+        raise ReportError(f"cannot compose {' '.join(overrides) or 'the defaults'}: {text}") from exc
+    finally:
+        GlobalHydra.instance().clear()
+    return container if isinstance(container, dict) else {}
+
+
+@dataclass
+class ExperimentSpec:
+    """What the experiment file selects (group options) and pins (values)."""
+
+    groups: list[tuple[str, str]]
+    pinned: dict[str, Any]
+    skipped: list[str] = field(default_factory=list)
+    checked_keys: list[str] = field(default_factory=list)
+
+
+def _yaml_scalar(text: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def build_experiment(trial: TrialRecord, conf_dir: Path) -> ExperimentSpec:
+    """Group options + pinned values that make ``+experiment=<name>`` compose to ``trial.config``."""
+    cfg = trial.config or {}
+    overridden = set(trial.override_map)
+    if not cfg:
+        # No composed config recorded (study-only trial): the overrides are all we know.
+        groups, pinned = [], {}
+        for k, v in trial.override_map.items():
+            if "." not in k and (conf_dir / k / f"{v}.yaml").is_file():
+                groups.append((k, v))
+            elif "." in k:
+                _set(pinned, k, _yaml_scalar(v))
+        return ExperimentSpec(groups, pinned, [], [k for k in trial.override_map])
+    groups = []
+    for section, value in cfg.items():
+        if section in UNPINNED_TOP or not isinstance(value, dict):
+            continue
+        name = value.get("name")
+        if isinstance(name, str) and (conf_dir / section / f"{name}.yaml").is_file():
+            groups.append((section, name))
+    base = flatten(compose_in(conf_dir, [f"{g}={o}" for g, o in groups]))
+    grouped = {g for g, _ in groups}
+    pinned: dict[str, Any] = {}
+    skipped: list[str] = []
+    checked: list[str] = []
+    for key, value in flatten({k: v for k, v in cfg.items() if k not in UNPINNED_TOP}).items():
+        section = key.split(".")[0]
+        if key not in base:
+            skipped.append(key)
+            continue
+        checked.append(key)
+        if section in grouped and key == f"{section}.name":
+            continue  # selected by the defaults list
+        if section in ALWAYS_PIN or key in overridden or base[key] != value:
+            _set(pinned, key, value)
+    return ExperimentSpec(groups, pinned, skipped, checked)
+
+
+def experiment_yaml(spec: ExperimentSpec, header: list[str]) -> str:
+    """The experiment file text: ``@package _global_`` first, header comments, defaults, pinned values."""
+    from omegaconf import OmegaConf
+
+    lines = ["# @package _global_"] + [f"# {h}" if h else "#" for h in header]
+    if spec.groups:
+        lines.append("defaults:")
+        lines += [f"  - override /{g}: {json.dumps(o)}" for g, o in spec.groups]
+    text = "\n".join(lines) + "\n"
+    if spec.pinned:
+        text += OmegaConf.to_yaml(OmegaConf.create(spec.pinned), sort_keys=False)
+    return text
+
+
+def verify_experiment(conf_dir: Path, name: str, trial: TrialRecord, spec: ExperimentSpec) -> list[str]:
+    """Compose ``+experiment=<name>`` and list every checked key whose value differs from the trial's."""
+    composed = flatten(compose_in(conf_dir, [f"+experiment={name}"]))
+    if trial.config:
+        want = flatten({k: v for k, v in trial.config.items() if k not in UNPINNED_TOP})
+    else:
+        want = {k: _yaml_scalar(v) for k, v in trial.override_map.items() if "." in k}
+        want.update({f"{g}.name": o for g, o in spec.groups})
+    diffs = []
+    for key in spec.checked_keys or list(want):
+        if key not in want:
+            continue
+        if key not in composed or composed[key] != want[key]:
+            diffs.append(f"{key}: trial {want[key]!r}, experiment {composed.get(key, '<missing>')!r}")
+    return diffs
+
+
+# ---------------------------------------------------------------------------------------------
+# production.md
+# ---------------------------------------------------------------------------------------------
+def candidates_table(sweep: SweepData, ranked: list[TrialRecord], budget_gib: float, n: int = TOP_N) -> Table:
+    """The top ``n`` ranked trials; headroom = budget − measured peak."""
+    knobs = sweep.varying_knobs()
+    rows = [
+        {
+            "rank": i + 1,
+            "trial": t.number,
+            "knobs": sweep.knob_label(t, knobs),
+            "peak_gib": t.peak_gib,
+            "headroom_gib": None if t.peak_gib is None else budget_gib - t.peak_gib,
+            "tokens_per_s": t.tokens_per_s,
+            "eval_loss": t.eval_loss,
+            "eval_ppl": t.eval_ppl,
+            "task_score": t.task_score,
+        }
+        for i, t in enumerate(ranked[:n])
+    ]
+    return Table(
+        "candidates",
+        "Top candidates",
+        [
+            Column("rank", lambda r: str(r["rank"])),
+            Column("trial", lambda r: str(r["trial"])),
+            Column("knobs", lambda r: r["knobs"], False),
+            Column("peak GiB", lambda r: gib(r["peak_gib"])),
+            Column("headroom GiB", lambda r: gib(r["headroom_gib"])),
+            Column("tokens/s", lambda r: fmt(r["tokens_per_s"], ".1f")),
+            Column("eval loss", lambda r: fmt(r["eval_loss"], ".4f")),
+            Column("ppl", lambda r: fmt(r["eval_ppl"], ".2f")),
+            Column("task", lambda r: fmt(r["task_score"], ".3f")),
+        ],
+        rows,
+    )
+
+
+def _criterion(prefer: str) -> str:
+    if prefer == "speed":
+        return "highest tokens/s (ties: lower eval loss, lower peak memory, lower trial number)"
+    return "lowest eval loss (ties: lower peak memory, higher tokens/s, lower trial number)"
+
+
+def _command(
+    target: str, budget: float, min_tps: float | None, prefer: str, headroom: float, name: str | None
+) -> str:
+    cmd = f"vramsweep pick {safe_url(target)} --budget-gib {budget:g} --prefer {prefer}"
+    if headroom:
+        cmd += f" --headroom-gib {headroom:g}"
+    if min_tps is not None:
+        cmd += f" --min-tokens-per-s {min_tps:g}"
+    if name:
+        cmd += f" --name {name}"
+    return cmd
+
+
+def production_md(
+    sweep: SweepData,
+    winner: TrialRecord,
+    ranked: list[TrialRecord],
+    *,
+    budget_gib: float,
+    headroom_gib: float,
+    min_tokens_per_s: float | None,
+    prefer: str,
+    exp_path: Path,
+    name: str,
+    command: str,
+    warnings: list[str],
+) -> str:
+    """The ``production.md`` text."""
+    limit = budget_gib - headroom_gib
+    peak = winner.peak_gib or 0.0
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    cond = f"peak ≤ {budget_gib:g} GiB budget − {headroom_gib:g} GiB headroom = {limit:g} GiB"
+    if min_tokens_per_s is not None:
+        cond += f", tokens/s ≥ {min_tokens_per_s:g}"
+    n_ok = sum(t.ok for t in sweep.trials)
+    lines = [
+        f"# Production config: {sweep.name}, {budget_gib:g} GiB",
+        "",
+        f"Chosen by `{command}` on {stamp}.",
+        "",
+        f"**Trial {winner.number}** won: {_criterion(prefer)} among {len(ranked)} eligible trial(s) "
+        f"({cond}) out of {len(sweep.trials)} ({n_ok} ok).",
+        "",
+        f"Experiment: `{exp_path}`; train it with `{TRAIN_COMMAND.format(name=name)}`.",
+        "",
+        "| measure | value |",
+        "|---|---|",
+        f"| measured peak | {peak:.4f} GiB ({winner.memory_kind or 'kind not recorded'}) |",
+        f"| budget | {budget_gib:g} GiB (headroom asked {headroom_gib:g} GiB) |",
+        f"| headroom vs budget | {budget_gib - peak:.4f} GiB ({(budget_gib - peak) / budget_gib * 100:.1f} %) |",
+        f"| tokens/s | {fmt(winner.tokens_per_s, '.1f') or 'not measured'} |",
+        f"| eval loss | {fmt(winner.eval_loss, '.4f') or 'not measured'} |",
+        f"| eval ppl | {fmt(winner.eval_ppl, '.2f') or 'not measured'} |",
+        f"| task score | {fmt(winner.task_score, '.3f') or 'not measured'} |",
+        f"| estimate | {gib(winner.estimate_gib) + ' GiB' if winner.estimate_gib is not None else 'none recorded'} |",
+        f"| overrides | `{' '.join(winner.overrides) or '(none)'}` |",
+        "",
+        "## Top candidates",
+        "",
+        candidates_table(sweep, ranked, budget_gib).markdown(),
+        "",
+    ]
+    meta = winner.meta or {}
+    lines += ["## Versions", "", "| item | value |", "|---|---|"]
+    for key in ("device", "git_sha", "seed", "started", "wall_s"):
+        if meta.get(key) is not None:
+            lines.append(f"| {key} | {meta[key]} |")
+    versions = meta.get("versions") if isinstance(meta.get("versions"), dict) else {}
+    for k in sorted(versions):
+        lines.append(f"| {k} | {versions[k]} |")
+    if not meta:
+        lines.append("| (none recorded) | |")
+    lines.append("")
+    if warnings:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+# ---------------------------------------------------------------------------------------------
+def default_name(sweep_name: str, budget_gib: float) -> str:
+    """``<sweep>_<budget>gib`` with a file-safe sweep name (``15.5`` -> ``15p5``)."""
+    slug = re.sub(r"[^A-Za-z0-9_\-]+", "_", sweep_name).strip("_-") or "sweep"
+    return f"{slug}_{f'{budget_gib:g}'.replace('.', 'p')}gib"
+
+
+def _err(msg: str) -> int:
+    print(f"vramsweep pick: {msg}", file=sys.stderr)
+    return 2
+
+
+def _check_args(
+    budget_gib: float, min_tokens_per_s: float | None, prefer: str, headroom_gib: float
+) -> str | None:
+    if not isinstance(budget_gib, int | float) or not math.isfinite(budget_gib) or budget_gib <= 0:
+        return f"--budget-gib must be a positive number (got {budget_gib!r})"
+    if not isinstance(headroom_gib, int | float) or not math.isfinite(headroom_gib) or headroom_gib < 0:
+        return f"--headroom-gib must be ≥ 0 (got {headroom_gib!r})"
+    if headroom_gib >= budget_gib:
+        return f"--headroom-gib {headroom_gib:g} leaves nothing of --budget-gib {budget_gib:g}"
+    if min_tokens_per_s is not None and (not math.isfinite(min_tokens_per_s) or min_tokens_per_s < 0):
+        return f"--min-tokens-per-s must be ≥ 0 (got {min_tokens_per_s!r})"
+    if prefer not in PREFER:
+        return f"--prefer {prefer!r} is not known (allowed: {', '.join(PREFER)})"
+    return None
+
+
+def run_pick(
+    target: str,
+    *,
+    budget_gib: float,
+    min_tokens_per_s: float | None = None,
+    prefer: str = "quality",
+    headroom_gib: float = 0.0,
+    name: str | None = None,
+    conf_dir: str | None = None,
+    study: str | None = None,
+) -> int:
+    """Pick the best trial that fits ``budget_gib`` and write ``conf/experiment/<name>.yaml`` + ``production.md``.
+
+    Args:
+        target: sweep folder, ``sweep.json``/``study.db``, or Optuna storage URL.
+        budget_gib: memory budget (GiB) the config must fit.
+        min_tokens_per_s: optional throughput floor.
+        prefer: ``quality`` (lowest eval loss) or ``speed`` (highest tokens/s).
+        headroom_gib: keep this much of the budget free.
+        name: experiment name (default ``<sweep>_<budget>gib``).
+        conf_dir: config folder to write into (default :func:`vramsweep.config.compose.conf_dir`).
+        study: study name for storage targets holding several studies.
+
+    Returns:
+        0 written; 1 the written experiment failed to compose (file removed); 2 bad input or nothing fits.
+    """
+    prefer = str(prefer).lower()
+    problem = _check_args(budget_gib, min_tokens_per_s, prefer, headroom_gib)
+    if problem:
+        return _err(problem)
+    if name is not None:
+        name = name[:-5] if name.endswith(".yaml") else name
+        if not NAME_RE.match(name):
+            return _err(
+                f"--name {name!r} must be letters, digits, '_' or '-' (it becomes conf/experiment/<name>.yaml)"
+            )
+    if conf_dir is None:
+        from vramsweep.config.compose import conf_dir as default_conf_dir
+
+        conf = default_conf_dir()
+    else:
+        conf = Path(conf_dir)
+    if not (conf / "train.yaml").is_file():
+        return _err(f"{conf} is not a vramsweep conf folder (no train.yaml)")
+    try:
+        sweep = load_sweep(target, study=study)
+    except ReportError as exc:
+        return _err(str(exc))
+    limit = budget_gib - headroom_gib
+    ranked = sorted(eligible(sweep, limit, min_tokens_per_s), key=lambda t: rank_key(t, prefer))
+    if not ranked:
+        return _nothing_fits(sweep, budget_gib, headroom_gib, limit, min_tokens_per_s)
+
+    winner = ranked[0]
+    command = _command(target, budget_gib, min_tokens_per_s, prefer, headroom_gib, name)
+    name = name or default_name(sweep.name, budget_gib)
+    try:
+        spec = build_experiment(winner, conf)
+    except ReportError as exc:
+        return _err(f"cannot pin trial {winner.number}: {exc}")
+    warnings: list[str] = []
+    if spec.skipped:
+        warnings.append(
+            "not pinned (unknown to this conf, so this checkout cannot set them): " + ", ".join(spec.skipped)
+        )
+    if not winner.config:
+        warnings.append(f"trial {winner.number} has no recorded config: pinned from its overrides only")
+    if winner.memory_kind == "cpu_tracked":
+        warnings.append(
+            "peak measured on CPU (tracked tensors): a GPU adds CUDA context and allocator slack; "
+            "compare `vramsweep estimate` for the target card"
+        )
+    header = [
+        f"Pinned by `{command}`",
+        f"on {_dt.datetime.now(_dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}: trial {winner.number} of sweep '{sweep.name}', "
+        f"{_criterion(prefer)}",
+        f"among {len(ranked)} ok trial(s) with peak <= {limit:g} GiB"
+        + (f" and tokens/s >= {min_tokens_per_s:g}" if min_tokens_per_s is not None else "")
+        + ".",
+        f"Measured: peak {winner.peak_gib:.4f} GiB, tokens/s {fmt(winner.tokens_per_s, '.1f') or 'n/a'}, "
+        f"eval loss {fmt(winner.eval_loss, '.4f') or 'n/a'}.",
+        f"Train it: {TRAIN_COMMAND.format(name=name)}",
+    ]
+    exp_dir = conf / "experiment"
+    exp_path = exp_dir / f"{name}.yaml"
+    existed = exp_path.exists()
+    try:
+        atomic_write_text(exp_path, experiment_yaml(spec, header))
+    except OSError as exc:
+        return _err(f"cannot write {exp_path}: {exc}")
+    try:
+        diffs = verify_experiment(conf, name, winner, spec)
+    except ReportError as exc:
+        exp_path.unlink(missing_ok=True)
+        print(
+            f"vramsweep pick: the experiment for trial {winner.number} does not compose, removed {exp_path}: {exc}",
+            file=sys.stderr,
+        )
+        return 1
+    if diffs:
+        warnings.append("composing the experiment does not reproduce every value: " + "; ".join(diffs))
+    out_dir = sweep.folder if sweep.folder is not None else Path.cwd()
+    prod_path = out_dir / "production.md"
+    try:
+        atomic_write_text(
+            prod_path,
+            production_md(
+                sweep,
+                winner,
+                ranked,
+                budget_gib=budget_gib,
+                headroom_gib=headroom_gib,
+                min_tokens_per_s=min_tokens_per_s,
+                prefer=prefer,
+                exp_path=exp_path,
+                name=name,
+                command=command,
+                warnings=warnings,
+            ),
+        )
+    except OSError as exc:
+        return _err(f"cannot write {prod_path}: {exc}")
+
+    print(
+        f"Picked trial {winner.number} of {sweep.name} for {budget_gib:g} GiB (prefer {prefer}): "
+        f"peak {winner.peak_gib:.4f} GiB (headroom {budget_gib - winner.peak_gib:.4f} GiB), "
+        f"{fmt(winner.tokens_per_s, '.1f') or 'n/a'} tokens/s, eval loss {fmt(winner.eval_loss, '.4f') or 'n/a'}"
+    )
+    print(candidates_table(sweep, ranked, budget_gib).markdown())
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    print(f"{'overwrote' if existed else 'wrote'} {exp_path}")
+    print(f"wrote {prod_path}")
+    print(f"train it: {TRAIN_COMMAND.format(name=name)}")
+    return 0
+
+
+def _nothing_fits(
+    sweep: SweepData, budget_gib: float, headroom_gib: float, limit: float, min_tokens_per_s: float | None
+) -> int:
+    cond = f"{budget_gib:g} GiB" + (f" − {headroom_gib:g} GiB headroom" if headroom_gib else "")
+    if min_tokens_per_s is not None:
+        cond += f" with tokens/s ≥ {min_tokens_per_s:g}"
+    if not sweep.trials:
+        where = sweep.folder if sweep.folder is not None else sweep.name
+        return _err(f"no trial results in {where}: nothing to pick from")
+    near = closest(sweep, limit, min_tokens_per_s)
+    print(
+        f"vramsweep pick: nothing fits {cond}: {len(sweep.trials)} trial(s), "
+        f"{sum(t.ok for t in sweep.trials)} ok; nothing written.",
+        file=sys.stderr,
+    )
+    if not near:
+        from collections import Counter
+
+        counts = Counter(t.status for t in sweep.trials)
+        print(
+            "no ok trial measured a peak (" + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ")",
+            file=sys.stderr,
+        )
+        return 2
+    knobs = sweep.varying_knobs()
+    table = Table(
+        "closest",
+        "Closest",
+        [
+            Column("trial", lambda r: str(r["trial"])),
+            Column("knobs", lambda r: r["knobs"], False),
+            Column("peak GiB", lambda r: gib(r["peak_gib"])),
+            Column("tokens/s", lambda r: fmt(r["tokens_per_s"], ".1f")),
+            Column("eval loss", lambda r: fmt(r["eval_loss"], ".4f")),
+            Column("why not", lambda r: r["why"], False),
+        ],
+        [
+            {
+                "trial": t.number,
+                "knobs": sweep.knob_label(t, knobs),
+                "peak_gib": t.peak_gib,
+                "tokens_per_s": t.tokens_per_s,
+                "eval_loss": t.eval_loss,
+                "why": why,
+            }
+            for t, why in near
+        ],
+    )
+    print(f"closest {len(near)}:", file=sys.stderr)
+    print(table.markdown(), file=sys.stderr)
+    return 2

@@ -1,0 +1,663 @@
+"""Report tables: trials, one-factor ablation, stacking, failures, estimate error, best feasible.
+
+Each table is a :class:`Table`: raw rows (numbers unformatted, for CSV and W&B) plus display columns
+(formatted strings, for Markdown and the terminal). Definitions used throughout:
+
+* memory in GiB = ``peak_memory_bytes / 2**30``; feasible = status ``ok`` and peak ≤ budget (when a
+  budget is set); only feasible trials can be best or on the Pareto front;
+* design points with seed repeats report mean ± sample standard deviation (n−1) over their ``ok``
+  repeats; Δ columns compare means (Δ % relative to the reference mean);
+* estimate error % = (estimate − measured) / measured × 100 (positive = over-prediction).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import statistics
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vramsweep.report.load import (
+    REPEAT_KEYS,
+    SweepData,
+    TrialRecord,
+    display_value,
+    norm_value,
+    override_dict,
+)
+
+# ---------------------------------------------------------------------------------------------
+# formatting
+# ---------------------------------------------------------------------------------------------
+
+
+def fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    """Format a number with ``spec`` (e.g. ``.4f``, ``+.1f``); empty string for None."""
+    return "" if value is None else f"{value:{spec}}{suffix}"
+
+
+def fmt_pm(mean: float | None, std: float | None, spec: str) -> str:
+    """``mean ± std`` (std only when repeats exist)."""
+    if mean is None:
+        return ""
+    return f"{mean:{spec}} ± {std:{spec}}" if std is not None else f"{mean:{spec}}"
+
+
+def gib(v: float | None) -> str:
+    return fmt(v, ".4f")
+
+
+def _clip(text: str | None, n: int = 200) -> str:
+    text = " ".join(str(text or "").split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+@dataclass
+class Column:
+    """A display column: header and a function from a raw row to its cell text."""
+
+    header: str
+    cell: Callable[[dict[str, Any]], str]
+    numeric: bool = True
+
+
+@dataclass
+class Table:
+    """One report table: raw rows for CSV/W&B, display columns for Markdown."""
+
+    name: str
+    title: str
+    columns: list[Column]
+    rows: list[dict[str, Any]]
+    intro: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def cells(self) -> list[list[str]]:
+        return [[c.cell(r) for c in self.columns] for r in self.rows]
+
+    def markdown(self) -> str:
+        """A padded GitHub pipe table (readable in a terminal too)."""
+        headers = [c.header.replace("|", "\\|") for c in self.columns]
+        body = [[cell.replace("|", "\\|") for cell in row] for row in self.cells()]
+        widths = [max([len(h)] + [len(row[i]) for row in body]) for i, h in enumerate(headers)]
+        widths = [max(w, 3) for w in widths]
+
+        def line(cells: list[str]) -> str:
+            out = []
+            for i, cell in enumerate(cells):
+                out.append(cell.rjust(widths[i]) if self.columns[i].numeric else cell.ljust(widths[i]))
+            return "| " + " | ".join(out) + " |"
+
+        sep = (
+            "|"
+            + "|".join(
+                ("-" * (w + 1) + ":") if c.numeric else ("-" * (w + 2)) for w, c in zip(widths, self.columns)
+            )
+            + "|"
+        )
+        return "\n".join([line(headers), sep] + [line(r) for r in body])
+
+    def raw_columns(self) -> list[str]:
+        keys: dict[str, None] = {}
+        for r in self.rows:
+            for k in r:
+                keys.setdefault(k)
+        return list(keys)
+
+
+def csv_text(tables: Iterable[Table]) -> str:
+    """All tables in one CSV: a leading ``table`` column, then the union of raw keys (empty = n/a)."""
+    tables = list(tables)
+    columns: dict[str, None] = {"table": None}
+    for t in tables:
+        for k in t.raw_columns():
+            columns.setdefault(k)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(columns), lineterminator="\n")
+    writer.writeheader()
+    for t in tables:
+        for r in t.rows:
+            row = {"table": t.name}
+            for k, v in r.items():
+                if v is None:
+                    row[k] = ""
+                elif isinstance(v, list | tuple):
+                    row[k] = " ".join(str(x) for x in v)
+                elif isinstance(v, float):
+                    row[k] = repr(v)
+                else:
+                    row[k] = str(v)
+            writer.writerow(row)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics
+# ---------------------------------------------------------------------------------------------
+_STAT_METRICS: dict[str, Callable[[TrialRecord], float | None]] = {
+    "peak_gib": lambda t: t.peak_gib,
+    "tokens_per_s": lambda t: t.tokens_per_s,
+    "eval_loss": lambda t: t.eval_loss,
+    "eval_ppl": lambda t: t.eval_ppl,
+}
+
+
+def mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    """Mean and sample std (n−1); std None for fewer than two values."""
+    if not values:
+        return None, None
+    mean = statistics.fmean(values)
+    return mean, (statistics.stdev(values) if len(values) >= 2 else None)
+
+
+def aggregate(trials: list[TrialRecord]) -> dict[str, Any]:
+    """Mean/std of the measured metrics over the ``ok`` trials of one design point."""
+    ok = [t for t in trials if t.ok]
+    failed = Counter(t.status for t in trials if not t.ok)
+    out: dict[str, Any] = {
+        "n": len(trials),
+        "n_ok": len(ok),
+        "failed": ", ".join(f"{n} {s}" for s, n in sorted(failed.items())),
+        "trials": [t.number for t in trials],
+    }
+    for key, get in _STAT_METRICS.items():
+        values = [v for v in (get(t) for t in ok) if v is not None]
+        out[f"{key}_mean"], out[f"{key}_std"] = mean_std(values)
+    return out
+
+
+def _delta(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def _pct(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else (a - b) / b * 100.0
+
+
+def _n_cell(r: dict[str, Any]) -> str:
+    text = f"{r['n_ok']}/{r['n']}"
+    return f"{text} ({r['failed']})" if r.get("failed") else text
+
+
+def _trials_cell(r: dict[str, Any]) -> str:
+    return ",".join(str(n) for n in r["trials"])
+
+
+def pareto_front(trials: Iterable[TrialRecord], objectives: list[tuple[str, str]]) -> list[TrialRecord]:
+    """Non-dominated trials over ``objectives`` ((metric, minimize|maximize)); trials missing a value are out."""
+    points = []
+    for t in trials:
+        vals = [t.metric(m) for m, _ in objectives]
+        if any(v is None for v in vals):
+            continue
+        points.append((t, [v if d == "minimize" else -v for v, (_, d) in zip(vals, objectives)]))  # type: ignore[operator]
+
+    def dominates(a: list[float], b: list[float]) -> bool:
+        return all(x <= y for x, y in zip(a, b)) and any(x < y for x, y in zip(a, b))
+
+    return [t for t, v in points if not any(dominates(w, v) for _, w in points)]
+
+
+# ---------------------------------------------------------------------------------------------
+# design points (ablation / stacking)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class DesignPoint:
+    label: str
+    change: list[str]
+    trials: list[TrialRecord] = field(default_factory=list)
+    step: int | None = None
+
+
+def _value_for(trial: TrialRecord, key: str) -> str | None:
+    om = trial.override_map
+    if key in om:
+        return norm_value(om[key])
+    v = trial.knob_value(key)
+    return None if v is None else norm_value(v)
+
+
+def _matches(
+    trial: TrialRecord, expected: dict[str, str], keys: set[str], changed: dict[str, set[str]]
+) -> bool:
+    """True when ``trial`` ran exactly ``expected`` on ``keys`` (keys not expected keep their non-design value)."""
+    for k in keys:
+        if k in REPEAT_KEYS:
+            continue
+        v = _value_for(trial, k)
+        if k in expected:
+            if v != norm_value(expected[k]):
+                return False
+        elif v is not None and v in changed.get(k, set()):
+            return False
+    return True
+
+
+def _derive_allowed(sweep: SweepData, kind: str) -> bool:
+    design = str(sweep.settings.get("design") or "").lower()
+    return design in ("", kind)
+
+
+def ablation_points(sweep: SweepData) -> tuple[DesignPoint, list[DesignPoint]] | None:
+    """Baseline and one-factor points from ``meta.design`` roles, else derived from ``sweep.json``."""
+    baseline = DesignPoint("baseline", [str(o) for o in sweep.settings.get("baseline") or []])
+    factors: dict[tuple[str, ...], DesignPoint] = {}
+    for change in sweep.settings.get("factors") or []:
+        ch = [str(o) for o in (change if isinstance(change, list | tuple) else [change])]
+        factors.setdefault(tuple(ch), DesignPoint(" ".join(ch), ch))
+    derive = _derive_allowed(sweep, "ablation") and sweep.settings.get("baseline") is not None and factors
+    b = override_dict(baseline.change)
+    keys = set(b)
+    changed: dict[str, set[str]] = {}
+    for ch in factors:
+        for k, v in override_dict(ch).items():
+            keys.add(k)
+            changed.setdefault(k, set()).add(norm_value(v))
+    for t in sweep.trials:
+        d = t.design
+        if d is not None:
+            if d.get("kind") != "ablation":
+                continue
+            if d.get("role") == "baseline":
+                baseline.trials.append(t)
+            else:
+                ch = [str(o) for o in d.get("change") or []]
+                factors.setdefault(tuple(ch), DesignPoint(" ".join(ch) or "(no change)", ch)).trials.append(t)
+            continue
+        if not derive:
+            continue
+        if _matches(t, b, keys, changed):
+            baseline.trials.append(t)
+            continue
+        for ch, point in factors.items():
+            if _matches(t, {**b, **override_dict(ch)}, keys, changed):
+                point.trials.append(t)
+                break
+    if not baseline.trials and not any(p.trials for p in factors.values()):
+        return None
+    return baseline, [p for p in factors.values() if p.trials]
+
+
+def stacking_points(sweep: SweepData) -> list[DesignPoint] | None:
+    """Stacking steps in order (step 0 = baseline) from ``meta.design``, else derived from ``sweep.json``."""
+    stack = [str(o) for o in sweep.settings.get("stack") or []]
+    points: dict[int, DesignPoint] = {}
+    derive = _derive_allowed(sweep, "stacking") and bool(stack)
+    base = override_dict(sweep.settings.get("baseline") or [])
+    expected: list[dict[str, str]] = []
+    cur = dict(base)
+    expected.append(dict(cur))
+    for o in stack:
+        cur.update(override_dict([o]))
+        expected.append(dict(cur))
+    keys = set(base) | set(override_dict(stack))
+    changed: dict[str, set[str]] = {}
+    for o in stack:
+        for k, v in override_dict([o]).items():
+            changed.setdefault(k, set()).add(norm_value(v))
+    for t in sweep.trials:
+        d = t.design
+        if d is not None:
+            if d.get("kind") != "stacking" or not isinstance(d.get("step"), int):
+                continue
+            step = int(d["step"])
+            added = d.get("added")
+            label = str(added) if added else ("(baseline)" if step == 0 else f"step {step}")
+            applied = [str(o) for o in d.get("applied") or []]
+            points.setdefault(step, DesignPoint(label, applied, step=step)).trials.append(t)
+            continue
+        if not derive:
+            continue
+        # The last step a trial matches wins (a later step can coincide with an earlier one's values).
+        for step in range(len(expected) - 1, -1, -1):
+            if _matches(t, expected[step], keys, changed):
+                label = stack[step - 1] if step > 0 else "(baseline)"
+                points.setdefault(step, DesignPoint(label, stack[:step], step=step)).trials.append(t)
+                break
+    if not points:
+        return None
+    return [points[s] for s in sorted(points)]
+
+
+# ---------------------------------------------------------------------------------------------
+# tables
+# ---------------------------------------------------------------------------------------------
+def _fits_text(sweep: SweepData, t: TrialRecord) -> str:
+    if not t.ok:
+        return "no"
+    f = sweep.fits(t)
+    return "n/a" if f is None else ("yes" if f else "no")
+
+
+def trials_table(sweep: SweepData) -> Table:
+    knobs = sweep.varying_knobs()
+    rows = []
+    for t in sweep.trials:
+        r: dict[str, Any] = {"trial": t.number, "status": t.status}
+        for k in knobs:
+            r[k] = t.knob_value(k)
+        r.update(
+            {
+                "peak_gib": t.peak_gib,
+                "peak_memory_bytes": t.peak_bytes,
+                "memory_kind": t.memory_kind,
+                "tokens_per_s": t.tokens_per_s,
+                "eval_loss": t.eval_loss,
+                "eval_ppl": t.eval_ppl,
+                "task_score": t.task_score,
+                "estimate_gib": t.estimate_gib,
+                "estimate_error_pct": t.estimate_error_pct,
+                "budget_gib": sweep.trial_budget_gib(t),
+                "fits": _fits_text(sweep, t),
+                "feasible": sweep.feasible(t),
+                "reason": t.reason,
+                "overrides": list(t.overrides),
+            }
+        )
+        rows.append(r)
+    cols = [Column("trial", lambda r: str(r["trial"])), Column("status", lambda r: r["status"], False)]
+    for k in knobs:
+        cols.append(Column(k, (lambda key: lambda r: display_value(r[key]))(k), False))
+    cols += [
+        Column("peak GiB", lambda r: gib(r["peak_gib"])),
+        Column("tokens/s", lambda r: fmt(r["tokens_per_s"], ".1f")),
+        Column("eval loss", lambda r: fmt(r["eval_loss"], ".4f")),
+        Column("ppl", lambda r: fmt(r["eval_ppl"], ".2f")),
+        Column("task", lambda r: fmt(r["task_score"], ".3f")),
+        Column("est GiB", lambda r: gib(r["estimate_gib"])),
+        Column("est err %", lambda r: fmt(r["estimate_error_pct"], "+.1f")),
+        Column("fits", lambda r: r["fits"], False),
+    ]
+    budget = sweep.budget_gib
+    intro = (
+        f"Budget {budget:g} GiB: fits = status ok and peak ≤ budget."
+        if budget is not None
+        else "No memory budget set (sweep.json budget_gib / hardware.budget_gib are 0): fits = n/a."
+    )
+    return Table("trials", "Trials", cols, rows, intro=intro)
+
+
+def _point_row(point: DesignPoint, ref: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+    r = {**extra, **aggregate(point.trials)}
+    if ref is not None:
+        r["d_peak_gib"] = _delta(r["peak_gib_mean"], ref["peak_gib_mean"])
+        r["d_peak_pct"] = _pct(r["peak_gib_mean"], ref["peak_gib_mean"])
+        r["d_tokens_per_s_pct"] = _pct(r["tokens_per_s_mean"], ref["tokens_per_s_mean"])
+        r["d_eval_loss"] = _delta(r["eval_loss_mean"], ref["eval_loss_mean"])
+    else:
+        r.update({"d_peak_gib": None, "d_peak_pct": None, "d_tokens_per_s_pct": None, "d_eval_loss": None})
+    return r
+
+
+def ablation_table(sweep: SweepData) -> Table | None:
+    found = ablation_points(sweep)
+    if found is None:
+        return None
+    baseline, factors = found
+    base_row = _point_row(baseline, None, change="baseline", role="baseline")
+    ref = base_row if baseline.trials else None
+    rows = [base_row] if baseline.trials else []
+    rows += [_point_row(p, ref, change=p.label, role="factor") for p in factors]
+    cols = [
+        Column("change", lambda r: r["change"], False),
+        Column("n ok", _n_cell, False),
+        Column("peak GiB", lambda r: fmt_pm(r["peak_gib_mean"], r["peak_gib_std"], ".4f")),
+        Column("Δ mem GiB", lambda r: fmt(r["d_peak_gib"], "+.4f")),
+        Column("Δ mem %", lambda r: fmt(r["d_peak_pct"], "+.1f")),
+        Column("tokens/s", lambda r: fmt_pm(r["tokens_per_s_mean"], r["tokens_per_s_std"], ".1f")),
+        Column("Δ tok/s %", lambda r: fmt(r["d_tokens_per_s_pct"], "+.1f")),
+        Column("eval loss", lambda r: fmt_pm(r["eval_loss_mean"], r["eval_loss_std"], ".4f")),
+        Column("Δ eval loss", lambda r: fmt(r["d_eval_loss"], "+.4f")),
+        Column("trials", _trials_cell, False),
+    ]
+    b = " ".join(baseline.change) or "(overrides of the baseline trials)"
+    intro = f"Each change applied alone to the baseline `{b}`. Values: mean ± std over ok seed repeats."
+    notes = []
+    if not baseline.trials:
+        notes.append("No baseline trial found: Δ columns are empty.")
+    elif not base_row["n_ok"]:
+        notes.append("Every baseline trial failed: Δ columns are empty.")
+    return Table("ablation", "One-factor ablation", cols, rows, intro=intro, notes=notes)
+
+
+def stacking_table(sweep: SweepData) -> Table | None:
+    points = stacking_points(sweep)
+    if points is None:
+        return None
+    rows: list[dict[str, Any]] = []
+    start: dict[str, Any] | None = None
+    prev: dict[str, Any] | None = None
+    for p in points:
+        r = _point_row(p, prev, step=p.step, added=p.label, applied=list(p.change))
+        r = {("d_prev" + k[1:] if k.startswith("d_") else k): v for k, v in r.items()}
+        r["d_start_peak_pct"] = _pct(r["peak_gib_mean"], start["peak_gib_mean"]) if start else None
+        r["d_start_tokens_per_s_pct"] = (
+            _pct(r["tokens_per_s_mean"], start["tokens_per_s_mean"]) if start else None
+        )
+        if start is None:
+            start = r
+        prev = r
+        rows.append(r)
+    cols = [
+        Column("step", lambda r: str(r["step"])),
+        Column("added", lambda r: r["added"], False),
+        Column("n ok", _n_cell, False),
+        Column("peak GiB", lambda r: fmt_pm(r["peak_gib_mean"], r["peak_gib_std"], ".4f")),
+        Column("Δ prev GiB", lambda r: fmt(r["d_prev_peak_gib"], "+.4f")),
+        Column("Δ prev %", lambda r: fmt(r["d_prev_peak_pct"], "+.1f")),
+        Column("tokens/s", lambda r: fmt_pm(r["tokens_per_s_mean"], r["tokens_per_s_std"], ".1f")),
+        Column("Δ prev tok/s %", lambda r: fmt(r["d_prev_tokens_per_s_pct"], "+.1f")),
+        Column("eval loss", lambda r: fmt_pm(r["eval_loss_mean"], r["eval_loss_std"], ".4f")),
+        Column("mem vs start %", lambda r: fmt(r["d_start_peak_pct"], "+.1f")),
+        Column("tok/s vs start %", lambda r: fmt(r["d_start_tokens_per_s_pct"], "+.1f")),
+        Column("trials", _trials_cell, False),
+    ]
+    intro = (
+        "Optimisations added one at a time, in order; each row is the cumulative config after that step. "
+        "Δ prev compares with the step before (empty when either is unmeasured)."
+    )
+    return Table("stacking", "Stacking", cols, rows, intro=intro)
+
+
+def failures_table(sweep: SweepData) -> Table:
+    knobs = sweep.varying_knobs()
+    rows = []
+    for t in sweep.trials:
+        if t.ok:
+            if sweep.fits(t) is False:
+                budget = sweep.trial_budget_gib(t)
+                peak = t.peak_gib
+                why = (
+                    f"peak {peak:.4f} GiB > budget {budget:g} GiB"
+                    if peak is not None
+                    else f"peak not measured (budget {budget:g} GiB)"
+                )
+                rows.append(
+                    {
+                        "trial": t.number,
+                        "class": "over_budget",
+                        "reason": why,
+                        "knobs": sweep.knob_label(t, knobs),
+                    }
+                )
+            continue
+        rows.append(
+            {"trial": t.number, "class": t.status, "reason": t.reason, "knobs": sweep.knob_label(t, knobs)}
+        )
+    cols = [
+        Column("trial", lambda r: str(r["trial"])),
+        Column("class", lambda r: r["class"], False),
+        Column("knobs", lambda r: r["knobs"], False),
+        Column("reason", lambda r: _clip(r["reason"]), False),
+    ]
+    counts = Counter(r["class"] for r in rows)
+    intro = (
+        "None: every trial finished ok within the budget."
+        if not rows
+        else "Trials that cannot be best: " + ", ".join(f"{n} {c}" for c, n in sorted(counts.items())) + "."
+    )
+    return Table("failures", "Failures and infeasible trials", cols, rows, intro=intro)
+
+
+def estimate_tables(sweep: SweepData) -> tuple[Table, Table] | None:
+    """Per-trial and per-knob estimate error, for trials with both an estimate and a measured peak."""
+    knobs = sweep.varying_knobs()
+    with_est = [t for t in sweep.trials if t.estimate_error_pct is not None]
+    if not with_est:
+        return None
+    rows = [
+        {
+            "trial": t.number,
+            "knobs": sweep.knob_label(t, knobs),
+            "estimate_gib": t.estimate_gib,
+            "peak_gib": t.peak_gib,
+            "error_gib": _delta(t.estimate_gib, t.peak_gib),
+            "error_pct": t.estimate_error_pct,
+            "memory_kind": t.memory_kind,
+        }
+        for t in with_est
+    ]
+    per_trial = Table(
+        "estimate_error",
+        "Estimate error per trial",
+        [
+            Column("trial", lambda r: str(r["trial"])),
+            Column("knobs", lambda r: r["knobs"], False),
+            Column("estimate GiB", lambda r: gib(r["estimate_gib"])),
+            Column("measured GiB", lambda r: gib(r["peak_gib"])),
+            Column("error GiB", lambda r: fmt(r["error_gib"], "+.4f")),
+            Column("error %", lambda r: fmt(r["error_pct"], "+.1f")),
+        ],
+        rows,
+        intro="error % = (estimate − measured) / measured × 100; positive = over-prediction.",
+    )
+    krows = []
+    for k in (k for k in knobs if k not in REPEAT_KEYS):
+        groups: dict[str, list[float]] = {}
+        for t in with_est:
+            groups.setdefault(display_value(t.knob_value(k)), []).append(t.estimate_error_pct)  # type: ignore[arg-type]
+        for value, errs in groups.items():
+            krows.append(
+                {
+                    "knob": k,
+                    "value": value,
+                    "n": len(errs),
+                    "mean_error_pct": statistics.fmean(errs),
+                    "mean_abs_error_pct": statistics.fmean(abs(e) for e in errs),
+                    "max_abs_error_pct": max(abs(e) for e in errs),
+                }
+            )
+    per_knob = Table(
+        "estimate_error_by_knob",
+        "Estimate error per knob",
+        [
+            Column("knob", lambda r: r["knob"], False),
+            Column("value", lambda r: r["value"], False),
+            Column("n", lambda r: str(r["n"])),
+            Column("mean error %", lambda r: fmt(r["mean_error_pct"], "+.1f")),
+            Column("mean abs error %", lambda r: fmt(r["mean_abs_error_pct"], ".1f")),
+            Column("max abs error %", lambda r: fmt(r["max_abs_error_pct"], ".1f")),
+        ],
+        krows,
+    )
+    return per_trial, per_knob
+
+
+_METRIC_FORMAT: dict[str, Callable[[float], str]] = {
+    "peak_memory_bytes": lambda v: f"{v / 1024**3:.4f} GiB",
+    "tokens_per_s": lambda v: f"{v:.1f}",
+    "eval_loss": lambda v: f"{v:.4f}",
+    "eval_ppl": lambda v: f"{v:.2f}",
+}
+
+
+def metric_text(metric: str, value: float | None) -> str:
+    if value is None:
+        return ""
+    return _METRIC_FORMAT.get(metric, lambda v: f"{v:.6g}")(value)
+
+
+def best_table(sweep: SweepData) -> Table:
+    """Best feasible trial per objective (ties: lower trial number) and the feasible Pareto front."""
+    knobs = sweep.varying_knobs()
+    feasible = [t for t in sweep.trials if sweep.feasible(t)]
+    rows = []
+    for metric, direction in sweep.objectives:
+        cands = [t for t in feasible if t.metric(metric) is not None]
+        if not cands:
+            rows.append(
+                {"objective": metric, "direction": direction, "trial": None, "value": None, "knobs": ""}
+            )
+            continue
+        sign = 1.0 if direction == "minimize" else -1.0
+        best = min(cands, key=lambda t: (sign * t.metric(metric), t.number))  # type: ignore[operator]
+        rows.append(
+            {
+                "objective": metric,
+                "direction": direction,
+                "trial": best.number,
+                "value": best.metric(metric),
+                "knobs": sweep.knob_label(best, knobs),
+            }
+        )
+    front = pareto_front(feasible, sweep.objectives)
+    objs = ", ".join(f"{m} {'↓' if d == 'minimize' else '↑'}" for m, d in sweep.objectives)
+    intro = (
+        f"Feasible trials only ({len(feasible)} of {len(sweep.trials)}). "
+        f"Pareto front over {objs}: " + (", ".join(f"#{t.number}" for t in front) or "empty") + "."
+    )
+    return Table(
+        "best",
+        "Best feasible",
+        [
+            Column("objective", lambda r: r["objective"], False),
+            Column("direction", lambda r: r["direction"], False),
+            Column("trial", lambda r: "" if r["trial"] is None else str(r["trial"])),
+            Column("value", lambda r: metric_text(r["objective"], r["value"])),
+            Column("knobs", lambda r: r["knobs"], False),
+        ],
+        rows,
+        intro=intro,
+    )
+
+
+@dataclass
+class Report:
+    """Every table of a sweep report, keyed by name, plus the sweep it came from."""
+
+    sweep: SweepData
+    tables: dict[str, Table]
+    notes: list[str] = field(default_factory=list)
+    importances: Any = None  # vramsweep.report.importance.Importances when computed
+
+    @property
+    def main(self) -> Table:
+        """The table printed to the terminal: ablation, else stacking, else trials."""
+        for name in ("ablation", "stacking", "trials"):
+            if name in self.tables:
+                return self.tables[name]
+        raise KeyError("no tables")
+
+
+def build_tables(sweep: SweepData) -> Report:
+    """All tables for ``sweep`` (which must have at least one trial)."""
+    tables: dict[str, Table] = {}
+    tables["best"] = best_table(sweep)
+    ab = ablation_table(sweep)
+    if ab is not None:
+        tables["ablation"] = ab
+    st = stacking_table(sweep)
+    if st is not None:
+        tables["stacking"] = st
+    tables["trials"] = trials_table(sweep)
+    tables["failures"] = failures_table(sweep)
+    est = estimate_tables(sweep)
+    notes = list(sweep.notes)
+    if est is not None:
+        tables["estimate_error"], tables["estimate_error_by_knob"] = est
+    else:
+        notes.append("No trial recorded a memory estimate beside a measured peak: no estimate-error table.")
+    return Report(sweep=sweep, tables=tables, notes=notes)
