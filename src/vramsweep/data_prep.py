@@ -17,7 +17,6 @@ class TrialData:
     eval: list
     pad_id: int
     stats: dict = field(default_factory=dict)
-    corpus_texts: list[str] = field(default_factory=list)
 
 
 def load_documents(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
@@ -42,14 +41,6 @@ def load_documents(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
     return docs[:-n_eval], docs[-n_eval:]
 
 
-def doc_texts(docs: list[dict]) -> list[str]:
-    out = []
-    for doc in docs:
-        for s in doc["sections"]:
-            out.append(f"{s.get('heading', '')}\n{s['text']}")
-    return out
-
-
 def build_trial_data(cfg: DictConfig, tokenizer: Any) -> TrialData:
     """Examples for training and held-out eval, truncated to ``context.max_tokens`` as configured."""
     from vramsweep.data.examples import build_examples, examples_stats
@@ -70,10 +61,4 @@ def build_trial_data(cfg: DictConfig, tokenizer: Any) -> TrialData:
     if not ev:
         raise ValueError("the eval documents produced no examples (need documents with >= 2 sections)")
     stats = {"train": examples_stats(train), "eval": examples_stats(ev)}
-    return TrialData(
-        train=train,
-        eval=ev,
-        pad_id=int(tokenizer.pad_token_id),
-        stats=stats,
-        corpus_texts=doc_texts(train_docs) + doc_texts(eval_docs),
-    )
+    return TrialData(train=train, eval=ev, pad_id=int(tokenizer.pad_token_id), stats=stats)

@@ -19,9 +19,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 # Bump when the generator, tokenizer recipe or pre-training recipe changes (invalidates caches).
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 PRETRAIN_SEED = 7
-PRETRAIN_LR = 3e-3
+PRETRAIN_LR = 4e-3
 
 
 def _key(mcfg: DictConfig) -> str:
@@ -86,7 +86,10 @@ def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dic
     steps, batch, seq = int(mcfg.pretrain_steps), int(mcfg.pretrain_batch), int(mcfg.pretrain_seq_len)
     n_docs = max(16, math.ceil(steps * batch * seq / 2500))  # ~1 epoch of ~2.5k-token documents
     texts = pretrain_texts(n_docs, PRETRAIN_SEED)
-    tokenizer = train_tokenizer(texts, vocab_size=int(mcfg.vocab_size))
+    tokenizer = train_tokenizer(texts, vocab_size=int(mcfg.vocab_size), min_frequency=1)
+    if len(tokenizer) != int(mcfg.vocab_size):
+        # Like real checkpoints, the embedding may have more rows than the tokenizer has tokens; say so.
+        print(f"note: the tokenizer has {len(tokenizer)} tokens, the model {mcfg.vocab_size} embedding rows")
     blocks = _pretrain_blocks(tokenizer, texts, seq)
     config = hf_config(mcfg)
     config.bos_token_id = tokenizer.bos_token_id
@@ -127,6 +130,7 @@ def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dic
         "pretrain_docs": n_docs,
         "pretrain_tokens": int(steps * batch * seq),
         "pretrain_blocks": int(blocks.shape[0]),
+        "tokenizer_tokens": len(tokenizer),
         "loss_first": losses[0],
         "loss_last_10_mean": sum(losses[-10:]) / len(losses[-10:]),
         "weights_sha256": weights_digest(model),

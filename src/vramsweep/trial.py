@@ -283,12 +283,10 @@ def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> 
     if cfg.vocab.mode != "full":
         from vramsweep.build.vocab import kept_ids
 
+        # The ids the model will actually see: every train and eval example as built (after truncation).
+        seen = [e.input_ids for e in data.train] + [e.input_ids for e in data.eval]
         keep_ids = kept_ids(
-            tokenizer,
-            data.corpus_texts,
-            mode=str(cfg.vocab.mode),
-            top_k=int(cfg.vocab.top_k),
-            reserve=int(cfg.vocab.reserve),
+            tokenizer, seen, mode=str(cfg.vocab.mode), top_k=int(cfg.vocab.top_k), reserve=int(cfg.vocab.reserve)
         )
     built = build_model(cfg, keep_ids=keep_ids)
     model, device = built.model, built.device
@@ -299,8 +297,9 @@ def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> 
         from vramsweep.build.vocab import remap_examples
 
         fallback = str(cfg.vocab.fallback)
-        data.train = remap_examples(data.train, built.id_map, fallback=fallback)
-        data.eval = remap_examples(data.eval, built.id_map, fallback=fallback)
+        names = tokenizer.convert_ids_to_tokens
+        data.train = remap_examples(data.train, built.id_map, fallback=fallback, id_to_token=names)
+        data.eval = remap_examples(data.eval, built.id_map, fallback=fallback, id_to_token=names)
         pad_id = int(built.id_map.encode([pad_id])[0])
 
     ga, mb = int(t.grad_accum), int(t.micro_batch)

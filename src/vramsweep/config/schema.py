@@ -46,7 +46,7 @@ class ModelConfig:
     source: str = "embedded"  # embedded | path | arch
     path: Optional[str] = None  # local HF folder when source=path (never downloaded)
     family: str = "qwen3"  # qwen3 | llama (architecture used for source=embedded/arch)
-    vocab_size: int = 4096
+    vocab_size: int = 3072
     hidden_size: int = 256
     intermediate_size: int = 768
     num_layers: int = 4
@@ -58,7 +58,7 @@ class ModelConfig:
     rope_theta: float = 1000000.0
     rms_norm_eps: float = 1e-6
     # Embedded model only: pre-training budget for the cached base model.
-    pretrain_steps: int = 150
+    pretrain_steps: int = 100
     pretrain_seq_len: int = 256
     pretrain_batch: int = 8
 
