@@ -286,7 +286,11 @@ def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> 
         # The ids the model will actually see: every train and eval example as built (after truncation).
         seen = [e.input_ids for e in data.train] + [e.input_ids for e in data.eval]
         keep_ids = kept_ids(
-            tokenizer, seen, mode=str(cfg.vocab.mode), top_k=int(cfg.vocab.top_k), reserve=int(cfg.vocab.reserve)
+            tokenizer,
+            seen,
+            mode=str(cfg.vocab.mode),
+            top_k=int(cfg.vocab.top_k),
+            reserve=int(cfg.vocab.reserve),
         )
     built = build_model(cfg, keep_ids=keep_ids)
     model, device = built.model, built.device

@@ -168,7 +168,7 @@ class TrainConfig:
     steps: int = 30  # optimizer steps
     micro_batch: int = 2
     grad_accum: int = 1
-    lr: float = 1e-3
+    lr: float = 3e-3
     schedule: str = "cosine"
     warmup_steps: int = 2
     max_grad_norm: float = 1.0

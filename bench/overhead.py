@@ -1,0 +1,217 @@
+"""Engine overhead: our trial vs (a) a minimal PEFT loop and (b) a plain TRL SFTTrainer script.
+
+All three train the same config (default: embedded tiny Qwen3, bf16, LoRA r16 all-linear, sdpa,
+micro-batch 2, context 512) on the same pre-built batches, alternating in fresh subprocesses
+(``--rounds`` times), so machine load hits all of them alike. Printed: tokens/s per engine per round,
+the median ratios vs the minimal loop, and the tracked peak memory ratio (ours vs minimal loop, same
+tracker, same warm-up steps).
+
+Run:  python bench/overhead.py [--steps 20] [--rounds 2] [overrides ...]
+Goal: ours >= 0.95x the minimal loop's tokens/s and <= 1.02x its peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _cfg(overrides):
+    from vramsweep.config import compose
+
+    return compose(list(overrides))
+
+
+def run_ours(overrides, steps):
+    from vramsweep.trial import run_trial
+
+    cfg = _cfg([*overrides, f"train.steps={steps}", "logger=none"])
+    res = run_trial(cfg)
+    assert res["status"] == "ok", res["reason"]
+    m = res["metrics"]
+    return {"tokens_per_s": m["tokens_per_s"], "peak": m["peak_memory_bytes"]}
+
+
+def _prepared(overrides, steps):
+    """Model, optimizer, scheduler and micro-batches built exactly as the trial builds them."""
+    import random
+
+    import torch
+
+    from vramsweep.build import build_model, build_optimizer, build_scheduler
+    from vramsweep.build.model import model_source
+    from vramsweep.data_prep import build_trial_data
+    from vramsweep.trial import _batches, _collate
+
+    cfg = _cfg([*overrides, f"train.steps={steps}"])
+    random.seed(int(cfg.train.seed))
+    torch.manual_seed(int(cfg.train.seed))
+    _, tok = model_source(cfg)
+    data = build_trial_data(cfg, tok)
+    built = build_model(cfg)
+    micro = _batches(data.train, int(cfg.train.micro_batch), steps, int(cfg.train.seed))
+    batches = [_collate(b, data.pad_id) for b in micro]
+    params = [p for p in built.model.parameters() if p.requires_grad]
+    opt, _ = build_optimizer(cfg, params)
+    sched = build_scheduler(cfg, opt)
+    return cfg, built.model, opt, sched, params, batches
+
+
+def run_minimal(overrides, steps):
+    import torch
+
+    from vramsweep.measure import TensorMemoryTracker
+
+    cfg, model, opt, sched, params, batches = _prepared(overrides, steps)
+    model.train()
+    warm = int(cfg.train.measure_warmup_steps)
+    tracker = TensorMemoryTracker(model, opt)
+    tokens, t0 = 0, None
+    for i, b in enumerate(batches):
+        if i == warm:
+            tracker.close()
+            t0 = time.perf_counter()
+        ctx = tracker if i < warm else _Null()
+        with ctx:
+            loss = model(
+                input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]
+            ).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            if i < warm:
+                with tracker.optimizer_phase():
+                    opt.step()
+            else:
+                opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        if i >= warm:
+            tokens += int(b["attention_mask"].sum())
+    return {"tokens_per_s": tokens / (time.perf_counter() - t0), "peak": tracker.peak_bytes}
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def run_trl(overrides, steps):
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    cfg, model, opt, sched, params, batches = _prepared(overrides, steps)
+    rows = []
+    for b in batches:
+        for r in range(b["input_ids"].shape[0]):
+            n = int(b["attention_mask"][r].sum())
+            ids = b["input_ids"][r, :n].tolist()
+            lab = b["labels"][r, :n].tolist()
+            rows.append({"input_ids": ids, "completion_mask": [int(x != -100) for x in lab]})
+    ds = Dataset.from_list(rows)
+    warm = int(cfg.train.measure_warmup_steps)
+    state = {"t0": None, "tokens": 0}
+    mb = int(cfg.train.micro_batch)
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, st, control, **kw):
+            if st.global_step == warm:
+                state["t0"] = time.perf_counter()
+
+        def on_step_end(self, args, st, control, **kw):
+            if st.global_step > warm:
+                i = st.global_step - 1
+                state["tokens"] += sum(len(r["input_ids"]) for r in rows[i * mb : (i + 1) * mb])
+
+    args = SFTConfig(
+        output_dir="/tmp/vramsweep-trl-bench",
+        per_device_train_batch_size=mb,
+        max_steps=steps,
+        learning_rate=float(cfg.train.lr),
+        lr_scheduler_type=str(cfg.train.schedule),
+        warmup_steps=int(cfg.train.warmup_steps),
+        logging_steps=1000,
+        save_strategy="no",
+        report_to=[],
+        bf16=cfg.train.dtype == "bf16",
+        use_cpu=True,
+        completion_only_loss=True,
+        max_length=int(cfg.context.max_tokens),
+        dataloader_num_workers=0,
+        gradient_checkpointing=bool(cfg.checkpointing.enabled),
+        shuffle_dataset=False,
+        seed=int(cfg.train.seed),
+    )
+    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, optimizers=(opt, sched))
+    trainer.train()
+    return {"tokens_per_s": state["tokens"] / (time.perf_counter() - state["t0"]), "peak": None}
+
+
+ENGINES = {"ours": run_ours, "minimal": run_minimal, "trl": run_trl}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--engines", default="ours,minimal,trl")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    if a.child:
+        out = ENGINES[a.child](a.overrides, a.steps)
+        print("RESULT " + json.dumps(out))
+        return 0
+    engines = a.engines.split(",")
+    res: dict[str, list[dict]] = {e: [] for e in engines}
+    for rnd in range(a.rounds):
+        for e in engines:
+            p = subprocess.run(
+                [sys.executable, __file__, "--child", e, "--steps", str(a.steps), *a.overrides],
+                capture_output=True,
+                text=True,
+            )
+            line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+            if p.returncode or not line:
+                print(f"[round {rnd}] {e}: FAILED\n{p.stderr[-2000:]}")
+                continue
+            r = json.loads(line[0][7:])
+            res[e].append(r)
+            print(
+                f"[round {rnd}] {e:8s} {r['tokens_per_s']:8.1f} tokens/s  peak {r['peak'] / 2**20 if r['peak'] else float('nan'):7.1f} MiB",
+                flush=True,
+            )
+    import torch
+
+    print(
+        f"\nconfig: defaults {' '.join(a.overrides)}; steps {a.steps}; device cpu, torch threads {torch.get_num_threads()}"
+    )
+    base = res.get("minimal")
+    if base:
+        b_tps = statistics.median(r["tokens_per_s"] for r in base)
+        b_peak = statistics.median(r["peak"] for r in base)
+        for e in engines:
+            if e == "minimal" or not res[e]:
+                continue
+            ratio = statistics.median(r["tokens_per_s"] for r in res[e]) / b_tps
+            line = f"{e}/minimal tokens/s ratio: {ratio:.3f}"
+            if res[e][0]["peak"]:
+                line += f"   peak memory ratio: {statistics.median(r['peak'] for r in res[e]) / b_peak:.3f}"
+            print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
