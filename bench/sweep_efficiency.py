@@ -1,0 +1,221 @@
+"""Sweep efficiency: exhaustive grid vs our default sampler (multivariate TPE + median pruning).
+
+Space (48 configs): ``quant`` {none, nf4} x ``adapter.r`` {4, 16, 64} x ``train.lr`` {1e-4, 3e-4, 1e-3,
+3e-3} x ``checkpointing`` {off, on}; objective: minimize ``eval_loss``; constraint: ``hardware.budget_gib``
+(peaks above it are infeasible). Both arms run through the real sweeper (fork-server trial processes,
+SQLite study, our outcome rules).
+
+* Grid arm: all 48 points, no pruning. Its cost is the sum of the 48 trials' seconds; its answer is
+  the best feasible config.
+* Search arm (our defaults, per seed): trials run in chunks of 8 (the sweep is resumed with a larger
+  ``n_trials``: resume runs exactly the remainder) until a feasible trial within ``--tol`` of the grid's
+  best value completes; its cost is the trial-seconds spent until then (pruned trials cost what they
+  ran; repeated points cost nothing).
+
+Printed: the ratio search / grid per seed and its median. Goal: <= 0.2.
+
+Trial-seconds come from each trial's ``meta.wall_s``. Two trial functions:
+
+* ``--trial fake`` (default; seconds): the deterministic fake landscape of
+  ``vramsweep.sweeper.fake`` with *simulated* seconds (steps run x modelled step time), no model. It
+  is a surrogate of the real knobs' effects (memory from precision/rank/checkpointing, loss from
+  learning rate/rank/precision, cost from precision/checkpointing), used so the bench runs in a minute.
+* ``--trial real``: the real tiny-model trial (``vramsweep.trial``) with very few steps (``--steps``,
+  default 10) on CPU and its measured wall time: ~48 x 20-60 s for the grid alone on 2 cores.
+
+Run:  python bench/sweep_efficiency.py [--trial fake|real] [--seeds 5] [--tol 0.005]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+SPACE = [
+    "quant=none,nf4",
+    "adapter.r=4,16,64",
+    "train.lr=1e-4,3e-4,1e-3,3e-3",
+    "checkpointing=off,on",
+]
+N_POINTS = 48
+
+
+def _trials(root: Path, name: str) -> list[dict]:
+    d = root / "sweeps" / name / "trials"
+    return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"), key=lambda p: int(p.stem))]
+
+
+def _feasible_value(r: dict) -> float | None:
+    opt = (r.get("meta") or {}).get("optuna") or {}
+    if opt.get("state") != "COMPLETE" or (opt.get("constraint") or 0.0) > 0:
+        return None
+    return float(opt["values"][0])
+
+
+def _cost(r: dict) -> float:
+    return float((r.get("meta") or {}).get("wall_s") or 0.0)
+
+
+def _run(args: list[str]) -> None:
+    """One sweeper run; its own output is kept out of the bench's (shown only on failure)."""
+    import contextlib
+    import io
+
+    from vramsweep.sweeper import run_multirun
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = run_multirun(args)
+    if rc != 0:
+        print(buf.getvalue())
+        raise SystemExit(f"sweep failed (exit {rc}): {' '.join(args)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trial", choices=["fake", "real"], default="fake")
+    ap.add_argument("--seeds", type=int, default=5, help="search-arm repetitions (TPE seeds)")
+    ap.add_argument(
+        "--tol", type=float, default=0.005, help="relative tolerance: 'within noise' of the grid best"
+    )
+    ap.add_argument("--steps", type=int, default=10, help="optimizer steps per trial (real: keep small)")
+    ap.add_argument(
+        "--budget-gib",
+        type=float,
+        default=None,
+        help="default: fake 0.06 (the lowest-loss config is over it), real: none",
+    )
+    ap.add_argument("--chunk", type=int, default=8, help="search trials per resumed run")
+    ap.add_argument("--out", default="results/bench/sweep_efficiency.json")
+    ap.add_argument("--workdir", default=None, help="keep the sweeps here (default: a temp dir)")
+    args = ap.parse_args(argv)
+
+    eval_every = max(1, args.steps // 5)
+    common = [
+        *SPACE,
+        f"train.steps={args.steps}",
+        f"train.eval_every={eval_every}",
+        "train.warmup_steps=0",
+        "hydra.sweeper.progress=false",
+    ]
+    env_fake = {}
+    if args.trial == "fake":
+        budget = 0.06 if args.budget_gib is None else args.budget_gib
+        common += [
+            "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+            "hydra.sweeper.preload=[vramsweep.sweeper.fake]",
+        ]
+        env_fake = {"step_s": 1.0}
+    else:
+        budget = 0.0 if args.budget_gib is None else args.budget_gib
+        common += [
+            "train.eval_batches=1",
+            "train.measure_warmup_steps=1",
+            "data.num_docs=4",
+            "data.num_eval_docs=1",
+            "context.max_tokens=128",
+        ]
+    if budget:
+        common.append(f"hardware.budget_gib={budget}")
+    os.environ["VRAMSWEEP_FAKE"] = json.dumps(env_fake)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.workdir or tmp).resolve()
+        # ---- grid arm
+        _run(
+            [
+                *common,
+                f"results_dir={root}",
+                "hydra.sweeper.sampler=grid",
+                "hydra.sweeper.pruner=none",
+                "hydra.sweeper.study_name=grid",
+            ]
+        )
+        grid = _trials(root, "grid")
+        assert len(grid) == N_POINTS, len(grid)
+        grid_cost = sum(_cost(r) for r in grid)
+        feasible = [(v, r) for r in grid if (v := _feasible_value(r)) is not None]
+        best_v, best_r = min(feasible, key=lambda x: x[0])
+        target = best_v + abs(best_v) * args.tol
+        near = sum(v <= target for v, _ in feasible)
+        print(
+            f"grid: {N_POINTS} trials, {grid_cost:.1f} trial-s; {len(feasible)} feasible; best eval_loss "
+            f"{best_v:.4f} ({' '.join(best_r['overrides'][-4:])}); {near} config(s) within {args.tol:.1%}"
+        )
+
+        # ---- search arm: our defaults
+        rows = []
+        for seed in range(args.seeds):
+            name = f"search{seed}"
+            spent, found_at, n = 0.0, None, 0
+            while found_at is None and n < N_POINTS:
+                n = min(N_POINTS, n + args.chunk)
+                _run(
+                    [
+                        *common,
+                        f"results_dir={root}",
+                        f"hydra.sweeper.seed={seed}",
+                        f"hydra.sweeper.n_trials={n}",
+                        f"hydra.sweeper.study_name={name}",
+                    ]
+                )
+                spent = 0.0
+                for r in _trials(root, name):
+                    spent += _cost(r)
+                    v = _feasible_value(r)
+                    if v is not None and v <= target:
+                        found_at = r["trial"]
+                        break
+            trials = _trials(root, name)
+            pruned = sum(r["status"] == "pruned" for r in trials[: (found_at or n) + 1])
+            ratio = spent / grid_cost if found_at is not None else float("inf")
+            rows.append(
+                {
+                    "seed": seed,
+                    "found_at_trial": found_at,
+                    "trial_seconds": round(spent, 2),
+                    "pruned_before": pruned,
+                    "ratio": round(ratio, 4),
+                }
+            )
+            print(
+                f"search seed {seed}: found at trial {found_at} after {spent:.1f} trial-s ({pruned} pruned) "
+                f"-> ratio {ratio:.3f}"
+            )
+    med = statistics.median(r["ratio"] for r in rows)
+    print(f"sweep efficiency ({args.trial} trials): median ratio search/grid = {med:.3f} (goal <= 0.2)")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "trial": args.trial,
+                "space": SPACE,
+                "n_points": N_POINTS,
+                "budget_gib": budget,
+                "steps": args.steps,
+                "tol": args.tol,
+                "grid_trial_seconds": round(grid_cost, 2),
+                "grid_best_eval_loss": best_v,
+                "search": rows,
+                "median_ratio": med,
+            },
+            indent=2,
+        )
+    )
+    print(f"written: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

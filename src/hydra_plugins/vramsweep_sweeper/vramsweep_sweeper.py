@@ -1,0 +1,51 @@
+"""The Hydra ``Sweeper`` subclass: hands the composed config and the command line to the engine."""
+
+from typing import Any
+
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+
+
+class VramsweepSweeper(Sweeper):
+    """Optuna 5 sweeper with fork-server trial isolation, VRAM-budget constraints, pruning and exact resume.
+
+    Hydra instantiates it with the ``hydra.sweeper`` node as keyword arguments; ``sweep()`` gets the
+    task overrides of the command line (``sweep=quant quant=nf4,nf4_dq train.steps=5``). Exits with
+    code 2 (``SystemExit``) when the search space or settings are invalid, before any trial starts,
+    and 1 when the failure-rate cap aborts the sweep.
+    """
+
+    def __init__(self, **settings: Any) -> None:
+        self.settings = settings
+        self.config: DictConfig | None = None
+        self.hydra_context: HydraContext | None = None
+        self.launcher = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config = config
+        self.hydra_context = hydra_context
+        self.task_function = task_function
+
+    def _launcher(self) -> Any:
+        """The configured Hydra launcher (``hydra/launcher=...``), for ``isolation=launcher``."""
+        from hydra.core.plugins import Plugins
+
+        assert self.hydra_context is not None and self.config is not None
+        return Plugins.instance().instantiate_launcher(
+            hydra_context=self.hydra_context, task_function=self.task_function, config=self.config
+        )
+
+    def sweep(self, arguments: list[str]) -> Any:
+        from vramsweep.sweeper import multirun
+        from vramsweep.sweeper.engine import run_sweep
+
+        multirun.SWEEPER_STARTED = True
+        assert self.config is not None
+        sweeper_cfg = OmegaConf.to_container(self.config.hydra.sweeper, resolve=True)
+        task = OmegaConf.masked_copy(self.config, [k for k in self.config.keys() if k != "hydra"])
+        task_cfg = OmegaConf.to_container(task, resolve=True)
+        code = run_sweep(dict(sweeper_cfg), dict(task_cfg), list(arguments), launcher_factory=self._launcher)
+        if code:
+            raise SystemExit(code)
+        return None

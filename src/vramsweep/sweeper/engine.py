@@ -1,0 +1,851 @@
+"""The sweep engine: validate, create the study once, then N worker slots pop trials and run them.
+
+Flow of :func:`run_sweep`:
+
+1. Settings (``hydra.sweeper.*`` + the sweep file's ``sweep:``) and the search space are parsed; every
+   value is composed and range-checked (:mod:`.validate`). Any ConfigError -> exit 2, nothing written.
+2. The sweep folder, ``sweep.json`` and the study are created once (under the storage lock); stale
+   trials of dead workers are reconciled and the study is topped up to ``n_trials`` slots
+   (:mod:`.storage`).
+3. ``n_jobs`` worker threads each pop a slot, let the sampler fill it (or take the design point),
+   run it in a fresh process (:mod:`.runner`), and tell Optuna the outcome (:mod:`.outcome`). A
+   heartbeat thread stamps running trials.
+4. A summary, and ``results: <sweep folder>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vramsweep.config.compose import ConfigError
+from vramsweep.sweeper.design import DesignPoint, build_design, design_choices
+from vramsweep.sweeper.outcome import CONSTRAINT_KEY, Outcome, user_attrs
+from vramsweep.sweeper.progress import Progress, trial_line
+from vramsweep.sweeper.runner import RunReport, TrialSpec, _load_child_result, make_runner
+from vramsweep.sweeper.settings import Settings, resolve_settings
+from vramsweep.sweeper.space import (
+    Param,
+    cli_sweep_params,
+    merge_overrides,
+    override_key,
+    params_to_overrides,
+    parse_params,
+    space_size,
+)
+from vramsweep.sweeper.storage import (
+    FINGERPRINT,
+    HEARTBEAT,
+    OWNER,
+    RETRIES,
+    RETRY_OF,
+    SLOT,
+    is_stale,
+    load_or_create_study,
+    pop_slot,
+    process_identity,
+    storage_lock,
+    top_up,
+    trial_counts,
+)
+
+log = logging.getLogger("vramsweep.sweeper")
+
+DEFAULT_SEARCH_TRIALS = 20
+#: Statuses whose outcome is a property of the config (copied for a duplicate point, not re-run).
+COPYABLE = ("ok", "oom", "unsupported", "infeasible_estimate", "diverged", "pruned")
+
+
+@dataclass
+class Job:
+    """A popped trial, ready to run."""
+
+    trial: Any
+    number: int
+    slot: int
+    overrides: list[str]
+    label: list[str]  # what the point changes, for progress lines
+    design: dict[str, Any]
+    retry_of: int | None = None
+    duplicate_of: int | None = None
+    source: dict[str, Any] | None = None
+
+
+@dataclass
+class Plan:
+    """The validated sweep: settings, fixed overrides, space and (for fixed designs) points."""
+
+    settings: Settings
+    fixed: list[str]
+    dims: list[Param]
+    design: list[DesignPoint] | None
+    n_total: int
+    base_seed: int = 0
+
+
+def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]) -> Plan:
+    """Parse and validate everything; raise ConfigError before anything is written."""
+    from optuna.exceptions import ExperimentalWarning
+
+    from vramsweep.sweeper.validate import compose_base, int_keys, validate_design, validate_space
+
+    warnings.filterwarnings("ignore", category=ExperimentalWarning)  # TPE's `group`, metric names
+
+    cli_params, cli_fixed = cli_sweep_params(arguments)
+    settings = resolve_settings(sweeper_cfg, task_cfg, cli_params=cli_params)
+    pinned = {override_key(o) for o in cli_fixed}
+    params = {k: v for k, v in settings.params.items() if k not in pinned}
+    for k in settings.params:
+        if k in pinned:
+            print(
+                f"vramsweep: {k} is fixed on the command line: removed from the search space", file=sys.stderr
+            )
+    settings.params = params
+    # the sweep file's fixed params first, the command line's fixed overrides last (they win)
+    dims0, fixed_params = parse_params(params)
+    fixed = merge_overrides(fixed_params, cli_fixed)
+    base = compose_base(fixed)
+    dims, _ = parse_params(params, int_keys=int_keys(base, [d.key for d in dims0 if d.kind == "interval"]))
+    settings.budget_gib = float(base.hardware.budget_gib or 0.0)
+    base_seed = int(base.train.seed)
+    if dims:
+        validate_space(fixed, dims)
+    design = build_design(
+        settings.design,
+        dims=dims,
+        baseline=settings.baseline,
+        factors=settings.factors,
+        stack=settings.stack,
+        repeats=settings.repeats,
+        base_seed=base_seed,
+    )
+    if design is not None:
+        if settings.design != "grid":  # a grid's values were all probed above; its combinations run as data
+            validate_design(fixed, design)
+        n_total = len(design) if settings.n_trials is None else min(settings.n_trials, len(design))
+        if settings.n_trials is not None and settings.n_trials > len(design):
+            print(
+                f"vramsweep: the {settings.design} design has {len(design)} points; n_trials={settings.n_trials} "
+                f"capped to {len(design)}",
+                file=sys.stderr,
+            )
+    else:
+        size = space_size(dims)
+        n_total = (
+            settings.n_trials if settings.n_trials is not None else int(min(DEFAULT_SEARCH_TRIALS, size))
+        )
+        from vramsweep.sweeper.samplers import make_sampler
+
+        make_sampler(
+            settings.sampler,
+            seed=settings.seed,
+            n_jobs=settings.n_jobs,
+            n_objectives=len(settings.objectives),
+        )  # fail now on a bad sampler spec
+    from vramsweep.sweeper.samplers import make_pruner
+
+    make_pruner(settings.pruner, active=True)
+    if (
+        settings.pruning_active
+        and int(base.train.eval_every) == 0
+        and not any(override_key(o) == "train.eval_every" for d in (design or []) for o in d.overrides)
+    ):
+        print(
+            "vramsweep: pruning is on but train.eval_every=0 (no intermediate evals): set train.eval_every",
+            file=sys.stderr,
+        )
+    if settings.isolation == "inprocess" and settings.n_jobs > 1:
+        print("vramsweep: isolation=inprocess runs one trial at a time: n_jobs set to 1", file=sys.stderr)
+        settings.n_jobs = 1
+    return Plan(settings, fixed, dims, design, int(n_total), base_seed)
+
+
+def _wall(result: dict[str, Any], fallback: float) -> float:
+    w = (result.get("meta") or {}).get("wall_s")
+    return float(w) if isinstance(w, int | float) else fallback
+
+
+def _design_label(design: dict[str, Any], overrides: list[str]) -> list[str]:
+    """What a design point changes, for progress lines."""
+    rep = [f"(seed repeat {design['repeat']})"] if design.get("repeat") else []
+    if design.get("kind") == "ablation":
+        return (
+            ["(baseline)"] if design.get("role") == "baseline" else list(design.get("change") or [])
+        ) + rep
+    if design.get("kind") == "stacking":
+        return ([f"+{design['added']}"] if design.get("added") else ["(baseline)"]) + rep
+    return list(overrides)
+
+
+def compose_sweep(args: list[str]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """Compose ``conf/train.yaml`` the way ``vramsweep train -m <args>`` would, without running anything.
+
+    Returns:
+        ``(hydra.sweeper node, task config, task arguments)`` as plain containers, ready for
+        :func:`plan_sweep` (tests and tools use this to check sweep files).
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from vramsweep.config.compose import _translate_hydra_error, conf_dir
+    from vramsweep.config.schema import register_configs
+    from vramsweep.sweeper.runner import preserved_global_hydra
+
+    hydra_ovs = [a for a in args if a.lstrip("+").startswith("hydra")]
+    task_args = [a for a in args if a not in hydra_ovs]
+    _, fixed = cli_sweep_params(task_args)
+    if not any(a.startswith("hydra/sweeper=") for a in hydra_ovs):
+        hydra_ovs = ["hydra/sweeper=vramsweep", *hydra_ovs]
+    register_configs()
+    with preserved_global_hydra():
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+                cfg = compose(config_name="train", overrides=[*hydra_ovs, *fixed], return_hydra_config=True)
+        except Exception as exc:
+            raise _translate_hydra_error(exc) from exc
+        finally:
+            GlobalHydra.instance().clear()
+    sweeper = OmegaConf.to_container(cfg.hydra.sweeper, resolve=True)
+    task = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+    return dict(sweeper), dict(OmegaConf.to_container(task, resolve=True)), task_args
+
+
+def plan_from_args(args: list[str]) -> Plan:
+    """:func:`compose_sweep` + :func:`plan_sweep`: the validated plan of ``vramsweep train -m <args>``."""
+    sweeper, task, task_args = compose_sweep(args)
+    return plan_sweep(sweeper, task, task_args)
+
+
+class Sweep:
+    """One sweeper process working on a study (other processes/machines may work on it too)."""
+
+    def __init__(self, plan: Plan, runner: Any = None, launcher_factory: Any = None):
+        self.plan = plan
+        self.s = plan.settings
+        self.trials_dir = self.s.sweep_dir / "trials"
+        self.launcher_factory = launcher_factory
+        if self.s.isolation == "launcher":
+            if launcher_factory is None:
+                raise ConfigError(
+                    "hydra.sweeper.isolation=launcher needs the Hydra sweeper plugin (vramsweep train -m)",
+                    key="hydra.sweeper.isolation",
+                )
+            self.runner = make_runner("inprocess", [])  # only for describe(); trials go through the launcher
+            self.runner.name = "launcher"
+        else:
+            self.runner = runner or make_runner(self.s.isolation, self.s.preload)
+        self.choices = design_choices(plan.design) if plan.design is not None else {}
+        self.identity = process_identity()
+        self.study: Any = None
+        self.admin: Any = None
+        self.storage: Any = None
+        self.progress: Progress | None = None
+        self._ask_lock = threading.Lock()
+        self._tell_lock = threading.Lock()
+        self._running: set[int] = set()
+        self._stop = threading.Event()
+        self.abort = threading.Event()
+        self.interrupted = False
+        self.abort_reason: str | None = None
+        self.finished = 0
+        self.failures = 0
+        self.statuses: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ set-up
+    def result_path(self, number: int) -> Path:
+        return self.trials_dir / f"{number:04d}.json"
+
+    def _slot_attrs(self, k: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        if self.plan.design is None:
+            return {}, {}
+        point = self.plan.design[k]
+        return {"fixed_params": dict(point.params)}, {"design": point.design}
+
+    def _fingerprint(self) -> dict[str, Any]:
+        pts = [p.overrides for p in self.plan.design] if self.plan.design is not None else None
+        return {"design": self.s.design, "points": pts, "fixed": self.plan.fixed}
+
+    def prepare(self) -> None:
+        """Create the folder, ``sweep.json`` and the study; reconcile stale trials; top up the slots."""
+        import optuna
+
+        from vramsweep.record.result import atomic_write_json
+        from vramsweep.sweeper.samplers import make_pruner, make_sampler
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        self.progress = Progress(self.plan.n_total, enabled=self.s.progress)
+        self.trials_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(
+            self.s.sweep_dir / "sweep.json",
+            self.s.public_dict()
+            | {
+                "fixed_overrides": self.plan.fixed,
+                "n_total": self.plan.n_total,
+                "design_points": len(self.plan.design) if self.plan.design is not None else None,
+            },
+        )
+        if self.plan.design is None:
+            sampler = make_sampler(
+                self.s.sampler, seed=self.s.seed, n_jobs=self.s.n_jobs, n_objectives=len(self.s.objectives)
+            )
+        else:
+            sampler = optuna.samplers.RandomSampler(seed=self.s.seed)  # every param is fixed per point
+        pruner = make_pruner(self.s.pruner, active=self.s.pruning_active)
+        self.study = load_or_create_study(self.s, sampler, pruner)
+        self.storage = self.study._storage
+        self.admin = optuna.load_study(
+            study_name=self.s.study_name,
+            storage=self.storage,
+            sampler=optuna.samplers.RandomSampler(),
+            pruner=optuna.pruners.NopPruner(),
+        )
+        with storage_lock(self.s.storage, self.s.study_name):
+            fp = self._fingerprint()
+            stored = self.study.user_attrs.get(FINGERPRINT)
+            if stored is None:
+                self.study.set_user_attr(FINGERPRINT, fp)
+                self.study.set_user_attr(
+                    "sweep",
+                    {
+                        "name": self.s.name,
+                        "design": self.s.design,
+                        "objectives": [o.metric for o in self.s.objectives],
+                    },
+                )
+            elif self.plan.design is not None and stored.get("points") != fp["points"]:
+                raise ConfigError(
+                    f"study '{self.s.study_name}' was started with a different {self.s.design} design; resume needs "
+                    "the same sweep file: use another hydra.sweeper.study_name (and sweep_dir) for a new design",
+                    key="hydra.sweeper.study_name",
+                )
+            elif stored is not None and stored.get("fixed") != fp["fixed"]:
+                self.progress.say(
+                    f"vramsweep: note: this run's fixed overrides {fp['fixed']} differ from the study's first run "
+                    f"{stored.get('fixed')}: new trials use this run's"
+                )
+            self.reconcile()
+            added = top_up(self.study, self.plan.n_total, self._slot_attrs)
+        counts = trial_counts(self.study)
+        done = sum(v for k, v in counts.items() if k in ("COMPLETE", "PRUNED", "FAIL"))
+        self.progress.done = done
+        if done or added < self.plan.n_total:
+            self.progress.say(
+                f"vramsweep: resuming study '{self.s.study_name}': {done}/{self.plan.n_total} finished, "
+                f"{counts.get('WAITING', 0)} to run, {counts.get('RUNNING', 0)} running elsewhere"
+            )
+
+    # ------------------------------------------------------------------ reconciliation
+    def reconcile(self) -> int:
+        """Fail (and retry once) or tell-from-JSON every stale RUNNING trial. Call under the lock."""
+        from optuna.trial import TrialState
+
+        reaped = 0
+        now = time.time()
+        for t in self.admin.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if t._trial_id in self._running or not is_stale(t, self.s.grace_s, now):
+                continue
+            self._reap(t, now)
+            reaped += 1
+        return reaped
+
+    def _reap(self, t: Any, now: float) -> None:
+        import optuna
+
+        from vramsweep.sweeper.runner import parent_side_result
+
+        trial = optuna.Trial(self.admin, t._trial_id)
+        data = _load_child_result(str(self.result_path(t.number)))
+        for tmp in self.trials_dir.glob(f".{t.number:04d}.json.*.tmp"):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        if data is not None:
+            outcome = Outcome.from_dict(data["meta"]["optuna"])
+            self._tell(self.admin, trial, data, outcome)
+            self._say(
+                f"vramsweep: trial {t.number:04d} finished while its worker died: told from its result file"
+            )
+            return
+        slot = t.system_attrs.get(SLOT)
+        retries = int(t.system_attrs.get(RETRIES, 0))
+        will_retry = slot is not None and retries < self.s.retry_stale
+        owner = t.system_attrs.get(OWNER) or {}
+        beat = t.system_attrs.get(HEARTBEAT)
+        age = f"{now - float(beat):.0f} s ago" if beat else "never"
+        reason = (
+            f"stale: the worker running this trial died (host {owner.get('host', '?')} pid {owner.get('pid', '?')}, "
+            f"last heartbeat {age})"
+            + ("; its config is retried once" if will_retry else "; not retried again")
+        )
+        if will_retry:
+            from optuna.trial import TrialState, create_trial
+
+            self.admin.add_trial(
+                create_trial(
+                    state=TrialState.WAITING,
+                    system_attrs={
+                        "fixed_params": dict(t.params),
+                        SLOT: slot,
+                        RETRY_OF: t.number,
+                        RETRIES: retries + 1,
+                    },
+                    user_attrs={
+                        "retry_of": t.number,
+                        **({"design": t.user_attrs["design"]} if "design" in t.user_attrs else {}),
+                    },
+                )
+            )
+        spec = self._spec_for(
+            t.number,
+            t._trial_id,
+            int(slot) if slot is not None else -1,
+            list(t.user_attrs.get("overrides") or []),
+            dict(t.user_attrs.get("design") or {}),
+            t.system_attrs.get(RETRY_OF),
+            worker=0,
+        )
+        res = parent_side_result(spec, reason, 0.0)
+        self._tell(self.admin, trial, res, Outcome.from_dict(res["meta"]["optuna"]))
+        self._say(
+            f"vramsweep: trial {t.number:04d} was left RUNNING by a dead worker: failed"
+            + (" and re-enqueued" if will_retry else "")
+        )
+
+    # ------------------------------------------------------------------ trials
+    def _spec_for(
+        self,
+        number: int,
+        trial_id: int,
+        slot: int,
+        overrides: list[str],
+        design: dict[str, Any],
+        retry_of: int | None,
+        worker: int,
+    ) -> TrialSpec:
+        env = dict(os.environ)
+        if self.s.cuda_devices:
+            env["CUDA_VISIBLE_DEVICES"] = self.s.cuda_devices[worker % len(self.s.cuda_devices)]
+        return TrialSpec(
+            number=number,
+            trial_id=trial_id,
+            slot=slot,
+            overrides=overrides,
+            result_path=str(self.result_path(number)),
+            sweep_name=self.s.name,
+            study_name=self.s.study_name,
+            storage=self.s.storage,
+            objectives=list(self.s.objectives),
+            trial_fn=self.s.trial_fn,
+            design=design,
+            pruner=self.s.pruner,
+            pruning=self.s.pruning_active,
+            budget_gib=self.s.budget_gib,
+            preflight=self.s.preflight,
+            retry_of=retry_of,
+            log_path=None if self.s.isolation == "inprocess" else str(self.trials_dir / f"{number:04d}.log"),
+            parent_pid=os.getpid(),
+            parent_ctime=self.identity.get("ctime"),
+            env=env,
+            cwd=os.getcwd(),
+        )
+
+    @staticmethod
+    def _suggest(trial: Any, d: Param) -> Any:
+        if d.kind == "range" and d.step is not None:
+            return trial.suggest_int(d.key, int(d.values[0]), int(d.values[-1]), step=d.step)
+        if d.discrete:
+            return trial.suggest_categorical(d.key, list(d.values))
+        if d.integer:
+            return trial.suggest_int(d.key, int(d.low), int(d.high), log=d.log)
+        return trial.suggest_float(d.key, float(d.low), float(d.high), log=d.log)
+
+    def _find_duplicate(self, params: dict[str, Any], number: int) -> tuple[int, dict[str, Any]] | None:
+        from optuna.trial import TrialState
+
+        for t in self.study.get_trials(
+            deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+        ):
+            if t.number == number or t.params != params or t.user_attrs.get("status") not in COPYABLE:
+                continue
+            data = _load_child_result(str(self.result_path(t.number)))
+            if data is None:
+                continue
+            return int(t.user_attrs.get("duplicate_of", t.number)), data
+        return None
+
+    def next_job(self) -> Job | None:
+        """Pop a slot and fill in its config; ``None`` when no slot is waiting."""
+        import optuna
+
+        with self._ask_lock:
+            with storage_lock(self.s.storage, self.s.study_name):
+                trial_id = pop_slot(self.study, self.plan.n_total)
+            if trial_id is None:
+                return None
+            self._running.add(trial_id)
+            self.storage.set_trial_system_attr(trial_id, OWNER, self.identity)
+            self.storage.set_trial_system_attr(trial_id, HEARTBEAT, time.time())
+            trial = optuna.Trial(self.study, trial_id)
+            frozen = self.storage.get_trial(trial_id)
+            slot = int(frozen.system_attrs[SLOT])
+            retry_of = frozen.system_attrs.get(RETRY_OF)
+            if self.plan.design is not None:
+                point = self.plan.design[slot]
+                for k in point.params:
+                    trial.suggest_categorical(k, self.choices[k])
+                design = dict(point.design)
+                point_overrides = list(point.overrides)
+                label = _design_label(design, point_overrides)
+            else:
+                params = {d.key: self._suggest(trial, d) for d in self.plan.dims}
+                point_overrides = params_to_overrides(params, self.plan.dims)
+                label = point_overrides
+                design = {"kind": "search"}
+            overrides = merge_overrides(self.plan.fixed, point_overrides)
+            trial.set_user_attr("overrides", overrides)
+            trial.set_user_attr("design", design)
+            job = Job(trial, trial.number, slot, overrides, label, design, retry_of)
+            if self.plan.design is None and self.s.dedup and retry_of is None:
+                dup = self._find_duplicate(trial.params, trial.number)
+                if dup is not None:
+                    job.duplicate_of, job.source = dup
+            return job
+
+    def _copy_duplicate(self, job: Job) -> RunReport:
+        from vramsweep.record.result import atomic_write_json
+
+        res = copy.deepcopy(job.source or {})
+        res["trial"] = job.number
+        meta = res.setdefault("meta", {})
+        meta["duplicate_of"] = job.duplicate_of
+        meta["wall_s"] = 0.0
+        meta["design"] = job.design
+        meta["optuna"] = dict(meta.get("optuna") or {}) | {"trial_number": job.number}
+        atomic_write_json(self.result_path(job.number), res)
+        return RunReport(res, Outcome.from_dict(meta["optuna"]), 0.0, None)
+
+    def _tell(self, study: Any, trial: Any, result: dict[str, Any], outcome: Outcome) -> None:
+        from optuna.exceptions import UpdateFinishedTrialError
+        from optuna.trial import TrialState
+
+        rel = os.path.relpath(self.result_path(trial.number), self.s.sweep_dir)
+        try:
+            for k, v in user_attrs(result, outcome, rel).items():
+                trial.set_user_attr(k, v)
+            if outcome.constraint is not None:
+                trial.set_constraint(CONSTRAINT_KEY, float(outcome.constraint))
+            if outcome.state == "COMPLETE":
+                try:
+                    study.tell(trial, list(outcome.values or []))
+                    return
+                except ValueError as exc:  # belt and braces: never crash on a bad value
+                    trial.set_user_attr("objective_error", str(exc))
+                    study.tell(trial, state=TrialState.FAIL)
+                    return
+            study.tell(trial, state=TrialState[outcome.state])
+        except UpdateFinishedTrialError:
+            self._say(
+                f"vramsweep: trial {trial.number:04d} was already finished by another worker "
+                "(judged stale); its result file is kept"
+            )
+
+    def _say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.say(text)
+        else:
+            print(text, file=sys.stderr)
+
+    def _record(self, job: Job, report: RunReport) -> None:
+        status = str(report.result.get("status"))
+        with self._tell_lock:
+            self._tell(self.study, job.trial, report.result, report.outcome)
+            self._running.discard(job.trial._trial_id)
+            self.finished += 1
+            self.failures += int(report.outcome.failure)
+            self.statuses[status] = self.statuses.get(status, 0) + 1
+            shown = list(job.label)
+            if job.retry_of is not None:
+                shown.append(f"(retry of {job.retry_of:04d})")
+            if job.duplicate_of is not None:
+                shown.append(f"(same point as {job.duplicate_of:04d}: not re-run)")
+            if self.progress is not None:
+                self.progress.finished(
+                    trial_line(job.number, report.result, report.wall_s, self.s.objectives, shown)
+                )
+            if (
+                self.finished >= self.s.min_trials_for_failure_rate
+                and self.failures / self.finished > self.s.max_failure_rate
+                and not self.abort.is_set()
+            ):
+                self.abort_reason = (
+                    f"{self.failures}/{self.finished} trials failed (status error or no objective) "
+                    f"> hydra.sweeper.max_failure_rate={self.s.max_failure_rate}"
+                )
+                self.abort.set()
+
+    def _requeue_interrupted(self, job: Job) -> None:
+        """Ctrl-C: fail the trial and put its config back in its slot, so a re-run does it."""
+        from optuna.trial import TrialState, create_trial
+
+        from vramsweep.sweeper.runner import parent_side_result
+
+        with self._tell_lock, storage_lock(self.s.storage, self.s.study_name):
+            self.study.add_trial(
+                create_trial(
+                    state=TrialState.WAITING,
+                    system_attrs={
+                        "fixed_params": dict(job.trial.params),
+                        SLOT: job.slot,
+                        RETRY_OF: job.number,
+                        RETRIES: 0,
+                    },
+                    user_attrs={"retry_of": job.number, "design": job.design},
+                )
+            )
+            spec = self._spec_for(
+                job.number, job.trial._trial_id, job.slot, job.overrides, job.design, job.retry_of, 0
+            )
+            res = parent_side_result(spec, "interrupted (Ctrl-C): re-enqueued", 0.0)
+            self._tell(self.study, job.trial, res, Outcome.from_dict(res["meta"]["optuna"]))
+            self._running.discard(job.trial._trial_id)
+
+    def worker(self, idx: int) -> None:
+        """One worker slot: pop, run, tell, until no slot is left (or the sweep aborts)."""
+        while not self.abort.is_set():
+            job = self.next_job()
+            if job is None:
+                with storage_lock(self.s.storage, self.s.study_name):
+                    reaped = self.reconcile()
+                if reaped:
+                    continue
+                return
+            if job.duplicate_of is not None:
+                self._record(job, self._copy_duplicate(job))
+                continue
+            spec = self._spec_for(
+                job.number, job.trial._trial_id, job.slot, job.overrides, job.design, job.retry_of, idx
+            )
+            report = self.runner.run(spec, tick_s=1.0, timeout_s=self.s.timeout_s)
+            if self.interrupted:
+                self._requeue_interrupted(job)
+                return
+            self._record(job, report)
+
+    def run_launcher(self) -> None:
+        """``isolation=launcher``: batches of ``n_jobs`` trials through Hydra's launcher (submitit, ...).
+
+        Each job gets ``VRAMSWEEP_TRIAL_SPEC`` (via ``hydra.job.env_set``) pointing at its spec JSON and
+        runs it like a fork-server child: result JSON next to the study, pruning reports through the
+        storage. This process keeps the trials' heartbeat while the launcher waits for them.
+        """
+        from vramsweep.sweeper.runner import SPEC_ENV, parent_side_result, report_from_json, save_spec
+
+        launcher = self.launcher_factory()
+        while not self.abort.is_set():
+            batch: list[tuple[Job, TrialSpec]] = []
+            for _ in range(max(1, self.s.n_jobs)):
+                job = self.next_job()
+                if job is None:
+                    break
+                if job.duplicate_of is not None:
+                    self._record(job, self._copy_duplicate(job))
+                    continue
+                spec = self._spec_for(
+                    job.number, job.trial._trial_id, job.slot, job.overrides, job.design, job.retry_of, 0
+                )
+                spec.env, spec.parent_pid, spec.parent_ctime, spec.log_path = (
+                    {},
+                    0,
+                    None,
+                    None,
+                )  # runs elsewhere
+                batch.append((job, spec))
+            if not batch:
+                with storage_lock(self.s.storage, self.s.study_name):
+                    if self.reconcile():
+                        continue
+                return
+            job_overrides = []
+            for job, spec in batch:
+                path = str(self.s.sweep_dir / "jobs" / f"{job.number:04d}.spec.json")
+                save_spec(spec, path)
+                job_overrides.append(
+                    [
+                        *job.overrides,
+                        f"++hydra.job.env_set.{SPEC_ENV}='{path}'",
+                        f"hydra.sweep.dir='{self.s.sweep_dir}'",
+                    ]
+                )
+            t0 = time.perf_counter()
+            returns = launcher.launch(job_overrides, initial_job_idx=batch[0][0].number)
+            wall = time.perf_counter() - t0
+            for (job, spec), ret in zip(batch, list(returns) + [None] * (len(batch) - len(list(returns)))):
+                data = _load_child_result(spec.result_path)
+                if data is not None:
+                    report = report_from_json(data, _wall(data, wall), None)
+                else:
+                    why = getattr(ret, "_return_value", None) if ret is not None else None
+                    status = getattr(getattr(ret, "status", None), "name", "no return")
+                    reason = f"launcher job ended without a result (job status {status}{f': {why}' if why else ''})"
+                    report = report_from_json(parent_side_result(spec, reason[:1000], wall), wall, None)
+                self._record(job, report)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.s.heartbeat_s):
+            for tid in list(self._running):
+                with contextlib.suppress(Exception):
+                    self.storage.set_trial_system_attr(tid, HEARTBEAT, time.time())
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> int:
+        """Run to completion; returns the exit code (0 done, 1 aborted or interrupted)."""
+        self.prepare()
+        assert self.progress is not None
+        t0 = time.perf_counter()
+        beat = threading.Thread(target=self._heartbeat, name="vramsweep-heartbeat", daemon=True)
+        beat.start()
+        started = False
+        try:
+            n_threads = max(1, self.s.n_jobs)
+            self.progress.say(self.describe())
+            if self.s.isolation == "launcher":
+                self.run_launcher()
+                self._stop.set()
+                self.summary(time.perf_counter() - t0)
+                return 1 if self.abort.is_set() else 0
+            self.runner.start()
+            started = True
+            # Completion is signalled with events, not Thread.join(): a KeyboardInterrupt that lands in
+            # join() can leave CPython's thread state saying "finished" while the worker still runs.
+            done = [threading.Event() for _ in range(n_threads)]
+
+            def work(i: int) -> None:
+                try:
+                    self.worker(i)
+                except BaseException as exc:  # a bug, not a trial failure: stop the sweep, say why
+                    self.abort_reason = f"internal error in worker {i}: {type(exc).__name__}: {exc}"
+                    self.abort.set()
+                    raise
+                finally:
+                    done[i].set()
+
+            for i in range(n_threads):
+                threading.Thread(target=work, args=(i,), name=f"vramsweep-worker-{i}", daemon=True).start()
+            try:
+                while not all(e.is_set() for e in done):
+                    time.sleep(0.2)
+            except KeyboardInterrupt:
+                self.interrupted = True
+                self.abort.set()
+                self.abort_reason = (
+                    "interrupted (Ctrl-C); running trials re-enqueued: re-run the same command to resume"
+                )
+                self.runner.kill_all()
+                while not all(e.is_set() for e in done):
+                    time.sleep(0.2)
+        finally:
+            self._stop.set()
+            if started:
+                self.runner.stop()
+        self.summary(time.perf_counter() - t0)
+        return 1 if self.abort.is_set() else 0
+
+    def describe(self) -> str:
+        """One line: what runs and how (sampler, pruning, isolation, workers)."""
+        s = self.s
+        if s.pruning_active:
+            pruning = f"pruner {s.pruner_name} on {s.objectives[0].metric}"
+        elif s.pruner_name == "none":
+            pruning = "no pruning"
+        elif s.design != "search":
+            pruning = "no pruning (fixed design: every point runs to the end)"
+        else:
+            pruning = "no pruning (needs a single objective eval_loss/eval_ppl; Optuna cannot prune multi-objective)"
+        how = {
+            "fork": f"fork server (preloads {', '.join(s.preload) or 'nothing'})",
+            "spawn": "fresh interpreter",
+            "inprocess": "in-process (debug)",
+            "launcher": "Hydra launcher job",
+        }.get(self.runner.name, self.runner.name)
+        what = f"{s.design} design" if s.design != "search" else f"{s.sampler_name} sampler"
+        objs = ", ".join(f"{o.direction} {o.metric}" for o in s.objectives)
+        budget = f"; budget {s.budget_gib:g} GiB" if s.budget_gib else ""
+        return (
+            f"vramsweep: '{s.name}': {what}, {self.plan.n_total} trials, {objs}{budget}; {pruning}; "
+            f"{s.n_jobs} worker(s), each trial in a {how}"
+        )
+
+    def summary(self, wall_s: float) -> None:
+        """Counts by status, the best feasible trial(s), where the results are."""
+        from optuna.trial import TrialState
+
+        trials = self.study.get_trials(deepcopy=False)
+        retried = {t.system_attrs.get(RETRY_OF) for t in trials} - {None}
+        by_status: dict[str, int] = {}
+        for t in trials:
+            if t.number in retried or t.state in (TrialState.WAITING, TrialState.RUNNING):
+                continue
+            st = str(t.user_attrs.get("status", t.state.name.lower()))
+            by_status[st] = by_status.get(st, 0) + 1
+        lines = [
+            f"vramsweep: sweep '{self.s.name}' - this run: {self.finished} trials in {wall_s:.0f} s; study total: "
+            + (", ".join(f"{v} {k}" for k, v in sorted(by_status.items())) or "no finished trials")
+        ]
+        try:
+            best = self.study.best_trials
+        except Exception:
+            best = []
+        if best:
+            if len(self.s.objectives) == 1:
+                b = best[0]
+                lines.append(
+                    f"vramsweep: best feasible: trial {b.number:04d} {self.s.objectives[0].metric}={b.values[0]:.6g} "
+                    + " ".join(o for o in b.user_attrs.get("overrides") or [] if o not in self.plan.fixed)
+                )
+            else:
+                lines.append(
+                    f"vramsweep: Pareto front (feasible): trials {', '.join(f'{t.number:04d}' for t in best)}"
+                )
+        if self.abort_reason:
+            lines.append(f"vramsweep: ABORTED: {self.abort_reason}")
+        lines.append(
+            f"vramsweep: dashboard: optuna-dashboard {self.s.storage if '@' not in self.s.storage else '<storage URL>'}"
+        )
+        lines.append(f"results: {self.s.sweep_dir}")
+        for line in lines:
+            print(line, flush=True)
+
+
+def run_sweep(
+    sweeper_cfg: dict[str, Any],
+    task_cfg: dict[str, Any],
+    arguments: list[str],
+    *,
+    runner: Any = None,
+    launcher_factory: Any = None,
+) -> int:
+    """Validate and run a sweep. Returns 0 (done), 1 (aborted: failure-rate cap or Ctrl-C), 2 (bad config)."""
+    from optuna.exceptions import ExperimentalWarning
+
+    warnings.filterwarnings("ignore", category=ExperimentalWarning)
+    try:
+        plan = plan_sweep(sweeper_cfg, task_cfg, arguments)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return Sweep(plan, runner=runner, launcher_factory=launcher_factory).run()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

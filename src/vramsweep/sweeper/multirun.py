@@ -1,0 +1,91 @@
+"""``vramsweep train -m sweep=<name> [overrides]``: Hydra multirun with the vramsweep sweeper."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+SWEEP_DIR = "${results_dir}/sweeps/${oc.select:sweep.name,multirun}"
+#: Set by the sweeper when Hydra hands over to it (tells Hydra's own input errors from ours).
+SWEEPER_STARTED = False
+
+
+def _has(args: list[str], prefix: str) -> bool:
+    return any(a.lstrip("+").startswith(prefix) for a in args)
+
+
+def hydra_args(args: list[str]) -> list[str]:
+    """The Hydra command line for a sweep: our sweeper, the sweep folder as ``hydra.sweep.dir``, no chdir."""
+    extra = []
+    if not _has(args, "hydra/sweeper="):
+        extra.append("hydra/sweeper=vramsweep")
+    if not _has(args, "hydra.sweep.dir="):
+        extra.append(f"hydra.sweep.dir={SWEEP_DIR}")
+    if not _has(args, "hydra.sweep.subdir="):
+        extra.append("hydra.sweep.subdir=jobs/${hydra.job.num}")  # only the launcher isolation makes job dirs
+    if not _has(args, "hydra.job.chdir="):
+        extra.append("hydra.job.chdir=False")
+    return ["-m", *extra, *args]
+
+
+def _task(cfg: Any) -> Any:
+    """Hydra's task function.
+
+    With ``hydra.sweeper.isolation=launcher`` the sweeper hands each trial to the Hydra launcher
+    (``hydra/launcher=submitit_slurm``...) with ``VRAMSWEEP_TRIAL_SPEC`` pointing at its spec: run it
+    exactly as a fork-server child would (result JSON, pruning reports through the storage). Otherwise
+    (another sweeper, e.g. ``hydra/sweeper=basic``) run one trial from the composed config.
+    """
+    import os
+
+    spec_path = os.environ.get("VRAMSWEEP_TRIAL_SPEC")
+    if spec_path:
+        from vramsweep.sweeper.runner import execute, load_spec
+
+        return execute(load_spec(spec_path)).get("status")
+    from omegaconf import OmegaConf
+
+    from vramsweep.trial import run_trial
+
+    return run_trial(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
+
+
+def run_multirun(args: list[str]) -> int:
+    """Run Hydra's multirun with our sweeper, as if ``vramsweep -m <args>`` was typed.
+
+    Returns:
+        the exit code: 0 done, 1 aborted (failure-rate cap, Ctrl-C) or Hydra error, 2 bad config/space.
+    """
+    import hydra
+    from hydra.core.global_hydra import GlobalHydra
+
+    from vramsweep.config.compose import conf_dir
+    from vramsweep.config.schema import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    main = hydra.main(config_path=str(conf_dir()), config_name="train", version_base=None)(_task)
+    saved = sys.argv
+    sys.argv = ["vramsweep", *hydra_args(list(args))]
+    global SWEEPER_STARTED
+    SWEEPER_STARTED = False
+    code: Any = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        sys.argv = saved
+        GlobalHydra.instance().clear()
+    if code is None:
+        return 0
+    if code == 1 and not SWEEPER_STARTED:
+        # Hydra rejected the command line (override syntax, unknown option or key) before our sweeper
+        # ran; it printed why. Bad input exits 2, like `vramsweep train`.
+        return 2
+    return code if isinstance(code, int) else 1
+
+
+def main() -> None:
+    """``python -m vramsweep.sweeper sweep=<name> [overrides]``."""
+    sys.exit(run_multirun(sys.argv[1:]))

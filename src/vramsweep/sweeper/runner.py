@@ -1,0 +1,600 @@
+"""Trial isolation: one fresh process per trial, forked from a warm fork server.
+
+* ``fork`` (default): ``multiprocessing`` fork server whose zygote has imported torch, transformers,
+  peft and the trial module once, so a trial starts in ~0.1-0.3 s instead of ~6-10 s of imports
+  (``python -m vramsweep.sweeper.runner --overhead`` measures it). The sweeper process never imports
+  torch, so CUDA is never initialised in the parent.
+* ``spawn``: a cold interpreter per trial (for libraries that dislike fork).
+* ``inprocess``: the trial runs in the sweeper process (debugging; no kill or timeout protection).
+
+The child writes the result JSON itself (atomic), *then* the parent tells Optuna, so a sweeper killed
+in between loses nothing: the next run tells the study from the JSON. A child that dies without a
+JSON (kill -9, segfault, kernel OOM killer, timeout) gets an ``error`` result written by the parent,
+with the signal as the reason. Trial processes die with their sweeper (``PR_SET_PDEATHSIG`` plus a
+watchdog), so no orphan can write a result for a trial the next run has already retried.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vramsweep.sweeper.settings import Objective
+
+
+@dataclass
+class TrialSpec:
+    """Everything a trial process needs (pickled to the child)."""
+
+    number: int
+    trial_id: int
+    slot: int
+    overrides: list[str]
+    result_path: str
+    sweep_name: str
+    study_name: str
+    storage: str
+    objectives: list[Objective]
+    trial_fn: str
+    design: dict[str, Any] = field(default_factory=dict)
+    pruner: Any = "none"
+    pruning: bool = False
+    budget_gib: float = 0.0
+    preflight: bool = False
+    retry_of: int | None = None
+    log_path: str | None = None
+    parent_pid: int = 0
+    parent_ctime: float | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str = "."
+
+
+@dataclass
+class RunReport:
+    """What the parent learned about one trial run."""
+
+    result: dict[str, Any]
+    outcome: Any  # outcome.Outcome
+    wall_s: float
+    exitcode: int | None
+
+
+def resolve_fn(spec: str) -> Callable[..., Any]:
+    """``"package.module:function"`` -> the function."""
+    module, _, name = spec.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class StorageReporter:
+    """The trial's ``reporter(step, eval_loss) -> bool``: reports to the study through its storage.
+
+    The storage is opened lazily on the first report (a trial without intermediate evals never
+    connects). Storage trouble never fails a trial: the report is skipped and logged.
+    """
+
+    def __init__(self, spec: TrialSpec):
+        self.spec = spec
+        self.curve: list[list[float]] = []
+        self.pruned_at: int | None = None
+        self._trial: Any = None
+        self._error: str | None = None
+
+    def _open(self) -> Any:
+        import optuna
+
+        from vramsweep.sweeper.samplers import make_pruner
+        from vramsweep.sweeper.storage import make_storage
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        storage = make_storage(self.spec.storage, child=True)
+        study = optuna.load_study(
+            study_name=self.spec.study_name,
+            storage=storage,
+            sampler=optuna.samplers.RandomSampler(),
+            pruner=make_pruner(self.spec.pruner, active=True),
+        )
+        return optuna.Trial(study, self.spec.trial_id)
+
+    def __call__(self, step: int, eval_loss: float) -> bool:
+        value = float(eval_loss)
+        self.curve.append([int(step), value])
+        if not self.spec.pruning or not math.isfinite(value) or self._error:
+            return False
+        try:
+            if self._trial is None:
+                self._trial = self._open()
+            self._trial.report(value, int(step))
+            if self._trial.should_prune():
+                self.pruned_at = int(step)
+                return True
+        except Exception as exc:
+            self._error = f"{type(exc).__name__}: {exc}"
+            print(
+                f"vramsweep: trial {self.spec.number}: pruning report failed ({self._error}); "
+                "continuing without pruning",
+                file=sys.stderr,
+            )
+        return False
+
+
+def finalize(
+    result: dict[str, Any],
+    spec: TrialSpec,
+    *,
+    wall_s: float,
+    curve: list | None = None,
+    pruned_at: int | None = None,
+) -> tuple[dict[str, Any], Any]:
+    """Add the sweep's meta (design, retry, curve) and the Optuna outcome to a normalised result."""
+    from vramsweep.sweeper.outcome import classify
+
+    meta = result["meta"]
+    meta["design"] = spec.design
+    if spec.retry_of is not None:
+        meta["retry_of"] = spec.retry_of
+    if not isinstance(meta.get("wall_s"), int | float):
+        meta["wall_s"] = round(wall_s, 3)
+    if curve:
+        meta.setdefault("eval_curve", curve)
+    if pruned_at is not None:
+        meta.setdefault("pruned_at_step", pruned_at)
+    if spec.log_path and os.path.exists(spec.log_path):
+        meta["log_path"] = os.path.basename(spec.log_path)
+    outcome = classify(result, spec.objectives, budget_gib=spec.budget_gib)
+    meta["optuna"] = outcome.to_dict() | {"trial_number": spec.number, "study": spec.study_name}
+    return result, outcome
+
+
+def preflight_result(spec: TrialSpec) -> dict[str, Any] | None:
+    """``sweep.preflight``: a result with status ``infeasible_estimate`` when the memory estimate of the
+    point exceeds ``hardware.budget_gib`` (+10 % margin), else ``None`` (run the trial)."""
+    from omegaconf import OmegaConf
+
+    from vramsweep.config.compose import compose
+    from vramsweep.record.result import new_result
+
+    try:
+        from vramsweep.estimate import preflight
+    except ImportError:
+        return None
+    cfg = compose(list(spec.overrides), validate_rules=False)
+    if float(cfg.hardware.budget_gib or 0.0) <= 0:
+        return None
+    fits, est = preflight(cfg)
+    if fits:
+        return None
+    gib = float(1 << 30)
+    res = new_result(
+        status="infeasible_estimate",
+        sweep=spec.sweep_name,
+        trial=spec.number,
+        overrides=list(spec.overrides),
+        reason=(
+            f"estimated peak {est['peak_memory_bytes'] / gib:.2f} GiB > hardware.budget_gib="
+            f"{float(cfg.hardware.budget_gib):g} (+10% margin): not run (sweep.preflight=true)"
+        ),
+        config=OmegaConf.to_container(cfg, resolve=True),
+    )
+    res["estimate"] = est
+    return res
+
+
+def execute(spec: TrialSpec) -> dict[str, Any]:
+    """Run the trial function and write the result JSON. Never raises (failures become statuses)."""
+    from vramsweep.record.result import atomic_write_json
+    from vramsweep.sweeper.outcome import normalise_result, result_from_exception
+
+    t0 = time.perf_counter()
+    reporter = StorageReporter(spec)
+    try:
+        raw = preflight_result(spec) if spec.preflight else None
+        if raw is None:
+            fn = resolve_fn(spec.trial_fn)
+            raw = fn(list(spec.overrides), sweep=spec.sweep_name, trial=spec.number, reporter=reporter)
+        result = normalise_result(raw, sweep=spec.sweep_name, trial=spec.number, overrides=spec.overrides)
+    except (KeyboardInterrupt, SystemExit) as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        result = result_from_exception(
+            RuntimeError(f"trial called sys.exit({exc.code})"),
+            sweep=spec.sweep_name,
+            trial=spec.number,
+            overrides=spec.overrides,
+        )
+    except BaseException as exc:  # failures are data
+        result = result_from_exception(
+            exc, sweep=spec.sweep_name, trial=spec.number, overrides=spec.overrides
+        )
+        del exc  # free the traceback's frames (and whatever tensors they hold) before writing
+    result, _ = finalize(
+        result, spec, wall_s=time.perf_counter() - t0, curve=reporter.curve, pruned_at=reporter.pruned_at
+    )
+    atomic_write_json(spec.result_path, result)
+    return result
+
+
+def _die_with_parent(parent_pid: int, parent_ctime: float | None) -> None:
+    """SIGKILL this process when its parent dies (Linux), plus a watchdog on the sweeper's pid."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+    def watch() -> None:
+        import psutil
+
+        while True:
+            time.sleep(1.0)
+            try:
+                proc = psutil.Process(parent_pid)
+                if parent_ctime is not None and abs(proc.create_time() - parent_ctime) > 1e-3:
+                    raise psutil.NoSuchProcess(parent_pid)
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    raise psutil.NoSuchProcess(parent_pid)
+            except psutil.Error:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    if parent_pid:
+        threading.Thread(target=watch, name="vramsweep-watchdog", daemon=True).start()
+
+
+SPEC_ENV = "VRAMSWEEP_TRIAL_SPEC"
+
+
+def save_spec(spec: TrialSpec, path: str) -> None:
+    """Write a spec as JSON (launcher isolation: the job finds it through ``VRAMSWEEP_TRIAL_SPEC``)."""
+    import dataclasses
+
+    from vramsweep.record.result import atomic_write_json
+
+    data = dataclasses.asdict(spec)
+    if not isinstance(spec.pruner, str | dict):  # an instantiated pruner: rebuilt from its class (defaults)
+        data["pruner"] = {"_target_": f"{type(spec.pruner).__module__}.{type(spec.pruner).__qualname__}"}
+    atomic_write_json(path, data)
+
+
+def load_spec(path: str) -> TrialSpec:
+    with open(path) as fh:
+        data = json.load(fh)
+    data["objectives"] = [Objective(**o) for o in data.get("objectives") or []]
+    return TrialSpec(**data)
+
+
+def _redirect_output(path: str) -> None:
+    """Send this process's stdout/stderr (fds 1 and 2: Python, C++ and tqdm alike) to the trial's log."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def child_main(spec: TrialSpec) -> None:
+    """Entry point of a trial process."""
+    _die_with_parent(spec.parent_pid, spec.parent_ctime)
+    if spec.env:
+        os.environ.clear()
+        os.environ.update(spec.env)
+    with contextlib.suppress(OSError):
+        os.chdir(spec.cwd)
+    if spec.log_path:
+        _redirect_output(spec.log_path)
+    execute(spec)
+
+
+def _load_child_result(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if isinstance(data, dict) and isinstance((data.get("meta") or {}).get("optuna"), dict):
+        return data
+    return None
+
+
+def parent_side_result(spec: TrialSpec, reason: str, wall_s: float) -> dict[str, Any]:
+    """The result the sweeper writes for a trial process that died without one."""
+    from vramsweep.record.result import atomic_write_json, new_result
+    from vramsweep.sweeper.outcome import normalise_result
+
+    res = normalise_result(
+        new_result(
+            status="error", reason=reason, sweep=spec.sweep_name, trial=spec.number, overrides=spec.overrides
+        ),
+        sweep=spec.sweep_name,
+        trial=spec.number,
+        overrides=spec.overrides,
+    )
+    res, _ = finalize(res, spec, wall_s=wall_s)
+    if spec.log_path and os.path.exists(spec.log_path):
+        with open(spec.log_path, errors="replace") as fh:
+            fh.seek(max(0, os.path.getsize(spec.log_path) - 4000))
+            res["meta"]["log_tail"] = fh.read()[-2000:]
+    atomic_write_json(spec.result_path, res)
+    return res
+
+
+def report_from_json(result: dict[str, Any], wall_s: float, exitcode: int | None) -> RunReport:
+    from vramsweep.sweeper.outcome import Outcome
+
+    return RunReport(result, Outcome.from_dict(result["meta"]["optuna"]), wall_s, exitcode)
+
+
+class Runner:
+    """Base: ``start()`` once, ``run(spec)`` per trial (from any thread), ``stop()`` at the end."""
+
+    name = "base"
+
+    def start(self) -> None:  # pragma: no cover - trivial
+        pass
+
+    def stop(self) -> None:  # pragma: no cover - trivial
+        pass
+
+    def run(
+        self,
+        spec: TrialSpec,
+        *,
+        tick: Callable[[], None] | None = None,
+        tick_s: float = 10.0,
+        timeout_s: float | None = None,
+    ) -> RunReport:
+        raise NotImplementedError
+
+    def kill_all(self) -> None:
+        """Stop every running trial now (Ctrl-C)."""
+
+
+class ProcessRunner(Runner):
+    """A fresh process per trial, from a warm fork server (``fork``) or a cold interpreter (``spawn``)."""
+
+    def __init__(self, method: str = "forkserver", preload: list[str] | None = None):
+        import multiprocessing
+
+        self.method = method
+        self.name = "fork" if method == "forkserver" else method
+        self.preload = list(preload or [])
+        self.ctx = multiprocessing.get_context(method)
+        self.warmup_s: float | None = None
+        self._live: set[Any] = set()
+
+    def start(self) -> None:
+        if self.method != "forkserver":
+            return
+        from multiprocessing import forkserver
+
+        global _SERVER_PRELOAD
+        t0 = time.perf_counter()
+        if _SERVER_PRELOAD == self.preload and _forkserver_alive():
+            self.warmup_s = 0.0  # a server with the same preload is already warm (several sweeps per process)
+            return
+        _stop_forkserver()
+        _SERVER_PRELOAD = list(self.preload)
+        os.environ["VRAMSWEEP_PRELOAD"] = ",".join(self.preload)
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        self.ctx.set_forkserver_preload(["vramsweep.sweeper.zygote"])
+        forkserver.ensure_running()
+        # The server imports the preload list before it accepts its first client: wait for it here, so
+        # trial 0 is not charged for the warm-up.
+        probe = self.ctx.Process(target=_noop, name="vramsweep-warmup")
+        probe.start()
+        probe.join()
+        self.warmup_s = time.perf_counter() - t0
+
+    def stop(self) -> None:
+        """Nothing to do: the fork server stays warm for the next sweep in this process and exits with it."""
+
+    def kill_all(self) -> None:
+        for proc in list(self._live):
+            with contextlib.suppress(Exception):
+                proc.kill()
+
+    def run(
+        self,
+        spec: TrialSpec,
+        *,
+        tick: Callable[[], None] | None = None,
+        tick_s: float = 10.0,
+        timeout_s: float | None = None,
+    ) -> RunReport:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(spec.result_path)
+        Path(spec.result_path).parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        proc = self.ctx.Process(target=child_main, args=(spec,), name=f"vramsweep-trial-{spec.number}")
+        proc.start()
+        self._live.add(proc)
+        timed_out = False
+        while True:
+            proc.join(tick_s)
+            if proc.exitcode is not None:
+                break
+            if tick is not None:
+                tick()
+            if timeout_s is not None and time.perf_counter() - t0 > timeout_s:
+                timed_out = True
+                proc.kill()
+                proc.join()
+                break
+        wall = time.perf_counter() - t0
+        exitcode = proc.exitcode
+        self._live.discard(proc)
+        with contextlib.suppress(Exception):
+            proc.close()
+        data = _load_child_result(spec.result_path)
+        if data is not None and not timed_out:
+            return report_from_json(data, wall, exitcode)
+        if timed_out:
+            reason = f"timeout: trial ran longer than hydra.sweeper.timeout_s={timeout_s:g} s and was killed"
+        else:
+            from vramsweep.sweeper.outcome import signal_reason
+
+            reason = signal_reason(exitcode)
+        return report_from_json(parent_side_result(spec, reason, wall), wall, exitcode)
+
+
+@contextlib.contextmanager
+def preserved_global_hydra() -> Iterator[None]:
+    """Keep the running Hydra app's global state across code that composes configs itself."""
+    try:
+        from hydra.core.global_hydra import GlobalHydra
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    gh = GlobalHydra.instance()
+    saved = gh.hydra
+    try:
+        yield
+    finally:
+        gh.hydra = saved
+
+
+class InProcessRunner(Runner):
+    """Run trials in the sweeper process (``hydra.sweeper.isolation=inprocess``; debugging only)."""
+
+    name = "inprocess"
+
+    def run(
+        self,
+        spec: TrialSpec,
+        *,
+        tick: Callable[[], None] | None = None,
+        tick_s: float = 10.0,
+        timeout_s: float | None = None,
+    ) -> RunReport:
+        Path(spec.result_path).parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        with preserved_global_hydra():
+            result = execute(spec)
+        return report_from_json(result, time.perf_counter() - t0, 0)
+
+
+def _noop() -> None:
+    """Target of the fork server's warm-up process."""
+
+
+_SERVER_PRELOAD: list[str] | None = None
+
+
+def _forkserver_alive() -> bool:
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if not pid:
+        return False
+    import psutil
+
+    try:  # never waitpid() here: multiprocessing reaps its own server
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _stop_forkserver() -> None:
+    global _SERVER_PRELOAD
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+    _SERVER_PRELOAD = None
+
+
+def make_runner(isolation: str, preload: list[str]) -> Runner:
+    if isolation == "inprocess":
+        return InProcessRunner()
+    if isolation == "spawn":
+        return ProcessRunner("spawn")
+    return ProcessRunner("forkserver", preload)
+
+
+def measure_overhead(
+    isolation: str = "fork", n: int = 5, preload: list[str] | None = None, workdir: str | None = None
+) -> dict[str, Any]:
+    """Per-trial fixed cost: wall time of a no-op trial, as the sweeper sees it (start to result told).
+
+    Returns:
+        ``{"isolation", "n", "warmup_s", "per_trial_s": [...], "median_s"}``.
+    """
+    import statistics
+    import tempfile
+
+    from vramsweep.sweeper.settings import DEFAULT_PRELOAD
+
+    modules = list(DEFAULT_PRELOAD if preload is None else preload)
+    os.environ["VRAMSWEEP_PRELOAD"] = ",".join(modules)  # what the no-op trial imports (free when preloaded)
+    runner = make_runner(isolation, modules)
+    runner.start()
+    times: list[float] = []
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        try:
+            for i in range(n):
+                spec = TrialSpec(
+                    number=i,
+                    trial_id=-1,
+                    slot=i,
+                    overrides=[],
+                    result_path=f"{tmp}/{i:04d}.json",
+                    sweep_name="overhead",
+                    study_name="overhead",
+                    storage="",
+                    objectives=[],
+                    trial_fn="vramsweep.sweeper.fake:noop_trial",
+                    parent_pid=os.getpid(),
+                    env=dict(os.environ),
+                    cwd=os.getcwd(),
+                )
+                t0 = time.perf_counter()
+                runner.run(spec, tick_s=0.05)
+                times.append(time.perf_counter() - t0)
+        finally:
+            runner.stop()
+    return {
+        "isolation": isolation,
+        "n": n,
+        "warmup_s": getattr(runner, "warmup_s", None),
+        "per_trial_s": [round(t, 4) for t in times],
+        "median_s": round(statistics.median(times), 4),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vramsweep.sweeper.runner --overhead [--n 5] [--isolation fork spawn]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--overhead", action="store_true", help="measure the per-trial fixed cost")
+    ap.add_argument("--n", type=int, default=5)
+    ap.add_argument("--isolation", nargs="+", default=["fork", "spawn"])
+    args = ap.parse_args(argv)
+    if not args.overhead:
+        ap.print_help()
+        return 0
+    for iso in args.isolation:
+        print(json.dumps(measure_overhead(iso, args.n)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,519 @@
+"""Sweeper settings: the ``hydra.sweeper.*`` keys and their normalised, validated form.
+
+:class:`SweeperConf` is the structured config users override on the command line the way
+hydra-optuna-sweeper users already do (``hydra.sweeper.n_trials=40 hydra.sweeper.sampler=random``).
+The Hydra plugin registers it (plus ``_target_``) as ``hydra/sweeper=vramsweep``.
+:func:`resolve_settings` merges it with the ``sweep:`` node of the sweep file into :class:`Settings`,
+raising :class:`~vramsweep.config.ConfigError` (exit 2) for anything malformed.
+
+This module is imported by Hydra's plugin scan, so it must stay light: dataclasses only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Samplers accepted by short name (``hydra.sweeper.sampler=<name>``).
+SAMPLERS = ("tpe", "random", "grid", "nsga2", "gp")
+#: Pruners accepted by short name (``hydra.sweeper.pruner=<name>``).
+PRUNERS = ("median", "sha", "hyperband", "none")
+#: Sweep designs (``sweep.design``).
+DESIGNS = ("search", "grid", "ablation", "stacking")
+#: Trial isolation modes (``hydra.sweeper.isolation``).
+ISOLATIONS = ("fork", "spawn", "inprocess", "launcher")
+#: Metrics that can be objectives (numeric fields of the result's ``metrics``; dotted paths reach into
+#: ``memory_breakdown_bytes``, e.g. ``memory_breakdown_bytes.activations``).
+OBJECTIVE_METRICS = (
+    "peak_memory_bytes",
+    "tokens_per_s",
+    "step_time_s",
+    "mfu",
+    "train_loss",
+    "initial_eval_loss",
+    "eval_loss",
+    "eval_ppl",
+    "task_score",
+)
+#: Loss-like metrics the trial reports at intermediate evals (pruning works on these only).
+PRUNABLE_METRICS = ("eval_loss", "eval_ppl")
+#: Modules the fork server imports once, so each trial starts warm (missing ones are skipped).
+DEFAULT_PRELOAD = (
+    "vramsweep.trial",
+    "vramsweep.config",
+    "torch",
+    "transformers",
+    "peft",
+    "optuna",
+)
+DEFAULT_TRIAL_FN = "vramsweep.trial:run_trial_overrides"
+
+
+@dataclass
+class SweeperConf:
+    """``hydra.sweeper.*`` settings (see README "Sweeps" for the full story).
+
+    Attributes:
+        n_trials: study total; a re-run continues and runs exactly the remainder. ``null`` = every
+            point of a grid/ablation/stacking design, 20 for a search.
+        n_jobs: local worker slots on this machine (each trial still runs in its own process).
+        storage: Optuna storage URL; ``null`` = ``sqlite:///<sweep dir>/study.db``. Use
+            ``postgresql://user@host/db`` for many workers or machines.
+        study_name: ``null`` = the sweep's name.
+        sampler: ``tpe | random | grid | nsga2 | gp``, or a dict: ``{name: tpe, n_startup_trials: 5}`` or
+            hydra-optuna-sweeper style ``{_target_: optuna.samplers.TPESampler, seed: 1}``.
+        pruner: ``median | sha | hyperband | none`` or a dict like ``sampler``. Active only for a search
+            with a single objective ``eval_loss``/``eval_ppl`` (Optuna cannot report intermediate values
+            in multi-objective studies; fixed designs run every point to the end).
+        direction: hydra-optuna-sweeper compatibility: ``minimize`` or a list, applied to the objectives
+            in order.
+        objectives: overrides ``sweep.objectives``: a list of metric names or ``{metric, direction}``.
+        params: search space, ``{key: "choice(a,b)" | "range(8,33,8)" | "interval(1e-4,1e-2)" |
+            "tag(log, interval(...))" | fixed value}``.
+        seed: sampler seed (``null`` = random).
+        isolation: ``fork`` (warm fork server, default), ``spawn`` (cold process), ``inprocess`` (debug),
+            ``launcher`` (batches of ``n_jobs`` trials through the Hydra launcher, e.g.
+            ``hydra/launcher=submitit_slurm``: one cluster job per trial).
+        trial_fn: ``module:function`` that runs one trial from overrides (tests inject fakes here).
+        preload: modules the fork server imports once.
+        max_failure_rate: abort (exit 1) when more than this fraction of finished trials are ``error``
+            (crashes, kills, timeouts, missing objectives), once ``min_trials_for_failure_rate`` have
+            finished. oom/unsupported/diverged/pruned/infeasible are results, not failures.
+        min_trials_for_failure_rate: how many finished trials before the cap is checked.
+        timeout_s: wall-clock limit per trial (``null`` = none); a trial over it is killed (``error``).
+        heartbeat_s: how often a worker stamps its running trials.
+        grace_s: a RUNNING trial whose heartbeat is older than this is stale (its worker died): failed,
+            its config retried once. Trials of dead processes on this host are detected at once.
+        retry_stale: how many times a stale trial's config is retried.
+        dedup: search design only: a point the sampler proposes again is not re-run; the earlier
+            trial's outcome is copied (``duplicate_of``) at zero cost.
+        sweep_dir: ``null`` = ``<results_dir>/sweeps/<name>``.
+        cuda_devices: optional list; worker slot i gets ``CUDA_VISIBLE_DEVICES=cuda_devices[i % len]``.
+        progress: print one line per finished trial plus a total progress bar.
+    """
+
+    n_trials: int | None = None
+    n_jobs: int = 1
+    storage: str | None = None
+    study_name: str | None = None
+    sampler: Any = "tpe"
+    pruner: Any = "median"
+    direction: Any = None
+    objectives: Any = None
+    params: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None
+    isolation: str = "fork"
+    trial_fn: str = DEFAULT_TRIAL_FN
+    preload: list[str] = field(default_factory=lambda: list(DEFAULT_PRELOAD))
+    max_failure_rate: float = 0.5
+    min_trials_for_failure_rate: int = 4
+    timeout_s: float | None = None
+    heartbeat_s: float = 10.0
+    grace_s: float = 120.0
+    retry_stale: int = 1
+    dedup: bool = True
+    sweep_dir: str | None = None
+    cuda_devices: list[str] | None = None
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Objective:
+    """One objective: a metric of the result JSON and its direction."""
+
+    metric: str
+    direction: str  # "minimize" | "maximize"
+
+
+@dataclass
+class Settings:
+    """Everything a sweep needs, resolved and validated (the content of ``sweep.json``)."""
+
+    name: str
+    design: str
+    objectives: list[Objective]
+    baseline: list[str]
+    factors: list[list[str]]
+    stack: list[str]
+    repeats: int
+    preflight: bool
+    n_trials: int | None
+    n_jobs: int
+    storage: str
+    study_name: str
+    sampler: Any
+    pruner: Any
+    params: dict[str, str]
+    seed: int | None
+    isolation: str
+    trial_fn: str
+    preload: list[str]
+    max_failure_rate: float
+    min_trials_for_failure_rate: int
+    timeout_s: float | None
+    heartbeat_s: float
+    grace_s: float
+    retry_stale: int
+    dedup: bool
+    sweep_dir: Path
+    cuda_devices: list[str] | None
+    progress: bool
+    results_dir: str = "results"
+    budget_gib: float = 0.0
+
+    @property
+    def sampler_name(self) -> str:
+        """Short sampler name, or the ``_target_`` class for dict samplers."""
+        return _spec_name(self.sampler)
+
+    @property
+    def pruner_name(self) -> str:
+        return _spec_name(self.pruner)
+
+    @property
+    def multi_objective(self) -> bool:
+        return len(self.objectives) > 1
+
+    @property
+    def pruning_active(self) -> bool:
+        """Pruning needs a search (fixed designs run every point to the end: their tables need full
+        numbers) and a single objective that is the loss the trial reports at intermediate evals."""
+        return (
+            self.pruner_name != "none"
+            and self.design == "search"
+            and not self.multi_objective
+            and self.objectives[0].metric in PRUNABLE_METRICS
+            and self.objectives[0].direction == "minimize"
+        )
+
+    def public_dict(self) -> dict[str, Any]:
+        """JSON-safe view for ``sweep.json`` (the storage password is masked)."""
+        return {
+            "name": self.name,
+            "design": self.design,
+            "objectives": [{"metric": o.metric, "direction": o.direction} for o in self.objectives],
+            "baseline": list(self.baseline),
+            "factors": [list(f) for f in self.factors],
+            "stack": list(self.stack),
+            "repeats": self.repeats,
+            "preflight": self.preflight,
+            "budget_gib": self.budget_gib,
+            "storage": mask_url(self.storage),
+            "study_name": self.study_name,
+            "n_trials": self.n_trials,
+            "n_jobs": self.n_jobs,
+            "sampler": self.sampler if isinstance(self.sampler, str | dict) else type(self.sampler).__name__,
+            "pruner": self.pruner if isinstance(self.pruner, str | dict) else type(self.pruner).__name__,
+            "pruning_active": self.pruning_active,
+            "params": dict(self.params),
+            "seed": self.seed,
+            "isolation": self.isolation,
+            "trial_fn": self.trial_fn,
+            "max_failure_rate": self.max_failure_rate,
+            "timeout_s": self.timeout_s,
+            "sweep_dir": str(self.sweep_dir),
+        }
+
+
+def _spec_name(spec: Any) -> str:
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, dict):
+        if "name" in spec:
+            return str(spec["name"])
+        if "_target_" in spec:
+            return str(spec["_target_"])
+    if not isinstance(spec, str):
+        return type(spec).__name__
+    return str(spec)
+
+
+def mask_url(url: str) -> str:
+    """``postgresql://u:secret@h/db`` -> ``postgresql://u:***@h/db``."""
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+
+
+def _as_list(value: Any, what: str) -> list:
+    from vramsweep.config.compose import ConfigError
+
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list | tuple):
+        return list(value)
+    raise ConfigError(f"{what} must be a list, got {value!r}", key=what)
+
+
+def parse_objectives(raw: Any, direction: Any = None) -> list[Objective]:
+    """Normalise objectives (``sweep.objectives`` / ``hydra.sweeper.objectives`` / ``direction``).
+
+    Accepts ``eval_loss``, ``[eval_loss, tokens_per_s]`` (default direction: minimize, except
+    ``tokens_per_s``/``mfu``/``task_score``: maximize), ``[{metric: m, direction: d}]`` and
+    ``{m: d}``. ``direction`` (str or list) overrides the directions in order.
+    """
+    from vramsweep.config.compose import ConfigError
+
+    maximize_default = {"tokens_per_s", "mfu", "task_score"}
+    items: list[tuple[str, str | None]] = []
+    if raw is None:
+        items = [("eval_loss", "minimize")]
+    elif isinstance(raw, dict) and "metric" not in raw:
+        items = [(str(k), None if v is None else str(v)) for k, v in raw.items()]
+    else:
+        for entry in _as_list(raw if not isinstance(raw, dict) else [raw], "sweep.objectives"):
+            if isinstance(entry, str):
+                items.append((entry, None))
+            elif isinstance(entry, dict) and "metric" in entry:
+                d = entry.get("direction")
+                items.append((str(entry["metric"]), None if d is None else str(d)))
+            else:
+                raise ConfigError(
+                    f"sweep.objectives entry {entry!r} must be a metric name or {{metric: ..., direction: ...}}",
+                    key="sweep.objectives",
+                    allowed=list(OBJECTIVE_METRICS),
+                )
+    if not items:
+        raise ConfigError(
+            "sweep.objectives is empty", key="sweep.objectives", allowed=list(OBJECTIVE_METRICS)
+        )
+    if direction is not None:
+        dirs = _as_list(direction, "hydra.sweeper.direction")
+        if len(dirs) != len(items):
+            raise ConfigError(
+                f"hydra.sweeper.direction has {len(dirs)} entries for {len(items)} objectives "
+                f"({', '.join(m for m, _ in items)})",
+                key="hydra.sweeper.direction",
+            )
+        items = [(m, str(d)) for (m, _), d in zip(items, dirs)]
+    out: list[Objective] = []
+    for metric, d in items:
+        root = metric.split(".", 1)[0]
+        if root not in OBJECTIVE_METRICS and root != "memory_breakdown_bytes":
+            raise ConfigError(
+                f"unknown objective metric {metric!r}",
+                key="sweep.objectives",
+                allowed=list(OBJECTIVE_METRICS),
+            )
+        if d is None:
+            d = "maximize" if metric in maximize_default else "minimize"
+        d = d.lower()
+        if d not in ("minimize", "maximize"):
+            raise ConfigError(
+                f"objective {metric}: direction={d!r}",
+                key="sweep.objectives",
+                allowed=["minimize", "maximize"],
+            )
+        out.append(Objective(metric, d))
+    if len({o.metric for o in out}) != len(out):
+        raise ConfigError("sweep.objectives names a metric twice", key="sweep.objectives")
+    return out
+
+
+def _check_choice(value: Any, allowed: tuple[str, ...], key: str) -> None:
+    from vramsweep.config.compose import ConfigError
+
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not known", key=key, allowed=list(allowed))
+
+
+def _check_spec(spec: Any, allowed: tuple[str, ...], key: str) -> Any:
+    from vramsweep.config.compose import ConfigError
+
+    if isinstance(spec, str):
+        _check_choice(spec.lower(), allowed, key)
+        return spec.lower()
+    if type(spec).__module__.startswith("optuna."):  # an already-instantiated sampler/pruner object
+        return spec
+    if isinstance(spec, dict):
+        if "_target_" in spec:
+            return dict(spec)
+        if "name" in spec:
+            _check_choice(str(spec["name"]).lower(), allowed, f"{key}.name")
+            return {**spec, "name": str(spec["name"]).lower()}
+    raise ConfigError(
+        f"{key}={spec!r} must be a name or a dict with 'name' or '_target_'", key=key, allowed=list(allowed)
+    )
+
+
+def resolve_settings(
+    sweeper: dict[str, Any], task_cfg: dict[str, Any], *, cli_params: dict[str, str] | None = None
+) -> Settings:
+    """Merge ``hydra.sweeper.*`` (``sweeper``) with the task config's ``sweep:`` node.
+
+    Args:
+        sweeper: the ``hydra.sweeper`` node as a plain dict (``_target_`` ignored).
+        task_cfg: the composed task config as a plain dict (``sweep``, ``results_dir``, ``hardware``).
+        cli_params: search-space entries from the command line (override ``params``).
+    """
+    from vramsweep.config.compose import ConfigError
+
+    conf = SweeperConf()
+    known = set(SweeperConf.__dataclass_fields__)
+    for k, v in sweeper.items():
+        if k == "_target_":
+            continue
+        if k not in known:
+            raise ConfigError(
+                f"unknown setting hydra.sweeper.{k}", key=f"hydra.sweeper.{k}", allowed=sorted(known)
+            )
+        setattr(conf, k, v)
+    sweep = dict(task_cfg.get("sweep") or {})
+    known_sweep = {
+        "name",
+        "design",
+        "objectives",
+        "baseline",
+        "factors",
+        "stack",
+        "repeats",
+        "preflight",
+        "description",
+    }
+    for k in sweep:
+        if k not in known_sweep:
+            raise ConfigError(f"unknown key sweep.{k}", key=f"sweep.{k}", allowed=sorted(known_sweep))
+    name = str(sweep.get("name") or conf.study_name or "multirun")
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
+        raise ConfigError(f"sweep.name={name!r} must be a plain file name", key="sweep.name")
+    design = str(sweep.get("design") or "search")
+    _check_choice(design, DESIGNS, "sweep.design")
+    sampler = _check_spec(conf.sampler, SAMPLERS, "hydra.sweeper.sampler")
+    if design == "search" and sampler == "grid":
+        design = "grid"
+    pruner = _check_spec(conf.pruner, PRUNERS, "hydra.sweeper.pruner")
+    objectives = parse_objectives(
+        conf.objectives if conf.objectives is not None else sweep.get("objectives"), conf.direction
+    )
+    baseline = [str(x) for x in _as_list(sweep.get("baseline"), "sweep.baseline")]
+    factors = []
+    for f in _as_list(sweep.get("factors"), "sweep.factors"):
+        factors.append([str(x) for x in _as_list(f, "sweep.factors[]")])
+    stack = [str(x) for x in _as_list(sweep.get("stack"), "sweep.stack")]
+    repeats = sweep.get("repeats", 1)
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ConfigError(
+            f"sweep.repeats={repeats!r} must be an integer >= 1", key="sweep.repeats", allowed=["1.."]
+        )
+    if design == "ablation" and not (baseline or factors):
+        raise ConfigError("sweep.design=ablation needs sweep.baseline and sweep.factors", key="sweep.factors")
+    if design == "stacking" and not stack:
+        raise ConfigError("sweep.design=stacking needs sweep.stack", key="sweep.stack")
+    params = {str(k): _param_str(v) for k, v in (conf.params or {}).items()}
+    params.update(cli_params or {})
+    if design in ("search", "grid") and not params:
+        raise ConfigError(
+            f"sweep.design={design} needs a search space: hydra.sweeper.params or sweep overrides on the command line",
+            key="hydra.sweeper.params",
+        )
+    _check_choice(conf.isolation, ISOLATIONS, "hydra.sweeper.isolation")
+    if not isinstance(conf.trial_fn, str) or ":" not in conf.trial_fn:
+        raise ConfigError(
+            f"hydra.sweeper.trial_fn={conf.trial_fn!r} must be 'module:function'",
+            key="hydra.sweeper.trial_fn",
+        )
+    for key, lo in (("n_jobs", 1), ("retry_stale", 0), ("min_trials_for_failure_rate", 1)):
+        v = getattr(conf, key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise ConfigError(
+                f"hydra.sweeper.{key}={v!r} must be an integer >= {lo}", key=f"hydra.sweeper.{key}"
+            )
+    if conf.n_trials is not None and (not isinstance(conf.n_trials, int) or conf.n_trials < 0):
+        raise ConfigError(
+            f"hydra.sweeper.n_trials={conf.n_trials!r} must be an integer >= 0", key="hydra.sweeper.n_trials"
+        )
+    if not (0.0 <= float(conf.max_failure_rate) <= 1.0):
+        raise ConfigError(
+            f"hydra.sweeper.max_failure_rate={conf.max_failure_rate} must be in [0, 1]",
+            key="hydra.sweeper.max_failure_rate",
+        )
+    for key in ("heartbeat_s", "grace_s"):
+        if float(getattr(conf, key)) <= 0:
+            raise ConfigError(f"hydra.sweeper.{key} must be > 0", key=f"hydra.sweeper.{key}")
+    if float(conf.grace_s) < 2 * float(conf.heartbeat_s):
+        raise ConfigError(
+            "hydra.sweeper.grace_s must be at least 2 x heartbeat_s", key="hydra.sweeper.grace_s"
+        )
+    results_dir = str(task_cfg.get("results_dir") or "results")
+    sweep_dir = Path(conf.sweep_dir) if conf.sweep_dir else Path(results_dir) / "sweeps" / name
+    sweep_dir = Path(os.path.abspath(sweep_dir))
+    storage = conf.storage or f"sqlite:///{sweep_dir / 'study.db'}"
+    if storage in ("memory", ":memory:"):
+        raise ConfigError(
+            "hydra.sweeper.storage=memory cannot be shared with trial processes or resumed; use sqlite or postgresql",
+            key="hydra.sweeper.storage",
+        )
+    if not re.match(r"^(sqlite|postgresql(\+\w+)?|mysql(\+\w+)?)://", storage):
+        raise ConfigError(
+            f"hydra.sweeper.storage={mask_url(storage)!r} is not a supported URL",
+            key="hydra.sweeper.storage",
+            allowed=["sqlite:///path/study.db", "postgresql://user@host:5432/db", "mysql://..."],
+        )
+    storage = normalise_storage_url(storage)
+    hardware = task_cfg.get("hardware") or {}
+    return Settings(
+        name=name,
+        design=design,
+        objectives=objectives,
+        baseline=baseline,
+        factors=factors,
+        stack=stack,
+        repeats=int(repeats),
+        preflight=bool(sweep.get("preflight", False)),
+        n_trials=conf.n_trials,
+        n_jobs=int(conf.n_jobs),
+        storage=storage,
+        study_name=str(conf.study_name or name),
+        sampler=sampler,
+        pruner=pruner,
+        params=params,
+        seed=conf.seed,
+        isolation=conf.isolation,
+        trial_fn=conf.trial_fn,
+        preload=[str(m) for m in (conf.preload or [])],
+        max_failure_rate=float(conf.max_failure_rate),
+        min_trials_for_failure_rate=int(conf.min_trials_for_failure_rate),
+        timeout_s=None if conf.timeout_s is None else float(conf.timeout_s),
+        heartbeat_s=float(conf.heartbeat_s),
+        grace_s=float(conf.grace_s),
+        retry_stale=int(conf.retry_stale),
+        dedup=bool(conf.dedup),
+        sweep_dir=sweep_dir,
+        cuda_devices=[str(d) for d in conf.cuda_devices] if conf.cuda_devices else None,
+        progress=bool(conf.progress),
+        results_dir=results_dir,
+        budget_gib=float(hardware.get("budget_gib") or 0.0),
+    )
+
+
+def normalise_storage_url(url: str) -> str:
+    """``postgresql://`` -> ``postgresql+psycopg2://`` when only psycopg2 is installed.
+
+    SQLAlchemy 2.1 maps a bare ``postgresql://`` to the psycopg 3 driver; our pinned environment ships
+    ``psycopg2-binary``. An explicit driver (``postgresql+psycopg://``) is kept as given.
+    """
+    import importlib.util
+
+    if (
+        url.startswith("postgresql://")
+        and importlib.util.find_spec("psycopg") is None
+        and importlib.util.find_spec("psycopg2") is not None
+    ):
+        return "postgresql+psycopg2://" + url[len("postgresql://") :]
+    return url
+
+
+def _param_str(value: Any) -> str:
+    """A ``params`` entry as override-grammar text (YAML may have parsed ``8`` or a list already)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, list | tuple):
+        return "choice(" + ",".join(_param_str(v) for v in value) + ")"
+    return str(value)

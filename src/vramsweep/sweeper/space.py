@@ -1,0 +1,244 @@
+"""Search space: Hydra override grammar -> Optuna distributions, grids and trial overrides.
+
+``choice(a,b)`` / ``a,b`` -> categorical; ``range(8,33,8)`` over ints -> ``IntDistribution(step)``
+(ordinal for TPE), over floats -> categorical; ``interval(lo,hi)`` -> float (int when the target
+config node is an int or the ``int`` tag is given); ``tag(log, interval(...))`` -> log scale.
+A value that is not a sweep is a fixed override applied to every trial.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vramsweep.config.compose import ConfigError
+
+Scalar = str | int | float | bool | None
+
+
+@dataclass
+class Param:
+    """One search dimension.
+
+    Attributes:
+        key: the override key (``quant``, ``adapter.r``).
+        kind: ``choice`` | ``range`` | ``interval``.
+        values: the discrete values (choice/range), typed; non-scalars are stored as override text.
+        low/high/log/integer: interval bounds.
+        step: range step (int ranges).
+    """
+
+    key: str
+    kind: str
+    values: list[Scalar] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    integer: bool = False
+    step: int | None = None
+
+    @property
+    def discrete(self) -> bool:
+        return self.kind in ("choice", "range")
+
+    def size(self) -> float:
+        """Number of distinct values (``inf`` for float intervals)."""
+        if self.discrete:
+            return len(self.values)
+        if self.integer:
+            return int(self.high) - int(self.low) + 1  # type: ignore[arg-type]
+        return math.inf
+
+    def distribution(self) -> Any:
+        """The Optuna distribution of this dimension."""
+        from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+        if self.kind == "range" and self.step is not None:
+            return IntDistribution(int(self.values[0]), int(self.values[-1]), step=self.step)
+        if self.discrete:
+            return CategoricalDistribution(list(self.values))
+        if self.integer:
+            return IntDistribution(int(self.low), int(self.high), log=self.log)  # type: ignore[arg-type]
+        return FloatDistribution(float(self.low), float(self.high), log=self.log)  # type: ignore[arg-type]
+
+    def text(self, value: Any) -> str:
+        """The override text of a value of this dimension."""
+        if self.discrete:
+            for v, t in zip(self.values, self.texts):
+                if v == value and type(v) is type(value):
+                    return t
+            for v, t in zip(self.values, self.texts):
+                if v == value:
+                    return t
+        if self.integer:
+            return str(int(value))
+        return format_value(value)
+
+    def probe_values(self) -> list[Scalar]:
+        """Values checked by composing before any trial starts: every choice (each may be another config
+        option), the two ends of a range or interval (one type, and the rules' bounds are intervals)."""
+        if self.kind == "range":
+            return [self.values[0], self.values[-1]] if len(self.values) > 1 else list(self.values)
+        if self.discrete:
+            return list(self.values)
+        if self.integer:
+            return [int(self.low), int(self.high)]  # type: ignore[arg-type]
+        return [float(self.low), float(self.high)]  # type: ignore[arg-type]
+
+
+def format_value(value: Any) -> str:
+    """A Python value as override-grammar text (``None`` -> ``null``, lists -> ``[a,b]``)."""
+    from hydra.core.override_parser.types import Override
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return Override._get_value_element_as_str(value)
+
+
+def override_key(override: str) -> str:
+    """The key an override sets: ``+a.b=1`` -> ``a.b``; ``~a`` -> ``a``; ``hydra/launcher=x`` -> itself."""
+    s = override.strip()
+    while s[:1] in "+~":
+        s = s[1:]
+    return s.split("=", 1)[0].strip()
+
+
+def merge_overrides(*groups: Iterable[str]) -> list[str]:
+    """Later overrides replace earlier ones with the same key (Hydra rejects two values for a group)."""
+    out: dict[str, str] = {}
+    for group in groups:
+        for ov in group:
+            k = override_key(ov)
+            out.pop(k, None)
+            out[k] = ov
+    return list(out.values())
+
+
+def _parse(override: str) -> Any:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_overrides([override])[0]
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot parse search-space entry '{override}': {str(exc).splitlines()[0]}",
+            key=override_key(override),
+        ) from exc
+
+
+def _scalar(value: Any) -> Scalar:
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return format_value(value)
+
+
+def parse_params(params: dict[str, str], *, int_keys: Sequence[str] = ()) -> tuple[list[Param], list[str]]:
+    """Split ``params`` into search dimensions and fixed overrides.
+
+    Args:
+        params: ``{key: grammar text}``.
+        int_keys: keys whose config node is an integer (intervals over them are integer).
+
+    Returns:
+        ``(dimensions, fixed_overrides)``.
+    """
+    dims: list[Param] = []
+    fixed: list[str] = []
+    for key, text in params.items():
+        ov = _parse(f"{key}={text}")
+        if not ov.is_sweep_override():
+            fixed.append(f"{key}={ov.get_value_element_as_str()}")
+            continue
+        value = ov.value()
+        if ov.is_choice_sweep():
+            raw = list(ov.sweep_iterator())
+            vals = [_scalar(v) for v in raw]
+            if len(set(map(repr, vals))) != len(vals):
+                raise ConfigError(f"search space {key}: choice has a repeated value", key=key)
+            dims.append(Param(key, "choice", values=vals, texts=[format_value(v) for v in raw]))
+        elif ov.is_range_sweep():
+            vals = list(ov.sweep_iterator())
+            if not vals:
+                raise ConfigError(f"search space {key}: empty range", key=key)
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
+                step = vals[1] - vals[0] if len(vals) > 1 else 1
+                if step <= 0:
+                    vals = sorted(vals)
+                    step = vals[1] - vals[0] if len(vals) > 1 else 1
+                dims.append(Param(key, "range", values=vals, texts=[str(v) for v in vals], step=int(step)))
+            else:
+                fvals = [float(v) for v in vals]
+                dims.append(Param(key, "range", values=fvals, texts=[format_value(v) for v in fvals]))
+        elif ov.is_interval_sweep():
+            tags = set(getattr(value, "tags", set()) or set())
+            unknown = tags - {"log", "int"}
+            if unknown:
+                raise ConfigError(
+                    f"search space {key}: unknown tag(s) {sorted(unknown)}", key=key, allowed=["log", "int"]
+                )
+            low, high = float(value.start), float(value.end)
+            integer = "int" in tags or key in int_keys
+            if integer and not (low.is_integer() and high.is_integer()):
+                raise ConfigError(
+                    f"search space {key}: integer interval needs integer bounds, got ({low}, {high})", key=key
+                )
+            if not low < high:
+                raise ConfigError(f"search space {key}: interval({low}, {high}) is empty", key=key)
+            if "log" in tags and low <= 0:
+                raise ConfigError(f"search space {key}: log interval needs a positive lower bound", key=key)
+            dims.append(Param(key, "interval", low=low, high=high, log="log" in tags, integer=integer))
+        else:  # pragma: no cover - grammar has no other sweep kinds
+            raise ConfigError(f"search space {key}: unsupported sweep '{text}'", key=key)
+    return dims, fixed
+
+
+def cli_sweep_params(arguments: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """Split command-line task overrides into sweep params (``quant=a,b``, ``x=choice(..)``) and fixed ones."""
+    params: dict[str, str] = {}
+    fixed: list[str] = []
+    for arg in arguments:
+        ov = _parse(arg)
+        if ov.is_sweep_override():
+            if arg.lstrip()[:1] in "+~":
+                raise ConfigError(
+                    f"sweep override '{arg}': add/delete prefixes cannot be swept", key=override_key(arg)
+                )
+            key, _, text = arg.partition("=")
+            params[key.strip()] = text.strip()
+        else:
+            fixed.append(arg)
+    return params, fixed
+
+
+def grid_points(dims: Sequence[Param]) -> list[dict[str, Scalar]]:
+    """Cartesian product of discrete dimensions, in declaration order (last key varies fastest)."""
+    bad = [d.key for d in dims if not d.discrete]
+    if bad:
+        raise ConfigError(
+            f"a grid needs discrete dimensions (choice/range); interval given for {', '.join(bad)}",
+            key=bad[0],
+            allowed=["choice(...)", "range(...)"],
+        )
+    keys = [d.key for d in dims]
+    return [dict(zip(keys, combo)) for combo in itertools.product(*[d.values for d in dims])]
+
+
+def space_size(dims: Sequence[Param]) -> float:
+    """Number of distinct points (``inf`` with a float interval)."""
+    total: float = 1
+    for d in dims:
+        total *= d.size()
+    return total
+
+
+def params_to_overrides(params: dict[str, Any], dims: Sequence[Param] = ()) -> list[str]:
+    """``{"adapter.r": 16}`` -> ``["adapter.r=16"]``, using each dimension's own override text."""
+    by_key = {d.key: d for d in dims}
+    out = []
+    for k, v in params.items():
+        out.append(f"{k}={by_key[k].text(v) if k in by_key else format_value(v)}")
+    return out

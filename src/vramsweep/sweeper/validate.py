@@ -1,0 +1,123 @@
+"""Reject a bad search space before any trial starts (the CLI exits 2, no files are written).
+
+Every choice value (and both ends of every interval) is composed on top of the sweep's fixed
+overrides and range-checked by :mod:`vramsweep.config.rules`; an unknown option, unknown key, wrong
+type or out-of-range value raises :class:`~vramsweep.config.ConfigError` naming the override.
+Combinations are checked per point only for fixed designs (ablation/stacking/grid), whose points the
+user listed; in a search a bad *combination* is recorded as ``unsupported`` when sampled. Machine
+rules (CUDA, optional packages) are not checked here: those points are recorded ``unsupported``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from vramsweep.config.compose import ConfigError
+from vramsweep.sweeper.design import DesignPoint
+from vramsweep.sweeper.runner import preserved_global_hydra
+from vramsweep.sweeper.space import Param, merge_overrides
+
+
+def _compose(overrides: Sequence[str]) -> DictConfig:
+    from vramsweep.config.compose import compose
+
+    with preserved_global_hydra():
+        return compose(list(overrides), validate_rules=False)
+
+
+def _check_values(cfg: DictConfig) -> None:
+    from vramsweep.config.rules import _rules_values  # the range/value rules, without cross-knob ones
+
+    _rules_values(cfg)
+
+
+def compose_base(fixed: Sequence[str]) -> DictConfig:
+    """The sweep's base config (fixed overrides only), value-checked."""
+    try:
+        cfg = _compose(fixed)
+        _check_values(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"the sweep's fixed overrides are invalid: {exc}", key=exc.key) from exc
+    return cfg
+
+
+def int_keys(base: DictConfig, keys: Sequence[str]) -> list[str]:
+    """Which of ``keys`` are integer nodes in the schema (an interval over them samples integers)."""
+    from omegaconf.nodes import IntegerNode
+
+    out = []
+    for key in keys:
+        parent_key, _, leaf = key.rpartition(".")
+        try:
+            parent: Any = OmegaConf.select(base, parent_key) if parent_key else base
+            node = parent._get_node(leaf) if isinstance(parent, DictConfig) else None
+        except Exception:
+            node = None
+        if isinstance(node, IntegerNode):
+            out.append(key)
+    return out
+
+
+def _probe(fixed: Sequence[str], extra: Sequence[str]) -> None:
+    cfg = _compose(merge_overrides(fixed, extra))
+    _check_values(cfg)
+
+
+def validate_space(fixed: Sequence[str], dims: Sequence[Param]) -> int:
+    """Compose every value of every dimension; raise ConfigError for the first bad one.
+
+    Values are probed in rounds (one value of each dimension per compose) and a failing round is
+    re-probed value by value, so the error names the exact override.
+
+    Returns:
+        the number of composes done.
+    """
+    rounds = max((len(d.probe_values()) for d in dims), default=0)
+    n = 0
+    for j in range(rounds):
+        extra = []
+        for d in dims:
+            vals = d.probe_values()
+            if j < len(vals):
+                extra.append(f"{d.key}={d.text(vals[j])}")
+        try:
+            n += 1
+            _probe(fixed, extra)
+            continue
+        except ConfigError:
+            pass
+        for ov in extra:
+            try:
+                n += 1
+                _probe(fixed, [ov])
+            except ConfigError as exc:
+                raise ConfigError(f"search space: '{ov}' is invalid: {exc}", key=exc.key) from exc
+        # each value alone is fine: the round failed on a combination (recorded per trial as unsupported)
+    return n
+
+
+def validate_design(fixed: Sequence[str], points: Sequence[DesignPoint], *, combinations: bool = True) -> int:
+    """Compose and fully rule-check every point of a fixed design (machine rules excepted)."""
+    from vramsweep.config.rules import validate
+
+    seen: set[tuple[str, ...]] = set()
+    n = 0
+    for p in points:
+        overrides = tuple(merge_overrides(fixed, p.overrides))
+        if overrides in seen:
+            continue
+        seen.add(overrides)
+        try:
+            n += 1
+            cfg = _compose(overrides)
+            if combinations:
+                validate(cfg, machine=False)
+            else:
+                _check_values(cfg)
+        except ConfigError as exc:
+            what = p.design.get("role") or (f"step {p.design.get('step')}" if "step" in p.design else "point")
+            raise ConfigError(f"design {what} {list(p.overrides)} is invalid: {exc}", key=exc.key) from exc
+    return n

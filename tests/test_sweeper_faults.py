@@ -1,0 +1,268 @@
+"""Fault tests: failures are data, kills are survived, resume is exact, bad spaces never start.
+
+All with the fake trial function (``vramsweep.sweeper.fake``), run through the real fork-server
+isolation; the sweeper kill test runs the sweeper as a separate process and SIGKILLs it mid-trial.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import psutil
+import pytest
+from optuna.trial import TrialState, create_trial
+
+from vramsweep.sweeper import run_multirun
+from vramsweep.sweeper.storage import HEARTBEAT, OWNER, SLOT
+
+FAKE = [
+    "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+    "hydra.sweeper.preload=[vramsweep.sweeper.fake]",
+]
+
+
+def load(root: Path, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{root}/sweeps/{name}/study.db")
+
+
+def results(root: Path, name: str) -> dict[int, dict]:
+    return {
+        int(p.stem): json.loads(p.read_text())
+        for p in sorted((root / "sweeps" / name / "trials").glob("*.json"))
+    }
+
+
+# ---------------------------------------------------------------------------------------------- trial faults
+
+
+@pytest.fixture(scope="module")
+def faulty_sweep(tmp_path_factory):
+    """One grid sweep of 5 points: trial 1 is SIGKILLed, 2 raises CUDA OOM, 3 returns a NaN loss."""
+    root = tmp_path_factory.mktemp("faults")
+    saved = os.environ.get("VRAMSWEEP_FAKE")
+    os.environ["VRAMSWEEP_FAKE"] = json.dumps({"faults": {"1": "kill", "2": "oom", "3": "nan"}})
+    try:
+        rc = run_multirun(
+            [
+                f"results_dir={root}",
+                *FAKE,
+                "hydra.sweeper.preload=[vramsweep.sweeper.fake,torch]",
+                "adapter.r=4,8,16,32,64",
+                "hydra.sweeper.sampler=grid",
+                "hydra.sweeper.study_name=tf",
+            ]
+        )
+    finally:
+        if saved is None:
+            os.environ.pop("VRAMSWEEP_FAKE", None)
+        else:
+            os.environ["VRAMSWEEP_FAKE"] = saved
+    return rc, load(root, "tf"), results(root, "tf")
+
+
+def test_sweep_survives_trial_faults(faulty_sweep):
+    rc, study, res = faulty_sweep
+    assert rc == 0
+    assert [res[n]["status"] for n in range(5)] == ["ok", "error", "oom", "diverged", "ok"]
+    assert study.trials[4].state == TrialState.COMPLETE  # the sweep went on after the kill
+
+
+def test_killed_trial_is_an_error_with_its_signal(faulty_sweep):
+    _, study, res = faulty_sweep
+    t = study.trials[1]
+    assert t.state == TrialState.FAIL and t.user_attrs["status"] == "error"
+    assert "SIGKILL" in t.user_attrs["reason"] and "SIGKILL" in res[1]["reason"]
+    assert res[1]["meta"]["design"] == {"kind": "search", "sampler": "grid", "repeat": 0}
+
+
+def test_injected_cuda_oom_is_oom_and_infeasible(faulty_sweep):
+    _, study, res = faulty_sweep
+    t = study.trials[2]
+    assert res[2]["status"] == t.user_attrs["status"] == "oom"
+    assert "OutOfMemoryError" in res[2]["reason"]
+    assert t.state == TrialState.PRUNED and t.constraints["vram_over_budget_gib"] > 0
+    assert all(b.number != 2 for b in study.best_trials)
+
+
+def test_injected_nan_is_diverged(faulty_sweep):
+    _, study, res = faulty_sweep
+    assert res[3]["status"] == study.trials[3].user_attrs["status"] == "diverged"
+    assert study.trials[3].state == TrialState.FAIL
+    assert res[3]["metrics"]["eval_loss"] is None  # NaN is stored as null, the reason says why
+    assert "nan" in res[3]["reason"].lower()
+
+
+# ---------------------------------------------------------------------------------------------- sweeper kill
+
+
+def _wait_for(path: Path, timeout: float = 90.0) -> None:
+    t0 = time.time()
+    while not path.exists():
+        if time.time() - t0 > timeout:
+            raise TimeoutError(path)
+        time.sleep(0.1)
+
+
+def _gone(pid: int, timeout: float = 10.0) -> bool:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_kill_9_of_the_sweeper_then_rerun_finishes_exactly_the_remainder(tmp_path):
+    markers = tmp_path / "markers"
+    env = dict(os.environ, VRAMSWEEP_FAKE=json.dumps({"faults": {"1": "hang"}, "marker_dir": str(markers)}))
+    cmd = [
+        sys.executable,
+        "-m",
+        "vramsweep.sweeper",
+        f"results_dir={tmp_path}",
+        *FAKE,
+        "adapter.r=4,8,16,32",
+        "hydra.sweeper.sampler=grid",
+        "hydra.sweeper.study_name=k1",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        _wait_for(markers / "start-1")
+        trial_pid = int((markers / "start-1").read_text())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _gone(trial_pid), "the trial process must die with its sweeper (no orphan writing results)"
+    study = load(tmp_path, "k1")
+    assert [t.state for t in study.trials] == [
+        TrialState.COMPLETE,
+        TrialState.RUNNING,
+        TrialState.WAITING,
+        TrialState.WAITING,
+    ]
+    # re-run the same command: the dead worker's trial is failed and retried, the rest runs once
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "left RUNNING by a dead worker" in done.stdout
+    study = load(tmp_path, "k1")
+    states = [t.state for t in study.trials]
+    assert states == [
+        TrialState.COMPLETE,
+        TrialState.FAIL,
+        TrialState.COMPLETE,
+        TrialState.COMPLETE,
+        TrialState.COMPLETE,
+    ]
+    assert study.trials[4].user_attrs["retry_of"] == 1 and study.trials[4].params == study.trials[1].params
+    assert "stale" in study.trials[1].user_attrs["reason"]
+    res = results(tmp_path, "k1")
+    ok = [r for r in res.values() if r["status"] == "ok"]
+    assert len(ok) == 4 and sorted(r["overrides"][-1] for r in ok) == sorted(
+        f"adapter.r={r}" for r in (4, 8, 16, 32)
+    )  # every point exactly once: no duplicated result
+    assert res[1]["status"] == "error" and res[4]["meta"]["retry_of"] == 1
+    assert not list((tmp_path / "sweeps" / "k1" / "trials").glob(".*.tmp"))
+
+
+def _plant_stale_trial(root: Path, name: str, *, slot: int, params: dict, host: str = "another-host") -> int:
+    """Make the study look like a worker on another machine died while running ``slot``."""
+    from optuna.distributions import CategoricalDistribution
+
+    study = load(root, name)
+    study.add_trial(create_trial(state=TrialState.WAITING, system_attrs={"fixed_params": params, SLOT: slot}))
+    storage = study._storage
+    tid = study.trials[-1]._trial_id
+    assert storage.set_trial_state_values(tid, TrialState.RUNNING)
+    trial = optuna.Trial(study, tid)
+    for k, v in params.items():
+        trial.suggest_categorical(k, [v] if not isinstance(v, int) else [4, 8, 16, 32])
+    del CategoricalDistribution
+    storage.set_trial_system_attr(tid, OWNER, {"host": host, "pid": 12345, "ctime": 0.0})
+    storage.set_trial_system_attr(tid, HEARTBEAT, time.time() - 3600)
+    trial.set_user_attr("overrides", [f"adapter.r={params['adapter.r']}"])
+    return study.trials[-1].number
+
+
+def test_stale_trial_of_another_machine_is_failed_and_retried_once(tmp_path):
+    args = [
+        f"results_dir={tmp_path}",
+        *FAKE,
+        "adapter.r=choice(4,8,16,32)",
+        "hydra.sweeper.study_name=h1",
+        "hydra.sweeper.sampler={name: random, seed: 0}",
+        "hydra.sweeper.dedup=false",
+    ]
+    assert run_multirun([*args, "hydra.sweeper.n_trials=2"]) == 0
+    stale = _plant_stale_trial(tmp_path, "h1", slot=2, params={"adapter.r": 16})
+    assert run_multirun([*args, "hydra.sweeper.n_trials=3"]) == 0
+    study = load(tmp_path, "h1")
+    t = study.trials[stale]
+    assert (
+        t.state == TrialState.FAIL
+        and "stale" in t.user_attrs["reason"]
+        and "another-host" in t.user_attrs["reason"]
+    )
+    retry = [x for x in study.trials if x.user_attrs.get("retry_of") == stale]
+    assert len(retry) == 1 and retry[0].state == TrialState.COMPLETE and retry[0].params == {"adapter.r": 16}
+    assert sum(x.state == TrialState.COMPLETE for x in study.trials) == 3
+
+
+def test_stale_trial_with_a_result_file_is_told_from_it_not_rerun(tmp_path):
+    args = [
+        f"results_dir={tmp_path}",
+        *FAKE,
+        "adapter.r=choice(4,8,16,32)",
+        "hydra.sweeper.study_name=h2",
+        "hydra.sweeper.sampler={name: random, seed: 0}",
+        "hydra.sweeper.dedup=false",
+    ]
+    assert run_multirun([*args, "hydra.sweeper.n_trials=1"]) == 0
+    stale = _plant_stale_trial(tmp_path, "h2", slot=1, params={"adapter.r": 8})
+    # the trial had finished and written its JSON when its worker died (before telling the study)
+    src = results(tmp_path, "h2")[0]
+    src["trial"] = stale
+    src["meta"]["optuna"] = src["meta"]["optuna"] | {"trial_number": stale, "values": [1.5]}
+    (tmp_path / "sweeps" / "h2" / "trials" / f"{stale:04d}.json").write_text(json.dumps(src))
+    assert run_multirun([*args, "hydra.sweeper.n_trials=2"]) == 0
+    study = load(tmp_path, "h2")
+    assert len(study.trials) == 2 and study.trials[stale].state == TrialState.COMPLETE
+    assert study.trials[stale].values == [1.5]
+
+
+# ---------------------------------------------------------------------------------------------- bad spaces
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["quant=choice(none,nf5)"], "quant=nf5"),
+        (["adapter.rank=choice(8,16)"], "adapter.rank"),
+        (["adapter.r=choice(8,abc)"], "adapter.r"),
+        (["train.lr=choice(0.001,5.0)"], "train.lr"),
+        (["sweep=quant", "sweep.factors=[['quant=nf5']]"], "quant=nf5"),
+        (["quant=nf5", "adapter.r=8,16"], "quant/nf5"),  # Hydra: unknown option of a fixed override
+        (["adapter.r=choice(8,16"], "choice(8,16"),  # Hydra: syntax
+        (["quant=none,nf4", "hydra.sweeper.sampler=simulated_annealing"], "hydra.sweeper.sampler"),
+        (["quant=none,nf4", "hydra.sweeper.objectives=[vram]"], "vram"),
+    ],
+)
+def test_bad_search_space_is_rejected_before_any_trial(tmp_path, capsys, args, needle):
+    rc = run_multirun([f"results_dir={tmp_path}", *FAKE, "hydra.sweeper.study_name=bad", *args])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert needle in err  # our "error: ..." or Hydra's own message for a command line it cannot parse
+    assert not (tmp_path / "sweeps").exists()  # nothing written
