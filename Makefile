@@ -9,7 +9,7 @@ export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install demo test test-fast test-slow lint format bench clean unsloth gpu-smoke
+.PHONY: help install demo test test-fast test-slow lint format bench clean unsloth gpu-smoke gpu-smoke-dry gpu-wheels
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -29,12 +29,12 @@ demo: $(STAMP) ## the main job: a real demo sweep on the embedded tiny model (CP
 	$(BIN)/vramsweep report results/sweeps/demo
 
 lint: $(STAMP) ## ruff lint + format check
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench scripts
+	$(BIN)/ruff format --check src tests bench scripts
 
 format: $(STAMP) ## ruff autofix + format
-	$(BIN)/ruff check --fix src tests bench
-	$(BIN)/ruff format src tests bench
+	$(BIN)/ruff check --fix src tests bench scripts
+	$(BIN)/ruff format src tests bench scripts
 
 test: $(STAMP) lint ## lint + the test suite (fast tests, then slow ones)
 	$(BIN)/pytest -q
@@ -50,11 +50,17 @@ bench: $(STAMP) ## overhead + sweep-efficiency benchmarks (prints measured ratio
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/sweep_efficiency.py
 
-unsloth: $(STAMP) ## optional: install unsloth without its CUDA-pulling pins
+unsloth: $(STAMP) ## optional: unsloth 2026.10.9 without its CUDA-pulling pins (imports and trains on CPU too)
 	$(BIN)/pip install -q --no-deps unsloth==2026.10.9 unsloth_zoo==2026.10.9
 
-gpu-smoke: $(STAMP) ## on a CUDA machine: the one-shot GPU smoke sweep
+gpu-smoke: ## on a CUDA machine (its own torch; offline wheels from wheels/): the one-shot GPU smoke sweep
 	bash scripts/gpu_smoke.sh
+
+gpu-smoke-dry: $(STAMP) ## the GPU smoke path on CPU with the embedded tiny model (what CI checks)
+	bash scripts/gpu_smoke.sh --dry-run
+
+gpu-wheels: $(STAMP) ## download bitsandbytes/liger-kernel/nvidia-ml-py wheels into wheels/ for an offline GPU box
+	bash scripts/fetch_gpu_wheels.sh
 
 clean: ## remove the venv, caches and results
 	rm -rf $(VENV) .cache results wandb .pytest_cache .ruff_cache

@@ -1,5 +1,8 @@
 """Engine overhead: our trial vs (a) a minimal PEFT loop and (b) a plain TRL SFTTrainer script.
 
+TRL 1.15's SFTTrainer patches a Triton fused LM head that cannot run on CPU; there the bench substitutes
+a plain-torch function with the same outputs (log-probs, entropy, top-1 accuracy from the full logits).
+
 All three train the same config (default: embedded tiny Qwen3, bf16, LoRA r16 all-linear, sdpa,
 micro-batch 2, context 512) on the same pre-built batches, alternating in fresh subprocesses
 (``--rounds`` times), so machine load hits all of them alike. Printed: tokens/s per engine per round,
@@ -107,8 +110,35 @@ class _Null:
         return False
 
 
+class _TorchLogProb:
+    """CPU stand-in for TRL 1.15's Triton ``ChunkedLogProbFunction`` (its fused LM head needs a GPU):
+    the same outputs (per-token log-probs, entropy, log-sum-sq, mean logit, is-top1) from full logits."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs):
+        import torch
+
+        logits = torch.nn.functional.linear(hidden, weight, bias).float() * logit_scale
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        logits = logits / temperature
+        logp = torch.log_softmax(logits, -1)
+        tok = logp.gather(-1, targets[:, None]).squeeze(-1)
+        with torch.no_grad():
+            p = logp.exp()
+            ent = -(p * logp).sum(-1) if "entropy" in outputs else None
+            lsq = torch.logsumexp(2 * logp, -1) if "log_sum_sq_probs" in outputs else None
+            mean = logits.mean(-1) if "mean_logits" in outputs else None
+            top1 = (logits.argmax(-1) == targets) if "is_top1" in outputs else None
+        return tok, ent, lsq, mean, top1
+
+
 def run_trl(overrides, steps):
+    import trl.trainer.utils as trl_utils
     from datasets import Dataset
+
+    if trl_utils._ChunkedLogProbFunction is None:  # no Triton (CPU torch wheel)
+        trl_utils._ChunkedLogProbFunction = _TorchLogProb
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
@@ -126,12 +156,10 @@ def run_trl(overrides, steps):
     mb = int(cfg.train.micro_batch)
 
     class Timer(TrainerCallback):
-        def on_step_begin(self, args, st, control, **kw):
+        def on_step_end(self, args, st, control, **kw):
             if st.global_step == warm:
                 state["t0"] = time.perf_counter()
-
-        def on_step_end(self, args, st, control, **kw):
-            if st.global_step > warm:
+            elif st.global_step > warm:
                 i = st.global_step - 1
                 state["tokens"] += sum(len(r["input_ids"]) for r in rows[i * mb : (i + 1) * mb])
 
@@ -154,7 +182,7 @@ def run_trl(overrides, steps):
         shuffle_dataset=False,
         seed=int(cfg.train.seed),
     )
-    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, optimizers=(opt, sched))
+    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, optimizers=(opt, sched), callbacks=[Timer()])
     trainer.train()
     return {"tokens_per_s": state["tokens"] / (time.perf_counter() - state["t0"]), "peak": None}
 

@@ -82,21 +82,26 @@ def collect_meta(cfg: DictConfig) -> dict[str, Any]:
     import torch
 
     versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for mod in (
-        "transformers",
-        "peft",
-        "bitsandbytes",
-        "optuna",
-        "hydra",
-        "omegaconf",
-        "wandb",
-        "liger_kernel",
-        "unsloth",
+    # Versions from package metadata: importing unsloth would patch transformers in every trial, and
+    # liger_kernel pulls in Triton; neither should happen just to read a version number.
+    from importlib.metadata import PackageNotFoundError, version
+
+    for mod, dist in (
+        ("transformers", "transformers"),
+        ("peft", "peft"),
+        ("bitsandbytes", "bitsandbytes"),
+        ("optuna", "optuna"),
+        ("hydra", "hydra-core"),
+        ("omegaconf", "omegaconf"),
+        ("wandb", "wandb"),
+        ("liger_kernel", "liger-kernel"),
+        ("unsloth", "unsloth"),
+        ("flash_attn", "flash-attn"),
+        ("triton", "triton"),
     ):
         try:
-            m = __import__(mod)
-            versions[mod] = getattr(m, "__version__", "?")
-        except Exception:
+            versions[mod] = version(dist)
+        except PackageNotFoundError:
             continue
     try:
         from vramsweep.config.compose import repo_root
@@ -195,9 +200,16 @@ def _eval_subset(examples: list, n: int) -> list:
 # the loop
 
 
+EVAL_CHUNK = 1024  # positions per fp32 cross-entropy chunk in evaluate(): bounds eval memory at large vocabs
+
+
 def evaluate(model, batches: list[dict], device) -> tuple[float, float | None, int]:
     """Held-out mean loss over target tokens, and the task score (teacher-forced exact match of the
-    fact values the target repeats from earlier sections; None when no spans)."""
+    fact values the target repeats from earlier sections; None when no spans).
+
+    One sequence at a time, cross-entropy in chunks of :data:`EVAL_CHUNK` positions: the logits are
+    ``seq x vocab`` (Qwen3: 4096 x 151936 = 1.2 GB in bf16 per sequence), and a batch of 4 upcast to
+    fp32 would take 10 GB, more than the training step it measures on a 16 GB card."""
     import torch
 
     was_training = model.training
@@ -205,26 +217,31 @@ def evaluate(model, batches: list[dict], device) -> tuple[float, float | None, i
     total, count, hits, spans = 0.0, 0, 0, 0
     with torch.no_grad():
         for b in batches:
-            ids = b["input_ids"].to(device)
-            logits = model(input_ids=ids, attention_mask=b["attention_mask"].to(device)).logits.float()
-            labels = b["labels"].to(device)
-            shift_logits = logits[:, :-1]
-            shift_labels = labels[:, 1:]
-            loss = torch.nn.functional.cross_entropy(
-                shift_logits.reshape(-1, shift_logits.shape[-1]),
-                shift_labels.reshape(-1),
-                ignore_index=-100,
-                reduction="sum",
-            )
-            total += float(loss)
-            count += int((shift_labels != -100).sum())
-            pred = logits.argmax(-1)
-            for row, fact_spans in enumerate(b["fact_spans"]):
-                for s, e in fact_spans:
-                    if s < 1 or e > ids.shape[1]:
+            for row in range(b["input_ids"].shape[0]):
+                ids = b["input_ids"][row : row + 1].to(device)
+                logits = model(
+                    input_ids=ids, attention_mask=b["attention_mask"][row : row + 1].to(device)
+                ).logits
+                labels = b["labels"][row, 1:].to(device)
+                n = labels.shape[0]
+                for s in range(0, n, EVAL_CHUNK):
+                    chunk = labels[s : s + EVAL_CHUNK]
+                    total += float(
+                        torch.nn.functional.cross_entropy(
+                            logits[0, s : s + chunk.shape[0]].float(),
+                            chunk,
+                            ignore_index=-100,
+                            reduction="sum",
+                        )
+                    )
+                    count += int((chunk != -100).sum())
+                pred = logits[0].argmax(-1)
+                del logits
+                for start, end in b["fact_spans"][row]:
+                    if start < 1 or end > ids.shape[1]:
                         continue
                     spans += 1
-                    hits += int(bool((pred[row, s - 1 : e - 1] == ids[row, s:e]).all()))
+                    hits += int(bool((pred[start - 1 : end - 1] == ids[0, start:end]).all()))
     if was_training:
         model.train()
     return total / max(count, 1), (hits / spans if spans else None), spans
@@ -254,6 +271,24 @@ def _mfu(cfg: DictConfig, notes: dict, tokens_per_s: float | None, mean_seq: flo
 
 
 def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> None:
+    """Run :func:`_train_steps` under the CUDA memory monitor (cap, reset, NVML) on CUDA profiles; the
+    monitor's meta (cap, allocator settings, per-phase peaks) is recorded even when the trial fails."""
+    cuda_mon = None
+    if cfg.hardware.device == "cuda":
+        from vramsweep.measure.cuda import CudaMemoryMonitor
+
+        cuda_mon = CudaMemoryMonitor(cfg)
+        cuda_mon.start()
+        result["meta"]["cuda"] = cuda_mon.meta()
+    try:
+        _train_steps(cfg, result, reporter, logger, cuda_mon)
+    finally:
+        if cuda_mon is not None:
+            cuda_mon.stop()
+            result["meta"]["cuda"] = cuda_mon.meta()
+
+
+def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logger, cuda_mon) -> None:
     import torch
 
     from vramsweep.build import build_model, build_optimizer, build_scheduler
@@ -268,14 +303,6 @@ def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> 
         torch.set_num_threads(int(t.threads))
     random.seed(int(t.seed))
     torch.manual_seed(int(t.seed))
-
-    cuda_mon = None
-    if cfg.hardware.device == "cuda":
-        from vramsweep.measure.cuda import CudaMemoryMonitor
-
-        cuda_mon = CudaMemoryMonitor(cfg)
-        cuda_mon.start()
-        result["meta"]["cuda"] = cuda_mon.meta()
 
     _, tokenizer = model_source(cfg)
     data = build_trial_data(cfg, tokenizer) if tokenizer is not None else _random_token_data(cfg)
@@ -308,6 +335,7 @@ def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> 
 
     ga, mb = int(t.grad_accum), int(t.micro_batch)
     micro = _batches(data.train, mb, int(t.steps) * ga, int(t.seed))
+    batches = [_collate(b, pad_id) for b in micro]  # collated up front, like a prefetching loader
     eval_batches = [
         _collate(chunk, pad_id)
         for chunk in (lambda ex: [ex[i : i + EVAL_BATCH] for i in range(0, len(ex), EVAL_BATCH)])(
@@ -315,6 +343,8 @@ def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> 
         )
     ]
 
+    if cuda_mon is not None:
+        cuda_mon.phase("initial_eval")  # the build's peak stays in meta.cuda.phases.setup
     t_eval = time.perf_counter()
     init_loss, init_task, _ = evaluate(model, eval_batches, device)
     m["initial_eval_loss"] = init_loss
@@ -329,6 +359,8 @@ def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> 
 
     warm = int(t.measure_warmup_steps)
     tracker = TensorMemoryTracker(model, optimizer) if device.type == "cpu" else None
+    if cuda_mon is not None:
+        cuda_mon.phase("train")  # peak_memory_bytes = the training steps' reserved peak
     tokens = pad_tokens = target_tokens = 0
     losses: list[float] = []
     grad_bytes = 0
@@ -352,14 +384,17 @@ def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> 
             for k in range(ga):
                 _fault("oom", step)
                 _fault("error", step)
-                batch = _collate(micro[step * ga + k], pad_id)
+                batch = batches[step * ga + k]
                 ids = batch["input_ids"].to(device)
-                out = model(
-                    input_ids=ids,
-                    attention_mask=batch["attention_mask"].to(device),
-                    labels=batch["labels"].to(device),
+                # Keep only the loss: holding the output would pin the logits through backward.
+                loss = (
+                    model(
+                        input_ids=ids,
+                        attention_mask=batch["attention_mask"].to(device),
+                        labels=batch["labels"].to(device),
+                    ).loss
+                    / ga
                 )
-                loss = out.loss / ga
                 if os.environ.get("VRAMSWEEP_FAULT") == f"nan@{step}":
                     loss = loss * float("nan")
                 loss.backward()
@@ -371,7 +406,7 @@ def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> 
                     target_tokens += int((batch["labels"] != -100).sum())
                     seq_sum += n_tok
                     seq_n += ids.shape[0]
-                del out, loss
+                del loss
             if step == 0:
                 grad_bytes = tensor_bytes(p.grad for p in params if p.grad is not None)
             if not math.isfinite(step_loss):
@@ -427,7 +462,6 @@ def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> 
     if cuda_mon is not None:
         cuda_mon.stop()
         m.update(cuda_mon.metrics(m["state_bytes"]))
-        result["meta"]["cuda"] = cuda_mon.meta()
 
     te = time.perf_counter()
     final, task, n_spans = evaluate(model, eval_batches, device)

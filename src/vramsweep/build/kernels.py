@@ -1,42 +1,107 @@
 """Fused-kernel dispatch: Liger (Triton patches) or Unsloth (its own loader). Never both (rules.py).
 
-Both need CUDA for their kernels (Unsloth can train on CPU with its fallbacks); the rules module marks
-them ``unsupported`` where they cannot run, so these functions are only reached on a capable machine.
+* ``kernels=liger``: before the model is instantiated, ``liger_kernel.transformers.apply_liger_kernel_to_<family>``
+  swaps the family's modeling classes (RMSNorm, SwiGLU MLP, RoPE) and the causal-LM ``forward`` (fused
+  linear cross-entropy: the ``seq x vocab`` logits are never materialised in training). The family is
+  ``model.family`` for embedded/arch models and ``model_type`` of ``<model.path>/config.json`` for local
+  checkpoints. After the build, :func:`apply_liger_to_instance` checks that the patches took effect (a
+  knob that silently did nothing would measure the baseline twice).
+* ``kernels=unsloth``: the model is loaded through ``unsloth.FastLanguageModel`` with our knobs translated
+  (:func:`unsloth_kwargs`): ``load_in_4bit`` / ``load_in_8bit`` / ``load_in_16bit``, ``max_seq_length``,
+  ``dtype``, full fine-tuning, and ``get_peft_model`` with rank/alpha/dropout/targets/RS-LoRA/DoRA and
+  Unsloth's offloaded gradient checkpointing. What Unsloth decides for itself is only accepted where it
+  matches the knob (:func:`check_unsloth`): its 4-bit is always NF4 + double quantisation computed in
+  ``train.dtype`` (measured: ``quant=nf4`` came back double-quantised), and it picks its own attention
+  kernel, so only ``quant=nf4_dq|int8|none`` and ``attention=sdpa`` run with it. It needs weights on
+  disk (embedded model or ``model.path``).
+
+Liger needs CUDA (Triton); Unsloth trains on CPU with its fallbacks. ``rules.py`` marks them
+``unsupported`` where they cannot run, so these functions are only reached on a capable machine.
 """
 
 from __future__ import annotations
 
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-LIGER_PATCHES = {
+from vramsweep.config.rules import UnsupportedError
+
+#: ``model_type`` -> the ``liger_kernel.transformers`` patch for that family (causal text LMs, Liger 0.8.5).
+LIGER_PATCHES: dict[str, str] = {
     "qwen3": "apply_liger_kernel_to_qwen3",
     "llama": "apply_liger_kernel_to_llama",
+    "qwen2": "apply_liger_kernel_to_qwen2",
+    "qwen3_moe": "apply_liger_kernel_to_qwen3_moe",
+    "mistral": "apply_liger_kernel_to_mistral",
+    "ministral": "apply_liger_kernel_to_ministral",
+    "mixtral": "apply_liger_kernel_to_mixtral",
+    "gemma": "apply_liger_kernel_to_gemma",
+    "gemma2": "apply_liger_kernel_to_gemma2",
+    "gemma3_text": "apply_liger_kernel_to_gemma3_text",
+    "phi3": "apply_liger_kernel_to_phi3",
+    "granite": "apply_liger_kernel_to_granite",
+    "olmo2": "apply_liger_kernel_to_olmo2",
+    "olmo3": "apply_liger_kernel_to_olmo3",
+    "glm4": "apply_liger_kernel_to_glm4",
+    "smollm3": "apply_liger_kernel_to_smollm3",
+    "exaone4": "apply_liger_kernel_to_exaone4",
 }
+#: Families whose patched module classes we know by name, so :func:`apply_liger_to_instance` can verify them.
+LIGER_VERIFIED = {
+    "qwen3": {"rms_norm": "LigerRMSNorm", "swiglu": "LigerSwiGLUMLP"},
+    "llama": {"rms_norm": "LigerRMSNorm", "swiglu": "LigerSwiGLUMLP"},
+    "qwen2": {"rms_norm": "LigerRMSNorm", "swiglu": "LigerSwiGLUMLP"},
+    "mistral": {"rms_norm": "LigerRMSNorm", "swiglu": "LigerSwiGLUMLP"},
+}
+#: ``adapter.targets=all-linear`` for the Llama/Qwen block (what Unsloth's fast LoRA paths are keyed on).
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+# ------------------------------------------------------------------------------------------------ Liger
+def model_type(cfg: DictConfig) -> str:
+    """The transformers ``model_type`` of the configured model.
+
+    ``model.family`` for ``source=embedded|arch``; ``model_type`` from ``<model.path>/config.json`` for
+    ``source=path`` (a local checkpoint's family is whatever it says it is).
+    """
+    if cfg.model.source != "path":
+        return str(cfg.model.family)
+    path = Path(str(cfg.model.path)) / "config.json"
+    try:
+        mtype = json.loads(path.read_text()).get("model_type")
+    except (OSError, ValueError) as exc:
+        raise UnsupportedError(
+            f"kernels=liger cannot read the model family from {path}: {exc}", key="model.path"
+        ) from exc
+    if not mtype:
+        raise UnsupportedError(f"kernels=liger: {path} has no model_type", key="kernels", allowed=["none"])
+    return str(mtype)
 
 
 def liger_patch_name(cfg: DictConfig) -> str:
     """Name of the ``liger_kernel.transformers`` function for the model family."""
-    family = cfg.model.family
-    if cfg.model.source == "path":
-        import json
-        from pathlib import Path
-
-        mtype = json.loads((Path(str(cfg.model.path)) / "config.json").read_text()).get("model_type", "")
-        family = "qwen3" if mtype.startswith("qwen3") else "llama" if mtype.startswith("llama") else mtype
+    family = model_type(cfg)
     if family not in LIGER_PATCHES:
-        from vramsweep.config.rules import UnsupportedError
-
         raise UnsupportedError(
-            f"kernels=liger has no patch for model family {family!r}",
+            f"kernels=liger has no patch for model family {family!r} (Liger families here: "
+            f"{', '.join(sorted(LIGER_PATCHES))})",
             key="kernels",
-            allowed=sorted(LIGER_PATCHES),
+            allowed=["none"],
         )
     return LIGER_PATCHES[family]
 
 
 def liger_kwargs(cfg: DictConfig) -> dict[str, bool]:
+    """Keyword arguments for the patch function from ``conf/kernels/liger.yaml``.
+
+    ``cross_entropy`` (Liger's plain CE kernel) stays off: with fused linear cross-entropy on, Liger
+    forbids both; with it off, the knob means "Liger without the loss change" (HF's loss).
+    """
     k = cfg.kernels
     return {
         "rope": bool(k.liger_rope),
@@ -47,70 +112,238 @@ def liger_kwargs(cfg: DictConfig) -> dict[str, bool]:
     }
 
 
-def apply_liger(cfg: DictConfig) -> str:
-    """Patch the transformers modeling classes before the model is instantiated."""
-    import liger_kernel.transformers as lk
+@dataclass
+class LigerPlan:
+    """What :func:`apply_liger` calls: the function, the kwargs it accepts, the ones it does not."""
 
+    family: str
+    function: str
+    kwargs: dict[str, bool]
+    dropped: dict[str, bool] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.kwargs.items())
+        return f"liger_kernel.transformers.{self.function}({args})"
+
+
+def liger_plan(cfg: DictConfig, fn: Any = None) -> LigerPlan:
+    """The dispatch decision for ``cfg`` (``fn``: the patch function, to filter kwargs by its signature)."""
+    family = model_type(cfg)
     name = liger_patch_name(cfg)
-    getattr(lk, name)(**liger_kwargs(cfg))
-    return f"liger_kernel.transformers.{name}({', '.join(f'{k}={v}' for k, v in liger_kwargs(cfg).items())})"
+    wanted = liger_kwargs(cfg)
+    kwargs, dropped = dict(wanted), {}
+    if fn is not None:
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            params = None
+        if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            kwargs = {k: v for k, v in wanted.items() if k in params}
+            dropped = {k: v for k, v in wanted.items() if k not in params}
+    return LigerPlan(family=family, function=name, kwargs=kwargs, dropped=dropped)
 
 
-def apply_liger_to_instance(cfg: DictConfig, model: Any) -> str:
-    """Class patches cover new instances; nothing more to do per instance (kept for the record)."""
-    return "class-level patch"
+def apply_liger(cfg: DictConfig) -> str:
+    """Patch the transformers modeling classes for the family *before* the model is instantiated.
+
+    Returns:
+        the call that was made (recorded in ``meta.build.kernels``).
+    """
+    try:
+        import liger_kernel.transformers as lk
+    except ImportError as exc:
+        raise UnsupportedError(
+            f"kernels=liger needs liger-kernel (pip install -e '.[gpu]'): {exc}",
+            key="kernels",
+            allowed=["none"],
+        ) from exc
+    name = liger_patch_name(cfg)
+    fn = getattr(lk, name)
+    plan = liger_plan(cfg, fn)
+    fn(**plan.kwargs)
+    return plan.describe()
 
 
-def unsloth_kwargs(cfg: DictConfig) -> tuple[dict, dict]:
-    """Translate our knobs into ``FastLanguageModel.from_pretrained`` and ``get_peft_model`` kwargs."""
+def _causal_lm(model: Any) -> Any:
+    """The transformers causal LM inside a PEFT wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def apply_liger_to_instance(cfg: DictConfig, model: Any) -> dict[str, Any]:
+    """Check that the class patches reached the built model; raise if a requested patch is missing.
+
+    Counts Liger modules by class name and looks at the causal LM's ``forward`` (fused linear
+    cross-entropy replaces it with Liger's ``lce_forward``). For families whose module names are not
+    listed in :data:`LIGER_VERIFIED` the counts are recorded but not enforced.
+
+    Returns:
+        notes for ``meta.build.kernels_instance``.
+    """
+    lm = _causal_lm(model)
+    counts: dict[str, int] = {}
+    for mod in lm.modules():
+        name = type(mod).__name__
+        if name.startswith("Liger"):
+            counts[name] = counts.get(name, 0) + 1
+    fwd = getattr(type(lm), "forward", None)
+    inst_fwd = lm.__dict__.get("forward")
+    fwd_module = getattr(inst_fwd if inst_fwd is not None else fwd, "__module__", "") or ""
+    flce = fwd_module.startswith("liger_kernel")
+    family = model_type(cfg)
+    want = liger_kwargs(cfg)
+    missing: list[str] = []
+    expected = LIGER_VERIFIED.get(family)
+    if expected is not None:
+        for knob, cls_name in expected.items():
+            if want.get(knob) and not counts.get(cls_name):
+                missing.append(f"{knob} (no {cls_name} module)")
+        if want["fused_linear_cross_entropy"] and not flce:
+            missing.append(
+                f"fused_linear_cross_entropy ({type(lm).__name__}.forward is from {fwd_module or '?'})"
+            )
+    notes = {
+        "family": family,
+        "liger_modules": counts,
+        "fused_linear_cross_entropy_forward": flce,
+        "verified": expected is not None,
+    }
+    if missing:
+        raise RuntimeError(
+            "kernels=liger: the patches did not reach the model: "
+            + "; ".join(missing)
+            + " (was the model class imported or instantiated before the patch?)"
+        )
+    return notes
+
+
+# ---------------------------------------------------------------------------------------------- Unsloth
+def check_unsloth(cfg: DictConfig) -> None:
+    """Raise :class:`UnsupportedError` for what Unsloth cannot do faithfully with our knobs.
+
+    Pure config checks (no import of unsloth), so ``rules.py`` can run them before anything is built.
+    """
+    if cfg.model.source == "arch":
+        raise UnsupportedError(
+            f"kernels=unsloth loads weights from disk: model={cfg.model.name} is architecture-only (built in "
+            "memory); use the embedded model (model=tiny) or model=local model.path=<HF folder>",
+            key="kernels",
+            allowed=["none", "liger"],
+        )
+    q = cfg.quant
+    if q.bits == 4 and not (q.quant_type == "nf4" and q.double_quant):
+        raise UnsupportedError(
+            f"kernels=unsloth always quantises 4-bit as NF4 + double quantisation: quant={q.name} would be "
+            "measured as nf4_dq",
+            key="quant",
+            allowed=["nf4_dq", "int8", "none"],
+        )
+    if q.bits == 4 and q.compute_dtype != cfg.train.dtype:
+        raise UnsupportedError(
+            f"kernels=unsloth computes 4-bit matmuls in train.dtype={cfg.train.dtype}, not "
+            f"quant.compute_dtype={q.compute_dtype}",
+            key="quant.compute_dtype",
+            allowed=[str(cfg.train.dtype)],
+        )
+    if cfg.vocab.mode != "full":
+        raise UnsupportedError(
+            "kernels=unsloth patches the embedding and lm_head itself: vocab slicing is not applied to it",
+            key="vocab",
+            allowed=["full"],
+        )
+    if cfg.attention.implementation != "sdpa":
+        raise UnsupportedError(
+            f"kernels=unsloth chooses its own attention kernel (xformers / flash-attn / SDPA); "
+            f"attention={cfg.attention.name} cannot be applied: use attention=sdpa with it",
+            key="attention",
+            allowed=["sdpa"],
+        )
+
+
+def unsloth_kwargs(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Translate our knobs into ``FastLanguageModel.from_pretrained`` and ``get_peft_model`` kwargs.
+
+    * quant: ``load_in_4bit`` / ``load_in_8bit`` / ``load_in_16bit`` (Unsloth defaults to 4-bit, so
+      16-bit is explicit); its 4-bit is NF4 + double quantisation in ``dtype`` (= ``quant=nf4_dq``).
+    * checkpointing: ``use_gradient_checkpointing="unsloth"`` (Unsloth's offloaded checkpointing) or
+      ``False``, in both calls (``from_pretrained`` applies it for full fine-tuning).
+    * adapter: r, alpha, dropout, targets (``all-linear`` -> the seven Llama/Qwen projections),
+      ``use_rslora``, ``use_dora`` (only when on: it disables Unsloth's fast LoRA path).
+
+    Returns:
+        ``(load_kwargs, peft_kwargs)``; ``model_name`` is added by :func:`load_with_unsloth`.
+    """
     from vramsweep.build.model import torch_dtype
 
     q, a = cfg.quant, cfg.adapter
-    load = {
+    gc: str | bool = "unsloth" if cfg.checkpointing.enabled else False
+    load: dict[str, Any] = {
         "max_seq_length": int(cfg.context.max_tokens),
         "dtype": torch_dtype(cfg.train.dtype),
         "load_in_4bit": q.bits == 4,
         "load_in_8bit": q.bits == 8,
+        "load_in_16bit": q.bits == 16,
         "full_finetuning": a.method == "full",
-        "attn_implementation": cfg.attention.implementation,
+        "use_gradient_checkpointing": gc,
+        "random_state": int(cfg.train.seed),
     }
     targets = (
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        ALL_LINEAR
         if isinstance(a.targets, str) and a.targets == "all-linear"
-        else list(a.targets)
+        else ([str(a.targets)] if isinstance(a.targets, str) else [str(t) for t in a.targets])
     )
-    peft = {
+    peft: dict[str, Any] = {
         "r": int(a.r),
         "lora_alpha": float(a.alpha),
         "lora_dropout": float(a.dropout),
-        "target_modules": targets,
+        "target_modules": list(targets),
+        "bias": "none",
         "use_rslora": bool(a.use_rslora),
-        "use_gradient_checkpointing": "unsloth" if cfg.checkpointing.enabled else False,
+        "use_gradient_checkpointing": gc,
         "random_state": int(cfg.train.seed),
     }
+    if a.use_dora:
+        peft["use_dora"] = True
     return load, peft
 
 
-def load_with_unsloth(cfg: DictConfig, path) -> tuple[Any, Any]:
-    """Load through ``unsloth.FastLanguageModel`` with our quant/adapter/checkpointing knobs."""
-    if path is None:
-        from vramsweep.config.rules import UnsupportedError
+def load_with_unsloth(cfg: DictConfig, path: Any) -> tuple[Any, Any]:
+    """Load through ``unsloth.FastLanguageModel`` with our quant/adapter/checkpointing knobs.
 
+    Returns:
+        ``(model, tokenizer)``: a PEFT model for LoRA adapters, the base model for ``adapter=full``.
+        ``model.vramsweep_unsloth`` holds the translated kwargs (for ``meta.build``).
+    """
+    check_unsloth(cfg)
+    if path is None:
         raise UnsupportedError(
-            "kernels=unsloth needs weights on disk (model=tiny or model.path)",
+            f"kernels=unsloth loads weights from disk: model={cfg.model.name} has no weights folder",
             key="kernels",
             allowed=["none", "liger"],
         )
-    if cfg.quant.bits == 4 and cfg.quant.quant_type != "nf4":
-        from vramsweep.config.rules import UnsupportedError
-
+    try:
+        from unsloth import FastLanguageModel
+    except ImportError as exc:
         raise UnsupportedError(
-            "kernels=unsloth quantises with NF4 only", key="quant", allowed=["nf4", "nf4_dq", "none"]
-        )
-    from unsloth import FastLanguageModel
-
+            f"kernels=unsloth needs unsloth (make unsloth): {exc}", key="kernels", allowed=["none", "liger"]
+        ) from exc
     load, peft = unsloth_kwargs(cfg)
     model, tokenizer = FastLanguageModel.from_pretrained(model_name=str(path), **load)
     if cfg.adapter.method == "lora":
         model = FastLanguageModel.get_peft_model(model, **peft)
+    try:
+        model.vramsweep_unsloth = unsloth_notes(cfg)
+    except Exception:  # some wrappers refuse new attributes; the notes are also rebuilt by the caller
+        pass
     return model, tokenizer
+
+
+def unsloth_notes(cfg: DictConfig) -> dict[str, Any]:
+    """The translated kwargs as JSON-safe values, for ``meta.build``."""
+    load, peft = unsloth_kwargs(cfg)
+    load = {k: (str(v) if not isinstance(v, bool | int | float | str) else v) for k, v in load.items()}
+    return {
+        "from_pretrained": load,
+        "get_peft_model": peft if cfg.adapter.method == "lora" else None,
+        "attention": "chosen by Unsloth",
+    }

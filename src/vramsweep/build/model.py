@@ -12,8 +12,6 @@ Every knob changes what is built (and :attr:`Built.notes` records what was appli
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,24 +86,6 @@ def bnb_config(cfg: DictConfig):
     )
 
 
-def _arch_weights_dir(cfg: DictConfig) -> Path:
-    """Random-init weights for an architecture-only model, saved once so quantised loading works."""
-    from transformers import AutoModelForCausalLM
-
-    mcfg = cfg.model
-    key = hashlib.sha256(
-        json.dumps({k: mcfg[k] for k in sorted(mcfg) if k != "name"}, sort_keys=True, default=str).encode()
-    ).hexdigest()[:16]
-    out = cache_root() / "arch" / f"{mcfg.name}-{cfg.train.dtype}-{key}"
-    if (out / "COMPLETE").exists():
-        return out
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config(mcfg), dtype=torch_dtype(cfg.train.dtype))
-    model.save_pretrained(out)
-    (out / "COMPLETE").write_text("ok\n")
-    return out
-
-
 def model_source(cfg: DictConfig) -> tuple[Path | None, Any]:
     """(weights dir, tokenizer) for the configured source; the embedded model is built/cached on demand."""
     src = cfg.model.source
@@ -125,6 +105,13 @@ def model_source(cfg: DictConfig) -> tuple[Path | None, Any]:
     return path, tokenizer
 
 
+def logical_numel(p: torch.Tensor) -> int:
+    """Weights a parameter stands for: a packed 4-bit ``Params4bit`` holds two per uint8 element."""
+    if type(p).__name__ == "Params4bit":
+        return int(p.numel() * p.element_size() * 2)  # 4 bits per weight in quant_storage elements
+    return int(p.numel())
+
+
 def count_quantised_layers(model: torch.nn.Module) -> dict[str, int]:
     counts: dict[str, int] = {}
     for mod in model.modules():
@@ -142,12 +129,14 @@ def build_model(cfg: DictConfig, *, keep_ids: list[int] | None = None) -> Built:
     dtype = torch_dtype(cfg.train.dtype)
     notes: dict[str, Any] = {"device": str(device), "dtype": cfg.train.dtype}
     path, tokenizer = model_source(cfg)
-    if path is None and cfg.model.source == "arch" and cfg.quant.bits != 16:
-        path = _arch_weights_dir(cfg)
 
     if cfg.kernels.unsloth:
         model, tok = kernels.load_with_unsloth(cfg, path)
         notes["kernels"] = "unsloth.FastLanguageModel"
+        notes["unsloth"] = kernels.unsloth_notes(cfg)
+        notes["trainable_params"] = int(sum(logical_numel(p) for p in model.parameters() if p.requires_grad))
+        notes["total_params"] = int(sum(logical_numel(p) for p in model.parameters()))
+        notes["quantised_layers"] = count_quantised_layers(model)
         return Built(model=model, tokenizer=tok or tokenizer, device=device, notes=notes)
 
     if cfg.kernels.liger:
@@ -159,16 +148,17 @@ def build_model(cfg: DictConfig, *, keep_ids: list[int] | None = None) -> Built:
 
     load_kw: dict[str, Any] = dict(dtype=dtype, attn_implementation=cfg.attention.implementation)
     qconf = bnb_config(cfg)
-    if path is None:
-        torch.manual_seed(int(cfg.train.seed))
-        model = AutoModelForCausalLM.from_config(hf_config(cfg.model), **load_kw)
+    if path is None:  # source=arch: meta skeleton -> random init + quantisation in place on the device
+        from vramsweep.build.arch import build_arch_model
+
+        model, notes["arch_build"] = build_arch_model(cfg, device)
     else:
         if qconf is not None:
             load_kw["quantization_config"] = qconf
         if device.type == "cuda":
             load_kw["device_map"] = {"": torch.cuda.current_device()}
         model = AutoModelForCausalLM.from_pretrained(str(path), **load_kw)
-    if device.type == "cuda" and qconf is None:
+    if device.type == "cuda" and qconf is None and path is not None:
         model.to(device)
     model.config.use_cache = False
     notes["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
@@ -218,7 +208,7 @@ def build_model(cfg: DictConfig, *, keep_ids: list[int] | None = None) -> Built:
         notes["adapter"] = {"type": "full"}
     if cfg.kernels.liger:
         notes["kernels_instance"] = kernels.apply_liger_to_instance(cfg, model)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = sum(logical_numel(p) for p in model.parameters() if p.requires_grad)
     notes["trainable_params"] = int(trainable)
-    notes["total_params"] = int(sum(p.numel() for p in model.parameters()))
+    notes["total_params"] = int(sum(logical_numel(p) for p in model.parameters()))  # 4-bit counted unpacked
     return Built(model=model, tokenizer=tokenizer, device=device, notes=notes, id_map=id_map)

@@ -287,10 +287,15 @@ def _rules_machine(cfg: DictConfig) -> None:
             raise UnsupportedError(
                 "kernels=liger needs liger-kernel (pip install -e '.[gpu]')", key="kernels", allowed=["none"]
             )
-    if cfg.kernels.unsloth and not _module_available("unsloth"):
-        raise UnsupportedError(
-            "kernels=unsloth needs unsloth (make unsloth)", key="kernels", allowed=["none", "liger"]
-        )
+    if cfg.kernels.unsloth:
+        from vramsweep.build.kernels import check_unsloth
+
+        # arch-only model, fp4, vocab slicing, attention != sdpa: what Unsloth cannot honour
+        check_unsloth(cfg)
+        if not _module_available("unsloth"):
+            raise UnsupportedError(
+                "kernels=unsloth needs unsloth (make unsloth)", key="kernels", allowed=["none", "liger"]
+            )
     if cfg.quant.bits != 16 and not _module_available("bitsandbytes"):
         raise UnsupportedError(f"quant={cfg.quant.name} needs bitsandbytes", key="quant", allowed=["none"])
     if cfg.optimizer.impl.startswith("bnb_") and not _module_available("bitsandbytes"):
