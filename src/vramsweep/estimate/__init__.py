@@ -1,0 +1,209 @@
+"""Memory estimator: predicted peak memory and its breakdown for a composed trial config.
+
+No weights are loaded: the estimate is arithmetic on the model dims (config group or
+``<model.path>/config.json``) and the knobs; see :mod:`vramsweep.estimate.analytic` for the formulas and
+their sources, and README "Memory estimator" for the method note and the measured error.
+
+Public API::
+
+    estimate(cfg) -> {"peak_memory_bytes", "breakdown_bytes", "budget_bytes", "fits", "assumptions", ...}
+    preflight(cfg, margin=0.10) -> (ok, estimate)
+    run_estimate(overrides, as_json=...) -> exit code          # ``vramsweep estimate``
+    calibrate(results, device_key=...) -> constants            # fit activation constants
+    run_calibrate(sweep_dir) -> exit code                      # ``vramsweep estimate --calibrate``
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from vramsweep.estimate.analytic import DTYPE_BYTES, Estimate, Knobs, estimate_knobs, resolve_targets
+from vramsweep.estimate.calibration import (
+    calibrate,
+    calibration_path,
+    device_key_for,
+    load_calibration,
+    save_calibration,
+)
+from vramsweep.estimate.cli import run_calibrate, run_estimate
+from vramsweep.estimate.dims import ModelDims, model_dims
+
+GIB = 1024**3
+
+__all__ = [
+    "GIB",
+    "ModelDims",
+    "calibrate",
+    "calibration_path",
+    "device_key_for",
+    "estimate",
+    "knobs_from_cfg",
+    "load_calibration",
+    "model_dims",
+    "preflight",
+    "run_calibrate",
+    "run_estimate",
+    "save_calibration",
+]
+
+
+def _sliced_vocab(cfg: DictConfig, dims: ModelDims, notes: list[str]) -> int:
+    v = cfg.vocab
+    if v.mode == "full":
+        return dims.vocab_size
+    if v.mode == "top_k" and int(v.top_k) > 0:
+        kept = min(dims.vocab_size, int(v.top_k) + int(v.reserve))
+        notes.append(f"vocab=sliced (top_k): V'={kept} = top_k + reserve (special tokens not added)")
+        return kept
+    notes.append(
+        f"vocab=sliced (mode={v.mode}): the kept vocabulary depends on the corpus; V={dims.vocab_size} used "
+        "(an upper bound for embeddings, lm_head and logits)"
+    )
+    return dims.vocab_size
+
+
+def knobs_from_cfg(cfg: DictConfig, *, seq_len: int | None = None) -> Knobs:
+    """Resolve the config values the memory model uses (plus the assumptions it makes)."""
+    notes: list[str] = []
+    dims = model_dims(cfg)
+    vocab = _sliced_vocab(cfg, dims, notes)
+    c = DTYPE_BYTES[str(cfg.train.dtype)]
+    a = cfg.adapter
+    method = str(a.method)
+    targets = resolve_targets(a.targets, notes) if method == "lora" else frozenset()
+    s = int(seq_len) if seq_len is not None else int(cfg.context.max_tokens)
+    kern = cfg.kernels
+    device = str(cfg.hardware.device)
+    padded = int(cfg.train.micro_batch) > 1 and cfg.model.source != "arch"
+    notes.append(
+        f"every micro-batch is {s} tokens long (context.max_tokens): an upper bound for shorter documents"
+    )
+    if padded and cfg.attention.implementation == "sdpa":
+        notes.append(
+            "micro_batch > 1 on documents of different lengths: SDPA gets (b,1,s,s) bool + float padding masks "
+            "and repeat_kv copies of k/v (no native GQA with a mask)"
+        )
+    if str(cfg.attention.implementation) == "flash_attention_2":
+        notes.append("flash_attention_2 counted like SDPA's flash kernel (q, k, v, output, fp32 log-sum-exp)")
+    if kern.liger:
+        notes.append(
+            "Liger kernels (CUDA only, not measured on CPU): RMSNorm/SwiGLU save less; fused linear "
+            "cross-entropy keeps one logits chunk instead of the full (tokens x vocab) logits"
+        )
+    if kern.unsloth:
+        notes.append(
+            "Unsloth (not measured on CPU): chunked cross-entropy on compute-dtype logits; with "
+            "checkpointing the layer inputs are offloaded to host memory"
+        )
+    if device == "cuda":
+        notes.append(
+            f"CUDA: + hardware.overhead_bytes={int(cfg.hardware.overhead_bytes)} for the context and "
+            "allocator slack; kernel workspaces (cuBLAS, dequantisation buffers) are inside it"
+        )
+        if str(cfg.optimizer.impl).startswith("bnb_paged"):
+            notes.append("paged optimizer state is counted on the device (it only pages out under pressure)")
+    if method == "lora" and cfg.quant.bits == 16 and c == 2:
+        notes.append(
+            "LoRA adapters in fp32 (PEFT autocast_adapter_dtype): each adapted projection keeps an "
+            "fp32 copy of its input for backward"
+        )
+    return Knobs(
+        dims=dims,
+        vocab=vocab,
+        c=c,
+        quant_bits=int(cfg.quant.bits),
+        quant_type=cfg.quant.quant_type,
+        double_quant=bool(cfg.quant.double_quant),
+        blocksize=int(cfg.quant.blocksize),
+        skip=frozenset(str(x) for x in cfg.quant.skip_modules),
+        method=method,
+        r=int(a.r),
+        dropout=float(a.dropout),
+        dora=bool(a.use_dora),
+        targets=targets,
+        optimizer=str(cfg.optimizer.impl),
+        min_8bit_size=int(cfg.optimizer.min_8bit_size),
+        attention=str(cfg.attention.implementation),
+        liger=bool(kern.liger),
+        liger_flce=bool(kern.liger and kern.liger_fused_linear_cross_entropy),
+        unsloth=bool(kern.unsloth),
+        checkpointing=bool(cfg.checkpointing.enabled),
+        micro_batch=int(cfg.train.micro_batch),
+        grad_accum=int(cfg.train.grad_accum),
+        seq_len=s,
+        device=device,
+        overhead=int(cfg.hardware.overhead_bytes) if device == "cuda" else 0,
+        padded_batches=padded,
+        notes=notes,
+    )
+
+
+def budget_bytes(cfg: DictConfig) -> int | None:
+    """``hardware.budget_gib`` in bytes (GiB = 2**30); None when 0 (no budget)."""
+    gib = float(cfg.hardware.budget_gib)
+    return int(gib * GIB) if gib > 0 else None
+
+
+def estimate(
+    cfg: DictConfig, *, seq_len: int | None = None, calibration: dict | bool | None = None
+) -> dict[str, Any]:
+    """Predicted peak memory of one training step for a composed trial config.
+
+    Args:
+        cfg: composed trial config (``vramsweep.config.compose``); machine rules need not pass.
+        seq_len: tokens per sequence (default ``context.max_tokens``, the worst case).
+        calibration: fitted activation constants; None loads ``<results_dir>/calibration/<device>.json``
+            when it exists, False uses the analytic constants.
+
+    Returns:
+        ``peak_memory_bytes``; ``breakdown_bytes`` (params, grads, optimizer, activations, logits,
+        overhead: the moment of the peak, summing to it); ``budget_bytes``/``fits`` (None without a
+        budget); ``assumptions``; ``components_bytes`` (steady sizes: params, grads, optimizer state,
+        activation peak); ``peak_phase``; ``calibration`` (constants used or None).
+    """
+    knobs = knobs_from_cfg(cfg, seq_len=seq_len)
+    calib_used: dict | None = None
+    if calibration is None:
+        loaded = load_calibration(str(cfg.results_dir), device_key_for(cfg))
+        calib_used = loaded.get("constants") if loaded else None
+    elif isinstance(calibration, dict):
+        calib_used = calibration.get("constants", calibration)
+    est: Estimate = estimate_knobs(knobs, calib_used)
+    budget = budget_bytes(cfg)
+    notes = list(knobs.notes)
+    notes.append(f"peak phase: {est.peak_phase}")
+    share = est.at_peak["logits"] / est.peak if est.peak else 0.0
+    if share > 0.3 and not knobs.liger:
+        notes.append(
+            f"logits + loss are {100 * share:.0f}% of the peak: kernels=liger (fused linear cross-entropy), "
+            "vocab=sliced or a shorter context.max_tokens shrink them"
+        )
+    if calib_used:
+        notes.append(f"activation constants calibrated for {device_key_for(cfg)}: {calib_used}")
+    return {
+        "peak_memory_bytes": int(est.peak),
+        "breakdown_bytes": dict(est.at_peak),
+        "budget_bytes": budget,
+        "fits": None if budget is None else bool(est.peak <= budget),
+        "assumptions": notes,
+        "components_bytes": dict(est.components),
+        "phases_bytes": dict(est.phases),
+        "peak_phase": est.peak_phase,
+        "seq_len": knobs.seq_len,
+        "calibration": calib_used,
+    }
+
+
+def preflight(cfg: DictConfig, margin: float = 0.10) -> tuple[bool, dict[str, Any]]:
+    """Sweeper pre-flight: False when the estimate exceeds ``hardware.budget_gib`` x (1 + margin).
+
+    A budget of 0 means no budget (always True). The estimate dict is returned either way so the
+    sweeper can record it with status ``infeasible_estimate``.
+    """
+    est = estimate(cfg)
+    budget = est["budget_bytes"]
+    if budget is None:
+        return True, est
+    return bool(est["peak_memory_bytes"] <= budget * (1.0 + float(margin))), est

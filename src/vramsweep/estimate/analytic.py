@@ -1,0 +1,627 @@
+"""Analytic memory model of one fine-tuning step: pure arithmetic on the model dims and the knobs.
+
+Every number is a count of real tensor bytes, derived from the code that the trial runs (transformers'
+Qwen3/Llama modules, PEFT's LoRA/DoRA layers, bitsandbytes' quantised layers and optimizers, the
+minimal loop in :mod:`vramsweep.trial`) and checked against the CPU tensor tracker
+(:mod:`vramsweep.measure.cpu`) in ``tests/test_estimate.py``. Sources:
+
+* Quantised weights: bitsandbytes ``Params4bit`` (uint8 ``[ceil(n/2), 1]``) + ``QuantState``
+  (``absmax`` fp32 per 64-block; double quant: uint8 ``absmax`` + fp32 ``offset`` + ``state2.absmax`` fp32
+  per 256 absmax + ``state2.code`` 256 x fp32; ``code`` 16 x fp32) -- QLoRA paper (Dettmers et al. 2023,
+  arXiv 2305.14314) section 3: 4 + 32/64 = 4.5 bits, 4 + 8/64 + 32/(64*256) = 4.127 bits with double
+  quantisation. ``Int8Params``: int8 weight + fp32 ``SCB`` per output row (LLM.int8(), arXiv 2208.07339).
+* Adapters: PEFT keeps LoRA A (r x in), B (out x r) and DoRA's magnitude (out) in fp32
+  (``autocast_adapter_dtype=True``); DoRA: Liu et al. 2024, arXiv 2402.09353.
+* Optimizer state: ``torch.optim.AdamW`` (``exp_avg``, ``exp_avg_sq`` in the param dtype + fp32 ``step``);
+  bitsandbytes ``Optimizer2State.init_state`` (8-bit: two uint8 states + two fp32 ``absmax`` per
+  256-block, shared 256-entry ``qmap1``/``qmap2``; tensors under ``min_8bit_size`` get fp32 state;
+  32-bit: two fp32 states); transformers ``Adafactor`` (``exp_avg_sq_row``/``exp_avg_sq_col`` fp32 for
+  >=2-D params, a full fp32 ``exp_avg_sq`` for 1-D, fp32 ``RMS``; no first moment with ``beta1=None``) --
+  Shazeer & Stern 2018, arXiv 1804.04235.
+* Activations: the tensors autograd saves per decoder layer (enumerated from the HF forward, with the
+  sharing PEFT's fp32 input casts break), the Korthikanti et al. 2022 (arXiv 2205.05198) decomposition
+  s*b*h*(34 + 5*a*s/h) re-derived for SwiGLU/GQA/RMSNorm blocks: eager attention keeps the
+  (b*heads*s*s) probabilities (fp32 softmax output + its cast); SDPA/FlashAttention keep only q, k, v,
+  the output and the fp32 log-sum-exp; full checkpointing keeps the layer inputs (b*s*h) plus one layer
+  recomputed in backward.
+* Logits + loss: HF ``ForCausalLMLoss`` upcasts the logits to fp32 and ``cross_entropy`` saves the fp32
+  log-softmax; at the peak (log-softmax backward) the saved log-softmax and its incoming and outgoing
+  fp32 gradients are alive: 12 bytes per token x vocab entry (+ c when the loop keeps the model output,
+  and with it the logits, through backward: :data:`LOOP_KEEPS_LOGITS`). Liger's fused linear cross-entropy (Hsu et al. 2024, arXiv 2410.10989) chunks it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from vramsweep.estimate.dims import LINEARS, ModelDims
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ADAPTER_BYTES = 4  # PEFT autocasts adapter weights to fp32
+BNB_4BIT_CODE_ENTRIES = 16  # QuantState.code (NF4/FP4 lookup table), fp32
+BNB_NESTED_CODE_ENTRIES = 256  # state2.code (dynamic 8-bit map for the absmax), fp32
+BNB_NESTED_BLOCKSIZE = 256  # second-level block size of double quantisation
+BNB_OPTIM_BLOCKSIZE = 256  # blockwise 8-bit optimizer state
+BNB_QMAP_ENTRIES = 256  # qmap1 (signed dynamic) and qmap2 (unsigned dynamic), shared by all params
+BATCH_INT_BYTES_PER_TOKEN = 32  # int64 input_ids, attention_mask, labels + the padded shift of the labels
+# vramsweep.trial keeps only ``.loss`` of the model output, so the compute-dtype logits are freed before
+# backward; a loop that holds ``out`` pins them (c bytes per token x vocab entry) until it drops it.
+LOOP_KEEPS_LOGITS = False
+
+
+@dataclass
+class TensorSpec:
+    """One tensor of the model (or a group of identical ones: ``count``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    elem_bytes: float
+    trainable: bool = False
+    count: int = 1
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(math.ceil(self.numel * self.elem_bytes)) * self.count
+
+
+@dataclass
+class Knobs:
+    """The config values the memory model depends on (resolved once from the composed config)."""
+
+    dims: ModelDims
+    vocab: int  # vocabulary rows after slicing
+    c: int  # compute/activation dtype bytes (train.dtype)
+    quant_bits: int
+    quant_type: str | None
+    double_quant: bool
+    blocksize: int
+    skip: frozenset[str]
+    method: str  # lora | full
+    r: int
+    dropout: float
+    dora: bool
+    targets: frozenset[str]
+    optimizer: str
+    min_8bit_size: int
+    attention: str
+    liger: bool
+    liger_flce: bool
+    unsloth: bool
+    checkpointing: bool
+    micro_batch: int
+    grad_accum: int
+    seq_len: int
+    device: str
+    overhead: int
+    padded_batches: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    def quantised(self, linear: str) -> bool:
+        return self.quant_bits in (4, 8) and linear not in self.skip
+
+
+def resolve_targets(targets, notes: list[str]) -> frozenset[str]:
+    """PEFT ``target_modules``: ``all-linear`` = every projection of the decoder layers (not lm_head)."""
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            return frozenset(LINEARS)
+        targets = [targets]
+    names = [str(t).split(".")[-1] for t in targets]
+    unknown = sorted(set(names) - set(LINEARS))
+    if unknown:
+        notes.append(f"adapter.targets {unknown} are not decoder projections: counted as no adapter")
+    return frozenset(n for n in names if n in LINEARS)
+
+
+# --------------------------------------------------------------------------------------------------
+# parameters
+
+
+def _quantised_linear_specs(k: Knobs, name: str, fan_in: int, fan_out: int, count: int) -> list[TensorSpec]:
+    n = fan_in * fan_out
+    if k.quant_bits == 8:
+        # Int8Params (int8 [out, in]) + SCB (fp32 per output row); CB aliases the weight storage.
+        return [
+            TensorSpec(f"{name}.weight[int8]", (fan_out, fan_in), 1, count=count),
+            TensorSpec(f"{name}.SCB", (fan_out,), 4, count=count),
+        ]
+    blocks = -(-n // k.blocksize)
+    specs = [
+        TensorSpec(f"{name}.weight[4bit]", ((n + 1) // 2, 1), 1, count=count),
+        TensorSpec(f"{name}.quant_state.code", (BNB_4BIT_CODE_ENTRIES,), 4, count=count),
+    ]
+    if k.double_quant:
+        specs += [
+            TensorSpec(f"{name}.quant_state.absmax[uint8]", (blocks,), 1, count=count),
+            TensorSpec(f"{name}.quant_state.offset", (), 4, count=count),
+            TensorSpec(f"{name}.state2.absmax", (-(-blocks // BNB_NESTED_BLOCKSIZE),), 4, count=count),
+            TensorSpec(f"{name}.state2.code", (BNB_NESTED_CODE_ENTRIES,), 4, count=count),
+        ]
+    else:
+        specs.append(TensorSpec(f"{name}.quant_state.absmax", (blocks,), 4, count=count))
+    return specs
+
+
+def model_tensors(k: Knobs) -> list[TensorSpec]:
+    """Every parameter, buffer and quantisation-state tensor, with ``trainable`` set (the inventory
+    ``vramsweep.measure.cpu.model_state_tensors`` counts)."""
+    d, c, L = k.dims, k.c, k.dims.num_layers
+    full = k.method == "full"
+    out: list[TensorSpec] = [TensorSpec("embed_tokens", (k.vocab, d.hidden_size), c, trainable=full)]
+    if not d.tie_word_embeddings:
+        out.append(TensorSpec("lm_head", (k.vocab, d.hidden_size), c, trainable=full))
+    out.append(TensorSpec("norm", (d.hidden_size,), c, trainable=full))
+    out.append(TensorSpec("layers.*.layernorms", (d.hidden_size,), c, trainable=full, count=2 * L))
+    if d.qk_norm:
+        out.append(TensorSpec("layers.*.qk_norm", (d.head_dim,), c, trainable=full, count=2 * L))
+    # rotary inv_freq + original_inv_freq buffers (fp32, head_dim/2 each)
+    out.append(TensorSpec("rotary_emb.inv_freq", (d.head_dim // 2,), 4, count=2))
+    for name, (fi, fo) in d.linear_shapes().items():
+        if k.quantised(name):
+            out.extend(_quantised_linear_specs(k, f"layers.*.{name}", fi, fo, L))
+        else:
+            out.append(TensorSpec(f"layers.*.{name}.weight", (fo, fi), c, trainable=full, count=L))
+        if d.attention_bias and name in ("q_proj", "k_proj", "v_proj"):
+            out.append(TensorSpec(f"layers.*.{name}.bias", (fo,), c, trainable=full, count=L))
+        if k.method == "lora" and name in k.targets:
+            out.append(
+                TensorSpec(f"layers.*.{name}.lora_A", (k.r, fi), ADAPTER_BYTES, trainable=True, count=L)
+            )
+            out.append(
+                TensorSpec(f"layers.*.{name}.lora_B", (fo, k.r), ADAPTER_BYTES, trainable=True, count=L)
+            )
+            if k.dora:
+                out.append(
+                    TensorSpec(
+                        f"layers.*.{name}.lora_magnitude_vector",
+                        (fo,),
+                        ADAPTER_BYTES,
+                        trainable=True,
+                        count=L,
+                    )
+                )
+    return out
+
+
+def logical_param_count(k: Knobs) -> int:
+    """Parameter count as a model card states it (quantised weights counted by their logical shape)."""
+    d, L = k.dims, k.dims.num_layers
+    n = k.vocab * d.hidden_size * (1 if d.tie_word_embeddings else 2) + d.hidden_size * (2 * L + 1)
+    if d.qk_norm:
+        n += 2 * L * d.head_dim
+    for name, (fi, fo) in d.linear_shapes().items():
+        n += L * fi * fo
+        if d.attention_bias and name in ("q_proj", "k_proj", "v_proj"):
+            n += L * fo
+        if k.method == "lora" and name in k.targets:
+            n += L * (k.r * (fi + fo) + (fo if k.dora else 0))
+    return n
+
+
+# --------------------------------------------------------------------------------------------------
+# optimizer state
+
+
+def optimizer_state_bytes(k: Knobs, trainable: list[TensorSpec]) -> int:
+    """Bytes of ``optimizer.state`` after the first step (distinct storages)."""
+    total = 0
+    any_8bit = False
+    for t in trainable:
+        n, each = t.numel, 0
+        if k.optimizer == "torch_adamw":
+            each = 2 * n * t.elem_bytes + 4  # exp_avg, exp_avg_sq (param dtype) + fp32 step tensor
+        elif k.optimizer in ("bnb_adamw8bit", "bnb_paged_adamw8bit"):
+            if n < k.min_8bit_size:
+                each = 2 * n * 4
+            else:
+                any_8bit = True
+                each = 2 * n + 2 * 4 * (-(-n // BNB_OPTIM_BLOCKSIZE))
+        elif k.optimizer == "bnb_paged_adamw32bit":
+            each = 2 * n * 4
+        elif k.optimizer == "adafactor":
+            if len(t.shape) >= 2:
+                rows = math.prod(t.shape[:-1])
+                each = 4 * (rows + t.shape[-1])
+            else:
+                each = 4 * n
+            each += 4  # RMS (0-d fp32 tensor)
+        else:  # pragma: no cover - rules reject unknown impls
+            raise ValueError(f"unknown optimizer.impl={k.optimizer}")
+        total += int(each) * t.count
+    if any_8bit:
+        total += 2 * BNB_QMAP_ENTRIES * 4
+    return total
+
+
+BNB_PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages state buffers of params with >= 1e5 elements
+
+
+def paged_state_bytes(k: Knobs, trainable: list[TensorSpec]) -> int:
+    """Optimizer state that bitsandbytes puts in CUDA unified memory (``get_state_buffer``: paged
+    optimizers, CUDA, params with >= 1e5 elements; the absmax stay ordinary tensors). The estimate
+    counts it on the device; ``torch.cuda.max_memory_allocated`` does not see it."""
+    if k.device != "cuda" or not k.optimizer.startswith("bnb_paged"):
+        return 0
+    total = 0
+    for t in trainable:
+        n = t.numel
+        if n < BNB_PAGED_MIN_NUMEL:
+            continue
+        eight_bit = k.optimizer == "bnb_paged_adamw8bit" and n >= k.min_8bit_size
+        total += (2 * n if eight_bit else 8 * n) * t.count
+    return total
+
+
+def optimizer_step_workspace(k: Knobs, trainable: list[TensorSpec]) -> int:
+    """Temporaries of ``optimizer.step()`` (tracker category ``other``).
+
+    torch AdamW: single-tensor path on CPU (``denom`` = sqrt / bias-correction: two param-sized
+    temporaries at once); on CUDA the foreach path materialises ``sqrt(exp_avg_sq)`` for every param
+    at once. Adafactor: ~3 fp32 param-sized temporaries (``grad**2``, the factored approximation, the
+    update). bitsandbytes: fused kernels (no tracked temporaries).
+    """
+    if not trainable:
+        return 0
+    largest = max(t.numel * t.elem_bytes for t in trainable)
+    largest_n = max(t.numel for t in trainable)
+    if k.optimizer == "torch_adamw":
+        if k.device == "cuda":
+            return int(sum(t.numel * t.elem_bytes * t.count for t in trainable))
+        return int(2 * largest)
+    if k.optimizer == "adafactor":
+        return int(3 * 4 * largest_n)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# activations
+
+
+class _Saved:
+    """Bytes per token of tensors alive for backward, keyed so that shared tensors count once."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, float] = {}
+
+    def add(self, key: str, nbytes: float) -> None:
+        self.items.setdefault(key, float(nbytes))
+
+    @property
+    def total(self) -> float:
+        return sum(self.items.values())
+
+
+def _norm(s: _Saved, k: Knobs, key: str, in_key: str, width: int, rows: int, in_rg: bool, w_rg: bool) -> bool:
+    """HF RMSNorm: ``x.to(fp32)``; ``pow``/``mul`` save the fp32 copy (the input itself when it is
+    already fp32) and ``rsqrt`` (fp32, one per row); ``weight * x.to(dtype)`` saves the normalised
+    tensor when the weight trains. Liger's RMSNorm saves the input and the fp32 rstd. Returns whether
+    the output requires grad."""
+    if in_rg:
+        if k.liger:
+            s.add(in_key, k.c * width)
+        else:
+            s.add(in_key if k.c == 4 else f"{key}.x32", 4 * width)
+        s.add(f"{key}.rstd", 4 * rows)
+    if w_rg:
+        s.add(f"{key}.normed", k.c * width)
+    return in_rg or w_rg
+
+
+def _linear(
+    s: _Saved, k: Knobs, name: str, in_key: str, fan_in: int, fan_out: int, x_rg: bool, int8: bool = True
+) -> bool:
+    """One projection: base (dense / Linear4bit / Linear8bitLt) + optional LoRA/DoRA branch."""
+    full = k.method == "full"
+    if full:
+        s.add(in_key, k.c * fan_in)  # weight grad needs the input
+    elif int8 and k.quant_bits == 8 and k.quantised(name) and x_rg:
+        s.add(in_key, k.c * fan_in)  # bitsandbytes MatMul8bit keeps ctx.A for the input gradient
+    lora = k.method == "lora" and name in k.targets
+    if lora:
+        a = ADAPTER_BYTES
+        if k.dropout > 0:
+            # CPU dropout multiplies by a scaled Bernoulli noise tensor in the input dtype (saved only when
+            # the input needs a gradient); CUDA's fused native_dropout keeps a bool mask
+            if x_rg:
+                s.add(f"{name}.dropout_mask", (a if k.device == "cpu" else 1) * fan_in)
+            s.add(f"{name}.x_dropped", a * fan_in)
+        else:
+            s.add(in_key if a == k.c else f"{name}.x32", a * fan_in)  # PEFT casts x to the adapter dtype
+        s.add(f"{name}.lora_A_out", a * k.r)
+        if k.dora:
+            s.add(f"{name}.base_result", k.c * fan_out)
+            s.add(f"{name}.lora_result", a * fan_out)
+    return x_rg or full or lora
+
+
+def _layer_saved(k: Knobs, in_rg: bool, int8: bool = True) -> _Saved:
+    """Tensors one decoder layer keeps for backward (``int8=False``: without the LLM.int8 inputs, which
+    a checkpointed recompute does not re-create: backward uses the original nodes' ``ctx.A``)."""
+    d, c = k.dims, k.c
+    full = k.method == "full"
+    shapes = d.linear_shapes()
+    H, K, hd = d.num_heads, d.num_kv_heads, d.head_dim
+    s = _Saved()
+    ln1 = _norm(s, k, "ln1", "x", d.hidden_size, 1, in_rg, full)
+    rg = {n: _linear(s, k, n, "ln1_out", *shapes[n], ln1, int8) for n in ("q_proj", "k_proj", "v_proj")}
+    q_rg, k_rg, v_rg = rg["q_proj"], rg["k_proj"], rg["v_proj"]
+    if d.qk_norm:
+        q_rg = _norm(s, k, "q_norm", "q_out", H * hd, H, q_rg, full)
+        k_rg = _norm(s, k, "k_norm", "k_out", K * hd, K, k_rg, full)
+    att_rg = q_rg or k_rg or v_rg
+    if att_rg:
+        if k.attention == "eager":
+            # q, repeat_kv(k)^T, repeat_kv(v) (bmm inputs), fp32 softmax output, its cast to the dtype
+            s.add("q_rot", c * H * hd)
+            s.add("k_rep", c * H * hd)
+            s.add("v_rep", c * H * hd)
+        else:
+            # with a padding mask transformers cannot use SDPA's native GQA (``use_gqa_in_sdpa``) and
+            # passes repeat_kv copies of k and v (heads instead of kv heads)
+            kv_heads = H if (k.padded_batches and k.attention == "sdpa") else K
+            s.add("q_rot", c * H * hd)
+            s.add("k_rot", c * kv_heads * hd)
+            s.add("v", c * kv_heads * hd)
+            s.add("attn_out", c * H * hd)
+            s.add("lse", 4 * H)
+    o_in = "attn_out" if k.attention != "eager" else "attn_out_t"
+    _linear(s, k, "o_proj", o_in, *shapes["o_proj"], att_rg, int8)
+    ln2 = _norm(s, k, "ln2", "x2", d.hidden_size, 1, True, full)
+    gate_rg = _linear(s, k, "gate_proj", "ln2_out", *shapes["gate_proj"], ln2, int8)
+    up_rg = _linear(s, k, "up_proj", "ln2_out", *shapes["up_proj"], ln2, int8)
+    inter = d.intermediate_size
+    if gate_rg or up_rg:
+        s.add("gate_out", c * inter)  # silu input (Liger SwiGLU: a and b only, silu recomputed)
+        if not k.liger:
+            s.add("silu_out", c * inter)
+        s.add("up_out", c * inter)
+    _linear(s, k, "down_proj", "act_out", *shapes["down_proj"], gate_rg or up_rg, int8)
+    return s
+
+
+def _int8_inputs(k: Knobs) -> float:
+    """Bytes per token of the distinct inputs of a layer's LLM.int8 projections (kept via ``ctx.A``)."""
+    if k.quant_bits != 8 or k.method == "full":
+        return 0.0
+    d = k.dims
+    inputs = {
+        "q_proj": ("ln1_out", d.hidden_size),
+        "k_proj": ("ln1_out", d.hidden_size),
+        "v_proj": ("ln1_out", d.hidden_size),
+        "o_proj": ("attn_out", d.num_heads * d.head_dim),
+        "gate_proj": ("ln2_out", d.hidden_size),
+        "up_proj": ("ln2_out", d.hidden_size),
+        "down_proj": ("act_out", d.intermediate_size),
+    }
+    seen = {key: width for name, (key, width) in inputs.items() if k.quantised(name)}
+    return float(k.c * sum(seen.values()))
+
+
+def eager_bytes_per_token(k: Knobs) -> float:
+    """Eager attention's saved probabilities per token per layer: heads * s * (fp32 + cast)."""
+    if k.attention != "eager":
+        return 0.0
+    per_elem = 4 + (k.c if k.c != 4 else 0)
+    return k.dims.num_heads * k.seq_len * per_elem
+
+
+@dataclass
+class ActivationTerms:
+    """Per-step activation features (bytes) the calibration scales, and the phase peaks."""
+
+    layers: float  # saved per-layer tensors (all layers, or stored inputs + one layer with checkpointing)
+    attention: float  # eager (b*heads*s*s) probabilities of all layers kept for backward
+    logits: float  # logits + loss at the peak
+    fixed: float  # cos/sin, batch tensors, masks, final norm
+    phases: dict[str, float]
+    peak_phase: str
+
+
+def activation_terms(k: Knobs, calib: dict | None = None) -> ActivationTerms:
+    """Activation bytes at the peak of one micro-batch's forward + backward."""
+    calib = calib or {}
+    f_layers = float(calib.get("layers", 1.0))
+    f_attn = float(calib.get("attention", 1.0))
+    f_logits = float(calib.get("logits", 1.0))
+    d, c, T, L = k.dims, k.c, k.tokens, k.dims.num_layers
+    b, s_len = k.micro_batch, k.seq_len
+    full = k.method == "full"
+
+    first = _layer_saved(k, in_rg=full).total  # LoRA: layer 0's input (embedding output) needs no grad
+    rest = _layer_saved(k, in_rg=True).total
+    per_layer_attn = eager_bytes_per_token(k)
+    if k.checkpointing:
+        stored = 0.0 if k.unsloth else L * c * d.hidden_size  # unsloth offloads the layer inputs to CPU
+        # bitsandbytes' 8-bit matmul keeps its input as ``ctx.A`` (a plain attribute, not a saved
+        # tensor), so checkpointing cannot drop it: every layer's int8 inputs stay alive
+        stored += L * _int8_inputs(k)
+        layers_tok = stored
+        attn_all = 0.0
+        one_layer = _layer_saved(k, in_rg=True, int8=False).total + per_layer_attn
+    else:
+        layers_tok = first + (L - 1) * rest
+        attn_all = L * per_layer_attn
+        one_layer = 0.0
+
+    # fixed: cos/sin (b, s, head_dim) in the dtype, batch int64 tensors, final norm (+ lm_head input)
+    fixed_tok = 2 * c * d.head_dim + BATCH_INT_BYTES_PER_TOKEN
+    final = _Saved()
+    _norm(final, k, "final_norm", "xf", d.hidden_size, 1, True, full)
+    if full:
+        final.add("final_out", c * d.hidden_size)
+    fixed_tok += final.total
+    fixed = fixed_tok * T
+    # 4-D masks: SDPA with padding gets the bool (b,1,s,s) mask and its float (dtype) version, saved for
+    # backward; FlashAttention-2 unpads instead. Eager's float causal mask lives through the forward,
+    # and through backward too with checkpointing (it is an input of every checkpointed layer).
+    if k.padded_batches and k.attention == "sdpa":
+        fixed += b * s_len * s_len * (1 + c)
+    eager_mask = b * s_len * s_len * c if k.attention == "eager" else 0.0
+    if k.checkpointing:
+        fixed += eager_mask
+    V = k.vocab
+
+    # logits + loss at log-softmax backward: saved fp32 log-softmax + two fp32 grads (+ held logits)
+    if k.liger and k.liger_flce:
+        chunk = 2 ** math.ceil(math.log2(max(1, -(-T // max(1, -(-V // d.hidden_size))))))
+        logits = chunk * V * (4 + 4) + T * d.hidden_size * c  # fp32 chunk + its grad, grad_input
+        if full:
+            logits += V * d.hidden_size * 4  # fp32 grad_weight accumulated across chunks
+        kept_logits = 0.0
+    elif k.unsloth:
+        logits = T * V * (c + 4)  # fused CE on the compute-dtype logits, fp32 row statistics
+        kept_logits = T * V * c if LOOP_KEEPS_LOGITS else 0.0
+    else:
+        kept_logits = T * V * c if LOOP_KEEPS_LOGITS else 0.0
+        # forward peak at log-softmax: logits (c) + fp32 upcast (4, none when c == 4) + output (4)
+        fwd_loss = (c + (4 if c != 4 else 0) + 4) * T * V
+        logits = max(T * V * 12 + kept_logits, fwd_loss)
+
+    layers = layers_tok * T * f_layers
+    attention = attn_all * T * f_attn
+    logits *= f_logits
+    phases: dict[str, float] = {"loss": fixed + layers + attention + logits}
+    # end of forward: every layer's saved tensors + the last layer's transients
+    fwd_transient = 0.0
+    if k.attention == "eager":
+        if not k.checkpointing:
+            fwd_transient += eager_mask
+        fwd_transient += 2 * b * d.num_heads * s_len * s_len * c  # scores + masked scores
+    dora_transient = 0.0
+    if k.dora and k.method == "lora" and k.targets:
+        # weight-norm pass per target: eye(in) -> lora_weight (in x out), fp32 weight copy, W + s*BA
+        dora_transient = max(
+            4 * (fi * fi + fi * k.r + 3 * fi * fo)
+            for n, (fi, fo) in d.linear_shapes().items()
+            if n in k.targets
+        )
+    fwd_transient += dora_transient
+    phases["forward"] = fixed + layers + attention + fwd_transient * f_layers
+    if k.checkpointing:
+        # backward of one recomputed layer: its saved tensors + the gradients in flight (residual stream,
+        # SwiGLU branches; fp32 LoRA branches in a 16-bit model double them) + DoRA's weight-norm pass,
+        # which the recompute runs again. Measured on CPU (tests/test_estimate.py): within ~3 % when this
+        # phase is the peak (small vocabularies, fused cross-entropy); the loss phase is exact.
+        mlp_lora = (
+            k.method == "lora"
+            and ADAPTER_BYTES != c
+            and bool(k.targets & {"gate_proj", "up_proj", "down_proj"})
+        )
+        if mlp_lora:
+            grad_flow = c * (2 * d.hidden_size + 2 * d.intermediate_size)
+        else:
+            grad_flow = c * (d.hidden_size + d.intermediate_size / 2)
+        # bitsandbytes backward dequantises the frozen weight (compute dtype) to get the input gradient
+        dequant = 0.0
+        if k.quant_bits in (4, 8):
+            dequant = c * max(
+                (fi * fo for n, (fi, fo) in d.linear_shapes().items() if k.quantised(n)), default=0
+            )
+        # full fine-tuning with tied embeddings: lm_head's weight gradient waits in autograd's input
+        # buffer until the embedding's backward adds to it (it only becomes ``.grad`` at the very end)
+        tied_grad = k.vocab * d.hidden_size * c if (full and d.tie_word_embeddings) else 0.0
+        phases["recompute"] = (
+            fixed
+            + layers
+            + ((one_layer + grad_flow) * T + dora_transient + dequant) * f_layers
+            + kept_logits
+            + tied_grad
+        )
+    peak_phase = max(phases, key=phases.get)
+    return ActivationTerms(
+        layers=layers, attention=attention, logits=logits, fixed=fixed, phases=phases, peak_phase=peak_phase
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# the whole step
+
+
+@dataclass
+class Estimate:
+    peak: int
+    at_peak: dict[str, int]  # breakdown at the peak moment (sums to peak)
+    components: dict[str, int]  # steady sizes: params, grads, optimizer, activation/logit peaks
+    phases: dict[str, int]
+    peak_phase: str
+    features: dict[str, float]  # calibration features (bytes at scale 1)
+
+
+def estimate_knobs(k: Knobs, calib: dict | None = None) -> Estimate:
+    tensors = model_tensors(k)
+    params = sum(t.nbytes for t in tensors)
+    trainable = [t for t in tensors if t.trainable]
+    grads = sum(t.nbytes for t in trainable)
+    opt = optimizer_state_bytes(k, trainable)
+    workspace = optimizer_step_workspace(k, trainable)
+    acts = activation_terms(k, calib)
+    L = k.dims.num_layers
+
+    def grads_alive(phase: str) -> int:
+        if k.grad_accum > 1:
+            return grads  # accumulated grads of the earlier micro-batches
+        if phase == "recompute":  # backward reached the first layers: the later layers' grads exist
+            return grads * (L - 1) // L
+        return 0  # zero_grad(set_to_none=True): no grads before backward
+
+    totals = {p: v + grads_alive(p) for p, v in acts.phases.items()}
+    act_phase = max(totals, key=totals.get)
+    act_peak = acts.phases[act_phase]
+    phase_a = params + opt + totals[act_phase]
+    phase_b = params + opt + grads + workspace  # optimizer step (activations freed)
+    overhead = k.overhead
+    if phase_a >= phase_b:
+        logits_at_peak = acts.logits if act_phase == "loss" else 0.0
+        at_peak = {
+            "params": params,
+            "grads": grads_alive(act_phase),
+            "optimizer": opt,
+            "activations": int(round(act_peak - logits_at_peak)),
+            "logits": int(round(logits_at_peak)),
+            "overhead": overhead,
+        }
+        peak_phase = act_phase
+    else:
+        at_peak = {
+            "params": params,
+            "grads": grads,
+            "optimizer": opt + workspace,
+            "activations": 0,
+            "logits": 0,
+            "overhead": overhead,
+        }
+        peak_phase = "optimizer_step"
+    peak = sum(at_peak.values())
+    no_calib = activation_terms(k, None) if calib else acts
+    return Estimate(
+        peak=int(peak),
+        at_peak={kk: int(v) for kk, v in at_peak.items()},
+        components={
+            "params": params,
+            "grads": grads,
+            "optimizer": opt,
+            "optimizer_workspace": workspace,
+            "optimizer_paged": paged_state_bytes(k, trainable),
+            "activations_peak": int(round(max(acts.phases.values()))),
+            "logits": int(round(acts.logits)),
+            "trainable_params": sum(t.numel * t.count for t in trainable),
+            "model_params": logical_param_count(k),
+        },
+        phases={kk: int(round(v)) for kk, v in acts.phases.items()},
+        peak_phase=peak_phase,
+        features={
+            "layers": no_calib.layers,
+            "attention": no_calib.attention,
+            "logits": no_calib.logits,
+            "fixed": no_calib.fixed,
+        },
+    )

@@ -1,0 +1,146 @@
+"""``vramsweep estimate [overrides] [--json]`` and ``vramsweep estimate --calibrate <sweep dir>``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+GIB = 1024**3
+ROWS = ("params", "grads", "optimizer", "activations", "logits", "overhead")
+LABELS = {
+    "params": "params (weights + quant state + adapters)",
+    "grads": "grads (alive at the peak)",
+    "optimizer": "optimizer state",
+    "activations": "activations (saved for backward)",
+    "logits": "logits + loss",
+    "overhead": "overhead (CUDA context, allocator)",
+}
+
+
+def format_table(est: dict[str, Any], title: str = "") -> str:
+    """Human-readable breakdown: component, GiB, % of total, % of the budget."""
+    peak = est["peak_memory_bytes"]
+    budget = est.get("budget_bytes")
+    lines = []
+    if title:
+        lines.append(title)
+    head = f"{'component':<44}{'GiB':>10}{'% total':>10}{'% budget':>10}"
+    lines += [head, "-" * len(head)]
+
+    def row(label: str, v: int) -> str:
+        pct = 100.0 * v / peak if peak else 0.0
+        vb = f"{100.0 * v / budget:.1f}" if budget else "-"
+        return f"{label:<44}{v / GIB:>10.3f}{pct:>10.1f}{vb:>10}"
+
+    for k in ROWS:
+        lines.append(row(LABELS[k], int(est["breakdown_bytes"].get(k, 0))))
+    lines.append("-" * len(head))
+    lines.append(row("peak", peak))
+    if budget:
+        verdict = "fits" if est["fits"] else "does NOT fit"
+        lines.append(f"budget {budget / GIB:.2f} GiB: {verdict} (headroom {(budget - peak) / GIB:+.2f} GiB)")
+    else:
+        lines.append("budget: none (hardware.budget_gib=0)")
+    comp = est.get("components_bytes") or {}
+    if comp:
+        lines.append(
+            "steady sizes: params {:.3f} GiB, grads {:.3f} GiB, optimizer {:.3f} GiB; trainable {:,} of {:,} "
+            "params; peak phase: {}".format(
+                comp.get("params", 0) / GIB,
+                comp.get("grads", 0) / GIB,
+                comp.get("optimizer", 0) / GIB,
+                comp.get("trainable_params", 0),
+                comp.get("model_params", 0),
+                est.get("peak_phase"),
+            )
+        )
+    if est.get("assumptions"):
+        lines.append("assumptions:")
+        lines += [f"  - {a}" for a in est["assumptions"]]
+    return "\n".join(lines)
+
+
+def run_estimate(overrides: list[str], *, as_json: bool) -> int:
+    """CLI body of ``vramsweep estimate``: 0 on success, 2 on a bad override (message on stderr)."""
+    from vramsweep.config import ConfigError, compose
+    from vramsweep.config.rules import validate
+    from vramsweep.estimate import estimate
+
+    try:
+        cfg = compose(list(overrides), validate_rules=False)
+        validate(cfg, machine=False)  # a GPU config is estimated on any machine
+        est = estimate(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, KeyError, ValueError) as exc:  # e.g. unreadable model.path/config.json
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps(est, indent=2))
+    else:
+        title = f"estimate ({' '.join(overrides) or 'defaults'}): model={cfg.model.name}, hardware={cfg.hardware.name}"
+        print(format_table(est, title))
+    return 0
+
+
+def _load_results(sweep_dir: Path) -> list[dict]:
+    trials = sweep_dir / "trials"
+    files = sorted(trials.glob("*.json")) if trials.is_dir() else sorted(sweep_dir.glob("**/result.json"))
+    out = []
+    for f in files:
+        try:
+            with open(f) as fh:
+                out.append(json.load(fh))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def run_calibrate(sweep_dir: str) -> int:
+    """CLI body of ``vramsweep estimate --calibrate <sweep dir>``: fit and store constants per device.
+
+    Results are read from ``<sweep>/trials/*.json`` (or any ``result.json`` below the folder); the
+    constants go to ``<results_dir>/calibration/<device>.json`` where ``results_dir`` is the folder
+    above ``sweeps/``. Returns 0 when at least one device was calibrated, 1 when no trial was usable,
+    2 when the folder does not exist.
+    """
+    from vramsweep.estimate.calibration import calibrate, save_calibration
+
+    d = Path(sweep_dir)
+    if not d.is_dir():
+        print(f"error: {sweep_dir} is not a folder", file=sys.stderr)
+        return 2
+    results = _load_results(d)
+    results_dir = d.parent.parent if d.parent.name == "sweeps" else d
+    keys = sorted(
+        {
+            (
+                "cpu"
+                if (r.get("config") or {}).get("hardware", {}).get("device") != "cuda"
+                else str(r["config"]["hardware"]["name"])
+            )
+            for r in results
+            if r.get("config")
+        }
+    )
+    done = 0
+    for key in keys:
+        fit = calibrate(results, device_key=key)
+        if not fit["n_trials"]:
+            print(f"{key}: no usable trials (need status ok, a measured peak, and a loss-phase peak)")
+            continue
+        fit["source"] = str(d)
+        path = save_calibration(results_dir, key, fit)
+        before, after = fit["mean_abs_error_before"], fit["mean_abs_error_after"]
+        print(
+            f"{key}: {fit['n_trials']} trials, constants {fit['constants']}, mean |error| "
+            f"{100 * before:.1f}% -> {100 * after:.1f}% -> {path}"
+        )
+        done += 1
+    if not done:
+        print(f"error: no usable trials in {sweep_dir}", file=sys.stderr)
+        return 1
+    return 0

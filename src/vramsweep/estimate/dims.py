@@ -1,0 +1,99 @@
+"""Model dimensions for the estimator: from the model config group, or ``<model.path>/config.json``.
+
+Nothing is downloaded and no weights are read: ``model.source=embedded|arch`` carry their dims in the
+config group; ``model.source=path`` reads the Hugging Face ``config.json`` of the local folder.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+#: Projection names of one decoder layer (Llama/Qwen3 naming), in forward order.
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Shapes of a Llama/Qwen-style decoder (RMSNorm, RoPE, GQA attention, SwiGLU MLP)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    qk_norm: bool  # Qwen3: RMSNorm on q and k per head (head_dim weights each)
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    family: str = "qwen3"
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """``{name: (in_features, out_features)}`` for the seven projections of one layer."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def with_vocab(self, vocab_size: int) -> ModelDims:
+        from dataclasses import replace
+
+        return replace(self, vocab_size=int(vocab_size))
+
+
+def _from_hf_json(d: dict[str, Any]) -> ModelDims:
+    if "text_config" in d and isinstance(d["text_config"], dict):  # multimodal wrappers
+        inner = dict(d["text_config"])
+        inner.setdefault("tie_word_embeddings", d.get("tie_word_embeddings", False))
+        d = inner
+    model_type = str(d.get("model_type", "llama"))
+    heads = int(d["num_attention_heads"])
+    hidden = int(d["hidden_size"])
+    head_dim = d.get("head_dim") or hidden // heads
+    return ModelDims(
+        vocab_size=int(d["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(d["intermediate_size"]),
+        num_layers=int(d["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qk_norm=model_type.startswith("qwen3"),
+        attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+        family=model_type,
+    )
+
+
+def model_dims(cfg: DictConfig) -> ModelDims:
+    """Dims of ``cfg.model``; ``model.source=path`` reads ``<path>/config.json``."""
+    m = cfg.model
+    if m.source == "path":
+        path = Path(str(m.path)) / "config.json"
+        with open(path) as fh:
+            return _from_hf_json(json.load(fh))
+    return ModelDims(
+        vocab_size=int(m.vocab_size),
+        hidden_size=int(m.hidden_size),
+        intermediate_size=int(m.intermediate_size),
+        num_layers=int(m.num_layers),
+        num_heads=int(m.num_heads),
+        num_kv_heads=int(m.num_kv_heads),
+        head_dim=int(m.head_dim),
+        tie_word_embeddings=bool(m.tie_word_embeddings),
+        qk_norm=str(m.family) == "qwen3",
+        attention_bias=False,
+        family=str(m.family),
+    )
