@@ -182,7 +182,9 @@ def run_trl(overrides, steps):
         shuffle_dataset=False,
         seed=int(cfg.train.seed),
     )
-    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, optimizers=(opt, sched), callbacks=[Timer()])
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=ds, optimizers=(opt, sched), callbacks=[Timer()]
+    )
     trainer.train()
     return {"tokens_per_s": state["tokens"] / (time.perf_counter() - state["t0"]), "peak": None}
 

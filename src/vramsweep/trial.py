@@ -336,6 +336,13 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
     ga, mb = int(t.grad_accum), int(t.micro_batch)
     micro = _batches(data.train, mb, int(t.steps) * ga, int(t.seed))
     batches = [_collate(b, pad_id) for b in micro]  # collated up front, like a prefetching loader
+    if result.get("estimate") is not None:  # re-estimate at the real longest batch (micro[0])
+        try:
+            from vramsweep.estimate import estimate
+
+            result["estimate"] = estimate(cfg, seq_len=max(len(e.input_ids) for e in micro[0]))
+        except Exception as exc:
+            result["meta"]["estimate_error"] = f"{type(exc).__name__}: {exc}"
     eval_batches = [
         _collate(chunk, pad_id)
         for chunk in (lambda ex: [ex[i : i + EVAL_BATCH] for i in range(0, len(ex), EVAL_BATCH)])(
