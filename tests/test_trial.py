@@ -118,3 +118,15 @@ def test_local_model_path_and_arch_only_models(tmp_path, embedded_model_dir):
     assert arch["status"] == "ok", arch["reason"]
     assert arch["meta"]["data"]["random_tokens"] is True
     assert arch["metrics"]["task_score"] is None
+
+
+def test_vocab_sliced_trains_end_to_end(tmp_path):
+    full = _trial(tmp_path / "f")
+    res = _trial(tmp_path / "s", "vocab=sliced")
+    assert res["status"] == "ok", res["reason"]
+    v = res["meta"]["build"]["vocab"]
+    assert v["kept"] < v["original"] == 3072
+    # tied embedding: the saving is exactly (V - V') * h * 2 bytes (bf16), measured on the built model
+    saved = full["metrics"]["state_bytes"]["params"] - res["metrics"]["state_bytes"]["params"]
+    assert saved == (v["original"] - v["kept"]) * 256 * 2
+    assert res["metrics"]["eval_loss"] is not None and res["metrics"]["tokens_per_s"] > 0
