@@ -189,11 +189,23 @@ def _batches(examples: list, batch_size: int, count: int, seed: int) -> list[lis
     return [out[i] for i in first + rest]
 
 
+def _spread(items: list, n: int) -> list:
+    if len(items) <= n:
+        return list(items)
+    step = len(items) / n
+    return [items[int(i * step)] for i in range(n)]
+
+
 def _eval_subset(examples: list, n: int) -> list:
+    """A fixed held-out subset: up to half of it examples whose target repeats facts (so the task score
+    has spans to check), the rest spread evenly over the other examples; original order kept."""
     if len(examples) <= n:
         return list(examples)
-    step = len(examples) / n
-    return [examples[int(i * step)] for i in range(n)]
+    with_facts = [i for i, e in enumerate(examples) if e.fact_spans]
+    picked = set(_spread(with_facts, n // 2))
+    rest = [i for i in range(len(examples)) if i not in picked]
+    picked |= set(_spread(rest, n - len(picked)))
+    return [examples[i] for i in sorted(picked)]
 
 
 # --------------------------------------------------------------------------------------------------
