@@ -67,15 +67,15 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
-def atomic_write_json(path: str | os.PathLike, data: Any) -> Path:
-    """Write ``data`` as JSON to ``path`` atomically: a reader sees the old file or the new, never half."""
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (temp file in the same folder + fsync + ``os.replace``):
+    a reader sees the old file or the new one, never half."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(_clean(data), fh, indent=2, sort_keys=False, allow_nan=False)
-            fh.write("\n")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -94,6 +94,11 @@ def atomic_write_json(path: str | os.PathLike, data: Any) -> Path:
     except OSError:
         pass
     return path
+
+
+def atomic_write_json(path: str | os.PathLike, data: Any) -> Path:
+    """Write ``data`` as JSON atomically (NaN/inf stored as null)."""
+    return atomic_write_text(path, json.dumps(_clean(data), indent=2, allow_nan=False) + "\n")
 
 
 def load_result(path: str | os.PathLike) -> dict[str, Any]:

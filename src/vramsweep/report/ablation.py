@@ -7,12 +7,11 @@ Exit codes of :func:`run_report`: 0 report written; 1 nothing to report (no tria
 from __future__ import annotations
 
 import datetime as _dt
-import os
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
+from vramsweep.record.result import atomic_write_text
 from vramsweep.report.importance import Importances, compute_importances
 from vramsweep.report.load import ReportError, SweepData, load_sweep, safe_url
 from vramsweep.report.plots import make_plots
@@ -29,25 +28,6 @@ SECTION_ORDER = (
     "estimate_error_by_knob",
     "importances",
 )
-
-
-def atomic_write_text(path: Path, text: str) -> Path:
-    """Write text atomically (temp file in the same folder + fsync + replace)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return path
 
 
 def summary_line(sweep: SweepData) -> str:

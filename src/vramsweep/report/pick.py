@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vramsweep.report.ablation import atomic_write_text
+from vramsweep.record.result import atomic_write_text
 from vramsweep.report.load import ReportError, SweepData, TrialRecord, load_sweep, safe_url
 from vramsweep.report.tables import Column, Table, fmt, gib
 

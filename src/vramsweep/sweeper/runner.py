@@ -16,6 +16,7 @@ watchdog), so no orphan can write a result for a trial the next run has already 
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import ctypes
 import importlib
@@ -341,17 +342,18 @@ def report_from_json(result: dict[str, Any], wall_s: float, exitcode: int | None
     return RunReport(result, Outcome.from_dict(result["meta"]["optuna"]), wall_s, exitcode)
 
 
-class Runner:
+class Runner(abc.ABC):
     """Base: ``start()`` once, ``run(spec)`` per trial (from any thread), ``stop()`` at the end."""
 
     name = "base"
 
-    def start(self) -> None:  # pragma: no cover - trivial
+    def start(self) -> None:  # noqa: B027 - optional hook
         pass
 
-    def stop(self) -> None:  # pragma: no cover - trivial
+    def stop(self) -> None:  # noqa: B027 - optional hook
         pass
 
+    @abc.abstractmethod
     def run(
         self,
         spec: TrialSpec,
@@ -360,9 +362,9 @@ class Runner:
         tick_s: float = 10.0,
         timeout_s: float | None = None,
     ) -> RunReport:
-        raise NotImplementedError
+        """Run one trial to its end and report its outcome."""
 
-    def kill_all(self) -> None:
+    def kill_all(self) -> None:  # noqa: B027 - optional hook
         """Stop every running trial now (Ctrl-C)."""
 
 
@@ -405,7 +407,7 @@ class ProcessRunner(Runner):
     def stop(self) -> None:
         """Nothing to do: the fork server stays warm for the next sweep in this process and exits with it."""
 
-    def kill_all(self) -> None:
+    def kill_all(self) -> None:  # noqa: B027 - optional hook
         for proc in list(self._live):
             with contextlib.suppress(Exception):
                 proc.kill()
