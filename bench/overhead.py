@@ -16,6 +16,7 @@ Goal: ours >= 0.95x the minimal loop's tokens/s and <= 1.02x its peak memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -83,7 +84,7 @@ def run_minimal(overrides, steps):
         if i == warm:
             tracker.close()
             t0 = time.perf_counter()
-        ctx = tracker if i < warm else _Null()
+        ctx = tracker if i < warm else contextlib.nullcontext()
         with ctx:
             loss = model(
                 input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]
@@ -100,14 +101,6 @@ def run_minimal(overrides, steps):
         if i >= warm:
             tokens += int(b["attention_mask"].sum())
     return {"tokens_per_s": tokens / (time.perf_counter() - t0), "peak": tracker.peak_bytes}
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 class _TorchLogProb:

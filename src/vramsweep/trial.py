@@ -12,6 +12,7 @@ whatever was measured before the failure is kept.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -397,7 +398,7 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
                 m["memory_breakdown_bytes"] = tracker.breakdown()
                 tracker = None
             t_measure = time.perf_counter()
-        ctx = tracker if tracker is not None else _null()
+        ctx = tracker if tracker is not None else contextlib.nullcontext()
         with ctx:
             step_loss = 0.0
             for k in range(ga):
@@ -492,14 +493,6 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
     result["meta"]["eval_s"] = round(eval_s, 3)
     if not math.isfinite(final):
         raise Diverged(f"final eval loss is {final}")
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def run_trial(
