@@ -14,23 +14,9 @@ from vramsweep.cli import main
 from vramsweep.config import ConfigError, compose
 from vramsweep.config.compose import conf_dir, list_options
 from vramsweep.config.rules import UnsupportedError
-from vramsweep.config.schema import GROUP_OPTIONS
+from vramsweep.config.schema import CONFIG_GROUPS, GROUP_OPTIONS
 
-GROUPS = [
-    "model",
-    "quant",
-    "adapter",
-    "optimizer",
-    "attention",
-    "kernels",
-    "checkpointing",
-    "context",
-    "vocab",
-    "data",
-    "hardware",
-    "train",
-    "logger",
-]
+GROUPS = list(CONFIG_GROUPS)
 
 
 def test_defaults_compose_and_validate():

@@ -25,25 +25,10 @@ examples:
 
 def _groups_text() -> str:
     from vramsweep.config.compose import list_options
+    from vramsweep.config.schema import CONFIG_GROUPS
 
     lines = []
-    for g in (
-        "model",
-        "quant",
-        "adapter",
-        "optimizer",
-        "attention",
-        "kernels",
-        "checkpointing",
-        "context",
-        "vocab",
-        "data",
-        "hardware",
-        "train",
-        "logger",
-        "sweep",
-        "experiment",
-    ):
+    for g in (*CONFIG_GROUPS, "sweep", "experiment"):
         opts = list_options(g)
         lines.append(f"  {g:<14} {', '.join(opts) if opts else '(none yet)'}")
     return "\n".join(lines)

@@ -227,6 +227,10 @@ _SCHEMAS = {
 }
 
 
+# Every config group of a trial, in defaults-list order (the CLI help and tests iterate over it).
+CONFIG_GROUPS: tuple[str, ...] = tuple(_SCHEMAS)
+
+
 def register_configs() -> None:
     """Register ``base_<group>`` schemas and the top-level ``trial_schema`` in Hydra's ConfigStore."""
     cs = ConfigStore.instance()

@@ -34,18 +34,8 @@ CONSTRAINT_KEY = "vram_over_budget_gib"
 #: Violation used when a trial ran out of memory but no peak was measured (1 MiB over).
 MIN_VIOLATION_GIB = 1.0 / 1024
 LOSS_METRICS = ("train_loss", "eval_loss", "eval_ppl", "initial_eval_loss")
-ATTR_METRICS = (
-    "peak_memory_bytes",
-    "memory_kind",
-    "tokens_per_s",
-    "step_time_s",
-    "mfu",
-    "train_loss",
-    "initial_eval_loss",
-    "eval_loss",
-    "eval_ppl",
-    "task_score",
-)
+# Compact metrics stored in Optuna user attrs: every result metric except the breakdown dict.
+ATTR_METRICS = tuple(k for k in METRIC_KEYS if k != "memory_breakdown_bytes")
 
 
 @dataclass
