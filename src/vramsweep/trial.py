@@ -115,13 +115,26 @@ def collect_meta(cfg: DictConfig) -> dict[str, Any]:
         )
     except Exception:
         sha = None
+    emulated = None
     if cfg.hardware.device == "cuda" and torch.cuda.is_available():
-        device = torch.cuda.get_device_name(0)
+        device = torch.cuda.get_device_name(torch.cuda.current_device())
+        from vramsweep.measure.flops import device_peak
+
+        row = device_peak(device)
+        # The profile names a card; the device is what ran. They differ when a bigger GPU emulates the
+        # profile's memory (meta.cuda.cap says whether the cap was applied).
+        emulated = {
+            "profile": str(cfg.hardware.name),
+            "physical_device": device,
+            "physical_key": row.key if row else None,
+            "emulated": not (row is not None and str(cfg.hardware.name).startswith(row.key + "_")),
+        }
     else:
         device = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()})"
     return {
         "device": device,
         "hardware_profile": cfg.hardware.name,
+        "hardware_emulation": emulated,
         "versions": versions,
         "git_sha": sha,
         "seed": int(cfg.train.seed),
@@ -268,19 +281,25 @@ def _collate(examples: list, pad_id: int) -> dict:
     return b
 
 
-def _mfu(cfg: DictConfig, notes: dict, tokens_per_s: float | None, mean_seq: float) -> float | None:
-    peak = float(cfg.hardware.peak_bf16_flops)
-    if not tokens_per_s or peak <= 0 or cfg.hardware.device != "cuda":
+def _mfu(
+    cfg: DictConfig, notes: dict, tokens_per_s: float | None, mean_seq: float, meta: dict
+) -> float | None:
+    """MFU against the physical GPU that ran the steps (not the emulated profile's card); null on CPU."""
+    if cfg.hardware.device != "cuda":
         return None
-    total = notes.get("total_params", 0)
-    trainable = notes.get("trainable_params", 0)
-    frozen = total - trainable
-    per_token = 4 * frozen + 6 * trainable  # forward 2P + input-grad 2P (+ weight-grad 2P if trainable)
-    if cfg.checkpointing.enabled:
-        per_token += 2 * total  # recomputed forward
-    L, h = int(cfg.model.num_layers), int(cfg.model.num_heads) * int(cfg.model.head_dim)
-    per_token += 12 * L * h * mean_seq
-    return per_token * tokens_per_s / peak
+    from vramsweep.measure.flops import flops_per_token, mfu
+
+    per_token = flops_per_token(
+        total_params=int(notes.get("total_params", 0)),
+        trainable_params=int(notes.get("trainable_params", 0)),
+        num_layers=int(cfg.model.num_layers),
+        attn_width=int(cfg.model.num_heads) * int(cfg.model.head_dim),
+        mean_seq=mean_seq,
+        recompute=bool(cfg.checkpointing.enabled),
+    )
+    value, info = mfu(per_token, tokens_per_s, meta.get("device"))
+    meta["mfu"] = info
+    return value
 
 
 def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> None:
@@ -473,7 +492,7 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
         m["tokens_trained"] = tokens
         m["padding_tokens"] = pad_tokens
         m["target_tokens"] = target_tokens
-        m["mfu"] = _mfu(cfg, built.notes, m["tokens_per_s"], seq_sum / max(seq_n, 1))
+        m["mfu"] = _mfu(cfg, built.notes, m["tokens_per_s"], seq_sum / max(seq_n, 1), result["meta"])
     m["state_bytes"] = {
         "params": tensor_bytes(model_state_tensors(model)),
         "grads": grad_bytes,

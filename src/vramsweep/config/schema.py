@@ -157,7 +157,7 @@ class HardwareConfig:
     device: str = "cpu"  # cpu | cuda
     memory_gib: float = 0.0  # nominal device memory; 0 = no budget
     budget_gib: float = 0.0  # usable budget for trials (sweeps treat larger peaks as infeasible)
-    peak_bf16_flops: float = 0.0  # dense tensor FLOP/s for MFU; 0 = unknown (mfu null)
+    peak_bf16_flops: float = 0.0  # the profile card's dense tensor FLOP/s (MFU uses the physical GPU's, measure/flops.py)
     bandwidth_bytes_per_s: float = 0.0
     overhead_bytes: int = 0  # CUDA context + allocator slack (estimator)
     emulate_cap: bool = True  # on a larger GPU, cap this process at budget_gib
