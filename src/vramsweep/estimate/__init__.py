@@ -16,6 +16,8 @@ Public API::
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -188,8 +190,9 @@ def estimate(
         under a hard cap: allocated + the reserve the allocator cannot release; equal to the peak on CPU);
         ``breakdown_bytes`` (params, grads, optimizer, activations, logits, overhead = the allocator's
         reserve: the moment of the peak, summing to it); ``budget_bytes``/``fits`` (``required_bytes`` <=
-        budget; None without a budget); ``assumptions``; ``components_bytes`` (steady sizes: params, grads, optimizer state,
-        activation peak); ``peak_phase``; ``calibration`` (constants used or None).
+        budget; None without a budget); ``assumptions``; ``components_bytes`` (steady sizes: params,
+        grads, optimizer state, activation peak; ``allocated_peak``, the ``reserve_*`` terms and
+        ``cuda_context``); ``peak_phase``; ``calibration`` (constants used or None).
     """
     knobs = knobs_from_cfg(cfg, seq_len=seq_len)
     calib_used: dict | None = None
@@ -256,6 +259,13 @@ def max_context(
         raise ValueError("hardware.budget_gib=0 means no budget: choose a hardware profile with a budget")
     if hi is None:
         hi = int(cfg.model.get("max_position_embeddings") or 0) if cfg.model.source != "path" else 0
+        if cfg.model.source == "path":
+            try:
+                with open(Path(str(cfg.model.path)) / "config.json") as fh:
+                    raw = json.load(fh)
+                hi = int((raw.get("text_config") or raw).get("max_position_embeddings") or 0)
+            except (OSError, ValueError, TypeError, AttributeError):
+                hi = 0
         hi = hi if hi > 0 else 1 << 20
     hi = max(1, int(hi))
 

@@ -28,6 +28,15 @@ minimal loop in :mod:`vramsweep.trial`) and checked against the CPU tensor track
   log-softmax; at the peak (log-softmax backward) the saved log-softmax and its incoming and outgoing
   fp32 gradients are alive: 12 bytes per token x vocab entry (+ c when the loop keeps the model output,
   and with it the logits, through backward: :data:`LOOP_KEEPS_LOGITS`). Liger's fused linear cross-entropy (Hsu et al. 2024, arXiv 2410.10989) chunks it.
+* Fused kernels, flag by flag: Liger's RMSNorm (``LigerRMSNormFunction``: saves the input and the fp32
+  rstd), SwiGLU (``LigerSiLUMulFunction``: saves its two inputs, recomputes silu) and fused linear
+  cross-entropy follow ``kernels.liger_rms_norm`` / ``liger_swiglu`` / ``liger_fused_linear_cross_entropy``
+  (as the build does); Liger's RoPE changes no saved tensor. Unsloth patches the norm and SwiGLU alike,
+  offloads each checkpointed layer's input to host memory (``use_gradient_checkpointing="unsloth"``) and
+  computes the loss with unsloth_zoo's ``UnslothFusedLoss`` (:func:`unsloth_ce_chunk_tokens`).
+* LLM.int8 on CUDA (bitsandbytes 0.50 ``MatMul8bitLt``): ``ctx.tensors = (CAt, subA, A)`` keeps every
+  projection input through backward, checkpointing or not; backward dequantises ``CB.to(dtype) * SCB/127``.
+* CUDA caching allocator: :func:`allocator_reserve` (reserved >= allocated); the CUDA context is outside it.
 """
 
 from __future__ import annotations
@@ -578,6 +587,19 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
     dequant = 0.0
     if k.quant_bits in (4, 8):
         dequant = c * max((fi * fo for n, (fi, fo) in d.linear_shapes().items() if k.quantised(n)), default=0)
+    if k.quant_bits == 8 and k.device == "cuda":
+        # LLM.int8 forward temporaries of the largest projection, alive while the recomputed layer runs
+        # (bitsandbytes 0.50 CUDA ops): ``A.to(fp16)`` (2/in), ``A.abs() >= threshold`` (2 + 1 /in) and the
+        # int8 ``CA`` (1/in) during quantisation; then fp16 A + CA + the int32 product (4/out) + its
+        # dequantised output (c/out)
+        dequant += T * max(
+            (
+                max(6 * fi, 3 * fi + (4 + c) * fo)
+                for n, (fi, fo) in d.linear_shapes().items()
+                if k.quantised(n)
+            ),
+            default=0,
+        )
     if k.checkpointing:
         # backward of one recomputed layer: its saved tensors + the gradients in flight (residual stream,
         # SwiGLU branches; fp32 LoRA branches in a 16-bit model double them) + DoRA's weight-norm pass,
