@@ -159,7 +159,7 @@ class HardwareConfig:
     budget_gib: float = 0.0  # usable budget for trials (sweeps treat larger peaks as infeasible)
     peak_bf16_flops: float = 0.0  # the profile card's dense tensor FLOP/s (MFU uses the physical GPU's, measure/flops.py)
     bandwidth_bytes_per_s: float = 0.0
-    overhead_bytes: int = 0  # CUDA context + allocator slack (estimator)
+    overhead_bytes: int = 0  # CUDA context outside the allocator (estimator reports it; the cap does not cover it)
     emulate_cap: bool = True  # on a larger GPU, cap this process at budget_gib
 
 
