@@ -184,9 +184,11 @@ def _tracked_peak(cfg) -> dict:
     """Peak of the second optimizer step (the first, untracked, creates the optimizer state), as
     :func:`vramsweep.trial._train` tracks its warm-up steps."""
     from vramsweep.build import build_model, build_optimizer
+    from vramsweep.longctx.apply import loss_fn
     from vramsweep.measure.cpu import TensorMemoryTracker
 
     model = build_model(cfg).model
+    compute_loss = loss_fn(cfg, model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt, _ = build_optimizer(cfg, params)
     model.train()
@@ -197,7 +199,7 @@ def _tracked_peak(cfg) -> dict:
         for _ in range(ga):
             ids = torch.randint(3, int(cfg.model.vocab_size), (b, s), generator=g)
             # as vramsweep.trial: keep only the loss (the output would pin the logits through backward)
-            loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone()).loss / ga
+            loss = compute_loss(ids, torch.ones_like(ids), ids.clone()) / ga
             loss.backward()
             del loss
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -222,6 +224,11 @@ PEAK_CASES = [
     "context.max_tokens=64 train.micro_batch=2 quant=nf4_dq adapter=dora optimizer=adafactor",
     "context.max_tokens=96 train.micro_batch=1 adapter=full optimizer=adamw_8bit checkpointing=on train.dtype=fp32",
     "context.max_tokens=64 train.micro_batch=2 quant=int8 attention=eager train.grad_accum=2",
+    # long-context knobs (vramsweep.longctx): chunked loss, tiled MLP, offloaded checkpoints (CPU: same RAM)
+    "context.max_tokens=256 train.micro_batch=2 tiling=loss tiling.loss_chunk_tokens=64",
+    "context.max_tokens=256 train.micro_batch=2 tiling=on tiling.loss_chunk_tokens=64 tiling.mlp_tile_tokens=64",
+    "context.max_tokens=256 train.micro_batch=1 checkpointing=offload tiling=on tiling.loss_chunk_tokens=128 "
+    "tiling.mlp_tile_tokens=64",
 ]
 
 

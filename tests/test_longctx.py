@@ -167,3 +167,63 @@ def test_tiled_mlp_module_wrapper_and_validation():
     torch.testing.assert_close(mlp[0].weight.grad, gw)
     with pytest.raises(ValueError, match="tile_tokens"):
         TiledMLP(mlp, 0)
+
+
+# ---- the knobs: checkpointing=offload, tiling=loss|mlp|on change what runs --------------------------------
+
+
+def test_offload_knob_installs_the_offloaded_checkpoint():
+    from vramsweep.build import build_model
+    from vramsweep.config import compose
+    from vramsweep.longctx.offload import OffloadManager
+
+    built = build_model(compose(["checkpointing=offload"]))
+    assert built.notes["longctx"]["offload"]["layers"] == 4
+    assert isinstance(built.model._vramsweep_offload, OffloadManager)
+    plain = build_model(compose(["checkpointing=on"]))
+    assert "offload" not in plain.notes["longctx"]
+
+
+def test_tiling_knob_lowers_the_trial_peak(tmp_path):
+    from conftest import FAST
+    from vramsweep.config import compose
+    from vramsweep.trial import run_trial
+
+    def trial(name, *over):
+        ov = [*FAST, "context.max_tokens=256", "train.micro_batch=2", f"results_dir={tmp_path / name}", *over]
+        return run_trial(compose(ov), overrides=ov)
+
+    off = trial("off")
+    on = trial("on", "tiling=on", "tiling.loss_chunk_tokens=64", "tiling.mlp_tile_tokens=64")
+    assert off["status"] == on["status"] == "ok", (off["reason"], on["reason"])
+    assert on["meta"]["build"]["longctx"]["mlp_tiles"]["layers"] == 4
+    assert on["metrics"]["peak_memory_bytes"] < 0.8 * off["metrics"]["peak_memory_bytes"]
+    # same model, same data, same seed: the loss the loop sees is the same function
+    assert on["metrics"]["initial_eval_loss"] == pytest.approx(off["metrics"]["initial_eval_loss"], rel=1e-6)
+    assert on["metrics"]["train_loss"] == pytest.approx(off["metrics"]["train_loss"], rel=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["checkpointing=offload", "checkpointing.use_reentrant=true"], "checkpointing.use_reentrant"),
+        (["checkpointing=off", "checkpointing.offload=true"], "checkpointing"),
+        (["tiling.loss_chunk_tokens=-1"], "tiling.loss_chunk_tokens"),
+        (["tiling.mlp_tile_tokens=1.5"], "tiling.mlp_tile_tokens"),
+    ],
+)
+def test_longctx_rules(overrides, key):
+    from vramsweep.config import ConfigError, compose
+
+    with pytest.raises(ConfigError) as err:
+        compose(overrides)
+    assert err.value.key == key
+
+
+def test_unsloth_with_tiling_refused():
+    from vramsweep.config import compose
+    from vramsweep.config.rules import ConfigError, _rules_combinations
+
+    cfg = compose(["kernels=unsloth", "tiling=on"], validate_rules=False)
+    with pytest.raises(ConfigError, match="kernels=unsloth"):
+        _rules_combinations(cfg)

@@ -479,6 +479,9 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
         for b in batches:
             for k in ("input_ids", "attention_mask", "labels"):
                 b[k] = b[k].pin_memory()
+    from vramsweep.longctx.apply import loss_fn
+
+    compute_loss = loss_fn(cfg, model)  # the model's own loss, or the chunked one (tiling.loss_chunk_tokens)
     clock = StepClock(cuda=cuda)
     progress = _TrialProgress(int(t.steps), cfg)
     tokens = pad_tokens = target_tokens = 0
@@ -514,7 +517,7 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
                     )
                 with clock.phase("forward", timed):
                     # Keep only the loss: holding the output would pin the logits through backward.
-                    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss / ga
+                    loss = compute_loss(ids, mask, labels) / ga
                     if os.environ.get("VRAMSWEEP_FAULT") == f"nan@{step}":
                         loss = loss * float("nan")
                 with clock.phase("backward", timed):

@@ -19,7 +19,8 @@ GROUP_OPTIONS: dict[str, tuple[str, ...]] = {
     "optimizer": ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor"),
     "attention": ("eager", "sdpa", "flash_attention_2"),
     "kernels": ("none", "liger", "unsloth"),
-    "checkpointing": ("off", "on"),
+    "checkpointing": ("off", "on", "offload"),
+    "tiling": ("off", "loss", "mlp", "on"),
     "vocab": ("full", "sliced"),
     "logger": ("wandb", "none"),
     "hardware": (
@@ -120,6 +121,14 @@ class CheckpointingConfig:
     name: str = "off"
     enabled: bool = False
     use_reentrant: bool = False
+    offload: bool = False  # layer inputs kept in pinned host memory (vramsweep.longctx.offload)
+
+
+@dataclass
+class TilingConfig:
+    name: str = "off"
+    loss_chunk_tokens: int = 0  # >0: chunked linear cross-entropy, no full logits (vramsweep.longctx.loss)
+    mlp_tile_tokens: int = 0  # >0: sequence-tiled MLP, recomputed per tile (vramsweep.longctx.mlp)
 
 
 @dataclass
@@ -157,9 +166,13 @@ class HardwareConfig:
     device: str = "cpu"  # cpu | cuda
     memory_gib: float = 0.0  # nominal device memory; 0 = no budget
     budget_gib: float = 0.0  # usable budget for trials (sweeps treat larger peaks as infeasible)
-    peak_bf16_flops: float = 0.0  # the profile card's dense tensor FLOP/s (MFU uses the physical GPU's, measure/flops.py)
+    peak_bf16_flops: float = (
+        0.0  # the profile card's dense tensor FLOP/s (MFU uses the physical GPU's, measure/flops.py)
+    )
     bandwidth_bytes_per_s: float = 0.0
-    overhead_bytes: int = 0  # CUDA context outside the allocator (estimator reports it; the cap does not cover it)
+    overhead_bytes: int = (
+        0  # CUDA context outside the allocator (estimator reports it; the cap does not cover it)
+    )
     emulate_cap: bool = True  # on a larger GPU, cap this process at budget_gib
 
 
@@ -199,6 +212,7 @@ class TrialConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    tiling: TilingConfig = field(default_factory=TilingConfig)
     context: ContextConfig = field(default_factory=ContextConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -218,6 +232,7 @@ _SCHEMAS = {
     "attention": AttentionConfig,
     "kernels": KernelsConfig,
     "checkpointing": CheckpointingConfig,
+    "tiling": TilingConfig,
     "context": ContextConfig,
     "vocab": VocabConfig,
     "data": DataConfig,

@@ -115,6 +115,9 @@ class Knobs:
     fused_rope: bool = False
     budget: int | None = None  # hardware.budget_gib in bytes (Unsloth sizes its loss chunks from free memory)
     allocator: bool = False  # model the CUDA caching allocator's reserve (device == cuda)
+    offload: bool = False  # checkpointing=offload (layer inputs in host memory; CUDA only saves memory)
+    loss_chunk: int = 0  # tiling.loss_chunk_tokens: our chunked linear cross-entropy (0 = HF loss)
+    mlp_tile: int = 0  # tiling.mlp_tile_tokens: sequence-tiled MLP (0 = untiled)
 
     @property
     def tokens(self) -> int:
@@ -388,9 +391,12 @@ def _linear(
     return x_rg or full or lora
 
 
-def _layer_saved(k: Knobs, in_rg: bool, int8: bool = True) -> _Saved:
+def _layer_saved(k: Knobs, in_rg: bool, int8: bool = True, mlp: bool | None = None) -> _Saved:
     """Tensors one decoder layer keeps for backward (``int8=False``: without the LLM.int8 inputs, which
-    a checkpointed recompute does not re-create: backward uses the original nodes' ``ctx.A``)."""
+    a checkpointed recompute does not re-create: backward uses the original nodes' ``ctx.A``).
+    ``mlp=False`` (default when ``tiling.mlp_tile_tokens`` > 0): the tiled MLP keeps only its input."""
+    if mlp is None:
+        mlp = k.mlp_tile <= 0
     d, c = k.dims, k.c
     full = k.method == "full"
     shapes = d.linear_shapes()
@@ -421,6 +427,9 @@ def _layer_saved(k: Knobs, in_rg: bool, int8: bool = True) -> _Saved:
     o_in = "attn_out" if k.attention != "eager" else "attn_out_t"
     _linear(s, k, "o_proj", o_in, *shapes["o_proj"], att_rg, int8)
     ln2 = _norm(s, k, "ln2", "x2", d.hidden_size, 1, True, full)
+    if not mlp:  # vramsweep.longctx.mlp: the tiled MLP's Function saves only its input (ln2_out)
+        s.add("ln2_out", c * d.hidden_size)
+        return s
     gate_rg = _linear(s, k, "gate_proj", "ln2_out", *shapes["gate_proj"], ln2, int8)
     up_rg = _linear(s, k, "up_proj", "ln2_out", *shapes["up_proj"], ln2, int8)
     inter = d.intermediate_size
@@ -497,14 +506,27 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
     first = _layer_saved(k, in_rg=full).total  # LoRA: layer 0's input (embedding output) needs no grad
     rest = _layer_saved(k, in_rg=True).total
     per_layer_attn = eager_bytes_per_token(k)
+    # tiled MLP (vramsweep.longctx.mlp): one tile's MLP tensors exist while it is recomputed in backward
+    mlp_transient = 0.0
+    if k.mlp_tile > 0:
+        mlp_tok = (
+            _layer_saved(k, in_rg=True, int8=False, mlp=True).total
+            - _layer_saved(k, in_rg=True, int8=False, mlp=False).total
+        )
+        mlp_transient = mlp_tok * min(s_len, k.mlp_tile) * b
     if k.checkpointing:
-        stored = 0.0 if k.unsloth else L * c * d.hidden_size  # unsloth offloads the layer inputs to CPU
+        # unsloth and checkpointing=offload (vramsweep.longctx.offload) keep the layer inputs in host memory;
+        # on a CPU device the offloaded copies are in the same memory
+        offloaded = k.unsloth or (k.offload and k.device == "cuda")
+        stored = 0.0 if offloaded else L * c * d.hidden_size
         # bitsandbytes' 8-bit matmul keeps its input as ``ctx.A`` (a plain attribute, not a saved
         # tensor), so checkpointing cannot drop it: every layer's int8 inputs stay alive
         stored += L * _int8_inputs(k)
         layers_tok = stored
         attn_all = 0.0
         one_layer = _layer_saved(k, in_rg=True, int8=False).total + per_layer_attn
+        if k.offload and k.device == "cuda":
+            one_layer += 2 * c * d.hidden_size  # the recomputed layer's input + the prefetched next one
     else:
         layers_tok = first + (L - 1) * rest
         attn_all = L * per_layer_attn
@@ -548,6 +570,16 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
         chunk = unsloth_ce_chunk_tokens(k, static)
         grad_inputs = T * d.hidden_size * c
         logits = chunk * V * UNSLOTH_CE_BYTES_PER_LOGIT + grad_inputs
+        kept_logits = 0.0
+    elif k.loss_chunk > 0:
+        # vramsweep.longctx.loss: per chunk the fp32 logits + logsumexp's fp32 temporary (then softmax and
+        # gradient in place, cast to the compute dtype); d(hidden) (T x h) kept into backward, plus the
+        # decoder output and its shifted copy
+        chunk = min(T, k.loss_chunk)
+        grad_inputs = T * d.hidden_size * c
+        logits = chunk * V * 8 + 3 * grad_inputs
+        if full:
+            logits += V * d.hidden_size * 4  # fp32 weight gradient accumulated across chunks
         kept_logits = 0.0
     else:
         kept_logits = T * V * c if LOOP_KEEPS_LOGITS else 0.0
@@ -611,21 +643,28 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
         phases["recompute"] = (
             fixed
             + layers
-            + ((one_layer + grad_flow) * T + dora_transient + dequant) * f_layers
+            + ((one_layer + grad_flow) * T + dora_transient + dequant + mlp_transient) * f_layers
             + kept_logits
             + tied_grad
         )
+    if k.mlp_tile > 0 and not k.checkpointing:
+        # backward of a layer's tiled MLP: every layer's saved tensors + one tile's recompute + gradients in
+        # flight (the intermediate-width ones for one tile only)
+        tile_tok = min(s_len, k.mlp_tile) * b
+        inter_flow = c * (2 if mlp_lora else 0.5) * d.intermediate_size
+        flow = (grad_flow - inter_flow) * T + inter_flow * tile_tok
+        phases["mlp_tile"] = fixed + layers + attention + (flow + mlp_transient) * f_layers
     peak_phase = max(phases, key=phases.get)
     # one layer's backward working set: with checkpointing the recomputed layer's saved tensors + the
     # gradients in flight; without, one layer's saved tensors (freed layer by layer in backward)
     if k.checkpointing:
-        working = (one_layer + grad_flow) * T + dequant
+        working = (one_layer + grad_flow) * T + dequant + mlp_transient
     else:
         working = rest * T + per_layer_attn * T
     # HF cross-entropy: the compute-dtype logits (and, for eager attention, the last layer's score
     # buffers) are freed at the end of the forward; their blocks are only reused after the loss peak
     loss_transient = 0.0
-    if not (k.liger_flce or k.unsloth):
+    if not (k.liger_flce or k.unsloth or k.loss_chunk > 0):
         loss_transient = T * V * c + (fwd_transient if k.attention == "eager" else 0.0)
     return ActivationTerms(
         layers=layers,
