@@ -328,6 +328,27 @@ def _close_tracker(tracker, optimizer, m: dict, meta: dict) -> None:
     m["memory_breakdown_bytes"] = breakdown
 
 
+def _step_log(loss, scheduler, tokens, t_measure, eval_s, t_step, m, cuda) -> dict:
+    """Per-step W&B history: loss, lr, tokens/s so far (timed steps), this step's wall time, memory."""
+    row = {
+        "train/loss": loss,
+        "train/lr": scheduler.get_last_lr()[0],
+        "train/step_time_s": time.perf_counter() - t_step,
+    }
+    if t_measure is not None and tokens:
+        elapsed = time.perf_counter() - t_measure - eval_s
+        if elapsed > 0:
+            row["train/tokens_per_s"] = tokens / elapsed
+    if cuda:
+        import torch
+
+        row["memory/allocated_bytes"] = torch.cuda.memory_allocated()
+        row["memory/peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    elif m.get("peak_memory_bytes"):
+        row["memory/peak_tracked_bytes"] = m["peak_memory_bytes"]
+    return row
+
+
 class _TrialProgress:
     """A live line for a single trial on a terminal (step k/N, loss, tokens/s, peak, ETA); silent when
     stderr is not a TTY (sweep trials log to files; CI logs stay short) or ``VRAMSWEEP_PROGRESS=0``."""
@@ -493,6 +514,7 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
     eval_in_measure = 0.0
     seq_sum = seq_n = 0
     for step in range(int(t.steps)):
+        t_step = time.perf_counter()
         if step == tracked and tracker is not None:
             _close_tracker(tracker, optimizer, m, result["meta"])
             tracker = None
@@ -553,7 +575,10 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
         losses.append(step_loss)
         progress.step(step, step_loss, tokens, t_measure, eval_in_measure, m)
         if logger is not None:
-            logger.log({"train/loss": step_loss, "train/lr": scheduler.get_last_lr()[0]}, step=step + 1)
+            logger.log(
+                _step_log(step_loss, scheduler, tokens, t_measure, eval_in_measure, t_step, m, cuda),
+                step=step + 1,
+            )
         ee = int(t.eval_every)
         if ee and (step + 1) % ee == 0 and step + 1 < int(t.steps):
             te = time.perf_counter()
