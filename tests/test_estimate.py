@@ -229,6 +229,7 @@ PEAK_CASES = [
     "context.max_tokens=256 train.micro_batch=2 tiling=on tiling.loss_chunk_tokens=64 tiling.mlp_tile_tokens=64",
     "context.max_tokens=256 train.micro_batch=1 checkpointing=offload tiling=on tiling.loss_chunk_tokens=128 "
     "tiling.mlp_tile_tokens=64",
+    "context.max_tokens=128 train.micro_batch=2 adapter.dtype=compute quant=nf4",
 ]
 
 

@@ -227,3 +227,22 @@ def test_unsloth_with_tiling_refused():
     cfg = compose(["kernels=unsloth", "tiling=on"], validate_rules=False)
     with pytest.raises(ConfigError, match="kernels=unsloth"):
         _rules_combinations(cfg)
+
+
+def test_adapter_dtype_compute_keeps_adapters_in_bf16_and_drops_fp32_input_copies():
+    """adapter.dtype=compute: LoRA weights in the compute dtype, so PEFT no longer keeps an fp32 copy of each
+    adapted projection's input for backward (the dominant activation term at long context)."""
+    from vramsweep.build import build_model
+    from vramsweep.config import compose
+
+    peaks, dtypes = {}, {}
+    ids, labels = _batch(seq=256)
+    for mode in ("fp32", "compute"):
+        built = build_model(compose([f"adapter.dtype={mode}"]))  # default train.dtype=bf16
+        model = built.model
+        model.train()
+        dtypes[mode] = {p.dtype for p in model.parameters() if p.requires_grad}
+        peaks[mode], bd = _peak(model, lambda m=model: m(input_ids=ids, labels=labels).loss)
+        peaks[mode] = bd["activations"]
+    assert dtypes == {"fp32": {torch.float32}, "compute": {torch.bfloat16}}
+    assert peaks["compute"] < 0.8 * peaks["fp32"], peaks

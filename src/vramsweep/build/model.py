@@ -198,10 +198,22 @@ def build_model(cfg: DictConfig, *, keep_ids: list[int] | None = None) -> Built:
             use_dora=bool(a.use_dora),
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, lcfg)
+        # adapter.dtype=compute: adapters in the compute dtype, so PEFT keeps no fp32 copy of each adapted
+        # projection's input for backward (autocast_adapter_dtype=True upcasts adapters to fp32)
+        fp32_adapters = str(a.get("dtype", "fp32")) == "fp32"
+        model = get_peft_model(model, lcfg, autocast_adapter_dtype=fp32_adapters)
+        if not fp32_adapters:
+            for n, p in model.named_parameters():
+                if p.requires_grad and "lora_" in n:
+                    p.data = p.data.to(dtype)
         if device.type == "cuda":
             model.to(device)
-        notes["adapter"] = {"type": "lora", "rslora": bool(a.use_rslora), "dora": bool(a.use_dora)}
+        notes["adapter"] = {
+            "type": "lora",
+            "rslora": bool(a.use_rslora),
+            "dora": bool(a.use_dora),
+            "dtype": "float32" if fp32_adapters else str(dtype).replace("torch.", ""),
+        }
     else:
         for p in model.parameters():
             p.requires_grad_(True)

@@ -186,6 +186,7 @@ def _rules_values(cfg: DictConfig) -> None:
         )
     _check_range(cfg, "train.threads", 0, 1024, integer=True)
     _check_choice(cfg, "logger.mode", ("auto", "offline", "online"))
+    _check_choice(cfg, "adapter.dtype", ("fp32", "compute"))
     _check_range(cfg, "tiling.loss_chunk_tokens", 0, 10**7, integer=True)
     _check_range(cfg, "tiling.mlp_tile_tokens", 0, 10**7, integer=True)
 

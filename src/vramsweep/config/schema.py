@@ -85,6 +85,9 @@ class AdapterConfig:
     targets: Any = "all-linear"  # "all-linear" or a list of module names
     use_rslora: bool = False  # scaling alpha/sqrt(r) instead of alpha/r
     use_dora: bool = False  # weight-decomposed LoRA: + one magnitude vector per adapted layer
+    dtype: str = (
+        "fp32"  # adapter weights: fp32 (PEFT's autocast) | compute (train.dtype: no fp32 input copies)
+    )
 
 
 @dataclass

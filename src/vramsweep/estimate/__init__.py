@@ -167,6 +167,7 @@ def knobs_from_cfg(cfg: DictConfig, *, seq_len: int | None = None) -> Knobs:
         offload=bool(cfg.checkpointing.get("offload", False)) and not unsloth,
         loss_chunk=0 if (flce or unsloth) else int(cfg.get("tiling", {}).get("loss_chunk_tokens", 0) or 0),
         mlp_tile=int(cfg.get("tiling", {}).get("mlp_tile_tokens", 0) or 0),
+        adapter_bytes=c if str(a.get("dtype", "fp32")) == "compute" else 4,
     )
 
 

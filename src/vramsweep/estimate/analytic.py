@@ -118,6 +118,7 @@ class Knobs:
     offload: bool = False  # checkpointing=offload (layer inputs in host memory; CUDA only saves memory)
     loss_chunk: int = 0  # tiling.loss_chunk_tokens: our chunked linear cross-entropy (0 = HF loss)
     mlp_tile: int = 0  # tiling.mlp_tile_tokens: sequence-tiled MLP (0 = untiled)
+    adapter_bytes: int = 4  # adapter.dtype: fp32 (PEFT autocast, 4) or compute (= c)
 
     @property
     def tokens(self) -> int:
@@ -192,17 +193,17 @@ def model_tensors(k: Knobs) -> list[TensorSpec]:
             out.append(TensorSpec(f"layers.*.{name}.bias", (fo,), c, trainable=full, count=L))
         if k.method == "lora" and name in k.targets:
             out.append(
-                TensorSpec(f"layers.*.{name}.lora_A", (k.r, fi), ADAPTER_BYTES, trainable=True, count=L)
+                TensorSpec(f"layers.*.{name}.lora_A", (k.r, fi), k.adapter_bytes, trainable=True, count=L)
             )
             out.append(
-                TensorSpec(f"layers.*.{name}.lora_B", (fo, k.r), ADAPTER_BYTES, trainable=True, count=L)
+                TensorSpec(f"layers.*.{name}.lora_B", (fo, k.r), k.adapter_bytes, trainable=True, count=L)
             )
             if k.dora:
                 out.append(
                     TensorSpec(
                         f"layers.*.{name}.lora_magnitude_vector",
                         (fo,),
-                        ADAPTER_BYTES,
+                        k.adapter_bytes,
                         trainable=True,
                         count=L,
                     )
@@ -375,7 +376,7 @@ def _linear(
         s.add(in_key, k.c * fan_in)  # bitsandbytes MatMul8bit keeps ctx.A for the input gradient
     lora = k.method == "lora" and name in k.targets
     if lora:
-        a = ADAPTER_BYTES
+        a = k.adapter_bytes
         if k.dropout > 0:
             # CPU dropout multiplies by a scaled Bernoulli noise tensor in the input dtype (saved only when
             # the input needs a gradient); CUDA's fused native_dropout keeps a bool mask
@@ -608,7 +609,9 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
     fwd_transient += dora_transient
     phases["forward"] = fixed + layers + attention + fwd_transient * f_layers
     mlp_lora = (
-        k.method == "lora" and ADAPTER_BYTES != c and bool(k.targets & {"gate_proj", "up_proj", "down_proj"})
+        k.method == "lora"
+        and k.adapter_bytes != c
+        and bool(k.targets & {"gate_proj", "up_proj", "down_proj"})
     )
     if mlp_lora:
         grad_flow = c * (2 * d.hidden_size + 2 * d.intermediate_size)
