@@ -161,3 +161,6 @@ def test_step_phases_recorded_and_consistent(tmp_path):
     assert parts == pytest.approx(ph["step"], rel=1e-3)
     assert ph["step"] == pytest.approx(res["metrics"]["step_time_s"], rel=0.05)
     assert ph["host_bound"] is False  # CPU: every phase is compute
+    tc = res["meta"]["timing_conditions"]  # what can disturb the tokens/s, recorded beside it
+    assert tc["cpu_count"] >= 1 and tc["torch_threads"] >= 1
+    assert len(tc["loadavg"]) == 3 and len(tc["loadavg_end"]) == 3

@@ -135,6 +135,7 @@ def collect_meta(cfg: DictConfig) -> dict[str, Any]:
         "device": device,
         "hardware_profile": cfg.hardware.name,
         "hardware_emulation": emulated,
+        "timing_conditions": timing_conditions(cfg),
         "versions": versions,
         "git_sha": sha,
         "seed": int(cfg.train.seed),
@@ -142,6 +143,31 @@ def collect_meta(cfg: DictConfig) -> dict[str, Any]:
         "pid": os.getpid(),
         "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }
+
+
+def timing_conditions(cfg: DictConfig) -> dict[str, Any]:
+    """What can disturb a throughput figure, recorded beside it: load average (1/5/15 min), CPU count,
+    torch threads, and on CUDA the other processes on the GPU (NVML; none when NVML is unavailable)."""
+    import torch
+
+    out: dict[str, Any] = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    with contextlib.suppress(OSError, AttributeError):
+        out["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    if cfg.hardware.device == "cuda":
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                h = pynvml.nvmlDeviceGetHandleByIndex(0)
+                procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+                out["other_gpu_processes"] = sum(1 for p in procs if p.pid != os.getpid())
+            finally:
+                pynvml.nvmlShutdown()
+        except Exception as exc:  # NVML missing or no permission: say so, do not guess
+            out["other_gpu_processes"] = None
+            out["nvml_error"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -706,6 +732,8 @@ def run_trial(
         except Exception:
             pass
     result["status"], result["reason"] = status, reason
+    with contextlib.suppress(OSError, AttributeError, KeyError, TypeError):
+        result["meta"]["timing_conditions"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     result["meta"]["wall_s"] = round(time.perf_counter() - t0, 3)
     result["meta"]["finished"] = datetime.now(UTC).isoformat()
     if logger is not None:
