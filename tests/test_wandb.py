@@ -395,3 +395,36 @@ def test_real_trial_logs_every_step(tmp_path: Path, embedded_model_dir: Path) ->
         res["estimate"]["peak_memory_bytes"] / res["metrics"]["peak_memory_bytes"] - 1
     )
     assert run.summary["device"].startswith("cpu")
+
+
+def test_summary_updater_coalesces_and_catches_up(tmp_path: Path, monkeypatch) -> None:
+    from vramsweep.report.wandb_summary import SummaryUpdater
+
+    folder = _ablation_sweep(tmp_path)
+    seen: list[str] = []
+    up = SummaryUpdater(folder, on_warning=seen.append)
+    for n in range(6, 10):  # trials finishing faster than an update takes
+        atomic_write_json(
+            folder / "trials" / f"{n:04d}.json", result(n, ["quant=nf4"], peak=5.0, tps=700, loss=2.4)
+        )
+        up.poke()
+    up.close()
+    assert 1 <= up.updates <= 5 and not seen
+    runs = offline_runs(folder / "wandb")
+    assert len(runs) == 1 and _history_entry(runs[0], "trials")["nrows"] == 10  # the last poke is not lost
+
+    import wandb
+
+    def boom(*a: Any, **k: Any) -> None:
+        raise RuntimeError("no W&B today")
+
+    monkeypatch.setattr(wandb, "init", boom)
+    up = SummaryUpdater(folder, on_warning=seen.append)
+    for n in (10, 11):
+        atomic_write_json(
+            folder / "trials" / f"{n:04d}.json", result(n, ["quant=nf4"], peak=5.0, tps=700, loss=2.4)
+        )
+        up.poke()
+        up.close()  # a poke after close still gets its update
+    assert up.updates == 2
+    assert seen == ["W&B summary run not logged: RuntimeError: no W&B today"]  # once, not per trial

@@ -25,9 +25,11 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
+import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -309,6 +311,22 @@ def _fingerprint(sweep_dir: Path) -> str:
     return h.hexdigest()[:24]
 
 
+def _live_plots(sweep: SweepData, out: Path) -> list[Path]:
+    """The Pareto plot as PNG only (the SVGs and the other plots are ``vramsweep report``'s job: a live
+    update must stay cheap)."""
+    try:
+        from vramsweep.report.plots import pareto_figure
+
+        fig = pareto_figure(sweep)
+        if fig is None:
+            return []
+        path = out / "pareto.png"
+        fig.savefig(path)
+        return [path]
+    except Exception:  # a plot is never worth a failed update
+        return []
+
+
 def update_sweep_summary(
     sweep_dir: str | os.PathLike, *, project: str | None = None, force: bool = False
 ) -> str | None:
@@ -316,7 +334,9 @@ def update_sweep_summary(
 
     Cheap and idempotent: nothing happens when no trial result changed since the last update (unless
     ``force``); otherwise the stored run is resumed with a fresh trials table, the report tables and
-    the Pareto/memory plots (no importances: those are for ``vramsweep report``). Never raises.
+    the Pareto plot (no importances or SVGs: those are for ``vramsweep report``). Never raises. About
+    1-3 s when something changed (matplotlib + a W&B init/finish); use :class:`SummaryUpdater` to keep
+    it off the sweeper's critical path.
 
     Returns:
         A one-line warning when W&B (or loading the sweep) failed, else None.
@@ -329,20 +349,76 @@ def update_sweep_summary(
             return None
         from vramsweep.report.ablation import build_report
         from vramsweep.report.load import load_sweep
-        from vramsweep.report.plots import breakdown_plot, pareto_plot
 
         sweep = load_sweep(str(folder))
         if not sweep.trials:
             return None
         report = build_report(sweep, importances=False)
         with tempfile.TemporaryDirectory(prefix="vramsweep-summary-") as tmp:
-            plots: list[Path] = []
-            for fn in (pareto_plot, breakdown_plot):
-                try:
-                    plots += fn(sweep, Path(tmp))[0]
-                except Exception:
-                    pass  # a plot is never worth a failed update
+            plots = _live_plots(sweep, Path(tmp))
             _, warning = log_summary(report, plots, folder, project=project, fingerprint=fp)
         return warning
     except Exception as exc:
         return f"W&B summary run not updated: {exc.__class__.__name__}: {exc}"
+
+
+class SummaryUpdater:
+    """Keeps a sweep's summary run current from a background thread.
+
+    ``poke()`` after each finished trial returns at once; pokes that arrive while an update runs
+    coalesce into one more update. ``close()`` runs the final update and waits for it. Each distinct
+    warning is passed to ``on_warning`` once (default: printed to stderr). Never raises.
+    """
+
+    def __init__(
+        self,
+        sweep_dir: str | os.PathLike,
+        *,
+        project: str | None = None,
+        on_warning: Callable[[str], None] | None = None,
+    ):
+        self.sweep_dir = Path(sweep_dir)
+        self.project = project
+        self.on_warning = on_warning
+        self.updates = 0
+        self.warnings: list[str] = []
+        self._wake = threading.Event()
+        self._stop = False
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def poke(self) -> None:
+        """Ask for an update (non-blocking)."""
+        with self._lock:  # the loop decides to exit under the same lock: a poke is never lost
+            self._wake.set()
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="wandb-summary", daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            warning = update_sweep_summary(self.sweep_dir, project=self.project)
+            self.updates += 1
+            if warning and warning not in self.warnings:
+                self.warnings.append(warning)
+                try:
+                    if self.on_warning is not None:
+                        self.on_warning(warning)
+                    else:
+                        print(f"warning: {warning}", file=sys.stderr)
+                except Exception:
+                    pass
+            with self._lock:
+                if self._stop and not self._wake.is_set():
+                    self._thread = None
+                    return
+
+    def close(self, timeout: float = 120.0) -> None:
+        """Final update, then wait for the thread (at most ``timeout`` seconds)."""
+        self._stop = True
+        self.poke()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
