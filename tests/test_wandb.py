@@ -80,7 +80,12 @@ def _finished(res: dict, status: str = "ok") -> dict:
                 "physical_device": "NVIDIA H200",
                 "emulated": True,
             },
-            "mfu": {"mfu": 0.31, "peak_tflops": 989.0, "device_key": "h200"},
+            "mfu": {
+                "device": "NVIDIA H200",
+                "flops_per_token": 1.2e9,
+                "peak_key": "h200",
+                "peak_flops": 989e12,
+            },
             "step_phases_s": {
                 "forward": 0.1,
                 "backward": 0.12,
@@ -163,7 +168,7 @@ def test_trial_run_job_type_tags_config_history_summary(tmp_path: Path) -> None:
     assert s["estimate/peak_bytes"] == int(2.2 * G)
     assert s["estimate/error"] == pytest.approx(int(2.2 * G) / (2 * G) - 1)
     assert s["estimate/breakdown/activations_bytes"] == G and s["estimate/peak_phase"] == "loss"
-    assert s["mfu"] == 0.31 and s["mfu/peak_tflops"] == 989.0
+    assert s["mfu"] == 0.31 and s["mfu/peak_flops"] == 989e12 and s["mfu/peak_key"] == "h200"
     assert s["device"] == "NVIDIA H200" and s["hardware_emulation/emulated"] is True
     assert s["step_phase/backward_s"] == 0.12 and "step_phase/host_bound_s" not in s
     assert s["tokens_per_s"] == 1234.5 and s["train/tokens_per_s"] == 1234.5

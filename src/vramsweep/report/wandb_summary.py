@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from vramsweep.report.load import SweepData, TrialRecord, num, safe_url
+from vramsweep.report.load import SweepData, TrialRecord, safe_url
 from vramsweep.report.tables import Report, Table, pareto_front
 
 STATE_FILE = "summary_run.json"
@@ -88,13 +88,6 @@ def _role(t: TrialRecord) -> str | None:
     return design_role(t.design)
 
 
-def _mfu(t: TrialRecord) -> float | None:
-    v = num(t.metrics.get("mfu"))
-    if v is None and isinstance(t.meta.get("mfu"), dict):
-        v = num(t.meta["mfu"].get("mfu"))
-    return v
-
-
 def trial_rows(sweep: SweepData) -> tuple[list[str], list[list[Any]]]:
     """The ``trials`` table: one row per trial, knobs (typed values) + metrics + status.
 
@@ -132,7 +125,7 @@ def trial_rows(sweep: SweepData) -> tuple[list[str], list[list[Any]]]:
             t.eval_loss,
             t.eval_ppl,
             t.task_score,
-            _mfu(t),
+            t.metric("mfu"),
             t.estimate_gib,
             (est / peak - 1.0) if est is not None and peak else None,
             sweep.trial_budget_gib(t),
