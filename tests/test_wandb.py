@@ -94,6 +94,7 @@ def _finished(res: dict, status: str = "ok") -> dict:
                 "host_bound": False,
             },
             "wall_s": 12.5,
+            "git_sha": "abc123",
         }
     )
     return res
@@ -169,6 +170,7 @@ def test_trial_run_job_type_tags_config_history_summary(tmp_path: Path) -> None:
     assert s["estimate/error"] == pytest.approx(int(2.2 * G) / (2 * G) - 1)
     assert s["estimate/breakdown/activations_bytes"] == G and s["estimate/peak_phase"] == "loss"
     assert s["mfu"] == 0.31 and s["mfu/peak_flops"] == 989e12 and s["mfu/peak_key"] == "h200"
+    assert s["git_sha"] == "abc123" and s["wall_s"] == 12.5
     assert s["device"] == "NVIDIA H200" and s["hardware_emulation/emulated"] is True
     assert s["step_phase/backward_s"] == 0.12 and "step_phase/host_bound_s" not in s
     assert s["tokens_per_s"] == 1234.5 and s["train/tokens_per_s"] == 1234.5
@@ -433,3 +435,30 @@ def test_summary_updater_coalesces_and_catches_up(tmp_path: Path, monkeypatch) -
         up.close()  # a poke after close still gets its update
     assert 2 <= up.updates <= 4  # each round ran at least once (poke + close may give two)
     assert seen == ["W&B summary run not logged: RuntimeError: no W&B today"]  # once, not per trial
+
+
+def test_summary_of_a_real_sweep_folder(tmp_path: Path) -> None:
+    """A (fake-trial) sweep as the sweeper writes it: sweep.json, trials/*.json, study.db."""
+    from vramsweep.report.wandb_summary import update_sweep_summary
+    from vramsweep.sweeper import run_multirun
+
+    rc = run_multirun(
+        [
+            f"results_dir={tmp_path}",
+            "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+            "hydra.sweeper.preload=[vramsweep.sweeper.fake]",
+            "hydra.sweeper.isolation=inprocess",
+            "sweep=memory_stack",
+        ]
+    )
+    assert rc == 0
+    folder = tmp_path / "sweeps" / "memory_stack"
+    assert update_sweep_summary(folder) is None
+    (run,) = offline_runs(folder / "wandb")
+    table = _table(run.path.parent, _history_entry(run, "trials"))
+    rows = [dict(zip(table["columns"], r)) for r in table["data"]]
+    assert [r["design"] for r in rows] == ["baseline"] + ["stacking"] * (len(rows) - 1)
+    assert rows[0]["quant"] == "none" and rows[1]["quant"] != "none"  # the stack's first step
+    assert all(r["status"] == "ok" and r["peak_gib"] > 0 for r in rows)
+    assert run.summary["n_trials"] == len(rows) and run.summary["status/ok"] == len(rows)
+    assert _history_entry(run, "table/stacking")["_type"] == "table-file"

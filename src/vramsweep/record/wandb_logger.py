@@ -149,6 +149,8 @@ def summary_of(result: dict) -> dict[str, Any]:
             s[f"step_phase/{phase}_s"] = sec
     if meta.get("device"):
         s["device"] = str(meta["device"])
+    if meta.get("git_sha"):
+        s["git_sha"] = str(meta["git_sha"])  # W&B's own git probe is off (it costs every trial time)
     if meta.get("hardware_profile"):
         s["hardware_profile"] = str(meta["hardware_profile"])
     emu = meta.get("hardware_emulation")
