@@ -213,7 +213,13 @@ def execute(spec: TrialSpec) -> dict[str, Any]:
         raw = preflight_result(spec) if spec.preflight else None
         if raw is None:
             fn = resolve_fn(spec.trial_fn)
-            raw = fn(list(spec.overrides), sweep=spec.sweep_name, trial=spec.number, reporter=reporter)
+            raw = fn(
+                list(spec.overrides),
+                sweep=spec.sweep_name,
+                trial=spec.number,
+                reporter=reporter,
+                design=spec.design,
+            )
         result = normalise_result(raw, sweep=spec.sweep_name, trial=spec.number, overrides=spec.overrides)
     except (KeyboardInterrupt, SystemExit) as exc:
         if isinstance(exc, KeyboardInterrupt):
