@@ -12,6 +12,9 @@ class VramsweepSweeperConf(SweeperConf):
     """``hydra.sweeper.*``; see :class:`vramsweep.sweeper.settings.SweeperConf` for every key."""
 
     _target_: str = "hydra_plugins.vramsweep_sweeper.vramsweep_sweeper.VramsweepSweeper"
+    # ``sampler``/``pruner`` given by ``_target_`` arrive as dicts: the engine instantiates them with its
+    # own checks (GridSampler -> our grid, a missing optional package -> exit 2 before any file).
+    _recursive_: bool = False
 
 
 ConfigStore.instance().store(
