@@ -312,7 +312,11 @@ def test_report_on_a_copied_sweep_folder_reads_the_copy(tmp_path, capsys):
     orig = tmp_path / "sweeps" / "orig"
     copy = tmp_path / "copied"
     shutil.copytree(orig, copy)
-    shutil.rmtree(orig)  # the path recorded in sweep.json is gone: only the copy's database can be read
     data = load_sweep(str(copy))
-    assert str(copy) in (data.storage or "") and len(data.trials) == 2
-    assert not orig.exists()
+    assert data.storage == f"sqlite:///{copy.resolve()}/study.db" and len(data.trials) == 2
+    # a copy without its database does not silently read the original's (named in sweep.json)
+    for p in copy.glob("study.db*"):
+        p.unlink()
+    data = load_sweep(str(copy))
+    assert data.storage is None and any("outside this folder" in n for n in data.notes)
+    assert len(data.trials) == 2  # from the trial JSONs
