@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                     [
                         *common,
                         f"results_dir={root}",
+                        "hydra.sweeper.sampler=tpe",  # command-line lists alone are a grid
                         f"hydra.sweeper.seed={seed}",
                         f"hydra.sweeper.n_trials={n}",
                         f"hydra.sweeper.study_name={name}",
