@@ -1007,6 +1007,8 @@ class Sweep:
             "launcher": "Hydra launcher job",
         }.get(self.runner.name, self.runner.name)
         what = f"{s.design} design" if s.design != "search" else f"{s.sampler_name} sampler"
+        if s.design_reason:
+            what += f" ({s.design_reason})"
         objs = ", ".join(f"{o.direction} {o.metric}" for o in s.objectives)
         budget = f"; budget {s.budget_gib:g} GiB" if s.budget_gib else ""
         return (

@@ -70,7 +70,7 @@ def check_option_names(args: list[str]) -> None:
         for n in names:
             if n and n != "null" and n not in known:
                 hint = "" if known else " (none yet: `vramsweep pick` writes conf/experiment/<name>.yaml)"
-                raise ConfigError(f"unknown {group} '{n}'{hint}", key=group, allowed=known)
+                raise ConfigError(f"unknown {group} '{n}'{hint}", key=group, allowed=known or None)
 
 
 def _sweep_overrides(args: list[str]) -> list[str]:
