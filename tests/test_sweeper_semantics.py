@@ -9,12 +9,13 @@ is written. All trials here are the in-process fake trial: milliseconds each.
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import shutil
+import threading
+import urllib.request
 from pathlib import Path
-from wsgiref.util import setup_testing_defaults
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import optuna
 import pytest
@@ -41,6 +42,11 @@ def sweep_dir_of(out: str) -> Path:
 def study_of(folder: Path) -> optuna.Study:
     info = json.loads((folder / "sweep.json").read_text())
     return optuna.load_study(study_name=info["study_name"], storage=f"sqlite:///{folder}/study.db")
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, *args) -> None:  # no access log on stderr
+        pass
 
 
 def measured(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -204,17 +210,21 @@ def test_optuna_dashboard_sees_over_budget_trials_as_infeasible(tmp_path, capsys
     assert sweep(tmp_path, "adapter.r=4,16,256", f"hardware.budget_gib={budget}") == 0
     folder = sweep_dir_of(capsys.readouterr().out)
     app = create_app(optuna.storages.RDBStorage(f"sqlite:///{folder}/study.db"))
+    # the real dashboard app, served on loopback and queried over HTTP like its web UI does
+    server = make_server("127.0.0.1", 0, app, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_port}"
 
     def get(path: str) -> dict:
-        env: dict = {"PATH_INFO": path, "REQUEST_METHOD": "GET", "wsgi.input": io.BytesIO()}
-        setup_testing_defaults(env)
-        status: list[str] = []
-        body = b"".join(app(env, lambda s, h, exc_info=None: status.append(s)))
-        assert status[0].startswith("200"), (path, status, body[:300])
-        return json.loads(body)
+        with urllib.request.urlopen(base + path, timeout=30) as resp:
+            assert resp.status == 200
+            return json.loads(resp.read())
 
-    sid = get("/api/studies")["study_summaries"][0]["study_id"]
-    trials = get(f"/api/studies/{sid}")["trials"]
+    try:
+        sid = get("/api/studies")["study_summaries"][0]["study_id"]
+        trials = get(f"/api/studies/{sid}")["trials"]
+    finally:
+        server.shutdown()
     feasible = {t["number"]: all(c <= 0 for c in t["constraints"]) for t in trials}
     assert all(t["constraints"] for t in trials)  # the dashboard reads the list attr `constraints`
     assert feasible == {0: True, 1: True, 2: False}
