@@ -330,3 +330,19 @@ def test_report_on_a_copied_sweep_folder_reads_the_copy(tmp_path, capsys):
     data = load_sweep(str(copy))
     assert data.storage is None and any("outside this folder" in n for n in data.notes)
     assert len(data.trials) == 2  # from the trial JSONs
+
+
+# ------------------------------------------------------------------------------------- efficiency bench
+
+
+def test_fake_landscape_does_not_depend_on_where_results_go():
+    """The bench's landscape is reproducible: the same knobs measure the same under /tmp/a and /tmp/b."""
+    from vramsweep.sweeper.fake import landscape, parse_overrides
+
+    a = landscape(
+        parse_overrides(["quant=nf4", "adapter.r=16", "results_dir=/tmp/a", "hardware.budget_gib=1"])
+    )
+    b = landscape(parse_overrides(["quant=nf4", "adapter.r=16", "results_dir=/tmp/b"]))
+    assert a == b
+    seeded = landscape(parse_overrides(["quant=nf4", "adapter.r=16", "train.seed=1"]))
+    assert seeded["eval_loss"] != a["eval_loss"]  # seed noise is still there
