@@ -374,6 +374,7 @@ def test_launcher_isolation_runs_trials_as_hydra_jobs(tmp_path):
     assert sorted(results(tmp_path, "l1")) == [0, 1, 2]
     jobs = tmp_path / "sweeps" / "l1" / "jobs"
     assert (jobs / "0000.spec.json").exists() and (jobs / "2" / ".hydra" / "overrides.yaml").exists()
+    assert sorted(p.name for p in (tmp_path / "sweeps").iterdir()) == ["l1"]  # no stray default folder
 
 
 def test_the_sweeper_process_never_imports_torch(tmp_path):

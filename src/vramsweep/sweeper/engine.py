@@ -880,6 +880,12 @@ class Sweep:
         from vramsweep.sweeper.runner import SPEC_ENV, parent_side_result, report_from_json, save_spec
 
         launcher = self.launcher_factory()
+        cfg = getattr(launcher, "config", None)
+        if cfg is not None:  # the launcher makes its sweep dir: ours (not the unnamed default's)
+            from omegaconf import open_dict
+
+            with contextlib.suppress(Exception), open_dict(cfg):
+                cfg.hydra.sweep.dir = str(self.s.sweep_dir)
         while not self.abort.is_set():
             batch: list[tuple[Job, TrialSpec]] = []
             for _ in range(max(1, self.s.n_jobs)):
