@@ -96,6 +96,8 @@ class SweeperConf:
         sweep_dir: ``null`` = ``<results_dir>/sweeps/<name>``.
         cuda_devices: optional list; worker slot i gets ``CUDA_VISIBLE_DEVICES=cuda_devices[i % len]``.
         progress: print one line per finished trial plus a total progress bar.
+        custom_search_space: function mode only (any Hydra app): ``module.function(cfg, trial)`` that
+            suggests more params, as in hydra-optuna-sweeper.
     """
 
     n_trials: int | None = None
@@ -121,6 +123,7 @@ class SweeperConf:
     sweep_dir: str | None = None
     cuda_devices: list[str] | None = None
     progress: bool = True
+    custom_search_space: str | None = None
 
 
 @dataclass(frozen=True)
