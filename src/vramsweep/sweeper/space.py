@@ -237,7 +237,7 @@ def cli_sweep_params(arguments: Sequence[str]) -> tuple[dict[str, str], list[str
                 )
             key, _, text = arg.partition("=")
             key = key.strip()
-            if key in ("sweep", "experiment"):
+            if key == "sweep":
                 names = ", ".join(str(v) for v in _sweep_values(arg)) or text
                 raise ConfigError(
                     f"'{arg}': one {key} file per run ({names}); run them one after another, e.g. "
