@@ -1,4 +1,4 @@
-"""Sweep efficiency: exhaustive grid vs our default sampler (multivariate TPE + median pruning).
+"""Sweep efficiency: exhaustive grid vs our default sampler (multivariate TPE + median pruning) vs random.
 
 Space (48 configs): ``quant`` {none, nf4} x ``adapter.r`` {4, 16, 64} x ``train.lr`` {1e-4, 3e-4, 1e-3,
 3e-3} x ``checkpointing`` {off, on}; objective: minimize ``eval_loss``; constraint: ``hardware.budget_gib``
@@ -12,7 +12,12 @@ SQLite study, our outcome rules).
   best value completes; its cost is the trial-seconds spent until then (pruned trials cost what they
   ran; repeated points cost nothing).
 
-Printed: the ratio search / grid per seed and its median. Goal: <= 0.2.
+* Random arm (per seed): the same, with ``hydra.sweeper.sampler=random`` (same pruning, same dedup):
+  the baseline that tells a good sampler from luck.
+
+Printed: the ratio search / grid per seed and arm, the medians, and how many configs are within
+``--tol`` of the best (the more there are, the easier luck finds one). Goal: TPE <= 0.2 and <= half of
+random.
 
 Trial-seconds come from each trial's ``meta.wall_s``. Two trial functions:
 
@@ -153,47 +158,66 @@ def main(argv: list[str] | None = None) -> int:
             f"{best_v:.4f} ({' '.join(best_r['overrides'][-4:])}); {near} config(s) within {args.tol:.1%}"
         )
 
-        # ---- search arm: our defaults
-        rows = []
-        for seed in range(args.seeds):
-            name = f"search{seed}"
-            spent, found_at, n = 0.0, None, 0
-            while found_at is None and n < N_POINTS:
-                n = min(N_POINTS, n + args.chunk)
-                _run(
-                    [
-                        *common,
-                        f"results_dir={root}",
-                        f"hydra.sweeper.seed={seed}",
-                        f"hydra.sweeper.n_trials={n}",
-                        f"hydra.sweeper.study_name={name}",
-                    ]
+        # ---- search arms: our defaults (TPE), and random search with the same pruning as the baseline
+        arms = {
+            "tpe": ["hydra.sweeper.sampler=tpe"],
+            "random": ["hydra.sweeper.sampler=random"],
+        }
+        rows: dict[str, list[dict]] = {}
+        for arm, sampler in arms.items():
+            rows[arm] = []
+            for seed in range(args.seeds):
+                name = f"{arm}{seed}"
+                spent, found_at, n = 0.0, None, 0
+                while found_at is None and n < N_POINTS:
+                    n = min(N_POINTS, n + args.chunk)
+                    _run(
+                        [
+                            *common,
+                            *sampler,  # command-line lists alone are a grid
+                            f"results_dir={root}",
+                            f"hydra.sweeper.seed={seed}",
+                            f"hydra.sweeper.n_trials={n}",
+                            f"hydra.sweeper.study_name={name}",
+                        ]
+                    )
+                    spent = 0.0
+                    for r in _trials(root, name):
+                        spent += _cost(r)
+                        v = _feasible_value(r)
+                        if v is not None and v <= target:
+                            found_at = r["trial"]
+                            break
+                trials = _trials(root, name)
+                upto = n if found_at is None else found_at
+                pruned = sum(r["status"] == "pruned" for r in trials[: upto + 1])
+                copies = sum(
+                    bool((r.get("meta") or {}).get("duplicate_of") is not None) for r in trials[: upto + 1]
                 )
-                spent = 0.0
-                for r in _trials(root, name):
-                    spent += _cost(r)
-                    v = _feasible_value(r)
-                    if v is not None and v <= target:
-                        found_at = r["trial"]
-                        break
-            trials = _trials(root, name)
-            pruned = sum(r["status"] == "pruned" for r in trials[: (found_at or n) + 1])
-            ratio = spent / grid_cost if found_at is not None else float("inf")
-            rows.append(
-                {
-                    "seed": seed,
-                    "found_at_trial": found_at,
-                    "trial_seconds": round(spent, 2),
-                    "pruned_before": pruned,
-                    "ratio": round(ratio, 4),
-                }
-            )
-            print(
-                f"search seed {seed}: found at trial {found_at} after {spent:.1f} trial-s ({pruned} pruned) "
-                f"-> ratio {ratio:.3f}"
-            )
-    med = statistics.median(r["ratio"] for r in rows)
-    print(f"sweep efficiency ({args.trial} trials): median ratio search/grid = {med:.3f} (goal <= 0.2)")
+                ratio = spent / grid_cost if found_at is not None else float("inf")
+                rows[arm].append(
+                    {
+                        "seed": seed,
+                        "found_at_trial": found_at,
+                        "trial_seconds": round(spent, 2),
+                        "pruned_before": pruned,
+                        "copies_before": copies,
+                        "ratio": round(ratio, 4),
+                    }
+                )
+                print(
+                    f"{arm} seed {seed}: found at trial {found_at} after {spent:.1f} trial-s ({pruned} pruned, "
+                    f"{copies} re-proposed points copied) -> ratio {ratio:.3f}"
+                )
+    med = {arm: statistics.median(r["ratio"] for r in rs) for arm, rs in rows.items()}
+    # a uniformly random order without repeats reaches one of `near` good configs among N after
+    # (N+1)/(near+1) trials on average: the luck baseline, in trials
+    luck = (N_POINTS + 1) / (near + 1)
+    print(
+        f"sweep efficiency ({args.trial} trials, {near}/{N_POINTS} configs within {args.tol:.1%}; a random order "
+        f"needs {luck:.1f} trials on average): median ratio to the grid's trial-seconds: TPE {med['tpe']:.3f}, "
+        f"random {med['random']:.3f} (goal: TPE <= 0.2 and <= half of random)"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
@@ -207,8 +231,11 @@ def main(argv: list[str] | None = None) -> int:
                 "tol": args.tol,
                 "grid_trial_seconds": round(grid_cost, 2),
                 "grid_best_eval_loss": best_v,
-                "search": rows,
-                "median_ratio": med,
+                "configs_within_tol": near,
+                "search": rows["tpe"],
+                "random": rows["random"],
+                "median_ratio": med["tpe"],
+                "median_ratio_random": med["random"],
             },
             indent=2,
         )

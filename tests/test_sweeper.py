@@ -333,9 +333,12 @@ def test_failure_rate_cap_aborts_with_exit_1(tmp_path, monkeypatch, capsys):
 
 
 def test_duplicate_points_are_not_rerun(tmp_path, capsys):
+    """A random sampler over 6 points re-proposes measured ones: each copy takes the earlier outcome (the
+    sampler learns it) without running, and does not count: the study measures all 6 points."""
     rc = sweep(
         tmp_path,
-        "quant=none,nf4",
+        "quant=none,nf4,nf4_dq",
+        "adapter.r=4,8",
         "hydra.sweeper.n_trials=6",
         "hydra.sweeper.sampler={name: random, seed: 0}",
         "hydra.sweeper.study_name=d1",
@@ -343,12 +346,15 @@ def test_duplicate_points_are_not_rerun(tmp_path, capsys):
     assert rc == 0
     study = load(tmp_path, "d1")
     dups = [t for t in study.trials if "duplicate_of" in t.user_attrs]
-    assert len(dups) == 4  # two distinct points, six trials
+    ran = [t for t in study.trials if "duplicate_of" not in t.user_attrs]
+    assert dups, "six draws of a random sampler over six points repeat some"
+    assert len(ran) == 6 and len({tuple(sorted(t.params.items())) for t in ran}) == 6
     res = results(tmp_path, "d1")
     for t in dups:
         src = study.trials[t.user_attrs["duplicate_of"]]
         assert t.params == src.params and t.values == src.values
         assert res[t.number]["meta"]["duplicate_of"] == src.number and res[t.number]["meta"]["wall_s"] == 0.0
+    assert "6 ok" in capsys.readouterr().out  # the summary counts measured points only
 
 
 def test_launcher_isolation_runs_trials_as_hydra_jobs(tmp_path):
@@ -368,6 +374,7 @@ def test_launcher_isolation_runs_trials_as_hydra_jobs(tmp_path):
     assert sorted(results(tmp_path, "l1")) == [0, 1, 2]
     jobs = tmp_path / "sweeps" / "l1" / "jobs"
     assert (jobs / "0000.spec.json").exists() and (jobs / "2" / ".hydra" / "overrides.yaml").exists()
+    assert sorted(p.name for p in (tmp_path / "sweeps").iterdir()) == ["l1"]  # no stray default folder
 
 
 def test_the_sweeper_process_never_imports_torch(tmp_path):

@@ -20,6 +20,8 @@ examples:
   vramsweep train model=local model.path=/models/Qwen3-8B hardware=rtx4080_16gb quant=nf4_dq
   vramsweep train -m sweep=demo                     # a sweep (our Optuna sweeper)
   vramsweep train --cfg quant=nf4                   # print the composed config, run nothing
+  vramsweep train -m quant=nf4,nf4_dq adapter.r=8,16  # a grid: every combination once
+  vramsweep train -m --cfg hydra quant=nf4,fp4      # print Hydra's config of the sweep, run nothing
 """
 
 
@@ -39,21 +41,51 @@ def _err(msg: str) -> int:
     return 2
 
 
+CFG_KINDS = ("job", "hydra", "all")
+INFO_KINDS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+
+
+def _hydra_flags(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """``--cfg [job|hydra|all]`` / ``--info [what]`` as Hydra flags; a value that is not one of the kinds
+    is the first override (``--cfg quant=nf4``) and goes back to ``overrides``."""
+    flags: list[str] = []
+    if args.cfg is not None:
+        kind = args.cfg
+        if kind not in CFG_KINDS:
+            overrides.insert(0, kind)
+            kind = "job"
+        flags += ["--cfg", kind]
+    if args.info is not None:
+        kind = args.info
+        if kind not in INFO_KINDS:
+            overrides.insert(0, kind)
+            kind = "all"
+        flags += ["--info", kind]
+    return flags
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
-    if args.multirun:
-        try:
-            from vramsweep.sweeper import run_multirun
-        except ImportError as exc:
-            return _err(f"the sweeper is not available: {exc}")
-        return run_multirun(overrides)
+    flags = _hydra_flags(args, overrides)
     from vramsweep.config import ConfigError, compose
+
+    try:
+        from vramsweep.sweeper.multirun import check_option_names, run_multirun
+    except ImportError as exc:
+        return _err(f"the sweeper is not available: {exc}")
+    try:
+        check_option_names(overrides)
+    except ConfigError as exc:
+        return _err(str(exc))
+    if args.multirun or (flags and flags[:2] != ["--cfg", "job"]):
+        # a sweep, or Hydra's own printouts (--cfg hydra|all, --info): Hydra prints them and runs nothing
+        return run_multirun(overrides, flags=flags, multirun=bool(args.multirun))
 
     try:
         cfg = compose(overrides, validate_rules=True)
     except ConfigError as exc:
         return _err(str(exc))
-    if args.cfg:
+    if flags:
         from omegaconf import OmegaConf
 
         print(OmegaConf.to_yaml(cfg))
@@ -131,7 +163,23 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG_TRAIN.format(groups=_groups_text()),
     )
     t.add_argument("-m", "--multirun", action="store_true", help="run a sweep (use with sweep=<name>)")
-    t.add_argument("--cfg", action="store_true", help="print the composed config and exit")
+    t.add_argument(
+        "--cfg",
+        "-c",
+        nargs="?",
+        const="job",
+        default=None,
+        metavar="{job,hydra,all}",
+        help="print the composed config (job: the trial's, hydra: Hydra's, all: both) and run nothing",
+    )
+    t.add_argument(
+        "--info",
+        nargs="?",
+        const="all",
+        default=None,
+        metavar="{all,config,defaults,defaults-tree,plugins,searchpath}",
+        help="print Hydra's information (config search path, defaults, plugins) and run nothing",
+    )
     t.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. quant=nf4 adapter.r=64")
     t.set_defaults(func=cmd_train)
     e = sub.add_parser("estimate", help="predict peak memory and its breakdown (no weights needed)")

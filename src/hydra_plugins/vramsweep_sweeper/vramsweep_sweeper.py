@@ -43,6 +43,14 @@ class VramsweepSweeper(Sweeper):
         multirun.SWEEPER_STARTED = True
         assert self.config is not None
         sweeper_cfg = OmegaConf.to_container(self.config.hydra.sweeper, resolve=True)
+        if self.task_function is not multirun._task:
+            # another Hydra app: optimise its return value(s) like hydra-optuna-sweeper (function mode)
+            from vramsweep.sweeper.function_mode import run_function_sweep
+
+            code = run_function_sweep(dict(sweeper_cfg), list(arguments), self.config, self._launcher)
+            if code:
+                raise SystemExit(code)
+            return None
         task = OmegaConf.masked_copy(self.config, [k for k in self.config.keys() if k != "hydra"])
         task_cfg = OmegaConf.to_container(task, resolve=True)
         code = run_sweep(dict(sweeper_cfg), dict(task_cfg), list(arguments), launcher_factory=self._launcher)

@@ -561,7 +561,15 @@ def _load_folder(folder: Path, study: str | None) -> SweepData:
     if db.is_file():
         url = f"sqlite:///{db.resolve()}"
     elif storage and _sqlite_path(storage) is not None and _sqlite_path(storage).is_file():  # type: ignore[union-attr]
-        url = storage
+        recorded = _sqlite_path(storage).resolve()  # type: ignore[union-attr]
+        if recorded.parent == folder.resolve():
+            url = storage
+        else:  # a copied or moved folder: never read another folder's database behind the user's back
+            notes.append(
+                f"sweep.json names the database {recorded} outside this folder; not read (this folder has no "
+                "study.db): pass it as the target to report from it"
+            )
+            storage = None
     elif storage and "://" in storage:
         notes.append(
             f"sweep.json names storage {safe_url(storage)}; pass it as the target (with --study) "

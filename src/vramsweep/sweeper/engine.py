@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
+import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,7 @@ from vramsweep.sweeper.space import (
     space_size,
 )
 from vramsweep.sweeper.storage import (
+    COPY_OF,
     FINGERPRINT,
     HEARTBEAT,
     OWNER,
@@ -61,6 +65,12 @@ from vramsweep.sweeper.storage import (
 log = logging.getLogger("vramsweep.sweeper")
 
 DEFAULT_SEARCH_TRIALS = 20
+#: After this many re-proposed points in a row for one slot, the slot gets an unmeasured point at random.
+DEDUP_PATIENCE = 3
+DUP_STREAK = "vramsweep:dup_streak"
+#: System attribute optuna-dashboard reads a trial's constraints from (a list; Optuna 5 itself writes
+#: ``constraints:<name>``; it reads both, so the budget constraint shows up once more as ``"0"``).
+DASHBOARD_CONSTRAINTS_KEY = "constraints"
 #: Statuses whose outcome is a property of the config (copied for a duplicate point, not re-run).
 COPYABLE = ("ok", "oom", "unsupported", "infeasible_estimate", "diverged", "pruned")
 
@@ -78,6 +88,7 @@ class Job:
     retry_of: int | None = None
     duplicate_of: int | None = None
     source: dict[str, Any] | None = None
+    dup_streak: int = 0
 
 
 @dataclass
@@ -90,6 +101,8 @@ class Plan:
     design: list[DesignPoint] | None
     n_total: int
     base_seed: int = 0
+    identity: dict[str, Any] = field(default_factory=dict)
+    sweep_id: str = ""
 
 
 def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]) -> Plan:
@@ -101,7 +114,13 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
     warnings.filterwarnings("ignore", category=ExperimentalWarning)  # TPE's `group`, metric names
 
     cli_params, cli_fixed = cli_sweep_params(arguments)
-    settings = resolve_settings(sweeper_cfg, task_cfg, cli_params=cli_params)
+    sweep_node = task_cfg.get("sweep") or {}
+    settings = resolve_settings(
+        sweeper_cfg,
+        task_cfg,
+        cli_params=cli_params,
+        sweep_file=sweep_node.get("name") if sweep_node else None,
+    )
     pinned = {override_key(o) for o in cli_fixed}
     params = {k: v for k, v in settings.params.items() if k not in pinned}
     for k in settings.params:
@@ -143,6 +162,13 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
         n_total = (
             settings.n_trials if settings.n_trials is not None else int(min(DEFAULT_SEARCH_TRIALS, size))
         )
+        if settings.dedup and n_total > size:
+            print(
+                f"vramsweep: the search space has {int(size)} distinct points; n_trials={n_total} capped to "
+                f"{int(size)} (a point is measured once; use hydra.sweeper.dedup=false to re-run points)",
+                file=sys.stderr,
+            )
+            n_total = int(size)
         from vramsweep.sweeper.samplers import make_sampler
 
         make_sampler(
@@ -166,7 +192,99 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
     if settings.isolation == "inprocess" and settings.n_jobs > 1:
         print("vramsweep: isolation=inprocess runs one trial at a time: n_jobs set to 1", file=sys.stderr)
         settings.n_jobs = 1
-    return Plan(settings, fixed, dims, design, int(n_total), base_seed)
+    plan = Plan(settings, fixed, dims, design, int(n_total), base_seed)
+    name_sweep(plan)
+    return plan
+
+
+#: Fixed overrides that do not change what a trial measures (not part of a sweep's identity).
+NOT_IDENTITY = ("results_dir", "sweep.name")
+IDENTITY = "vramsweep:identity"
+
+
+def sweep_identity(plan: Plan) -> dict[str, Any]:
+    """What makes two runs the same sweep: design and its points (or the search space), the fixed
+    overrides, the objectives and the trial function. Stored with the study; a resume must match it."""
+    import dataclasses
+
+    s = plan.settings
+    ident: dict[str, Any] = {
+        "design": s.design,
+        "objectives": [f"{o.direction} {o.metric}" for o in s.objectives],
+        "fixed": sorted(o for o in plan.fixed if override_key(o) not in NOT_IDENTITY),
+        "trial_fn": s.trial_fn,
+    }
+    if plan.design is not None:
+        ident["points"] = [list(p.overrides) for p in plan.design]
+    else:
+        ident["space"] = {
+            d.key: {k: v for k, v in dataclasses.asdict(d).items() if k not in ("key", "texts")}
+            for d in plan.dims
+        }
+    return json.loads(json.dumps(ident, default=str))
+
+
+def identity_hash(identity: dict[str, Any]) -> str:
+    """A short stable hash of a sweep's identity (names ad-hoc sweeps)."""
+    return hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def name_sweep(plan: Plan) -> None:
+    """An ad-hoc sweep (no sweep file, ``sweep.name`` or ``study_name``) is named ``<swept keys>-<hash>``,
+    so each distinct sweep gets its own folder and study, and the same command resumes its own."""
+    s = plan.settings
+    plan.identity = sweep_identity(plan)
+    plan.sweep_id = identity_hash(plan.identity)
+    if s.named:
+        return
+    keys = [d.key for d in plan.dims] or list(design_choices(plan.design or []))
+    stem = re.sub(r"[^A-Za-z0-9_.\-]+", "_", "-".join(keys))[:48].strip("-_") or "multirun"
+    s.rename(f"{stem}-{plan.sweep_id}")
+
+
+def identity_diff(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """What differs between two sweep identities, in override terms."""
+    parts = []
+    for key, what in (("design", "design"), ("objectives", "objectives"), ("trial_fn", "trial function")):
+        if old.get(key) != new.get(key):
+            parts.append(f"{what}: study {old.get(key)} vs this run {new.get(key)}")
+    if old.get("fixed") != new.get("fixed"):
+        o, n = old.get("fixed") or [], new.get("fixed") or []
+        parts.append(
+            f"fixed overrides: study [{' '.join(x for x in o if x not in n)}] vs this run "
+            f"[{' '.join(x for x in n if x not in o)}]"
+        )
+    if old.get("points") != new.get("points"):
+        o = [" ".join(p) for p in old.get("points") or []]
+        n = [" ".join(p) for p in new.get("points") or []]
+        gone, added = [x for x in o if x not in n], [x for x in n if x not in o]
+        parts.append(
+            "design points: "
+            + (f"only in the study: {'; '.join(gone)[:300]}" if gone else "")
+            + ("; " if gone and added else "")
+            + (f"only in this run: {'; '.join(added)[:300]}" if added else "")
+            + ("" if gone or added else "same points, other order")
+        )
+    if old.get("space") != new.get("space"):
+        o, n = old.get("space") or {}, new.get("space") or {}
+        for k in sorted(set(o) | set(n)):
+            if o.get(k) != n.get(k):
+                parts.append(
+                    f"search space {k}: study {_space_text(o.get(k))} vs this run {_space_text(n.get(k))}"
+                )
+    return "; ".join(parts) or "identity differs"
+
+
+def _space_text(d: dict[str, Any] | None) -> str:
+    if not d:
+        return "(absent)"
+    if d.get("kind") in ("choice", "range"):
+        return "{" + ",".join(str(v) for v in d.get("values") or []) + "}"
+    return f"interval({d.get('low')}, {d.get('high')}{', log' if d.get('log') else ''})"
+
+
+def _point_key(params: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((str(k), repr(v)) for k, v in params.items()))
 
 
 def _wall(result: dict[str, Any], fallback: float) -> float:
@@ -199,8 +317,11 @@ def compose_sweep(args: list[str]) -> tuple[dict[str, Any], dict[str, Any], list
 
     from vramsweep.config.compose import _translate_hydra_error, conf_dir
     from vramsweep.config.schema import register_configs
+    from vramsweep.sweeper.multirun import check_option_names, translate_args
     from vramsweep.sweeper.runner import preserved_global_hydra
 
+    check_option_names(args)
+    args = translate_args(args)
     hydra_ovs = [a for a in args if a.lstrip("+").startswith("hydra")]
     task_args = [a for a in args if a not in hydra_ovs]
     _, fixed = cli_sweep_params(task_args)
@@ -272,9 +393,43 @@ class Sweep:
         point = self.plan.design[k]
         return {"fixed_params": dict(point.params)}, {"design": point.design}
 
-    def _fingerprint(self) -> dict[str, Any]:
-        pts = [p.overrides for p in self.plan.design] if self.plan.design is not None else None
-        return {"design": self.s.design, "points": pts, "fixed": self.plan.fixed}
+    def stored_identity(self) -> dict[str, Any] | None:
+        """The identity stored with this sweep's study, without creating storage or study (``None``: new)."""
+        from vramsweep.sweeper.storage import make_storage, sqlite_path
+
+        path = sqlite_path(self.s.storage)
+        if path is not None and not path.is_file():
+            return None
+        with storage_lock(self.s.storage, self.s.study_name):  # table creation races other workers
+            try:
+                storage = make_storage(self.s.storage)
+                study_id = storage.get_study_id_from_name(self.s.study_name)
+            except KeyError:
+                return None
+            attrs = storage.get_study_user_attrs(study_id)
+        ident = attrs.get(IDENTITY)
+        if ident is None and FINGERPRINT in attrs:  # a study from before identities: compare what it kept
+            fp = attrs[FINGERPRINT]
+            ident = dict(self.plan.identity) | {
+                "fixed": sorted(o for o in fp.get("fixed") or [] if override_key(o) not in NOT_IDENTITY)
+            }
+            if fp.get("points") is not None:
+                ident["points"] = fp["points"]
+        return ident
+
+    def check_identity(self) -> None:
+        """Resume only the same sweep; else a ConfigError (exit 2) naming both."""
+        old = self.stored_identity()
+        if old is None or old == self.plan.identity:
+            return
+        where = self.s.storage if "@" not in self.s.storage else "<storage URL>"
+        raise ConfigError(
+            f"sweep '{self.s.name}' (study '{self.s.study_name}' in {where}) was started by a different sweep: "
+            f"{identity_diff(old, self.plan.identity)}. A sweep resumes only with the same design, search space "
+            f"and fixed overrides: run the original command to resume it, or give this one its own name "
+            f"(sweep.name=<new> or hydra.sweeper.study_name=<new>), or delete {self.s.sweep_dir}",
+            key="sweep.name",
+        )
 
     def prepare(self) -> None:
         """Create the folder, ``sweep.json`` and the study; reconcile stale trials; top up the slots."""
@@ -286,6 +441,7 @@ class Sweep:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         self.progress = Progress(self.plan.n_total, enabled=self.s.progress)
+        self.check_identity()  # a different sweep under this name: exit 2 before anything is written
         self.trials_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(
             self.s.sweep_dir / "sweep.json",
@@ -294,6 +450,8 @@ class Sweep:
                 "fixed_overrides": self.plan.fixed,
                 "n_total": self.plan.n_total,
                 "design_points": len(self.plan.design) if self.plan.design is not None else None,
+                "sweep_id": self.plan.sweep_id,
+                "identity": self.plan.identity,
             },
         )
         if self.plan.design is None:
@@ -312,10 +470,9 @@ class Sweep:
             pruner=optuna.pruners.NopPruner(),
         )
         with storage_lock(self.s.storage, self.s.study_name):
-            fp = self._fingerprint()
-            stored = self.study.user_attrs.get(FINGERPRINT)
-            if stored is None:
-                self.study.set_user_attr(FINGERPRINT, fp)
+            if IDENTITY not in self.study.user_attrs:
+                self.study.set_user_attr(IDENTITY, self.plan.identity)
+                self.study.set_user_attr("vramsweep:sweep_id", self.plan.sweep_id)
                 self.study.set_user_attr(
                     "sweep",
                     {
@@ -323,17 +480,6 @@ class Sweep:
                         "design": self.s.design,
                         "objectives": [o.metric for o in self.s.objectives],
                     },
-                )
-            elif self.plan.design is not None and stored.get("points") != fp["points"]:
-                raise ConfigError(
-                    f"study '{self.s.study_name}' was started with a different {self.s.design} design; resume needs "
-                    "the same sweep file: use another hydra.sweeper.study_name (and sweep_dir) for a new design",
-                    key="hydra.sweeper.study_name",
-                )
-            elif stored is not None and stored.get("fixed") != fp["fixed"]:
-                self.progress.say(
-                    f"vramsweep: note: this run's fixed overrides {fp['fixed']} differ from the study's first run "
-                    f"{stored.get('fixed')}: new trials use this run's"
                 )
             self.reconcile()
             added = top_up(self.study, self.plan.n_total, self._slot_attrs)
@@ -516,6 +662,7 @@ class Sweep:
             trial.set_user_attr("overrides", overrides)
             trial.set_user_attr("design", design)
             job = Job(trial, trial.number, slot, overrides, label, design, retry_of)
+            job.dup_streak = int(frozen.system_attrs.get(DUP_STREAK, 0))
             if self.plan.design is None and self.s.dedup and retry_of is None:
                 dup = self._find_duplicate(trial.params, trial.number)
                 if dup is not None:
@@ -535,6 +682,83 @@ class Sweep:
         atomic_write_json(self.result_path(job.number), res)
         return RunReport(res, Outcome.from_dict(meta["optuna"]), 0.0, None)
 
+    def _record_duplicate(self, job: Job) -> None:
+        """A re-proposed point: tell the sampler the earlier outcome (so it learns), but do not count it:
+        the slot gets a fresh trial (an unmeasured point at random after DEDUP_PATIENCE copies in a row)."""
+        from optuna.trial import TrialState, create_trial
+
+        report = self._copy_duplicate(job)
+        with self._tell_lock:
+            self.storage.set_trial_system_attr(job.trial._trial_id, COPY_OF, job.duplicate_of)
+            job.trial.set_user_attr("duplicate_of", job.duplicate_of)
+            self._tell(self.study, job.trial, report.result, report.outcome)
+            self._running.discard(job.trial._trial_id)
+        streak = job.dup_streak + 1
+        attrs: dict[str, Any] = {SLOT: job.slot, DUP_STREAK: streak}
+        note = "re-sampled"
+        with storage_lock(self.s.storage, self.s.study_name):
+            if streak >= DEDUP_PATIENCE:
+                point = self._unmeasured_point(job.number)
+                if point is None:
+                    self._say(
+                        f"vramsweep: trial {job.number:04d} repeats trial {job.duplicate_of:04d} and every point of "
+                        "the search space is measured: slot left empty"
+                    )
+                    return
+                attrs["fixed_params"] = point
+                note = "given an unmeasured point at random"
+            self.study.add_trial(create_trial(state=TrialState.WAITING, system_attrs=attrs))
+        self._say(
+            f"vramsweep: trial {job.number:04d} = trial {job.duplicate_of:04d} (re-proposed point: outcome copied, "
+            f"not counted); slot {job.slot} {note}"
+        )
+
+    def _unmeasured_point(self, salt: int) -> dict[str, Any] | None:
+        """A point of the search space no trial has taken yet (``None`` when the space is exhausted)."""
+        import itertools
+        import math
+        import random
+
+        from optuna.trial import TrialState
+
+        taken = set()
+        for t in self.study.get_trials(deepcopy=False):
+            if t.system_attrs.get(COPY_OF) is not None:
+                continue
+            params = t.params or (
+                t.system_attrs.get("fixed_params") if t.state == TrialState.WAITING else None
+            )
+            if params:
+                taken.add(_point_key(params))
+        rng = random.Random(f"{self.s.seed}:{salt}")
+        dims = self.plan.dims
+        size = space_size(dims)
+        if size <= 200_000:
+            axes = [
+                list(d.values) if d.discrete else list(range(int(d.low), int(d.high) + 1))  # type: ignore[arg-type]
+                for d in dims
+            ]
+            free = [
+                c
+                for c in itertools.product(*axes)
+                if _point_key(dict(zip([d.key for d in dims], c))) not in taken
+            ]
+            return dict(zip([d.key for d in dims], rng.choice(free))) if free else None
+        for _ in range(1000):
+            point: dict[str, Any] = {}
+            for d in dims:
+                if d.discrete:
+                    point[d.key] = rng.choice(list(d.values))
+                elif d.integer:
+                    point[d.key] = rng.randint(int(d.low), int(d.high))  # type: ignore[arg-type]
+                elif d.log:
+                    point[d.key] = math.exp(rng.uniform(math.log(d.low), math.log(d.high)))  # type: ignore[arg-type]
+                else:
+                    point[d.key] = rng.uniform(d.low, d.high)  # type: ignore[arg-type]
+            if _point_key(point) not in taken:
+                return point
+        return None
+
     def _tell(self, study: Any, trial: Any, result: dict[str, Any], outcome: Outcome) -> None:
         from optuna.exceptions import UpdateFinishedTrialError
         from optuna.trial import TrialState
@@ -545,6 +769,10 @@ class Sweep:
                 trial.set_user_attr(k, v)
             if outcome.constraint is not None:
                 trial.set_constraint(CONSTRAINT_KEY, float(outcome.constraint))
+                # optuna-dashboard 0.21 reads the pre-Optuna-5 list attribute `constraints` (feasible: all <= 0)
+                trial.storage.set_trial_system_attr(
+                    trial._trial_id, DASHBOARD_CONSTRAINTS_KEY, [float(outcome.constraint)]
+                )
             if outcome.state == "COMPLETE":
                 try:
                     study.tell(trial, list(outcome.values or []))
@@ -631,7 +859,7 @@ class Sweep:
                     continue
                 return
             if job.duplicate_of is not None:
-                self._record(job, self._copy_duplicate(job))
+                self._record_duplicate(job)
                 continue
             spec = self._spec_for(
                 job.number, job.trial._trial_id, job.slot, job.overrides, job.design, job.retry_of, idx
@@ -652,6 +880,12 @@ class Sweep:
         from vramsweep.sweeper.runner import SPEC_ENV, parent_side_result, report_from_json, save_spec
 
         launcher = self.launcher_factory()
+        cfg = getattr(launcher, "config", None)
+        if cfg is not None:  # the launcher makes its sweep dir: ours (not the unnamed default's)
+            from omegaconf import open_dict
+
+            with contextlib.suppress(Exception), open_dict(cfg):
+                cfg.hydra.sweep.dir = str(self.s.sweep_dir)
         while not self.abort.is_set():
             batch: list[tuple[Job, TrialSpec]] = []
             for _ in range(max(1, self.s.n_jobs)):
@@ -659,7 +893,7 @@ class Sweep:
                 if job is None:
                     break
                 if job.duplicate_of is not None:
-                    self._record(job, self._copy_duplicate(job))
+                    self._record_duplicate(job)
                     continue
                 spec = self._spec_for(
                     job.number, job.trial._trial_id, job.slot, job.overrides, job.design, job.retry_of, 0
@@ -779,6 +1013,8 @@ class Sweep:
             "launcher": "Hydra launcher job",
         }.get(self.runner.name, self.runner.name)
         what = f"{s.design} design" if s.design != "search" else f"{s.sampler_name} sampler"
+        if s.design_reason:
+            what += f" ({s.design_reason})"
         objs = ", ".join(f"{o.direction} {o.metric}" for o in s.objectives)
         budget = f"; budget {s.budget_gib:g} GiB" if s.budget_gib else ""
         return (
@@ -794,7 +1030,11 @@ class Sweep:
         retried = {t.system_attrs.get(RETRY_OF) for t in trials} - {None}
         by_status: dict[str, int] = {}
         for t in trials:
-            if t.number in retried or t.state in (TrialState.WAITING, TrialState.RUNNING):
+            if (
+                t.number in retried
+                or t.system_attrs.get(COPY_OF) is not None
+                or t.state in (TrialState.WAITING, TrialState.RUNNING)
+            ):
                 continue
             st = str(t.user_attrs.get("status", t.state.name.lower()))
             by_status[st] = by_status.get(st, 0) + 1

@@ -84,9 +84,14 @@ def _group(knobs: dict[str, str], key: str) -> str:
     return knobs.get(key, GROUP_DEFAULTS.get(key, ""))
 
 
+#: Overrides that are not knobs of the landscape: the noise must not depend on where results go or on
+#: the budget (the same config measures the same under /tmp/a and /tmp/b).
+NOT_KNOBS = ("results_dir", "hardware.budget_gib", "train.eval_every")
+
+
 def _noise(knobs: dict[str, str], scale: float) -> float:
     """Deterministic seed noise: same config and seed -> same value."""
-    key = json.dumps(sorted(knobs.items())).encode()
+    key = json.dumps(sorted((k, v) for k, v in knobs.items() if k not in NOT_KNOBS)).encode()
     h = zlib.crc32(key) / 2**32
     return (h - 0.5) * 2 * scale
 

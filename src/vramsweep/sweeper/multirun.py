@@ -14,6 +14,80 @@ def _has(args: list[str], prefix: str) -> bool:
     return any(a.lstrip("+").startswith(prefix) for a in args)
 
 
+def _value(args: list[str], prefix: str) -> str | None:
+    vals = [a.split("=", 1)[1] for a in args if a.lstrip("+").startswith(prefix)]
+    return vals[-1] if vals else None
+
+
+def translate_args(args: list[str]) -> list[str]:
+    """What a Hydra user types -> what our sweeper reads.
+
+    ``sweep.name=x`` names the sweep (its folder and study) even without a sweep file (``sweep`` is null
+    then, so Hydra itself would reject the key); ``hydra.sweep.dir=/x`` is the sweep folder.
+
+    Raises:
+        ConfigError: ``hydra.sweep.dir`` and ``hydra.sweeper.sweep_dir`` both given and different.
+    """
+    from vramsweep.config.compose import ConfigError
+
+    out = []
+    for a in args:
+        if a.lstrip("+").startswith("sweep.name="):
+            out.append(f"hydra.sweeper.study_name={a.split('=', 1)[1]}")
+        else:
+            out.append(a)
+    hydra_dir = _value(out, "hydra.sweep.dir=")
+    sweeper_dir = _value(out, "hydra.sweeper.sweep_dir=")
+    if hydra_dir is not None:
+        if sweeper_dir is not None and sweeper_dir != hydra_dir:
+            raise ConfigError(
+                f"hydra.sweep.dir={hydra_dir} and hydra.sweeper.sweep_dir={sweeper_dir} disagree: give one",
+                key="hydra.sweep.dir",
+            )
+        if sweeper_dir is None:
+            out.append(f"hydra.sweeper.sweep_dir={hydra_dir}")
+    return out
+
+
+def check_option_names(args: list[str]) -> None:
+    """``sweep=<name>`` / ``experiment=<name>`` must name a file (Hydra skips an unknown optional sweep
+    and takes ``+experiment=x`` as a plain value when no experiment exists yet).
+
+    Raises:
+        ConfigError: an unknown name, with the known ones.
+    """
+    from vramsweep.config.compose import ConfigError, list_options
+
+    for a in args:
+        key, eq, text = a.partition("=")
+        group = key.lstrip("+~").strip()
+        if not eq or group not in ("sweep", "experiment") or a.lstrip().startswith("~"):
+            continue
+        names = (
+            [n.strip() for n in text.split(",")] if not text.strip().startswith(("choice(", "glob(")) else []
+        )
+        known = list_options(group)
+        for n in names:
+            if n and n != "null" and n not in known:
+                hint = "" if known else " (none yet: `vramsweep pick` writes conf/experiment/<name>.yaml)"
+                raise ConfigError(f"unknown {group} '{n}'{hint}", key=group, allowed=known or None)
+
+
+def _sweep_overrides(args: list[str]) -> list[str]:
+    """The arguments that are sweeps (``a,b``, ``choice``, ``range``, ``interval``, ``glob``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    out = []
+    for a in args:
+        try:
+            if parser.parse_overrides([a])[0].is_sweep_override():
+                out.append(a)
+        except Exception:
+            continue  # Hydra reports it
+    return out
+
+
 def hydra_args(args: list[str]) -> list[str]:
     """The Hydra command line for a sweep: our sweeper, the sweep folder as ``hydra.sweep.dir``, no chdir."""
     extra = []
@@ -50,8 +124,12 @@ def _task(cfg: Any) -> Any:
     return run_trial(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
 
 
-def run_multirun(args: list[str]) -> int:
+def run_multirun(args: list[str], *, flags: list[str] | None = None, multirun: bool = True) -> int:
     """Run Hydra's multirun with our sweeper, as if ``vramsweep -m <args>`` was typed.
+
+    Args:
+        flags: Hydra flags such as ``["--cfg", "job"]`` or ``["--info"]``: Hydra prints and runs nothing.
+        multirun: ``False`` only with ``flags`` (``vramsweep train --cfg hydra``).
 
     Returns:
         the exit code: 0 done, 1 aborted (failure-rate cap, Ctrl-C) or Hydra error, 2 bad config/space.
@@ -59,14 +137,30 @@ def run_multirun(args: list[str]) -> int:
     import hydra
     from hydra.core.global_hydra import GlobalHydra
 
-    from vramsweep.config.compose import conf_dir
+    from vramsweep.config.compose import ConfigError, conf_dir
     from vramsweep.config.schema import register_configs
 
+    try:
+        check_option_names(list(args))
+        args = translate_args(list(args))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     register_configs()
     GlobalHydra.instance().clear()
     main = hydra.main(config_path=str(conf_dir()), config_name="train", version_base=None)(_task)
     saved = sys.argv
-    sys.argv = ["vramsweep", *hydra_args(list(args))]
+    if flags:
+        # Hydra prints (--cfg/--info) in run mode only: the sweep's base config, without its sweep overrides
+        swept = _sweep_overrides(args)
+        base = [a for a in args if a not in swept]
+        argv = hydra_args(base)[1:] if multirun else base
+        argv += [] if _has(argv, "hydra.job.chdir=") else ["hydra.job.chdir=False"]
+        if swept and "--cfg" in flags:
+            print(f"# the sweep's base config; each trial adds one point of: {' '.join(swept)}", flush=True)
+    else:
+        argv = hydra_args(list(args))
+    sys.argv = ["vramsweep", *(flags or []), *argv]
     global SWEEPER_STARTED
     SWEEPER_STARTED = False
     code: Any = 0

@@ -24,16 +24,47 @@ def _kwargs(spec: Any) -> dict[str, Any]:
     return {k: v for k, v in spec.items() if k != "name"} if isinstance(spec, dict) else {}
 
 
+#: Optional packages a sampler needs at its first trial (Optuna imports them lazily): checked up front.
+NEEDS = {
+    "CmaEsSampler": ("cmaes",),
+    "GPSampler": ("scipy", "torch"),
+    "BoTorchSampler": ("botorch",),
+}
+
+
+def _check_needs(cls_name: str, what: str) -> None:
+    missing = [m for m in NEEDS.get(cls_name, ()) if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(
+            f"hydra.sweeper.{what}: {cls_name} needs {', '.join(missing)} (pip install {' '.join(missing)}); "
+            "not installed here",
+            key=f"hydra.sweeper.{what}",
+            allowed=["tpe", "random", "grid", "nsga2"],
+        )
+
+
 def _instantiate(spec: dict[str, Any], what: str) -> Any:
     from hydra.utils import instantiate
 
+    target = str(spec.get("_target_"))
+    _check_needs(target.rsplit(".", 1)[-1], what)
     try:
-        return instantiate(spec)
+        obj = instantiate(spec, _convert_="all")
     except Exception as exc:
+        cause = exc.__cause__ or exc
         raise ConfigError(
-            f"hydra.sweeper.{what}: cannot instantiate {spec.get('_target_')}: {exc}",
+            f"hydra.sweeper.{what}: cannot instantiate {target}: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}",
             key=f"hydra.sweeper.{what}",
         ) from exc
+    import optuna
+
+    base = optuna.samplers.BaseSampler if what == "sampler" else optuna.pruners.BasePruner
+    if not isinstance(obj, base):
+        raise ConfigError(
+            f"hydra.sweeper.{what}: {target} is not an Optuna {what} ({type(obj).__name__})",
+            key=f"hydra.sweeper.{what}",
+        )
+    return obj
 
 
 def make_sampler(spec: Any, *, seed: int | None, n_jobs: int, n_objectives: int) -> Any:
@@ -63,12 +94,7 @@ def make_sampler(spec: Any, *, seed: int | None, n_jobs: int, n_objectives: int)
         if name == "nsga2":
             return optuna.samplers.NSGAIISampler(**kw)
         if name == "gp":
-            if importlib.util.find_spec("scipy") is None:
-                raise ConfigError(
-                    "hydra.sweeper.sampler=gp needs scipy (pip install scipy); not installed here",
-                    key="hydra.sweeper.sampler",
-                    allowed=["tpe", "random", "nsga2"],
-                )
+            _check_needs("GPSampler", "sampler")
             kw.setdefault("n_startup_trials", TPE_STARTUP)
             return optuna.samplers.GPSampler(**kw)
         if name == "grid":  # only reached for a fixed design: points are enqueued, the sampler is idle

@@ -62,9 +62,12 @@ class SweeperConf:
         n_jobs: local worker slots on this machine (each trial still runs in its own process).
         storage: Optuna storage URL; ``null`` = ``sqlite:///<sweep dir>/study.db``. Use
             ``postgresql://user@host/db`` for many workers or machines.
-        study_name: ``null`` = the sweep's name.
+        study_name: ``null`` = the sweep's name (a sweep file's ``sweep.name``, ``sweep.name=<x>``, or for an
+            ad-hoc sweep ``<swept keys>-<hash of what it runs>``).
         sampler: ``tpe | random | grid | nsga2 | gp``, or a dict: ``{name: tpe, n_startup_trials: 5}`` or
-            hydra-optuna-sweeper style ``{_target_: optuna.samplers.TPESampler, seed: 1}``.
+            hydra-optuna-sweeper style ``{_target_: optuna.samplers.TPESampler, seed: 1}``. ``null`` (the
+            default): command-line comma lists / ``range`` / ``choice`` are a grid (Hydra's basic-sweeper
+            semantics); a sweep file's ``params``, ``sweep.design: search`` or an ``interval`` is a TPE search.
         pruner: ``median | sha | hyperband | none`` or a dict like ``sampler``. Active only for a search
             with a single objective ``eval_loss``/``eval_ppl`` (Optuna cannot report intermediate values
             in multi-objective studies; fixed designs run every point to the end).
@@ -93,13 +96,15 @@ class SweeperConf:
         sweep_dir: ``null`` = ``<results_dir>/sweeps/<name>``.
         cuda_devices: optional list; worker slot i gets ``CUDA_VISIBLE_DEVICES=cuda_devices[i % len]``.
         progress: print one line per finished trial plus a total progress bar.
+        custom_search_space: function mode only (any Hydra app): ``module.function(cfg, trial)`` that
+            suggests more params, as in hydra-optuna-sweeper.
     """
 
     n_trials: int | None = None
     n_jobs: int = 1
     storage: str | None = None
     study_name: str | None = None
-    sampler: Any = "tpe"
+    sampler: Any = None
     pruner: Any = "median"
     direction: Any = None
     objectives: Any = None
@@ -118,6 +123,7 @@ class SweeperConf:
     sweep_dir: str | None = None
     cuda_devices: list[str] | None = None
     progress: bool = True
+    custom_search_space: str | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +169,21 @@ class Settings:
     progress: bool
     results_dir: str = "results"
     budget_gib: float = 0.0
+    #: named by a sweep file, ``sweep.name=`` or ``hydra.sweeper.study_name`` (else named by its identity hash)
+    named: bool = True
+    storage_given: bool = False
+    sweep_dir_given: bool = False
+    #: why this design (for the describe line), e.g. "command-line lists"
+    design_reason: str = ""
+
+    def rename(self, name: str) -> None:
+        """Give an unnamed (ad-hoc) sweep its name: study name, folder and default storage follow it."""
+        self.name = name
+        self.study_name = name
+        if not self.sweep_dir_given:
+            self.sweep_dir = Path(os.path.abspath(Path(self.results_dir) / "sweeps" / name))
+        if not self.storage_given:
+            self.storage = f"sqlite:///{self.sweep_dir / 'study.db'}"
 
     @property
     def sampler_name(self) -> str:
@@ -339,8 +360,27 @@ def _check_spec(spec: Any, allowed: tuple[str, ...], key: str) -> Any:
     )
 
 
+def _all_discrete(params: dict[str, str]) -> bool:
+    """Whether every entry is a comma list / ``choice`` / ``range`` (a grid can enumerate it)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for key, text in params.items():
+        try:
+            ov = parser.parse_overrides([f"{key}={text}"])[0]
+        except Exception:
+            return True  # parse errors are reported (naming the entry) when the space is parsed
+        if ov.is_interval_sweep():
+            return False
+    return True
+
+
 def resolve_settings(
-    sweeper: dict[str, Any], task_cfg: dict[str, Any], *, cli_params: dict[str, str] | None = None
+    sweeper: dict[str, Any],
+    task_cfg: dict[str, Any],
+    *,
+    cli_params: dict[str, str] | None = None,
+    sweep_file: str | None = None,
 ) -> Settings:
     """Merge ``hydra.sweeper.*`` (``sweeper``) with the task config's ``sweep:`` node.
 
@@ -348,13 +388,18 @@ def resolve_settings(
         sweeper: the ``hydra.sweeper`` node as a plain dict (``_target_`` ignored).
         task_cfg: the composed task config as a plain dict (``sweep``, ``results_dir``, ``hardware``).
         cli_params: search-space entries from the command line (override ``params``).
+        sweep_file: the selected ``sweep=<name>`` option, if any (a sweep file may ask for a search).
+
+    Design: a sweep file's ``sweep.design`` wins; else ``hydra.sweeper.sampler`` (``grid`` -> grid, any
+    other -> search); else ``hydra.sweeper.params`` (a sweep file's or the user's search space) -> search;
+    else the command line's lists are a grid, or a search when one of them is an ``interval``.
     """
     from vramsweep.config.compose import ConfigError
 
     conf = SweeperConf()
     known = set(SweeperConf.__dataclass_fields__)
     for k, v in sweeper.items():
-        if k == "_target_":
+        if k in ("_target_", "_recursive_", "_convert_", "_partial_"):
             continue
         if k not in known:
             raise ConfigError(
@@ -376,14 +421,40 @@ def resolve_settings(
     for k in sweep:
         if k not in known_sweep:
             raise ConfigError(f"unknown key sweep.{k}", key=f"sweep.{k}", allowed=sorted(known_sweep))
-    name = str(sweep.get("name") or conf.study_name or "multirun")
+    named = bool(sweep.get("name") or conf.study_name)
+    # sweep.name=<x> on the command line arrives as study_name (it names the folder and the study)
+    name = str(conf.study_name or sweep.get("name") or "multirun")
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
         raise ConfigError(f"sweep.name={name!r} must be a plain file name", key="sweep.name")
-    design = str(sweep.get("design") or "search")
+    sampler = None if conf.sampler is None else _check_spec(conf.sampler, SAMPLERS, "hydra.sweeper.sampler")
+    if isinstance(sampler, dict) and str(sampler.get("_target_", "")).endswith("GridSampler"):
+        if sampler.get("search_space"):
+            raise ConfigError(
+                "hydra.sweeper.sampler: GridSampler takes its grid from the search space (hydra.sweeper.params or "
+                "the command line's lists), not from search_space",
+                key="hydra.sweeper.sampler",
+            )
+        sampler = "grid"  # hydra-optuna-sweeper's GridSampler config: the grid is our search space
+    cli_only = dict(cli_params or {})
+    if sweep.get("design"):
+        design, reason = str(sweep["design"]), f"sweep.design in sweep {sweep_file or name!r}"
+    elif sampler is not None:
+        design = "grid" if sampler == "grid" else "search"
+        reason = f"hydra.sweeper.sampler={_spec_name(sampler)}"
+    elif conf.params:
+        design, reason = (
+            "search",
+            "hydra.sweeper.params" + (f" of sweep {sweep_file!r}" if sweep_file else ""),
+        )
+    elif _all_discrete(cli_only):
+        design, reason = "grid", "command-line lists (every combination once)"
+    else:
+        design, reason = "search", "an interval on the command line can only be searched"
     _check_choice(design, DESIGNS, "sweep.design")
-    sampler = _check_spec(conf.sampler, SAMPLERS, "hydra.sweeper.sampler")
     if design == "search" and sampler == "grid":
         design = "grid"
+    if sampler is None:
+        sampler = "grid" if design == "grid" else "tpe"
     pruner = _check_spec(conf.pruner, PRUNERS, "hydra.sweeper.pruner")
     objectives = parse_objectives(
         conf.objectives if conf.objectives is not None else sweep.get("objectives"), conf.direction
@@ -486,6 +557,10 @@ def resolve_settings(
         progress=bool(conf.progress),
         results_dir=results_dir,
         budget_gib=float(hardware.get("budget_gib") or 0.0),
+        named=named,
+        storage_given=bool(conf.storage),
+        sweep_dir_given=bool(conf.sweep_dir),
+        design_reason=reason,
     )
 
 

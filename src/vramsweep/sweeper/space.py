@@ -136,6 +136,33 @@ def _scalar(value: Any) -> Scalar:
     return format_value(value)
 
 
+def expand_glob(key: str, text: str) -> str:
+    """``quant=glob(nf*)`` -> ``choice(nf4,nf4_dq)`` over the group's options; other entries unchanged.
+
+    Raises:
+        ConfigError: ``glob`` over a key that is not a config group, or matching no option.
+    """
+    from hydra.core.override_parser.types import ValueType
+
+    from vramsweep.config.compose import list_options
+
+    ov = _parse(f"{key}={text}")
+    if ov.value_type != ValueType.GLOB_CHOICE_SWEEP:
+        return text
+    group = key.lstrip("+~")
+    options = list_options(group)
+    if not options:
+        raise ConfigError(
+            f"'{key}={text}': glob(...) selects options of a config group; {group} is not one",
+            key=group,
+            allowed=["choice(...)", "comma list a,b"],
+        )
+    picked = ov.value().filter(options)
+    if not picked:
+        raise ConfigError(f"'{key}={text}' matches no option of {group}", key=group, allowed=options)
+    return "choice(" + ",".join(picked) + ")"
+
+
 def parse_params(params: dict[str, str], *, int_keys: Sequence[str] = ()) -> tuple[list[Param], list[str]]:
     """Split ``params`` into search dimensions and fixed overrides.
 
@@ -149,6 +176,7 @@ def parse_params(params: dict[str, str], *, int_keys: Sequence[str] = ()) -> tup
     dims: list[Param] = []
     fixed: list[str] = []
     for key, text in params.items():
+        text = expand_glob(key, text)
         ov = _parse(f"{key}={text}")
         if not ov.is_sweep_override():
             fixed.append(f"{key}={ov.get_value_element_as_str()}")
@@ -208,10 +236,25 @@ def cli_sweep_params(arguments: Sequence[str]) -> tuple[dict[str, str], list[str
                     f"sweep override '{arg}': add/delete prefixes cannot be swept", key=override_key(arg)
                 )
             key, _, text = arg.partition("=")
-            params[key.strip()] = text.strip()
+            key = key.strip()
+            if key == "sweep":
+                names = ", ".join(str(v) for v in _sweep_values(arg)) or text
+                raise ConfigError(
+                    f"'{arg}': one {key} file per run ({names}); run them one after another, e.g. "
+                    f"vramsweep train -m {key}={names.split(', ')[0]}",
+                    key=key,
+                )
+            params[key] = expand_glob(key, text.strip())
         else:
             fixed.append(arg)
     return params, fixed
+
+
+def _sweep_values(arg: str) -> list[Any]:
+    try:
+        return list(_parse(arg).sweep_iterator())
+    except Exception:
+        return []
 
 
 def grid_points(dims: Sequence[Param]) -> list[dict[str, Scalar]]:

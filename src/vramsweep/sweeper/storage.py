@@ -39,6 +39,8 @@ RETRIES = "vramsweep:retries"
 OWNER = "vramsweep:owner"
 HEARTBEAT = "vramsweep:heartbeat"
 FINGERPRINT = "vramsweep:fingerprint"
+#: On a trial that copied an earlier trial's outcome (a re-proposed point): not counted toward n_trials.
+COPY_OF = "vramsweep:copy_of"
 
 _thread_lock = threading.RLock()
 _engines: dict[str, Any] = {}
@@ -221,7 +223,7 @@ def trial_counts(study: Any) -> dict[str, int]:
     retried = {t.system_attrs.get(RETRY_OF) for t in trials} - {None}
     out: dict[str, int] = {}
     for t in trials:
-        if t.number in retried:
+        if t.number in retried or t.system_attrs.get(COPY_OF) is not None:
             continue
         out[t.state.name] = out.get(t.state.name, 0) + 1
     return out

@@ -1,0 +1,199 @@
+"""Function mode: ``hydra/sweeper=vramsweep`` on any Hydra app, as a drop-in for hydra-optuna-sweeper.
+
+When the task function is not vramsweep's trial (``vramsweep train -m``), the sweeper optimises the
+app's return value(s) the way hydra-optuna-sweeper 1.2 does, on Optuna 5: each trial's params become
+overrides, the app runs through the configured Hydra launcher in batches of ``n_jobs``, and the
+returned float (or sequence, for several ``direction`` entries) is told to the study. Accepted:
+``params`` (override grammar, plus command-line sweeps), ``direction`` (str or list), ``sampler`` (short
+name or ``_target_`` incl. ``GridSampler``/``CmaEsSampler``; a missing optional package exits 2),
+``custom_search_space`` (``module.function(cfg, trial)``), ``n_trials``, ``n_jobs``, ``storage`` (``null``
+= in memory), ``study_name``, ``seed``, ``max_failure_rate``. vramsweep-only settings are ignored here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vramsweep.config.compose import ConfigError
+from vramsweep.sweeper.space import Param, cli_sweep_params, merge_overrides, parse_params
+
+DEFAULT_N_TRIALS = 20
+
+
+def _directions(raw: Any) -> list[str]:
+    dirs = ["minimize"] if raw is None else [raw] if isinstance(raw, str) else list(raw)
+    out = []
+    for d in dirs:
+        d = str(getattr(d, "name", d)).lower()
+        if d not in ("minimize", "maximize"):
+            raise ConfigError(
+                f"hydra.sweeper.direction={d!r}",
+                key="hydra.sweeper.direction",
+                allowed=["minimize", "maximize"],
+            )
+        out.append(d)
+    return out
+
+
+def _custom(path: str | None) -> Callable[[Any, Any], Any] | None:
+    if not path:
+        return None
+    from hydra.utils import get_method
+
+    try:
+        return get_method(str(path))
+    except Exception:
+        pass
+    mod, _, fn = str(path).replace(":", ".").rpartition(".")
+    try:
+        return getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(
+            f"hydra.sweeper.custom_search_space={path!r} cannot be imported: {exc}",
+            key="hydra.sweeper.custom_search_space",
+        ) from exc
+
+
+def _sampler(spec: Any, seed: int | None, dims: Sequence[Param], n_jobs: int, n_objectives: int) -> Any:
+    import optuna
+
+    from vramsweep.sweeper.samplers import make_sampler
+    from vramsweep.sweeper.space import grid_points
+
+    if spec is None:
+        return optuna.samplers.TPESampler(seed=seed)
+    is_grid = spec == "grid" or (
+        isinstance(spec, dict) and str(spec.get("_target_", "")).endswith("GridSampler")
+    )
+    if is_grid:
+        points = grid_points(dims)  # ConfigError for an interval
+        space = {d.key: list(d.values) for d in dims}
+        s = (spec.get("seed") if isinstance(spec, dict) else None) or seed
+        return optuna.samplers.GridSampler(space, seed=s), len(points)
+    return make_sampler(spec, seed=seed, n_jobs=n_jobs, n_objectives=n_objectives)
+
+
+def _suggest(trial: Any, d: Param) -> Any:
+    if d.kind == "range" and d.step is not None:
+        return trial.suggest_int(d.key, int(d.values[0]), int(d.values[-1]), step=d.step)
+    if d.discrete:
+        return trial.suggest_categorical(d.key, list(d.values))
+    if d.integer:
+        return trial.suggest_int(d.key, int(d.low), int(d.high), log=d.log)
+    return trial.suggest_float(d.key, float(d.low), float(d.high), log=d.log)
+
+
+def _values(ret: Any, n: int) -> list[float]:
+    value = ret.return_value  # raises the job's exception when the app failed
+    vals = [value] if n == 1 and not isinstance(value, list | tuple) else list(value)
+    if len(vals) != n:
+        raise ValueError(f"the app returned {len(vals)} value(s) for {n} direction(s)")
+    out = [float(v) for v in vals]
+    if not all(math.isfinite(v) for v in out):
+        raise ValueError(f"the app returned a non-finite value: {out}")
+    return out
+
+
+def _tell(study: Any, trial: Any, values: Any = None, state: Any = None) -> None:
+    """``study.tell``; GridSampler calls ``study.stop()`` when its grid is done, which outside
+    ``optimize`` raises after the trial is told: that is the end of the grid, not an error."""
+    try:
+        study.tell(trial, values, state=state)
+    except RuntimeError as exc:
+        if "Study.stop" not in str(exc):
+            raise
+
+
+def run_function_sweep(
+    settings: dict[str, Any], arguments: list[str], config: Any, launcher_factory: Any
+) -> int:
+    """Optimise a Hydra app's return value; 0 done, 1 failure-rate cap, 2 bad settings (nothing run)."""
+    import optuna
+    from omegaconf import OmegaConf
+
+    from vramsweep.sweeper.settings import _param_str
+
+    try:
+        cli_params, cli_fixed = cli_sweep_params(arguments)
+        params = {str(k): _param_str(v) for k, v in (settings.get("params") or {}).items()}
+        params.update(cli_params)
+        dims, fixed_params = parse_params(params)
+        fixed = merge_overrides(fixed_params, cli_fixed)
+        directions = _directions(settings.get("direction"))
+        n_jobs = int(settings.get("n_jobs") or 1)
+        sampler = _sampler(settings.get("sampler"), settings.get("seed"), dims, n_jobs, len(directions))
+        grid_size = None
+        if isinstance(sampler, tuple):
+            sampler, grid_size = sampler
+        custom = _custom(settings.get("custom_search_space"))
+        n_trials = settings.get("n_trials")
+        n_trials = DEFAULT_N_TRIALS if n_trials is None else int(n_trials)
+        if grid_size is not None:
+            n_trials = min(n_trials, grid_size)
+        max_fail = float(settings.get("max_failure_rate", 0.0) or 0.0)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        study_name=settings.get("study_name"),
+        storage=settings.get("storage"),
+        sampler=sampler,
+        directions=directions,
+        load_if_exists=True,
+    )
+    launcher = launcher_factory()
+    done = failures = 0
+    while done < n_trials:
+        batch = min(n_jobs, n_trials - done)
+        trials, overrides = [], []
+        for _ in range(batch):
+            trial = study.ask()
+            for d in dims:
+                _suggest(trial, d)
+            if custom is not None:
+                custom(config, trial)
+            trials.append(trial)
+            overrides.append(tuple(merge_overrides(fixed, [f"{k}={v}" for k, v in trial.params.items()])))
+        returns = launcher.launch(overrides, initial_job_idx=done)
+        for trial, ret in zip(trials, returns):
+            try:
+                values = _values(ret, len(directions))
+            except Exception as exc:
+                failures += 1
+                trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:1000])
+                _tell(study, trial, state=optuna.trial.TrialState.FAIL)
+                print(f"vramsweep: trial {trial.number} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                continue
+            _tell(study, trial, values)
+        done += batch
+        if failures and failures / done > max_fail:
+            print(
+                f"vramsweep: ABORTED: {failures}/{done} trials failed > hydra.sweeper.max_failure_rate={max_fail}",
+                file=sys.stderr,
+            )
+            return 1
+    best = study.best_trials if len(directions) > 1 else [study.best_trial]
+    for b in best:
+        print(f"vramsweep: best: trial {b.number} values={b.values} params={b.params}", flush=True)
+    sweep_dir = OmegaConf.select(config, "hydra.sweep.dir")
+    if sweep_dir:
+        from pathlib import Path
+
+        Path(str(sweep_dir)).mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(
+            OmegaConf.create(
+                {"name": "optuna", "best_params": dict(best[0].params), "best_value": best[0].values[0]}
+                if len(best) == 1 and len(directions) == 1
+                else {
+                    "name": "optuna",
+                    "solutions": [{"params": dict(b.params), "values": b.values} for b in best],
+                }
+            ),
+            f"{sweep_dir}/optimization_results.yaml",
+        )
+    return 0

@@ -1,0 +1,218 @@
+"""Function mode: ``hydra/sweeper=vramsweep`` on any Hydra app, like hydra-optuna-sweeper (issue 12 item 9).
+
+The apps below are hydra-optuna-sweeper's example apps (sphere, multi-objective, custom search space),
+unchanged except that their config chooses our sweeper; each runs as its own process, as a user would.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+SPHERE = """
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="config")
+def sphere(cfg: DictConfig) -> float:
+    x: float = cfg.x
+    y: float = cfg.y
+    return x**2 + y**2
+
+
+if __name__ == "__main__":
+    sphere()
+"""
+SPHERE_CONF = """
+defaults:
+  - override hydra/sweeper: vramsweep
+  - override hydra/sweeper/sampler: tpe
+
+hydra:
+  sweeper:
+    sampler:
+      seed: 123
+    direction: minimize
+    study_name: sphere
+    storage: null
+    n_trials: 20
+    n_jobs: 1
+    params:
+      x: range(-5.5, 5.5, step=0.5)
+      y: choice(-5 ,0 ,5)
+
+x: 1
+y: 1
+"""
+MULTI = """
+from typing import Tuple
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="config")
+def binh_and_korn(cfg: DictConfig) -> Tuple[float, float]:
+    x: float = cfg.x
+    y: float = cfg.y
+
+    v0 = 4 * x**2 + 4 * y**2
+    v1 = (x - 5) ** 2 + (y - 5) ** 2
+    return v0, v1
+
+
+if __name__ == "__main__":
+    binh_and_korn()
+"""
+MULTI_CONF = """
+defaults:
+  - override hydra/sweeper: vramsweep
+  - override hydra/sweeper/sampler: nsgaii
+
+hydra:
+  sweeper:
+    sampler:
+      seed: 123
+    direction: [minimize, minimize]
+    study_name: multi-objective
+    storage: null
+    n_trials: 20
+    n_jobs: 1
+    params:
+      x: range(0, 5, step=0.5)
+      y: range(0, 3, step=0.5)
+
+x: 1
+y: 1
+"""
+CUSTOM = """
+import hydra
+from omegaconf import DictConfig
+from optuna.trial import Trial
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="config")
+def multi_dimensional_sphere(cfg: DictConfig) -> float:
+    w: float = cfg.w
+    x: float = cfg.x
+    y: float = cfg.y
+    z: float = cfg.z
+    return w**2 + x**2 + y**2 + z**2
+
+
+def configure(cfg: DictConfig, trial: Trial) -> None:
+    x_value = trial.params["x"]
+    trial.suggest_float(
+        "z",
+        x_value - cfg.max_z_difference_from_x,
+        x_value + cfg.max_z_difference_from_x,
+    )
+    trial.suggest_float("+w", 0.0, 1.0)  # note +w here, not w as w is a new parameter
+
+
+if __name__ == "__main__":
+    multi_dimensional_sphere()
+"""
+CUSTOM_CONF = """
+defaults:
+  - override hydra/sweeper: vramsweep
+  - override hydra/sweeper/sampler: tpe
+
+hydra:
+  sweeper:
+    sampler:
+      seed: 123
+    direction: minimize
+    study_name: custom-search-space
+    storage: null
+    n_trials: 20
+    n_jobs: 1
+    params:
+      x: range(-5.5, 5.5, 0.5)
+      y: choice(-5, 0, 5)
+    custom_search_space: app.configure
+
+x: 1
+y: 1
+z: 100
+max_z_difference_from_x: 0.5
+"""
+
+
+def _run_app(tmp_path: Path, code: str, conf: str, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "app.py").write_text(code)
+    (tmp_path / "conf" / "config.yaml").write_text(conf)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, str(tmp_path)]))
+    sweep_dir = tmp_path / "out"
+    p = subprocess.run(
+        [sys.executable, "app.py", "--multirun", f"hydra.sweep.dir={sweep_dir}", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    return p, sweep_dir
+
+
+def test_sphere_example_runs_unchanged(tmp_path):
+    p, out = _run_app(tmp_path, SPHERE, SPHERE_CONF)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = yaml.safe_load((out / "optimization_results.yaml").read_text())
+    assert res["best_value"] <= 1.0  # x^2 + y^2 over the grid: 0 at (0, 0); TPE gets there or close
+    assert p.stderr.count("Launching 1 jobs locally") == 20 or p.stdout.count("#") >= 20
+
+
+def test_multi_objective_example_runs_unchanged(tmp_path):
+    p, out = _run_app(tmp_path, MULTI, MULTI_CONF)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = yaml.safe_load((out / "optimization_results.yaml").read_text())
+    assert res["solutions"] and all(len(s["values"]) == 2 for s in res["solutions"])
+
+
+def test_custom_search_space_example_runs_unchanged(tmp_path):
+    p, out = _run_app(tmp_path, CUSTOM, CUSTOM_CONF)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = yaml.safe_load((out / "optimization_results.yaml").read_text())
+    assert {"x", "y", "z", "+w"} <= set(res["best_params"])
+    assert abs(res["best_params"]["z"] - res["best_params"]["x"]) <= 0.5
+
+
+def test_grid_and_missing_cmaes_in_function_mode(tmp_path):
+    import importlib.util
+
+    p, out = _run_app(
+        tmp_path,
+        SPHERE,
+        SPHERE_CONF,
+        "hydra/sweeper/sampler=grid",
+        "x=-1,0,1",
+        "hydra.sweeper.n_trials=100",
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert yaml.safe_load((out / "optimization_results.yaml").read_text())["best_value"] == 0
+    if importlib.util.find_spec("cmaes") is None:
+        q = subprocess.run(
+            [
+                sys.executable,
+                "app.py",
+                "--multirun",
+                "hydra/sweeper/sampler=cmaes",
+                f"hydra.sweep.dir={tmp_path}/c",
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, str(tmp_path)])),
+            timeout=300,
+        )
+        assert q.returncode == 2 and "cmaes" in q.stderr
+        assert not (tmp_path / "c").exists()
