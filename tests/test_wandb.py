@@ -462,3 +462,25 @@ def test_summary_of_a_real_sweep_folder(tmp_path: Path) -> None:
     assert all(r["status"] == "ok" and r["peak_gib"] > 0 for r in rows)
     assert run.summary["n_trials"] == len(rows) and run.summary["status/ok"] == len(rows)
     assert _history_entry(run, "table/stacking")["_type"] == "table-file"
+
+
+def test_sweep_with_wandb_logger_keeps_the_summary_run_current(tmp_path: Path) -> None:
+    """logger=wandb on a sweep: the sweeper itself updates the summary run as trials finish (no report)."""
+    from vramsweep.sweeper import run_multirun
+
+    rc = run_multirun(
+        [
+            f"results_dir={tmp_path}",
+            "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+            "hydra.sweeper.isolation=inprocess",
+            "sweep=memory_stack",
+            "logger=wandb",
+        ]
+    )
+    assert rc == 0
+    folder = tmp_path / "sweeps" / "memory_stack"
+    assert (folder / "wandb" / "summary_run.json").is_file()
+    (run,) = offline_runs(folder / "wandb")
+    assert run.job_type == "sweep-summary"
+    table = _table(run.path.parent, _history_entry(run, "trials"))
+    assert len(table["data"]) == run.summary["n_trials"] >= 2

@@ -103,6 +103,7 @@ class Plan:
     base_seed: int = 0
     identity: dict[str, Any] = field(default_factory=dict)
     sweep_id: str = ""
+    wandb: bool = False  # trials log to W&B: keep the sweep-summary run current as trials finish
 
 
 def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]) -> Plan:
@@ -193,6 +194,7 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
         print("vramsweep: isolation=inprocess runs one trial at a time: n_jobs set to 1", file=sys.stderr)
         settings.n_jobs = 1
     plan = Plan(settings, fixed, dims, design, int(n_total), base_seed)
+    plan.wandb = str((task_cfg.get("logger") or {}).get("name")) == "wandb" or "logger=wandb" in fixed
     name_sweep(plan)
     return plan
 
@@ -354,6 +356,7 @@ class Sweep:
     def __init__(self, plan: Plan, runner: Any = None, launcher_factory: Any = None):
         self.plan = plan
         self.s = plan.settings
+        self.wandb_summary: Any = None  # report.wandb_summary.SummaryUpdater when trials log to W&B
         self.trials_dir = self.s.sweep_dir / "trials"
         self.launcher_factory = launcher_factory
         if self.s.isolation == "launcher":
@@ -580,6 +583,7 @@ class Sweep:
         worker: int,
     ) -> TrialSpec:
         env = dict(os.environ)
+        env["VRAMSWEEP_SWEEP_DIR"] = str(self.s.sweep_dir)  # trial W&B runs go to <sweep dir>/wandb
         if self.s.cuda_devices:
             env["CUDA_VISIBLE_DEVICES"] = self.s.cuda_devices[worker % len(self.s.cuda_devices)]
         return TrialSpec(
@@ -798,6 +802,8 @@ class Sweep:
         status = str(report.result.get("status"))
         with self._tell_lock:
             self._tell(self.study, job.trial, report.result, report.outcome)
+        if self.wandb_summary is not None:
+            self.wandb_summary.poke()
             self._running.discard(job.trial._trial_id)
             self.finished += 1
             self.failures += int(report.outcome.failure)
@@ -946,6 +952,10 @@ class Sweep:
         """Run to completion; returns the exit code (0 done, 1 aborted or interrupted)."""
         self.prepare()
         assert self.progress is not None
+        if self.plan.wandb:
+            from vramsweep.report.wandb_summary import SummaryUpdater
+
+            self.wandb_summary = SummaryUpdater(self.s.sweep_dir, on_warning=self.progress.say)
         t0 = time.perf_counter()
         beat = threading.Thread(target=self._heartbeat, name="vramsweep-heartbeat", daemon=True)
         beat.start()
@@ -992,6 +1002,8 @@ class Sweep:
             self._stop.set()
             if started:
                 self.runner.stop()
+            if self.wandb_summary is not None:
+                self.wandb_summary.close()
         self.summary(time.perf_counter() - t0)
         return 1 if self.abort.is_set() else 0
 
