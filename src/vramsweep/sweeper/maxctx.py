@@ -1,0 +1,341 @@
+"""``sweep.design: max_context`` — the longest context each config trains at within the memory budget.
+
+For each config of the sweep file's ``sweep.configs`` (override lists, on top of the fixed overrides):
+
+1. **Predict**: the estimator's longest ``context.max_tokens`` whose estimate fits ``hardware.budget_gib``
+   (:func:`vramsweep.estimate.max_context`), rounded down to the search grid
+   (multiples of ``sweep.max_context.step`` within ``[min, max]``).
+2. **Confirm with real trials**: run the trial at the predicted length; while it fits, step up (doubling
+   the step), while it does not, step down (doubling); then bisect between the last length that fit and
+   the first that did not, until they are one grid step apart. "Fits" = status ``ok`` and measured peak
+   ≤ the budget; ``oom`` or a peak over the budget does not fit; any other status ends that config's
+   search with the reason.
+
+Every probe is a real trial in its own process (the sweep's isolation: warm fork server, spawn or
+in-process), its result JSON in ``<sweep dir>/trials/``. A re-run reuses the probes already measured
+(same overrides), so an interrupted search continues where it stopped. The answer is right by
+construction: the reported length's trial fitted and the next grid step's trial did not (or the next step
+is past ``max``). Written: ``max_context.json`` / ``.md`` / ``.csv`` in the sweep folder, and printed.
+Trials use random tokens of exactly the probed length when ``data=random`` (documents may be shorter).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+GIB = 1024**3
+
+
+def _fits(result: dict[str, Any], budget_bytes: int) -> bool | None:
+    """True/False when the probe answers the question, None when it failed for another reason."""
+    status = result.get("status")
+    if status == "oom":
+        return False
+    if status != "ok":
+        return None
+    peak = (result.get("metrics") or {}).get("peak_memory_bytes")
+    return peak is not None and int(peak) <= budget_bytes
+
+
+class _Prober:
+    def __init__(self, runner, sweep_dir: Path, settings: dict[str, Any], budget_bytes: int, say):
+        self.runner = runner
+        self.dir = sweep_dir
+        self.s = settings
+        self.budget = budget_bytes
+        self.say = say
+        self.number = 0
+        self.known: dict[tuple[str, ...], dict[str, Any]] = {}
+        for path in sorted((sweep_dir / "trials").glob("*.json")):
+            try:
+                res = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            self.number = max(self.number, int(res.get("trial") or 0) + 1)
+            if res.get("status") is not None and (res.get("meta") or {}).get("max_context_probe"):
+                self.known[tuple(res.get("overrides") or [])] = res
+
+    def probe(self, overrides: list[str], tokens: int) -> dict[str, Any]:
+        from vramsweep.sweeper.runner import TrialSpec
+
+        over = [*overrides, f"context.max_tokens={tokens}"]
+        if tuple(over) in self.known:
+            return self.known[tuple(over)]
+        number = self.number
+        self.number += 1
+        spec = TrialSpec(
+            number=number,
+            trial_id=-1,
+            slot=number,
+            overrides=over,
+            result_path=str(self.dir / "trials" / f"{number:04d}.json"),
+            sweep_name=self.s["name"],
+            study_name=self.s["name"],
+            storage="",
+            objectives=[],
+            trial_fn=self.s["trial_fn"],
+            design={"role": "max_context", "tokens": tokens},
+            budget_gib=self.budget / GIB,
+            log_path=None
+            if self.s["isolation"] == "inprocess"
+            else str(self.dir / "trials" / f"{number:04d}.log"),
+            parent_pid=os.getpid(),
+            env=dict(os.environ),
+            cwd=os.getcwd(),
+        )
+        t0 = time.perf_counter()
+        rep = self.runner.run(spec, timeout_s=self.s.get("timeout_s"))
+        res = rep.result
+        res.setdefault("meta", {})["max_context_probe"] = {"tokens": tokens}
+        from vramsweep.record.result import atomic_write_json
+
+        atomic_write_json(spec.result_path, res)
+        self.known[tuple(over)] = res
+        fit = _fits(res, self.budget)
+        peak = (res.get("metrics") or {}).get("peak_memory_bytes")
+        peak_txt = f"{peak / GIB:.3f} GiB" if peak else "-"
+        verdict = {True: "fits", False: "does not fit", None: f"{res.get('status')}: {res.get('reason')}"}[
+            fit
+        ]
+        self.say(
+            f"  trial {number:04d}: {tokens:,} tokens: {verdict} (peak {peak_txt}, {time.perf_counter() - t0:.1f} s)"
+        )
+        return res
+
+
+def search_config(prober: _Prober, overrides: list[str], predicted: int, lo: int, hi: int, step: int) -> dict:
+    """Exponential steps from the prediction, then bisection on the grid ``lo + k*step``."""
+
+    def snap(t: int) -> int:
+        return max(lo, min(hi, lo + ((t - lo) // step) * step))
+
+    fits: dict[int, dict] = {}
+    fails: dict[int, dict] = {}
+    error = None
+
+    def run(t: int) -> bool | None:
+        nonlocal error
+        res = prober.probe(overrides, t)
+        f = _fits(res, prober.budget)
+        if f is None:
+            error = f"{res.get('status')} at {t} tokens: {res.get('reason')}"
+        elif f:
+            fits[t] = res
+        else:
+            fails[t] = res
+        return f
+
+    t = snap(predicted)
+    f = run(t)
+    if f is None:
+        return _summary(overrides, predicted, fits, fails, hi, step, error)
+    jump = step
+    if f:  # go up until something does not fit (or hi fits)
+        while t < hi:
+            nxt = snap(min(hi, t + jump))
+            if nxt == t:
+                break
+            r = run(nxt)
+            if r is None:
+                return _summary(overrides, predicted, fits, fails, hi, step, error)
+            if not r:
+                break
+            t, jump = nxt, jump * 2
+    else:  # go down until something fits (or lo does not)
+        while t > lo:
+            nxt = snap(max(lo, t - jump))
+            r = run(nxt)
+            if r is None:
+                return _summary(overrides, predicted, fits, fails, hi, step, error)
+            if r:
+                break
+            t, jump = nxt, jump * 2
+    # bisect between the longest fit and the shortest fail above it
+    while fits and fails:
+        good = max(fits)
+        above = [x for x in fails if x > good]
+        if not above:
+            break
+        bad = min(above)
+        if bad - good <= step:
+            break
+        mid = snap(good + ((bad - good) // step // 2) * step)
+        if mid in (good, bad):
+            break
+        if run(mid) is None:
+            break
+    return _summary(overrides, predicted, fits, fails, hi, step, error)
+
+
+def _summary(overrides, predicted, fits, fails, hi, step, error) -> dict[str, Any]:
+    best = max(fits) if fits else None
+    nxt = min((x for x in fails if best is None or x > best), default=None)
+    row: dict[str, Any] = {
+        "config": " ".join(overrides) or "(fixed overrides only)",
+        "overrides": list(overrides),
+        "predicted_tokens": predicted,
+        "max_tokens": best,
+        "next_tokens": nxt,
+        "next_status": None,
+        "probes": len(fits) + len(fails),
+        "reason": error,
+    }
+    if best is not None:
+        m = fits[best].get("metrics") or {}
+        row.update(
+            peak_gib=(m.get("peak_memory_bytes") or 0) / GIB,
+            tokens_per_s=m.get("tokens_per_s"),
+            memory_kind=m.get("memory_kind"),
+            trial=fits[best].get("trial"),
+        )
+        if nxt is None and best < hi:
+            row["reason"] = row["reason"] or "no failing length found above it"
+        if nxt is None and best >= hi:
+            row["reason"] = row["reason"] or f"fits at sweep.max_context.max={hi}: the real limit is higher"
+    if nxt is not None:
+        r = fails[nxt]
+        peak = (r.get("metrics") or {}).get("peak_memory_bytes")
+        row["next_status"] = (
+            r.get("status") if r.get("status") != "ok" else f"over budget ({peak / GIB:.3f} GiB)"
+        )
+    if best is None and error is None:
+        row["reason"] = "not even sweep.max_context.min fits"
+    row["confirmed"] = best is not None and (nxt is not None and nxt - best <= step)
+    return row
+
+
+def _table_md(rows: list[dict], budget_gib: float, device_note: str) -> str:
+    out = io.StringIO()
+    out.write(f"# Max context per config (budget {budget_gib:g} GiB{device_note})\n\n")
+    out.write(
+        "| config | predicted | max tokens (fits) | next step | peak GiB at max | tokens/s at max | probes | note |\n"
+    )
+    out.write("|---|---|---|---|---|---|---|---|\n")
+    for r in rows:
+        nxt = f"{r['next_tokens']:,} ({r['next_status']})" if r.get("next_tokens") else "-"
+        mx = f"{r['max_tokens']:,}" if r.get("max_tokens") else "-"
+        peak = f"{r['peak_gib']:.3f}" if r.get("peak_gib") is not None and r.get("max_tokens") else "-"
+        tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
+        out.write(
+            f"| {r['config']} | {r['predicted_tokens']:,} | {mx} | {nxt} | {peak} | {tps} | {r['probes']} | "
+            f"{r.get('reason') or ('confirmed' if r.get('confirmed') else '')} |\n"
+        )
+    return out.getvalue()
+
+
+def run_max_context(
+    sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str], *, runner=None
+) -> int:
+    """Run a ``max_context`` sweep; 0 done, 2 bad config (nothing written)."""
+    from vramsweep.config.compose import ConfigError, compose
+    from vramsweep.estimate import max_context as predict
+    from vramsweep.record.result import atomic_write_json, atomic_write_text
+    from vramsweep.sweeper.runner import make_runner
+    from vramsweep.sweeper.settings import DEFAULT_PRELOAD, DEFAULT_TRIAL_FN
+    from vramsweep.sweeper.space import override_key
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+    sweep = task_cfg.get("sweep") or {}
+    name = str(sweeper_cfg.get("study_name") or sweep.get("name") or "max_context")
+    bounds = dict(sweep.get("max_context") or {})
+    try:
+        lo, hi, step = (
+            int(bounds.get("min", 256)),
+            int(bounds.get("max", 131072)),
+            int(bounds.get("step", 1024)),
+        )
+    except (TypeError, ValueError):
+        print("vramsweep train: error: sweep.max_context needs integers min, max, step", file=sys.stderr)
+        return 2
+    if not (0 < lo <= hi and step > 0):
+        print(
+            f"vramsweep train: error: sweep.max_context: need 0 < min <= max and step > 0 (got min={lo}, max={hi}, "
+            f"step={step})",
+            file=sys.stderr,
+        )
+        return 2
+    fixed = [a for a in arguments if override_key(a) not in ("sweep",) and not a.startswith("hydra.")]
+    fixed = [*list(sweep.get("fixed") or []), *fixed]
+    configs = [
+        list(c) if isinstance(c, list | tuple) else str(c).split() for c in (sweep.get("configs") or [[]])
+    ]
+    # check every config before anything runs or is written
+    plans = []
+    for conf in configs:
+        over = [*fixed, *conf]
+        try:
+            cfg = compose(over)
+            est = predict(cfg)
+        except (ConfigError, ValueError) as exc:
+            print(
+                f"vramsweep train: error: max_context config {' '.join(conf) or '(base)'}: {exc}",
+                file=sys.stderr,
+            )
+            return 2
+        plans.append((over, conf, int(est["max_tokens"]), cfg))
+    budget_bytes = int(float(plans[0][3].hardware.budget_gib) * GIB)
+    results_dir = str(task_cfg.get("results_dir") or "results")
+    sweep_dir = Path(os.path.abspath(sweeper_cfg.get("sweep_dir") or Path(results_dir) / "sweeps" / name))
+    (sweep_dir / "trials").mkdir(parents=True, exist_ok=True)
+    isolation = str(sweeper_cfg.get("isolation") or "fork")
+    settings = {
+        "name": name,
+        "trial_fn": str(sweeper_cfg.get("trial_fn") or DEFAULT_TRIAL_FN),
+        "isolation": isolation,
+        "timeout_s": sweeper_cfg.get("timeout_s"),
+    }
+    runner = runner or make_runner(isolation, list(sweeper_cfg.get("preload") or DEFAULT_PRELOAD))
+    say(
+        f"vramsweep: '{name}': max-context search over {len(plans)} config(s), {lo:,}..{hi:,} tokens in steps of "
+        f"{step:,}, budget {budget_bytes / GIB:g} GiB; each probe is a real trial ({isolation})"
+    )
+    runner.start()
+    prober = _Prober(runner, sweep_dir, settings, budget_bytes, say)
+    rows = []
+    try:
+        for over, conf, predicted, _ in plans:
+            say(f"config {' '.join(conf) or '(base)'}: estimator predicts {predicted:,} tokens")
+            rows.append(search_config(prober, over, predicted, lo, hi, step))
+            rows[-1]["config"] = " ".join(conf) or "(base)"
+    finally:
+        runner.stop()
+    device = ""
+    for res in prober.known.values():
+        dev = (res.get("meta") or {}).get("device")
+        if dev:
+            device = f", measured on {dev}"
+            break
+    atomic_write_json(
+        sweep_dir / "max_context.json", {"budget_bytes": budget_bytes, "fixed": fixed, "rows": rows}
+    )
+    md = _table_md(rows, budget_bytes / GIB, device)
+    atomic_write_text(sweep_dir / "max_context.md", md)
+    buf = io.StringIO()
+    cols = [
+        "config",
+        "predicted_tokens",
+        "max_tokens",
+        "next_tokens",
+        "next_status",
+        "peak_gib",
+        "tokens_per_s",
+        "probes",
+        "confirmed",
+        "reason",
+    ]
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_text(sweep_dir / "max_context.csv", buf.getvalue())
+    say(md)
+    say(f"results: {sweep_dir}")
+    return 0
