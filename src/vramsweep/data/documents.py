@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -187,13 +186,6 @@ def write_jsonl(docs: Iterable[dict[str, Any]], path: str | os.PathLike[str]) ->
         except ValueError as e:
             raise ValueError(f"document {i}: {e}") from None
         lines.append(json.dumps(doc, ensure_ascii=False, separators=(",", ":")))
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write("".join(f"{line}\n" for line in lines))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from vramsweep.record.result import atomic_write_text
+
+    atomic_write_text(p, "".join(f"{line}\n" for line in lines))
