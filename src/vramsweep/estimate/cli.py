@@ -65,18 +65,23 @@ def format_table(est: dict[str, Any], title: str = "") -> str:
 def run_estimate(overrides: list[str], *, as_json: bool) -> int:
     """CLI body of ``vramsweep estimate``: 0 on success, 2 on a bad override (message on stderr)."""
     from vramsweep.config import ConfigError, compose
+    from vramsweep.config.errors import error_line
+    from vramsweep.config.preflight import check_fault_env, check_model_config
     from vramsweep.config.rules import validate
     from vramsweep.estimate import estimate
 
     try:
         cfg = compose(list(overrides), validate_rules=False)
         validate(cfg, machine=False)  # a GPU config is estimated on any machine
+        check_fault_env()
+        if str(cfg.model.source) == "path":
+            check_model_config(str(cfg.model.path))  # names the file and line of a corrupt config.json
         est = estimate(cfg)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line("estimate", str(exc)), file=sys.stderr)
         return 2
-    except (OSError, KeyError, ValueError) as exc:  # e.g. unreadable model.path/config.json
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except (OSError, KeyError, ValueError) as exc:  # anything else unreadable
+        print(error_line("estimate", f"{type(exc).__name__}: {exc}"), file=sys.stderr)
         return 2
     if as_json:
         print(json.dumps(est, indent=2))
@@ -111,7 +116,7 @@ def run_calibrate(sweep_dir: str) -> int:
 
     d = Path(sweep_dir)
     if not d.is_dir():
-        print(f"error: {sweep_dir} is not a folder", file=sys.stderr)
+        print(f"vramsweep estimate: error: --calibrate {sweep_dir} is not a folder", file=sys.stderr)
         return 2
     results = _load_results(d)
     results_dir = d.parent.parent if d.parent.name == "sweeps" else d
@@ -141,6 +146,6 @@ def run_calibrate(sweep_dir: str) -> int:
         )
         done += 1
     if not done:
-        print(f"error: no usable trials in {sweep_dir}", file=sys.stderr)
+        print(f"vramsweep estimate: error: --calibrate: no usable trials in {sweep_dir}", file=sys.stderr)
         return 1
     return 0

@@ -11,6 +11,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from vramsweep.config.errors import error_line
 from vramsweep.record.result import atomic_write_text
 from vramsweep.report.importance import Importances, compute_importances
 from vramsweep.report.load import ReportError, SweepData, load_sweep, safe_url
@@ -139,8 +140,11 @@ def run_report(
     try:
         sweep = load_sweep(target, study=study)
     except ReportError as exc:
-        print(f"vramsweep report: {exc}", file=sys.stderr)
+        print(error_line("report", str(exc)), file=sys.stderr)
         return 2
+    for n in sweep.notes:  # torn or unreadable inputs are said on the terminal, not only in ablation.md
+        if "unreadable" in n or "not a result object" in n or "study database not used" in n:
+            print(f"vramsweep report: warning: {n}", file=sys.stderr)
     if not sweep.trials:
         where = sweep.folder if sweep.folder is not None else safe_url(target)
         what = (
@@ -156,7 +160,7 @@ def run_report(
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        print(f"vramsweep report: cannot create output folder {out}: {exc}", file=sys.stderr)
+        print(error_line("report", f"cannot create output folder {out}: {exc}"), file=sys.stderr)
         return 2
     report = build_report(sweep)
     imps = report.importances if report.importances is not None else Importances()
@@ -168,7 +172,7 @@ def run_report(
         atomic_write_text(md_path, render_markdown(report, plots, target=target))
         atomic_write_text(csv_path, csv_text(tables))
     except OSError as exc:
-        print(f"vramsweep report: cannot write to {out}: {exc}", file=sys.stderr)
+        print(error_line("report", f"cannot write to {out}: {exc}"), file=sys.stderr)
         return 2
 
     main = report.main
@@ -193,7 +197,7 @@ def run_report(
     if wandb:
         where, warning = _log_wandb(report, plots, out)
         if warning:
-            print(f"warning: {warning}", file=sys.stderr)
+            print(f"vramsweep report: warning: {warning}", file=sys.stderr)
         else:
             print(f"W&B summary run: {where}")
     files = [md_path, csv_path] + plots

@@ -364,7 +364,9 @@ def default_name(sweep_name: str, budget_gib: float) -> str:
 
 
 def _err(msg: str) -> int:
-    print(f"vramsweep pick: {msg}", file=sys.stderr)
+    from vramsweep.config.errors import error_line
+
+    print(error_line("pick", msg), file=sys.stderr)
     return 2
 
 
@@ -479,7 +481,7 @@ def run_pick(
     except ReportError as exc:
         exp_path.unlink(missing_ok=True)
         print(
-            f"vramsweep pick: the experiment for trial {winner.number} does not compose, removed {exp_path}: {exc}",
+            f"vramsweep pick: error: the experiment for trial {winner.number} does not compose, removed {exp_path}: {exc}",
             file=sys.stderr,
         )
         return 1
@@ -514,7 +516,7 @@ def run_pick(
     )
     print(candidates_table(sweep, ranked, budget_gib).markdown())
     for w in warnings:
-        print(f"warning: {w}", file=sys.stderr)
+        print(f"vramsweep pick: warning: {w}", file=sys.stderr)
     print(f"{'overwrote' if existed else 'wrote'} {exp_path}")
     print(f"wrote {prod_path}")
     print(f"train it: {TRAIN_COMMAND.format(name=name)}")
@@ -532,7 +534,7 @@ def _nothing_fits(
         return _err(f"no trial results in {where}: nothing to pick from")
     near = closest(sweep, limit, min_tokens_per_s)
     print(
-        f"vramsweep pick: nothing fits {cond}: {len(sweep.trials)} trial(s), "
+        f"vramsweep pick: error: nothing fits {cond}: {len(sweep.trials)} trial(s), "
         f"{sum(t.ok for t in sweep.trials)} ok; nothing written.",
         file=sys.stderr,
     )

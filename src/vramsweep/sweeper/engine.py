@@ -839,13 +839,17 @@ def run_sweep(
     from optuna.exceptions import ExperimentalWarning
 
     warnings.filterwarnings("ignore", category=ExperimentalWarning)
+    from vramsweep.config.errors import error_line
+    from vramsweep.config.preflight import preflight_sweep
+
     try:
         plan = plan_sweep(sweeper_cfg, task_cfg, arguments)
+        preflight_sweep(plan, task_cfg, arguments)  # before the study, any folder or any trial
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line("train", str(exc)), file=sys.stderr)
         return 2
     try:
         return Sweep(plan, runner=runner, launcher_factory=launcher_factory).run()
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line("train", str(exc)), file=sys.stderr)
         return 2

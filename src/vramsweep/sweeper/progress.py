@@ -20,13 +20,67 @@ def _fmt(v: Any, spec: str) -> str:
     return format(v, spec) if isinstance(v, int | float) and not isinstance(v, bool) else "-"
 
 
+def over_budget(result: dict[str, Any], budget_gib: float | None = None) -> bool:
+    """Whether an ``ok`` trial's measured peak exceeds its budget (``hardware.budget_gib`` or ``budget_gib``)."""
+    c = ((result.get("meta") or {}).get("optuna") or {}).get("constraint")
+    if isinstance(c, int | float) and not isinstance(c, bool):
+        return c > 0
+    budget = budget_gib
+    try:
+        budget = float(result["config"]["hardware"]["budget_gib"]) or budget
+    except (KeyError, TypeError, ValueError):
+        pass
+    peak = (result.get("metrics") or {}).get("peak_memory_bytes")
+    return bool(budget) and isinstance(peak, int | float) and peak / float(1 << 30) > float(budget)
+
+
+def status_label(result: dict[str, Any], budget_gib: float | None = None) -> str:
+    """The status a person reads: ``over budget`` for an ``ok`` trial whose peak exceeds the budget."""
+    status = str(result.get("status"))
+    if status == "ok" and over_budget(result, budget_gib):
+        return "over budget"
+    return status
+
+
+def plural(n: int, word: str) -> str:
+    """``1 trial``, ``2 trials``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def fmt_value(v: Any) -> str:
+    """A value for a label: floats with 3 significant digits (``2.23e-04``, ``0.5``), others as given."""
+    if isinstance(v, float):
+        if v != 0 and (abs(v) < 1e-2 or abs(v) >= 1e5):
+            return f"{v:.2e}"
+        return f"{v:.4g}"
+    if isinstance(v, str):
+        try:
+            f = float(v)
+        except ValueError:
+            return v
+        if ("." in v or "e" in v.lower()) and f == f:
+            return fmt_value(f)
+    return str(v)
+
+
+def fmt_override(ov: str) -> str:
+    """``train.lr=0.00022258235696668132`` -> ``train.lr=2.23e-04`` (other overrides unchanged)."""
+    key, sep, value = ov.partition("=")
+    return f"{key}={fmt_value(value)}" if sep else ov
+
+
+def trial_label(number: int) -> str:
+    """The one trial label style: ``trial 0004`` (the result file is ``trials/0004.json``)."""
+    return f"trial {number:04d}"
+
+
 def trial_line(
     number: int, result: dict[str, Any], wall_s: float, objectives: list[Any], changed: list[str]
 ) -> str:
     """``trial 0004 ok        peak 41.2 MiB | 512 tok/s | eval_loss 2.314 | 23.1 s | quant=nf4``."""
     m = result.get("metrics") or {}
     status = str(result.get("status"))
-    parts = [f"trial {number:04d} {status:<19s}"]
+    parts = [f"{trial_label(number)} {status_label(result):<19s}"]
     peak = m.get("peak_memory_bytes")
     parts.append(f"peak {_fmt(peak / MIB if isinstance(peak, int | float) else None, '.1f')} MiB")
     parts.append(f"{_fmt(m.get('tokens_per_s'), '.0f')} tok/s")
@@ -37,7 +91,7 @@ def trial_line(
     parts.append(f"{wall_s:.1f} s")
     line = " | ".join(parts)
     if changed:
-        line += " | " + " ".join(changed)
+        line += " | " + " ".join(fmt_override(c) for c in changed)
     note = ((result.get("meta") or {}).get("optuna") or {}).get("note")
     if status != "ok" and result.get("reason"):
         line += f"\n      reason: {str(result['reason'])[:300]}"
