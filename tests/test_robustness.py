@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import optuna
 import pytest
+from optuna.trial import TrialState
 
 from vramsweep.record.result import atomic_write_json, atomic_write_text
+from vramsweep.sweeper import run_multirun
 
 # ---------------------------------------------------------------------------------------------- umask
 
@@ -28,3 +35,117 @@ def test_atomic_writes_honour_the_umask(tmp_path, umask, mode):
     assert stat.S_IMODE(q.stat().st_mode) == mode
     assert json.loads(Path(q).read_text()) == {"a": 2}
     assert not list(tmp_path.rglob(".*.tmp"))
+
+
+# ---------------------------------------------------------------------------------------------- lost points
+
+
+def _sweeper_cmd(root: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "vramsweep.sweeper",
+        f"results_dir={root}",
+        "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+        "hydra.sweeper.isolation=inprocess",
+        "adapter.r=4,8,16",
+        "hydra.sweeper.sampler=grid",
+        "hydra.sweeper.study_name=lost",
+        *extra,
+    ]
+
+
+def _kill_when_started(cmd: list[str], env: dict, marker: Path) -> None:
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        t0 = time.time()
+        while not marker.exists():
+            assert proc.poll() is None, "the sweeper ended before the hanging trial started"
+            assert time.time() - t0 < 120, f"timed out waiting for {marker}"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow  # ~20 s: three sweeper processes started and SIGKILLed
+def test_a_point_killed_three_times_is_recovered_exactly_once(tmp_path, monkeypatch, capsys):
+    """The sweeper is SIGKILLed three times while the same design point (adapter.r=8) runs. With
+    retry_stale=2 the third loss is final and the summary says how to recover; a re-run with
+    retry_stale=3 completes the point: every point ok exactly once, the loss count in its result."""
+    markers = tmp_path / "markers"
+    hang = dict(
+        os.environ, VRAMSWEEP_FAKE=json.dumps({"faults": {"adapter.r=8": "hang"}, "marker_dir": str(markers)})
+    )
+    cmd = _sweeper_cmd(tmp_path, "hydra.sweeper.retry_stale=2")
+    for number in (1, 3, 4):  # the r=8 point's trial numbers: first try, then a retry after each kill
+        _kill_when_started(cmd, hang, markers / f"start-{number}")
+    # the re-runs in-process (faster than a fresh interpreter): same entry point as `python -m vramsweep.sweeper`
+    monkeypatch.setenv("VRAMSWEEP_FAKE", "{}")
+    capsys.readouterr()
+    assert run_multirun(cmd[3:]) == 0
+    out = capsys.readouterr().out
+    assert "lost for good" in out and "hydra.sweeper.retry_stale=3" in out, out
+    assert run_multirun(_sweeper_cmd(tmp_path, "hydra.sweeper.retry_stale=3")[3:]) == 0
+    assert "lost for good" not in capsys.readouterr().out
+    study = optuna.load_study(study_name="lost", storage=f"sqlite:///{tmp_path}/sweeps/lost/study.db")
+    states = {t.number: t.state for t in study.trials}
+    assert [states[n] for n in (1, 3, 4)] == [TrialState.FAIL] * 3
+    assert states[5] == TrialState.COMPLETE and study.trials[5].params == {"adapter.r": 8}
+    assert not [t for t in study.trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    res = {int(p.stem): json.loads(p.read_text()) for p in (tmp_path / "sweeps/lost/trials").glob("*.json")}
+    ok = sorted(r["overrides"][-1] for r in res.values() if r["status"] == "ok")
+    assert ok == ["adapter.r=16", "adapter.r=4", "adapter.r=8"]  # every point once, no duplicate
+    assert res[5]["meta"]["retries"] == 3 and res[5]["meta"]["retry_of"] == 4
+    assert [res[n]["meta"]["retries"] for n in (1, 3, 4)] == [0, 1, 2]
+    assert "not retried again" in res[4]["reason"] and "retried (1/2)" in res[1]["reason"]
+
+
+def test_ctrl_c_requeue_is_bounded_like_a_dead_worker(tmp_path):
+    """Ctrl-C re-enqueues the running point within ``retry_stale`` (it used to re-enqueue forever)."""
+    import threading
+
+    from vramsweep.sweeper.engine import Sweep, plan_from_args
+
+    saved = os.environ.get("VRAMSWEEP_FAKE")
+    os.environ["VRAMSWEEP_FAKE"] = json.dumps(
+        {"faults": {"adapter.r=8": "hang"}, "marker_dir": str(tmp_path / "m")}
+    )
+    args = [
+        f"results_dir={tmp_path}",
+        "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+        "hydra.sweeper.preload=[vramsweep.sweeper.fake]",
+        "adapter.r=4,8",
+        "hydra.sweeper.sampler=grid",
+        "hydra.sweeper.study_name=cc",
+        "hydra.sweeper.retry_stale=1",
+        "hydra.sweeper.progress=false",
+    ]
+    try:
+        for attempt in range(2):
+            sweep = Sweep(plan_from_args(args))
+            marker = tmp_path / "m" / f"start-{(1, 2)[attempt]}"
+
+            def interrupt(marker=marker):
+                while not marker.exists():
+                    time.sleep(0.05)
+                import _thread
+
+                _thread.interrupt_main()
+
+            threading.Thread(target=interrupt, daemon=True).start()
+            assert sweep.run() == 1
+    finally:
+        if saved is None:
+            os.environ.pop("VRAMSWEEP_FAKE", None)
+        else:
+            os.environ["VRAMSWEEP_FAKE"] = saved
+    study = optuna.load_study(study_name="cc", storage=f"sqlite:///{tmp_path}/sweeps/cc/study.db")
+    # trial 1 interrupted -> retried as 2; 2 interrupted -> bound reached: no third WAITING copy
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.FAIL]
+    assert "interrupted" in study.trials[2].user_attrs["reason"]
+    assert "not retried again" in study.trials[2].user_attrs["reason"]

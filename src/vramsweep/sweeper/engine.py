@@ -45,6 +45,7 @@ from vramsweep.sweeper.space import (
 from vramsweep.sweeper.storage import (
     FINGERPRINT,
     HEARTBEAT,
+    LOST,
     OWNER,
     RETRIES,
     RETRY_OF,
@@ -53,6 +54,7 @@ from vramsweep.sweeper.storage import (
     load_or_create_study,
     pop_slot,
     process_identity,
+    requeue_lost,
     storage_lock,
     top_up,
     trial_counts,
@@ -78,6 +80,7 @@ class Job:
     retry_of: int | None = None
     duplicate_of: int | None = None
     source: dict[str, Any] | None = None
+    retries: int = 0  # how many earlier trials of this point were lost (dead worker, Ctrl-C)
 
 
 @dataclass
@@ -336,6 +339,7 @@ class Sweep:
                     f"{stored.get('fixed')}: new trials use this run's"
                 )
             self.reconcile()
+            self._requeue_lost()
             added = top_up(self.study, self.plan.n_total, self._slot_attrs)
         counts = trial_counts(self.study)
         done = sum(v for k, v in counts.items() if k in ("COMPLETE", "PRUNED", "FAIL"))
@@ -363,8 +367,6 @@ class Sweep:
     def _reap(self, t: Any, now: float) -> None:
         import optuna
 
-        from vramsweep.sweeper.runner import parent_side_result
-
         trial = optuna.Trial(self.admin, t._trial_id)
         data = _load_child_result(str(self.result_path(t.number)))
         for tmp in self.trials_dir.glob(f".{t.number:04d}.json.*.tmp"):
@@ -379,33 +381,14 @@ class Sweep:
             return
         slot = t.system_attrs.get(SLOT)
         retries = int(t.system_attrs.get(RETRIES, 0))
-        will_retry = slot is not None and retries < self.s.retry_stale
         owner = t.system_attrs.get(OWNER) or {}
         beat = t.system_attrs.get(HEARTBEAT)
         age = f"{now - float(beat):.0f} s ago" if beat else "never"
+        will_retry = self._retry_lost(self.admin, t, retries)
         reason = (
             f"stale: the worker running this trial died (host {owner.get('host', '?')} pid {owner.get('pid', '?')}, "
-            f"last heartbeat {age})"
-            + ("; its config is retried once" if will_retry else "; not retried again")
+            f"last heartbeat {age}); {self._retry_note(retries, will_retry)}"
         )
-        if will_retry:
-            from optuna.trial import TrialState, create_trial
-
-            self.admin.add_trial(
-                create_trial(
-                    state=TrialState.WAITING,
-                    system_attrs={
-                        "fixed_params": dict(t.params),
-                        SLOT: slot,
-                        RETRY_OF: t.number,
-                        RETRIES: retries + 1,
-                    },
-                    user_attrs={
-                        "retry_of": t.number,
-                        **({"design": t.user_attrs["design"]} if "design" in t.user_attrs else {}),
-                    },
-                )
-            )
         spec = self._spec_for(
             t.number,
             t._trial_id,
@@ -415,12 +398,88 @@ class Sweep:
             t.system_attrs.get(RETRY_OF),
             worker=0,
         )
-        res = parent_side_result(spec, reason, 0.0)
+        res = self._lost_result(spec, reason, retries, t._trial_id)
         self._tell(self.admin, trial, res, Outcome.from_dict(res["meta"]["optuna"]))
         self._say(
             f"vramsweep: trial {t.number:04d} was left RUNNING by a dead worker: failed"
-            + (" and re-enqueued" if will_retry else "")
+            + (
+                f" and re-enqueued (retry {retries + 1}/{self.s.retry_stale})"
+                if will_retry
+                else "; not retried again"
+            )
         )
+
+    # ------------------------------------------------------------------ lost points (dead worker, Ctrl-C)
+    def _retry_lost(self, study: Any, t: Any, retries: int) -> bool:
+        """Re-enqueue a lost trial's point into its slot when it has retries left; whether it did."""
+        from optuna.trial import TrialState, create_trial
+
+        slot = t.system_attrs.get(SLOT)
+        if slot is None or retries >= self.s.retry_stale:
+            return False
+        study.add_trial(
+            create_trial(
+                state=TrialState.WAITING,
+                system_attrs={
+                    "fixed_params": dict(t.params),
+                    SLOT: slot,
+                    RETRY_OF: t.number,
+                    RETRIES: retries + 1,
+                },
+                user_attrs={
+                    "retry_of": t.number,
+                    "retries": retries + 1,
+                    **({"design": t.user_attrs["design"]} if "design" in t.user_attrs else {}),
+                },
+            )
+        )
+        return True
+
+    def _retry_note(self, retries: int, will_retry: bool) -> str:
+        n = self.s.retry_stale
+        if will_retry:
+            return f"its config is retried ({retries + 1}/{n})"
+        return (
+            f"not retried again: lost {retries + 1} time(s), hydra.sweeper.retry_stale={n}; "
+            "re-run with a higher hydra.sweeper.retry_stale to retry it"
+        )
+
+    def _lost_result(self, spec: TrialSpec, reason: str, retries: int, trial_id: int) -> dict[str, Any]:
+        """The result JSON of a lost trial (``meta.retries`` = earlier losses of its point); marks it lost."""
+        from vramsweep.record.result import atomic_write_json
+        from vramsweep.sweeper.runner import parent_side_result
+
+        res = parent_side_result(spec, reason, 0.0)
+        res["meta"]["retries"] = retries
+        res["meta"]["lost"] = True
+        atomic_write_json(spec.result_path, res)
+        self.storage.set_trial_system_attr(trial_id, LOST, True)
+        return res
+
+    def _requeue_lost(self) -> int:
+        """Slots whose last trial was lost (and not retried: the bound was reached) get a retry when
+        ``retry_stale`` now allows one. Call under the lock."""
+        n = 0
+        for t in requeue_lost(self.admin):
+            retries = int(t.system_attrs.get(RETRIES, 0))
+            if self._retry_lost(self.admin, t, retries):
+                n += 1
+                self._say(
+                    f"vramsweep: trial {t.number:04d}'s point was lost {retries + 1} time(s): "
+                    f"retried again (hydra.sweeper.retry_stale={self.s.retry_stale})"
+                )
+        return n
+
+    def _note_retries(self, job: Job, report: RunReport) -> None:
+        """Record in a retried point's result JSON how many earlier trials of it were lost."""
+        if not job.retries or job.duplicate_of is not None:
+            return
+        from vramsweep.record.result import atomic_write_json
+
+        report.result.setdefault("meta", {})["retries"] = job.retries
+        path = self.result_path(job.number)
+        if path.exists():
+            atomic_write_json(path, report.result)
 
     # ------------------------------------------------------------------ trials
     def _spec_for(
@@ -500,6 +559,7 @@ class Sweep:
             frozen = self.storage.get_trial(trial_id)
             slot = int(frozen.system_attrs[SLOT])
             retry_of = frozen.system_attrs.get(RETRY_OF)
+            retries = int(frozen.system_attrs.get(RETRIES, 0))
             if self.plan.design is not None:
                 point = self.plan.design[slot]
                 for k in point.params:
@@ -515,7 +575,7 @@ class Sweep:
             overrides = merge_overrides(self.plan.fixed, point_overrides)
             trial.set_user_attr("overrides", overrides)
             trial.set_user_attr("design", design)
-            job = Job(trial, trial.number, slot, overrides, label, design, retry_of)
+            job = Job(trial, trial.number, slot, overrides, label, design, retry_of, retries=retries)
             if self.plan.design is None and self.s.dedup and retry_of is None:
                 dup = self._find_duplicate(trial.params, trial.number)
                 if dup is not None:
@@ -567,6 +627,7 @@ class Sweep:
             print(text, file=sys.stderr)
 
     def _record(self, job: Job, report: RunReport) -> None:
+        self._note_retries(job, report)
         status = str(report.result.get("status"))
         with self._tell_lock:
             self._tell(self.study, job.trial, report.result, report.outcome)
@@ -595,28 +656,16 @@ class Sweep:
                 self.abort.set()
 
     def _requeue_interrupted(self, job: Job) -> None:
-        """Ctrl-C: fail the trial and put its config back in its slot, so a re-run does it."""
-        from optuna.trial import TrialState, create_trial
-
-        from vramsweep.sweeper.runner import parent_side_result
-
+        """Ctrl-C: a stop, not a failure of the config. The trial is closed (reason ``interrupted``) and
+        its point put back in its slot, within the same bound as a dead worker (``retry_stale``)."""
         with self._tell_lock, storage_lock(self.s.storage, self.s.study_name):
-            self.study.add_trial(
-                create_trial(
-                    state=TrialState.WAITING,
-                    system_attrs={
-                        "fixed_params": dict(job.trial.params),
-                        SLOT: job.slot,
-                        RETRY_OF: job.number,
-                        RETRIES: 0,
-                    },
-                    user_attrs={"retry_of": job.number, "design": job.design},
-                )
-            )
+            frozen = self.storage.get_trial(job.trial._trial_id)
+            will_retry = self._retry_lost(self.study, frozen, job.retries)
             spec = self._spec_for(
                 job.number, job.trial._trial_id, job.slot, job.overrides, job.design, job.retry_of, 0
             )
-            res = parent_side_result(spec, "interrupted (Ctrl-C): re-enqueued", 0.0)
+            reason = "interrupted (Ctrl-C); " + self._retry_note(job.retries, will_retry)
+            res = self._lost_result(spec, reason, job.retries, job.trial._trial_id)
             self._tell(self.study, job.trial, res, Outcome.from_dict(res["meta"]["optuna"]))
             self._running.discard(job.trial._trial_id)
 
@@ -817,6 +866,13 @@ class Sweep:
                 lines.append(
                     f"vramsweep: Pareto front (feasible): trials {', '.join(f'{t.number:04d}' for t in best)}"
                 )
+        lost = [t.number for t in requeue_lost(self.study)]
+        if lost:
+            lines.append(
+                f"vramsweep: {len(lost)} design point(s) lost for good (their worker died or was stopped "
+                f"{self.s.retry_stale + 1} times: trial(s) {', '.join(f'{n:04d}' for n in lost)}): re-run with "
+                f"hydra.sweeper.retry_stale={self.s.retry_stale + 1} to retry them"
+            )
         if self.abort_reason:
             lines.append(f"vramsweep: ABORTED: {self.abort_reason}")
         lines.append(
