@@ -30,7 +30,7 @@ from typing import Any
 from vramsweep.config.compose import ConfigError
 from vramsweep.sweeper.design import DesignPoint, build_design, design_choices
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY, Outcome, user_attrs
-from vramsweep.sweeper.progress import Progress, trial_line
+from vramsweep.sweeper.progress import Progress, fmt_override, plural, trial_line
 from vramsweep.sweeper.runner import RunReport, TrialSpec, _load_child_result, make_runner
 from vramsweep.sweeper.settings import Settings, resolve_settings
 from vramsweep.sweeper.space import (
@@ -159,6 +159,7 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
     make_pruner(settings.pruner, active=True)
     if (
         settings.pruning_active
+        and _pruner_chosen(settings)
         and int(base.train.eval_every) == 0
         and not any(override_key(o) == "train.eval_every" for d in (design or []) for o in d.overrides)
     ):
@@ -170,6 +171,14 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
         print("vramsweep: isolation=inprocess runs one trial at a time: n_jobs set to 1", file=sys.stderr)
         settings.n_jobs = 1
     return Plan(settings, fixed, dims, design, int(n_total), base_seed)
+
+
+def _pruner_chosen(settings: Settings) -> bool:
+    """Whether the user chose the pruner (a warning about it is actionable); the default one on a
+    default search without intermediate evals simply never prunes, which is fine."""
+    from vramsweep.sweeper.settings import SweeperConf
+
+    return settings.pruner != SweeperConf.pruner
 
 
 def _wall(result: dict[str, Any], fallback: float) -> float:
@@ -641,8 +650,13 @@ class Sweep:
             if job.duplicate_of is not None:
                 shown.append(f"(same point as {job.duplicate_of:04d}: not re-run)")
             if self.progress is not None:
+                done, running, best = self._study_progress()
                 self.progress.finished(
-                    trial_line(job.number, report.result, report.wall_s, self.s.objectives, shown)
+                    trial_line(job.number, report.result, report.wall_s, self.s.objectives, shown),
+                    wall_s=report.wall_s if job.duplicate_of is None else None,
+                    done=done,
+                    running=running,
+                    best=best,
                 )
             if (
                 self.finished >= self.s.min_trials_for_failure_rate
@@ -654,6 +668,28 @@ class Sweep:
                     f"> hydra.sweeper.max_failure_rate={self.s.max_failure_rate}"
                 )
                 self.abort.set()
+
+    def _study_progress(self) -> tuple[int | None, int | None, str | None]:
+        """``(done, running, best so far)`` counted from the study: right with several workers."""
+        try:
+            counts = trial_counts(self.study)
+        except Exception:
+            return None, None, None
+        done = sum(v for k, v in counts.items() if k in ("COMPLETE", "PRUNED", "FAIL"))
+        best = None
+        with contextlib.suppress(Exception):
+            front = self.study.best_trials
+            if front and len(self.s.objectives) == 1:
+                b = front[0]
+                best = f"{self.s.objectives[0].metric} {b.values[0]:.4g} (trial {b.number:04d})"
+            elif front:
+                best = f"Pareto front of {len(front)} trial{'s' if len(front) != 1 else ''}"
+        return min(done, self.plan.n_total), counts.get("RUNNING", 0), best
+
+    def _show_running(self) -> None:
+        if self.progress is not None and self.progress.live:
+            done, running, best = self._study_progress()
+            self.progress.update(done=done, running=running, best=best)
 
     def _requeue_interrupted(self, job: Job) -> None:
         """Ctrl-C: a stop, not a failure of the config. The trial is closed (reason ``interrupted``) and
@@ -685,6 +721,7 @@ class Sweep:
             spec = self._spec_for(
                 job.number, job.trial._trial_id, job.slot, job.overrides, job.design, job.retry_of, idx
             )
+            self._show_running()
             report = self.runner.run(spec, tick_s=1.0, timeout_s=self.s.timeout_s)
             if self.interrupted:
                 self._requeue_interrupted(job)
@@ -757,10 +794,32 @@ class Sweep:
                     self.storage.set_trial_system_attr(tid, HEARTBEAT, time.time())
 
     # ------------------------------------------------------------------ main
+    @classmethod
+    def finished(cls, plan: Plan, study: Any, **kw: Any) -> int:
+        """A complete study: say so and print its summary (nothing is written, no trial process)."""
+        sweep = cls(plan, **kw)
+        sweep.study = study
+        print(
+            f"vramsweep: study '{plan.settings.study_name}' is complete ({plan.n_total}/{plan.n_total} "
+            "finished): nothing to run",
+            flush=True,
+        )
+        sweep.summary(0.0)
+        return 0
+
+    def _nothing_waiting(self) -> bool:
+        from vramsweep.sweeper.storage import remaining_slots
+
+        return remaining_slots(self.study, self.plan.n_total)[0] == 0
+
     def run(self) -> int:
         """Run to completion; returns the exit code (0 done, 1 aborted or interrupted)."""
         self.prepare()
         assert self.progress is not None
+        if self._nothing_waiting() and self.s.isolation != "launcher":
+            self._stop.set()  # no trial to start: no fork server (no torch import), just the summary
+            self.summary(0.0)
+            return 0
         t0 = time.perf_counter()
         beat = threading.Thread(target=self._heartbeat, name="vramsweep-heartbeat", daemon=True)
         beat.start()
@@ -775,6 +834,7 @@ class Sweep:
                 return 1 if self.abort.is_set() else 0
             self.runner.start()
             started = True
+            self.progress.start()
             # Completion is signalled with events, not Thread.join(): a KeyboardInterrupt that lands in
             # join() can leave CPython's thread state saying "finished" while the worker still runs.
             done = [threading.Event() for _ in range(n_threads)]
@@ -805,6 +865,7 @@ class Sweep:
                     time.sleep(0.2)
         finally:
             self._stop.set()
+            self.progress.stop()
             if started:
                 self.runner.stop()
         self.summary(time.perf_counter() - t0)
@@ -846,9 +907,16 @@ class Sweep:
             if t.number in retried or t.state in (TrialState.WAITING, TrialState.RUNNING):
                 continue
             st = str(t.user_attrs.get("status", t.state.name.lower()))
+            if st == "ok" and any(
+                isinstance(v, int | float) and v > 0
+                for k, v in t.system_attrs.items()
+                if k.startswith("constraints") and not isinstance(v, list)
+            ):
+                st = "over budget"
             by_status[st] = by_status.get(st, 0) + 1
         lines = [
-            f"vramsweep: sweep '{self.s.name}' - this run: {self.finished} trials in {wall_s:.0f} s; study total: "
+            f"vramsweep: sweep '{self.s.name}' - this run: {plural(self.finished, 'trial')} in {wall_s:.0f} s; "
+            "study total: "
             + (", ".join(f"{v} {k}" for k, v in sorted(by_status.items())) or "no finished trials")
         ]
         try:
@@ -860,7 +928,9 @@ class Sweep:
                 b = best[0]
                 lines.append(
                     f"vramsweep: best feasible: trial {b.number:04d} {self.s.objectives[0].metric}={b.values[0]:.6g} "
-                    + " ".join(o for o in b.user_attrs.get("overrides") or [] if o not in self.plan.fixed)
+                    + " ".join(
+                        fmt_override(o) for o in b.user_attrs.get("overrides") or [] if o not in self.plan.fixed
+                    )
                 )
             else:
                 lines.append(
@@ -897,7 +967,11 @@ def run_sweep(
     warnings.filterwarnings("ignore", category=ExperimentalWarning)
     from vramsweep.config.errors import error_line
     from vramsweep.config.preflight import preflight_sweep
+    from vramsweep.sweeper.fastpath import finished_study
 
+    done = finished_study(sweeper_cfg, task_cfg, arguments)
+    if done is not None:  # nothing to run: the summary, without composing every point or importing torch
+        return Sweep.finished(*done, runner=runner, launcher_factory=launcher_factory)
     try:
         plan = plan_sweep(sweeper_cfg, task_cfg, arguments)
         preflight_sweep(plan, task_cfg, arguments)  # before the study, any folder or any trial

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from typing import Any, TextIO
 
 MIB = float(1 << 20)
@@ -100,29 +101,149 @@ def trial_line(
     return line
 
 
-class Progress:
-    """Thread-safe progress printer (plain lines: works in logs, CI and terminals alike)."""
+def fmt_duration(seconds: float | None) -> str:
+    """``42 s``, ``3m10s``, ``2h05m``; ``?`` when unknown."""
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "?"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
-    def __init__(self, total: int, done: int = 0, enabled: bool = True, stream: TextIO | None = None):
+
+class Progress:
+    """Thread-safe progress printer.
+
+    Counts (done/running/total) come from the study when the engine passes them (:meth:`update`), so
+    they are right when several workers share one study; otherwise they are counted locally. One line
+    per finished trial, prefixed by a bar and ``done/total``; on a terminal also a live status line
+    (``done, running, ETA, best so far``) redrawn in place every second. When the stream is not a TTY
+    (CI logs, pipes) there is no live line and the per-trial lines stay one line each.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        done: int = 0,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        live: bool | None = None,
+    ):
         self.total = total
         self.done = done
+        self.running = 0
+        self.best: str | None = None
         self.enabled = enabled
         self.stream = stream or sys.stdout
+        if live is None:
+            isatty = getattr(self.stream, "isatty", None)
+            live = bool(isatty and isatty())
+        self.live = bool(live and enabled)
+        self._walls: list[float] = []
+        self._t0 = time.monotonic()
         self._lock = threading.Lock()
+        self._shown = False
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ state
+    def update(self, *, done: int | None = None, running: int | None = None, best: str | None = None) -> None:
+        """New counts (from the study) and/or best-so-far text; redraws the live line."""
+        with self._lock:
+            if done is not None:
+                self.done = done
+            if running is not None:
+                self.running = running
+            if best is not None:
+                self.best = best
+            self._draw()
+
+    def eta_s(self) -> float | None:
+        """Remaining trials x mean trial time (this run) / trials running in parallel (all workers)."""
+        if not self._walls:
+            return None
+        left = max(0, self.total - self.done)
+        return left * (sum(self._walls) / len(self._walls)) / max(1, self.running)
+
+    def status(self) -> str:
+        """``12/20 done, 2 running | ETA 3m10s | best eval_loss 2.314 (trial 0007)``."""
+        parts = [f"{self.done}/{self.total} done, {self.running} running"]
+        if self.done < self.total:
+            parts.append(f"ETA {fmt_duration(self.eta_s())}")
+        if self.best:
+            parts.append(f"best {self.best}")
+        return " | ".join(parts)
+
+    # ------------------------------------------------------------------ output
+    def _clear(self) -> None:
+        if self.live and self._shown:
+            self.stream.write("\r\x1b[2K")
+            self._shown = False
+
+    def _draw(self) -> None:
+        if not self.live:
+            return
+        self._clear()
+        self.stream.write(f"{bar(self.done, self.total)} {self.status()}")
+        self.stream.flush()
+        self._shown = True
+
+    def start(self) -> None:
+        """Redraw the live line every second (ETA and elapsed move while trials run)."""
+        if not self.live or self._ticker is not None:
+            return
+
+        def tick() -> None:
+            while not self._stop.wait(1.0):
+                with self._lock:
+                    self._draw()
+
+        self._ticker = threading.Thread(target=tick, name="vramsweep-progress", daemon=True)
+        self._ticker.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._clear()
+            if self.live:
+                self.stream.flush()
 
     def say(self, text: str) -> None:
         if not self.enabled:
             return
         with self._lock:
+            self._clear()
             print(text, file=self.stream, flush=True)
+            self._draw()
 
-    def finished(self, line: str, counted: bool = True) -> None:
+    def finished(
+        self,
+        line: str,
+        counted: bool = True,
+        *,
+        wall_s: float | None = None,
+        done: int | None = None,
+        running: int | None = None,
+        best: str | None = None,
+    ) -> None:
         with self._lock:
-            if counted:
+            if wall_s is not None and wall_s > 0:
+                self._walls.append(float(wall_s))
+            if done is not None:
+                self.done = done
+            elif counted:
                 self.done += 1
+            if running is not None:
+                self.running = running
+            if best is not None:
+                self.best = best
             if self.enabled:
+                self._clear()
                 print(
                     f"{bar(self.done, self.total)} {self.done:>{len(str(self.total))}}/{self.total} {line}",
                     file=self.stream,
                     flush=True,
                 )
+                self._draw()
