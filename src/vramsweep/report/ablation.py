@@ -186,11 +186,13 @@ def run_report(
     for r in best.rows:
         if r["trial"] is not None:
             print(
-                f"best {r['objective']} ({r['direction']}): trial {r['trial']} = "
+                f"best {r['objective']} ({r['direction']}): trial {r['trial']:04d} = "
                 f"{best.columns[3].cell(r)}  [{r['knobs']}]"
             )
     objs = ", ".join(f"{m} {'min' if d == 'minimize' else 'max'}" for m, d in sweep.objectives)
-    print(f"Pareto front (feasible; {objs}): " + (", ".join(f"#{t.number}" for t in front) or "empty"))
+    print(
+        f"Pareto front (feasible; {objs}): " + (", ".join(f"trial {t.number:04d}" for t in front) or "empty")
+    )
     n_fail = len(report.tables["failures"].rows)
     if n_fail:
         print(f"{n_fail} failed or infeasible trial(s): see 'Failures' in {md_path}")
