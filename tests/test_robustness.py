@@ -267,3 +267,112 @@ def test_finished_study_rerun_is_fast_and_never_imports_torch(tmp_path):
     print(f"finished-study sweeper: {secs} s")
     # measured 0.13 s on 2 loaded cores (imports excluded); it composed every point before (~5 s)
     assert secs < 1.0, f"the sweeper took {secs} s on a finished study"
+
+
+# ---------------------------------------------------------------------------------------------- polish
+
+
+def _result(status="ok", peak=None, budget=0.0, reason=None):
+    from vramsweep.record.result import new_result
+
+    r = new_result(status=status, reason=reason, config={"hardware": {"budget_gib": budget}})
+    r["metrics"]["peak_memory_bytes"] = peak
+    if peak:
+        r["metrics"]["memory_kind"] = "cpu_tracked"
+    return r
+
+
+def test_failed_trial_summary_has_no_none_and_over_budget_is_said(capsys):
+    from vramsweep.cli import print_result
+
+    print_result(_result("error", reason="injected"), "r.json")
+    out = capsys.readouterr().out
+    assert "None" not in out and "n/a MiB" not in out
+    assert "peak memory: not measured" in out and "status: error (injected)" in out
+    print_result(_result("ok", peak=3 * 2**30, budget=2.0), "r.json")
+    assert "status: over budget" in capsys.readouterr().out
+    print_result(_result("ok", peak=1 * 2**30, budget=2.0), "r.json")
+    assert "status: ok" in capsys.readouterr().out
+
+
+def test_trial_line_formats_values_and_says_over_budget():
+    from vramsweep.sweeper.progress import plural, trial_line
+
+    r = _result("ok", peak=3 * 2**30, budget=2.0)
+    line = trial_line(7, r, 1.0, [], ["train.lr=0.00022258235696668132", "adapter.r=16", "quant=nf4"])
+    assert "trial 0007 over budget" in line
+    assert "train.lr=2.23e-04 adapter.r=16 quant=nf4" in line
+    assert plural(1, "trial") == "1 trial" and plural(2, "trial") == "2 trials"
+
+
+def test_sweep_summary_says_1_trial_and_no_pruning_warning_by_default(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("VRAMSWEEP_FAKE", "{}")
+    args = [
+        f"results_dir={tmp_path}",
+        "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+        "hydra.sweeper.isolation=inprocess",
+        "hydra.sweeper.study_name=one",
+        "train.lr=interval(1e-5,1e-3)",
+        "hydra.sweeper.n_trials=1",
+    ]
+    assert run_multirun(args) == 0
+    out, err = capsys.readouterr()
+    assert "this run: 1 trial in" in out, out
+    assert "pruning is on" not in err  # a default search: the default pruner simply never prunes
+    assert "train.lr=" in out and "e-0" in out  # the sampled lr printed as 2.23e-04, not 0.000222...
+    from vramsweep.sweeper.engine import plan_from_args
+
+    plan_from_args([*args[:-1], "hydra.sweeper.pruner=sha", "hydra.sweeper.study_name=two"])
+    assert "pruning is on but train.eval_every=0" in capsys.readouterr().err  # chosen: actionable
+
+
+def test_bitsandbytes_kernels_noise_is_dropped_at_a_terminal_only(monkeypatch):
+    import io
+    import logging
+
+    import vramsweep  # noqa: F401  (installs the filter)
+
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    h = Keep()
+    log.addHandler(h)
+    try:
+        msg = "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already `pip install kernels`"
+        tty = io.StringIO()
+        tty.isatty = lambda: True  # type: ignore[method-assign]
+        monkeypatch.setattr(sys, "stderr", tty)
+        log.warning(msg, "x")
+        log.warning("another warning")
+        assert seen == ["another warning"]
+        monkeypatch.setattr(sys, "stderr", io.StringIO())  # a log file: keep it
+        log.warning(msg, "x")
+        assert len(seen) == 2 and "gemm_4bit_forward" in seen[1]
+    finally:
+        log.removeHandler(h)
+
+
+def test_report_says_torn_results_on_the_terminal(tmp_path, capsys, monkeypatch):
+    from vramsweep.cli import main
+
+    monkeypatch.setenv("VRAMSWEEP_FAKE", "{}")
+    args = [
+        f"results_dir={tmp_path}",
+        "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+        "hydra.sweeper.isolation=inprocess",
+        "hydra.sweeper.study_name=torn",
+        "adapter.r=4,8",
+        "hydra.sweeper.sampler=grid",
+    ]
+    assert run_multirun(args) == 0
+    folder = tmp_path / "sweeps" / "torn"
+    p = folder / "trials" / "0001.json"
+    p.write_text(p.read_text()[:40])  # torn
+    capsys.readouterr()
+    assert main(["report", str(folder)]) == 0
+    err = capsys.readouterr().err
+    assert "vramsweep report: warning: skipped 0001.json: unreadable" in err, err
