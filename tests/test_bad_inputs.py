@@ -235,6 +235,7 @@ CASES: list[tuple[str, str, list[str], dict[str, str], str]] = [
         {"VRAMSWEEP_FAULT": "bogus"},
         "VRAMSWEEP_FAULT='bogus'",
     ),
+    ("m-unknown-sweep", "train", ["-m", "sweep=nope", *FAKE], {}, "unknown sweep 'nope'"),
     ("m-disk-full", "train", ["-m", "adapter.r=8,16", *FAKE], {"_DISK_FULL": "1"}, "MiB free"),
     (
         "m-unknown-option",

@@ -38,7 +38,8 @@ def summary_line(sweep: SweepData) -> str:
     budget = sweep.budget_gib
     feasible = sum(sweep.feasible(t) for t in sweep.trials)
     btxt = f"budget {budget:g} GiB" if budget is not None else "no memory budget"
-    return f"{sweep.name}: {len(sweep.trials)} trials ({parts}); {btxt}; {feasible} feasible"
+    n = len(sweep.trials)
+    return f"{sweep.name}: {n} trial{'' if n == 1 else 's'} ({parts}); {btxt}; {feasible} feasible"
 
 
 def importance_table(imps: Importances) -> Table | None:

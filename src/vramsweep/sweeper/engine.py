@@ -892,7 +892,7 @@ class Sweep:
         objs = ", ".join(f"{o.direction} {o.metric}" for o in s.objectives)
         budget = f"; budget {s.budget_gib:g} GiB" if s.budget_gib else ""
         return (
-            f"vramsweep: '{s.name}': {what}, {self.plan.n_total} trials, {objs}{budget}; {pruning}; "
+            f"vramsweep: '{s.name}': {what}, {plural(self.plan.n_total, 'trial')}, {objs}{budget}; {pruning}; "
             f"{s.n_jobs} worker(s), each trial in a {how}"
         )
 
@@ -929,7 +929,9 @@ class Sweep:
                 lines.append(
                     f"vramsweep: best feasible: trial {b.number:04d} {self.s.objectives[0].metric}={b.values[0]:.6g} "
                     + " ".join(
-                        fmt_override(o) for o in b.user_attrs.get("overrides") or [] if o not in self.plan.fixed
+                        fmt_override(o)
+                        for o in b.user_attrs.get("overrides") or []
+                        if o not in self.plan.fixed
                     )
                 )
             else:
@@ -966,13 +968,15 @@ def run_sweep(
 
     warnings.filterwarnings("ignore", category=ExperimentalWarning)
     from vramsweep.config.errors import error_line
-    from vramsweep.config.preflight import preflight_sweep
+    from vramsweep.config.preflight import check_fault_env, check_named_options, preflight_sweep
     from vramsweep.sweeper.fastpath import finished_study
 
     done = finished_study(sweeper_cfg, task_cfg, arguments)
     if done is not None:  # nothing to run: the summary, without composing every point or importing torch
         return Sweep.finished(*done, runner=runner, launcher_factory=launcher_factory)
     try:
+        check_fault_env()
+        check_named_options(arguments)  # sweep=<typo>: Hydra ignores an unknown option of an optional group
         plan = plan_sweep(sweeper_cfg, task_cfg, arguments)
         preflight_sweep(plan, task_cfg, arguments)  # before the study, any folder or any trial
     except ConfigError as exc:
