@@ -76,6 +76,10 @@ def _inputs(root: Path) -> dict[str, Path]:
     (g / "study.db").write_bytes(b"this is not a database\x00" * 64)
     (g / "trials" / "0000.json").write_text(json.dumps({"trial": 0, "status": "ok", "metrics": {}}))
     out["garbage_sweep"] = g
+    bad_db = d / "garbage_results" / "sweeps" / "bad"
+    bad_db.mkdir(parents=True)
+    (bad_db / "study.db").write_bytes(b"not a database\x00" * 64)
+    out["garbage_results"] = d / "garbage_results"
     (d / "empty_sweep").mkdir()
     out["empty_sweep"] = d / "empty_sweep"
     return out
@@ -236,6 +240,13 @@ CASES: list[tuple[str, str, list[str], dict[str, str], str]] = [
         "VRAMSWEEP_FAULT='bogus'",
     ),
     ("m-unknown-sweep", "train", ["-m", "sweep=nope", *FAKE], {}, "unknown sweep 'nope'"),
+    (
+        "m-garbage-db",
+        "train",
+        ["-m", "results_dir={garbage_results}", "adapter.r=8,16", *FAKE],
+        {},
+        "is not a SQLite database",
+    ),
     ("m-disk-full", "train", ["-m", "adapter.r=8,16", *FAKE], {"_DISK_FULL": "1"}, "MiB free"),
     (
         "m-unknown-option",

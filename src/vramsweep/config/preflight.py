@@ -237,6 +237,31 @@ def _input_values(plan: Any) -> list[tuple[str, str]]:
     return out
 
 
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def check_study_file(storage_url: str) -> None:
+    """An existing SQLite study file must be a database (a torn copy or another file is named)."""
+    from vramsweep.sweeper.storage import sqlite_path
+
+    path = sqlite_path(storage_url)
+    if path is None or not path.is_file() or path.stat().st_size == 0:
+        return
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(len(SQLITE_MAGIC))
+    except OSError as exc:
+        raise ConfigError(
+            f"hydra.sweeper.storage: cannot read {path}: {exc.strerror or exc}", key="hydra.sweeper.storage"
+        ) from None
+    if head != SQLITE_MAGIC:
+        raise ConfigError(
+            f"hydra.sweeper.storage: {path} is not a SQLite database: move it aside (the result JSONs next to "
+            "it are kept) or use another hydra.sweeper.study_name/sweep_dir",
+            key="hydra.sweeper.storage",
+        )
+
+
 def preflight_sweep(plan: Any, task_cfg: dict[str, Any], arguments: Iterable[str] = ()) -> None:
     """The pre-flight of ``vramsweep train -m`` and of every worker, before the study or any folder is
     made: sweep/experiment names, the sweep folder writable with disk to spare, every input file the
@@ -251,6 +276,7 @@ def preflight_sweep(plan: Any, task_cfg: dict[str, Any], arguments: Iterable[str
     label = f"{key}: the sweep folder {sweep_dir}"
     check_writable(sweep_dir, key=key, label=label)
     check_disk(sweep_dir, int(plan.n_total), key=key, label=label)
+    check_study_file(plan.settings.storage)
     cfg = OmegaConf.create(task_cfg)
     seen: set[tuple[str, str]] = set()
     if str(OmegaConf.select(cfg, "data.source")) == "jsonl":
