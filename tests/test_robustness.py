@@ -376,3 +376,48 @@ def test_report_says_torn_results_on_the_terminal(tmp_path, capsys, monkeypatch)
     assert main(["report", str(folder)]) == 0
     err = capsys.readouterr().err
     assert "vramsweep report: warning: skipped 0001.json: unreadable" in err, err
+
+
+def test_lost_point_is_reported_and_retried_after_raising_the_bound(tmp_path, capsys, monkeypatch):
+    """Fast version of the kill test: a point whose worker died (planted stale trial of another host) with
+    retry_stale=0 ends as error for good and the summary names the fix; re-running with retry_stale=1
+    completes it, its result recording one earlier loss."""
+    from vramsweep.sweeper.storage import HEARTBEAT, OWNER, SLOT
+
+    def plant(slot: int, r: int) -> int:  # a worker on another machine died while running this point
+        from optuna.trial import create_trial
+
+        study = optuna.load_study(study_name="h3", storage=f"sqlite:///{tmp_path}/sweeps/h3/study.db")
+        study.add_trial(
+            create_trial(
+                state=TrialState.WAITING, system_attrs={"fixed_params": {"adapter.r": r}, SLOT: slot}
+            )
+        )
+        tid = study.trials[-1]._trial_id
+        assert study._storage.set_trial_state_values(tid, TrialState.RUNNING)
+        optuna.Trial(study, tid).suggest_categorical("adapter.r", [4, 8])
+        study._storage.set_trial_system_attr(tid, OWNER, {"host": "another-host", "pid": 1, "ctime": 0.0})
+        study._storage.set_trial_system_attr(tid, HEARTBEAT, time.time() - 3600)
+        return study.trials[-1].number
+
+    monkeypatch.setenv("VRAMSWEEP_FAKE", "{}")
+    args = [
+        f"results_dir={tmp_path}",
+        "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+        "hydra.sweeper.isolation=inprocess",
+        "adapter.r=4,8",
+        "hydra.sweeper.sampler=grid",
+        "hydra.sweeper.study_name=h3",
+    ]
+    assert run_multirun([*args, "hydra.sweeper.n_trials=1"]) == 0
+    stale = plant(1, 8)
+    capsys.readouterr()
+    assert run_multirun([*args, "hydra.sweeper.retry_stale=0"]) == 0
+    out = capsys.readouterr().out
+    assert "lost for good" in out and "hydra.sweeper.retry_stale=1" in out, out
+    assert run_multirun([*args, "hydra.sweeper.retry_stale=1"]) == 0
+    study = optuna.load_study(study_name="h3", storage=f"sqlite:///{tmp_path}/sweeps/h3/study.db")
+    retry = [t for t in study.trials if t.user_attrs.get("retry_of") == stale]
+    assert len(retry) == 1 and retry[0].state == TrialState.COMPLETE and retry[0].params == {"adapter.r": 8}
+    res = json.loads((tmp_path / "sweeps/h3/trials" / f"{retry[0].number:04d}.json").read_text())
+    assert res["status"] == "ok" and res["meta"]["retries"] == 1
