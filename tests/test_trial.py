@@ -130,3 +130,37 @@ def test_vocab_sliced_trains_end_to_end(tmp_path):
     saved = full["metrics"]["state_bytes"]["params"] - res["metrics"]["state_bytes"]["params"]
     assert saved == (v["original"] - v["kept"]) * 256 * 2
     assert res["metrics"]["eval_loss"] is not None and res["metrics"]["tokens_per_s"] > 0
+
+
+def test_peak_includes_optimizer_state_and_activations_whatever_the_warmup(tmp_path):
+    """Issue: measure_warmup_steps=1 reported 60.3 MiB with optimizer 0.00 MiB (vs 62.7 / 2.38 with 2
+    warm-up steps), and measure_warmup_steps=0 closed the tracker before step 0 (peak 8.7 MiB = the
+    weights, activations 0)."""
+    res = {
+        w: _trial(tmp_path / f"w{w}", "train.steps=3", f"train.measure_warmup_steps={w}") for w in (0, 1, 2)
+    }
+    ref = res[2]["metrics"]
+    assert ref["memory_breakdown_bytes"]["optimizer"] > 0
+    for w in (0, 1):
+        m = res[w]["metrics"]
+        assert res[w]["status"] == "ok", res[w]["reason"]
+        bd = m["memory_breakdown_bytes"]
+        assert bd["optimizer"] == ref["memory_breakdown_bytes"]["optimizer"], (w, bd)
+        assert bd["activations"] > 0.5 * ref["memory_breakdown_bytes"]["activations"], (w, bd)
+        assert sum(bd.values()) == m["peak_memory_bytes"]
+        assert m["peak_memory_bytes"] == pytest.approx(ref["peak_memory_bytes"], rel=0.03), w
+        assert m["tokens_per_s"] > 0  # timed steps still exist (the tracked step 0 is not timed)
+
+
+def test_step_phases_recorded_and_consistent(tmp_path):
+    res = _trial(tmp_path)
+    ph = res["meta"]["step_phases_s"]
+    assert set(ph) >= {"h2d", "forward", "backward", "optimizer", "sync_wait", "other", "step"}
+    assert ph["forward"] > 0 and ph["backward"] > 0
+    parts = sum(ph[k] for k in ("h2d", "forward", "backward", "optimizer", "sync_wait", "other"))
+    assert parts == pytest.approx(ph["step"], rel=1e-3)
+    assert ph["step"] == pytest.approx(res["metrics"]["step_time_s"], rel=0.05)
+    assert ph["host_bound"] is False  # CPU: every phase is compute
+    tc = res["meta"]["timing_conditions"]  # what can disturb the tokens/s, recorded beside it
+    assert tc["cpu_count"] >= 1 and tc["torch_threads"] >= 1
+    assert len(tc["loadavg"]) == 3 and len(tc["loadavg_end"]) == 3

@@ -115,7 +115,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         return _err(f"the estimator is not available: {exc}", "estimate")
     if args.calibrate:
         return run_calibrate(args.calibrate)
-    return run_estimate(list(args.overrides), as_json=args.json)
+    return run_estimate(list(args.overrides), as_json=args.json, max_context=args.max_context)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -160,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="print a JSON object")
     e.add_argument(
         "--calibrate", metavar="SWEEP_DIR", help="fit activation constants from a sweep's measured trials"
+    )
+    e.add_argument(
+        "--max-context",
+        action="store_true",
+        help="print the longest context.max_tokens whose estimate fits hardware.budget_gib",
     )
     e.add_argument("overrides", nargs="*")
     e.set_defaults(func=cmd_estimate)

@@ -115,13 +115,27 @@ def collect_meta(cfg: DictConfig) -> dict[str, Any]:
         )
     except Exception:
         sha = None
+    emulated = None
     if cfg.hardware.device == "cuda" and torch.cuda.is_available():
-        device = torch.cuda.get_device_name(0)
+        device = torch.cuda.get_device_name(torch.cuda.current_device())
+        from vramsweep.measure.flops import device_peak
+
+        row = device_peak(device)
+        # The profile names a card; the device is what ran. They differ when a bigger GPU emulates the
+        # profile's memory (meta.cuda.cap says whether the cap was applied).
+        emulated = {
+            "profile": str(cfg.hardware.name),
+            "physical_device": device,
+            "physical_key": row.key if row else None,
+            "emulated": not (row is not None and str(cfg.hardware.name).startswith(row.key + "_")),
+        }
     else:
         device = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()})"
     return {
         "device": device,
         "hardware_profile": cfg.hardware.name,
+        "hardware_emulation": emulated,
+        "timing_conditions": timing_conditions(cfg),
         "versions": versions,
         "git_sha": sha,
         "seed": int(cfg.train.seed),
@@ -129,6 +143,31 @@ def collect_meta(cfg: DictConfig) -> dict[str, Any]:
         "pid": os.getpid(),
         "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
     }
+
+
+def timing_conditions(cfg: DictConfig) -> dict[str, Any]:
+    """What can disturb a throughput figure, recorded beside it: load average (1/5/15 min), CPU count,
+    torch threads, and on CUDA the other processes on the GPU (NVML; none when NVML is unavailable)."""
+    import torch
+
+    out: dict[str, Any] = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    with contextlib.suppress(OSError, AttributeError):
+        out["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    if cfg.hardware.device == "cuda":
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                h = pynvml.nvmlDeviceGetHandleByIndex(0)
+                procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+                out["other_gpu_processes"] = sum(1 for p in procs if p.pid != os.getpid())
+            finally:
+                pynvml.nvmlShutdown()
+        except Exception as exc:  # NVML missing or no permission: say so, do not guess
+            out["other_gpu_processes"] = None
+            out["nvml_error"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,22 +304,118 @@ def _collate(examples: list, pad_id: int) -> dict:
 
     b = collate(examples, pad_id)
     b["fact_spans"] = [list(e.fact_spans) for e in examples]
+    # Counted once here, on the host, so the loop never reads device tensors for bookkeeping.
+    b["n_tokens"] = int(b["attention_mask"].sum())
+    b["n_targets"] = int((b["labels"] != -100).sum())
+    b["no_padding"] = b["n_tokens"] == int(b["attention_mask"].numel())
     return b
 
 
-def _mfu(cfg: DictConfig, notes: dict, tokens_per_s: float | None, mean_seq: float) -> float | None:
-    peak = float(cfg.hardware.peak_bf16_flops)
-    if not tokens_per_s or peak <= 0 or cfg.hardware.device != "cuda":
+def _mfu(
+    cfg: DictConfig, notes: dict, tokens_per_s: float | None, mean_seq: float, meta: dict
+) -> float | None:
+    """MFU against the physical GPU that ran the steps (not the emulated profile's card); null on CPU."""
+    if cfg.hardware.device != "cuda":
         return None
-    total = notes.get("total_params", 0)
-    trainable = notes.get("trainable_params", 0)
-    frozen = total - trainable
-    per_token = 4 * frozen + 6 * trainable  # forward 2P + input-grad 2P (+ weight-grad 2P if trainable)
-    if cfg.checkpointing.enabled:
-        per_token += 2 * total  # recomputed forward
-    L, h = int(cfg.model.num_layers), int(cfg.model.num_heads) * int(cfg.model.head_dim)
-    per_token += 12 * L * h * mean_seq
-    return per_token * tokens_per_s / peak
+    from vramsweep.measure.flops import flops_per_token, mfu
+
+    per_token = flops_per_token(
+        total_params=int(notes.get("total_params", 0)),
+        trainable_params=int(notes.get("trainable_params", 0)),
+        num_layers=int(cfg.model.num_layers),
+        attn_width=int(cfg.model.num_heads) * int(cfg.model.head_dim),
+        mean_seq=mean_seq,
+        recompute=bool(cfg.checkpointing.enabled),
+    )
+    value, info = mfu(per_token, tokens_per_s, meta.get("device"))
+    meta["mfu"] = info
+    return value
+
+
+def _close_tracker(tracker, optimizer, m: dict, meta: dict) -> None:
+    """Record the CPU tracker's peak. Optimizer state that did not exist yet at the tracked peak (AdamW
+    creates it in the first ``optimizer.step()``, after step 0's forward/backward) is alive during every
+    later step, so it is added to the peak and its breakdown."""
+    from vramsweep.measure.cpu import optimizer_state_tensors, tensor_bytes
+
+    tracker.close()
+    peak, breakdown = int(tracker.peak_bytes), tracker.breakdown()
+    state = tensor_bytes(optimizer_state_tensors(optimizer))
+    missing = state - int(breakdown.get("optimizer", 0))
+    if missing > 0:
+        peak += missing
+        breakdown["optimizer"] = state
+        meta["memory_note"] = (
+            f"optimizer state ({missing / 2**20:.2f} MiB) was created by the first optimizer step, after the "
+            "tracked forward/backward peak; it is alive in every later step, so it is added to the peak"
+        )
+    m["peak_memory_bytes"] = peak
+    m["memory_kind"] = "cpu_tracked"
+    m["memory_breakdown_bytes"] = breakdown
+
+
+def _step_log(loss, scheduler, tokens, t_measure, eval_s, t_step, m, cuda) -> dict:
+    """Per-step W&B history: loss, lr, tokens/s so far (timed steps), this step's wall time, memory."""
+    row = {
+        "train/loss": loss,
+        "train/lr": scheduler.get_last_lr()[0],
+        "train/step_time_s": time.perf_counter() - t_step,
+    }
+    if t_measure is not None and tokens:
+        elapsed = time.perf_counter() - t_measure - eval_s
+        if elapsed > 0:
+            row["train/tokens_per_s"] = tokens / elapsed
+    if cuda:
+        import torch
+
+        row["memory/allocated_bytes"] = torch.cuda.memory_allocated()
+        row["memory/peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    elif m.get("peak_memory_bytes"):
+        row["memory/peak_tracked_bytes"] = m["peak_memory_bytes"]
+    return row
+
+
+class _TrialProgress:
+    """A live line for a single trial on a terminal (step k/N, loss, tokens/s, peak, ETA); silent when
+    stderr is not a TTY (sweep trials log to files; CI logs stay short) or ``VRAMSWEEP_PROGRESS=0``."""
+
+    def __init__(self, steps: int, cfg: DictConfig):
+        import sys
+
+        self.bar = None
+        self.cuda = cfg.hardware.device == "cuda"
+        if sys.stderr.isatty() and os.environ.get("VRAMSWEEP_PROGRESS", "1") != "0":
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=steps, desc="train", unit="step", leave=False, dynamic_ncols=True)
+
+    def phase(self, name: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(name)
+
+    def step(
+        self, step: int, loss: float, tokens: int, t_measure: float | None, eval_s: float, m: dict
+    ) -> None:
+        if self.bar is None:
+            return
+        post = {"loss": f"{loss:.3f}"}
+        if t_measure is not None and tokens:
+            elapsed = time.perf_counter() - t_measure - eval_s
+            if elapsed > 0:
+                post["tok/s"] = f"{tokens / elapsed:,.0f}"
+        peak = m.get("peak_memory_bytes")
+        if self.cuda:
+            import torch
+
+            peak = torch.cuda.max_memory_reserved()
+        if peak:
+            post["peak"] = f"{peak / 2**20:,.1f} MiB"
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> None:
@@ -309,6 +444,7 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
     from vramsweep.data_prep import EVAL_BATCH, build_trial_data
     from vramsweep.measure import TensorMemoryTracker
     from vramsweep.measure.cpu import model_state_tensors, optimizer_state_tensors, tensor_bytes
+    from vramsweep.measure.steps import StepClock
 
     m = result["metrics"]
     t = cfg.train
@@ -379,8 +515,22 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
 
     warm = int(t.measure_warmup_steps)
     tracker = TensorMemoryTracker(model, optimizer) if device.type == "cpu" else None
+    # The CPU tracker costs a Python call per op, so it never runs during timed steps: step 0 is always
+    # tracked (so there is a peak however train.measure_warmup_steps is set), and timing starts after it.
+    tracked = max(warm, 1) if tracker is not None else 0
+    timed_from = max(warm, tracked)
     if cuda_mon is not None:
         cuda_mon.phase("train")  # peak_memory_bytes = the training steps' reserved peak
+    cuda = device.type == "cuda"
+    if cuda:  # pinned host copies: the per-step host->device copy is asynchronous
+        for b in batches:
+            for k in ("input_ids", "attention_mask", "labels"):
+                b[k] = b[k].pin_memory()
+    from vramsweep.longctx.apply import loss_fn
+
+    compute_loss = loss_fn(cfg, model)  # the model's own loss, or the chunked one (tiling.loss_chunk_tokens)
+    clock = StepClock(cuda=cuda)
+    progress = _TrialProgress(int(t.steps), cfg)
     tokens = pad_tokens = target_tokens = 0
     losses: list[float] = []
     grad_bytes = 0
@@ -390,64 +540,78 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
     eval_in_measure = 0.0
     seq_sum = seq_n = 0
     for step in range(int(t.steps)):
-        if step == warm:
-            if tracker is not None:
-                tracker.close()
-                m["peak_memory_bytes"] = int(tracker.peak_bytes)
-                m["memory_kind"] = "cpu_tracked"
-                m["memory_breakdown_bytes"] = tracker.breakdown()
-                tracker = None
+        t_step = time.perf_counter()
+        if step == tracked and tracker is not None:
+            _close_tracker(tracker, optimizer, m, result["meta"])
+            tracker = None
+        if step == timed_from:
+            clock.sync()  # nothing queued from the untimed steps is charged to the timed ones
             t_measure = time.perf_counter()
+            clock.start()
+        timed = t_measure is not None
         ctx = tracker if tracker is not None else contextlib.nullcontext()
         with ctx:
-            step_loss = 0.0
+            step_loss_t = None
             for k in range(ga):
                 _fault("oom", step)
                 _fault("error", step)
                 batch = batches[step * ga + k]
-                ids = batch["input_ids"].to(device)
-                # Keep only the loss: holding the output would pin the logits through backward.
-                loss = (
-                    model(
-                        input_ids=ids,
-                        attention_mask=batch["attention_mask"].to(device),
-                        labels=batch["labels"].to(device),
-                    ).loss
-                    / ga
-                )
-                if os.environ.get("VRAMSWEEP_FAULT") == f"nan@{step}":
-                    loss = loss * float("nan")
-                loss.backward()
-                step_loss += float(loss.detach())
-                if step >= warm:
-                    n_tok = int(batch["attention_mask"].sum())
+                with clock.phase("h2d", timed):
+                    ids = batch["input_ids"].to(device, non_blocking=cuda)
+                    labels = batch["labels"].to(device, non_blocking=cuda)
+                    # No padding in this batch: no mask, so SDPA can take its causal fast path (flash).
+                    mask = (
+                        None if batch["no_padding"] else batch["attention_mask"].to(device, non_blocking=cuda)
+                    )
+                with clock.phase("forward", timed):
+                    # Keep only the loss: holding the output would pin the logits through backward.
+                    loss = compute_loss(ids, mask, labels) / ga
+                    if os.environ.get("VRAMSWEEP_FAULT") == f"nan@{step}":
+                        loss = loss * float("nan")
+                with clock.phase("backward", timed):
+                    loss.backward()
+                # Summed on the device: no host sync per micro-batch.
+                step_loss_t = loss.detach() if step_loss_t is None else step_loss_t + loss.detach()
+                if timed:
+                    n_tok = batch["n_tokens"]
                     tokens += n_tok
                     pad_tokens += int(batch["attention_mask"].numel()) - n_tok
-                    target_tokens += int((batch["labels"] != -100).sum())
+                    target_tokens += batch["n_targets"]
                     seq_sum += n_tok
                     seq_n += ids.shape[0]
                 del loss
             if step == 0:
                 grad_bytes = tensor_bytes(p.grad for p in params if p.grad is not None)
-            if not math.isfinite(step_loss):
-                raise Diverged(f"train loss is {step_loss} at optimizer step {step}")
-            if float(t.max_grad_norm) > 0:
-                torch.nn.utils.clip_grad_norm_(params, float(t.max_grad_norm))
-            if tracker is not None:
-                with tracker.optimizer_phase():
+            with clock.phase("optimizer", timed):
+                if float(t.max_grad_norm) > 0:
+                    torch.nn.utils.clip_grad_norm_(params, float(t.max_grad_norm))
+                if tracker is not None:
+                    with tracker.optimizer_phase():
+                        optimizer.step()
+                else:
                     optimizer.step()
-            else:
-                optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            # One host sync per optimizer step, after the step's kernels are queued (the loss of a
+            # diverged step is NaN whether we look before or after the update; the trial ends either way).
+            with clock.phase("sync_wait", timed):
+                step_loss = float(step_loss_t)
+        if not math.isfinite(step_loss):
+            raise Diverged(f"train loss is {step_loss} at optimizer step {step}")
         losses.append(step_loss)
+        progress.step(step, step_loss, tokens, t_measure, eval_in_measure, m)
         if logger is not None:
-            logger.log({"train/loss": step_loss, "train/lr": scheduler.get_last_lr()[0]}, step=step + 1)
+            logger.log(
+                _step_log(step_loss, scheduler, tokens, t_measure, eval_in_measure, t_step, m, cuda),
+                step=step + 1,
+            )
         ee = int(t.eval_every)
         if ee and (step + 1) % ee == 0 and step + 1 < int(t.steps):
             te = time.perf_counter()
+            progress.phase("eval")
             ev, task, _ = evaluate(model, eval_batches, device)
-            eval_in_measure += time.perf_counter() - te if step >= warm else 0.0
+            progress.phase("train")
+            eval_in_measure += time.perf_counter() - te if timed else 0.0
             intermediate.append({"step": step + 1, "eval_loss": ev, "task_score": task})
             m["eval_loss"] = ev
             m["eval_ppl"] = math.exp(min(ev, 50.0))
@@ -457,15 +621,18 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
                 raise Diverged(f"eval loss is {ev} at optimizer step {step + 1}")
             if reporter is not None and reporter(step + 1, ev):
                 raise Pruned(f"pruned by the sweeper after {step + 1} steps (eval_loss {ev:.4f})")
-        if step >= warm or step == 0:
+        if timed or step == 0:
             m["train_loss"] = sum(losses[-5:]) / len(losses[-5:])
-    if tracker is not None:  # steps <= warm-up: keep the tracked peak anyway
-        tracker.close()
-        m["peak_memory_bytes"] = int(tracker.peak_bytes)
-        m["memory_kind"] = "cpu_tracked"
-        m["memory_breakdown_bytes"] = tracker.breakdown()
+    if tracker is not None:  # every step was a tracked one: keep the tracked peak anyway
+        _close_tracker(tracker, optimizer, m, result["meta"])
+    clock.sync()
+    progress.close()
+    measured_steps = int(t.steps) - timed_from
+    if measured_steps > 0:
+        result["meta"]["step_phases_s"] = clock.per_step(measured_steps, exclude_s=eval_in_measure)
+    if timed_from != warm:
+        result["meta"]["timed_from_step"] = timed_from
     measured_s = (time.perf_counter() - t_measure - eval_in_measure) if t_measure is not None else None
-    measured_steps = int(t.steps) - warm
     if measured_s and measured_steps > 0:
         m["tokens_per_s"] = tokens / measured_s
         m["step_time_s"] = measured_s / measured_steps
@@ -473,7 +640,7 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
         m["tokens_trained"] = tokens
         m["padding_tokens"] = pad_tokens
         m["target_tokens"] = target_tokens
-        m["mfu"] = _mfu(cfg, built.notes, m["tokens_per_s"], seq_sum / max(seq_n, 1))
+        m["mfu"] = _mfu(cfg, built.notes, m["tokens_per_s"], seq_sum / max(seq_n, 1), result["meta"])
     m["state_bytes"] = {
         "params": tensor_bytes(model_state_tensors(model)),
         "grads": grad_bytes,
@@ -565,6 +732,8 @@ def run_trial(
         except Exception:
             pass
     result["status"], result["reason"] = status, reason
+    with contextlib.suppress(OSError, AttributeError, KeyError, TypeError):
+        result["meta"]["timing_conditions"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     result["meta"]["wall_s"] = round(time.perf_counter() - t0, 3)
     result["meta"]["finished"] = datetime.now(UTC).isoformat()
     if logger is not None:

@@ -198,16 +198,31 @@ def build_model(cfg: DictConfig, *, keep_ids: list[int] | None = None) -> Built:
             use_dora=bool(a.use_dora),
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, lcfg)
+        # adapter.dtype=compute: adapters in the compute dtype, so PEFT keeps no fp32 copy of each adapted
+        # projection's input for backward (autocast_adapter_dtype=True upcasts adapters to fp32)
+        fp32_adapters = str(a.get("dtype", "fp32")) == "fp32"
+        model = get_peft_model(model, lcfg, autocast_adapter_dtype=fp32_adapters)
+        if not fp32_adapters:
+            for n, p in model.named_parameters():
+                if p.requires_grad and "lora_" in n:
+                    p.data = p.data.to(dtype)
         if device.type == "cuda":
             model.to(device)
-        notes["adapter"] = {"type": "lora", "rslora": bool(a.use_rslora), "dora": bool(a.use_dora)}
+        notes["adapter"] = {
+            "type": "lora",
+            "rslora": bool(a.use_rslora),
+            "dora": bool(a.use_dora),
+            "dtype": "float32" if fp32_adapters else str(dtype).replace("torch.", ""),
+        }
     else:
         for p in model.parameters():
             p.requires_grad_(True)
         notes["adapter"] = {"type": "full"}
     if cfg.kernels.liger:
         notes["kernels_instance"] = kernels.apply_liger_to_instance(cfg, model)
+    from vramsweep.longctx.apply import apply_longctx
+
+    notes["longctx"] = apply_longctx(cfg, model, device)
     trainable = sum(logical_numel(p) for p in model.parameters() if p.requires_grad)
     notes["trainable_params"] = int(trainable)
     notes["total_params"] = int(sum(logical_numel(p) for p in model.parameters()))  # 4-bit counted unpacked

@@ -186,9 +186,32 @@ def _rules_values(cfg: DictConfig) -> None:
         )
     _check_range(cfg, "train.threads", 0, 1024, integer=True)
     _check_choice(cfg, "logger.mode", ("auto", "offline", "online"))
+    _check_choice(cfg, "adapter.dtype", ("fp32", "compute"))
+    _check_range(cfg, "tiling.loss_chunk_tokens", 0, 10**7, integer=True)
+    _check_range(cfg, "tiling.mlp_tile_tokens", 0, 10**7, integer=True)
 
 
 def _rules_combinations(cfg: DictConfig) -> None:
+    if cfg.checkpointing.offload and not cfg.checkpointing.enabled:
+        raise ConfigError(
+            "checkpointing.offload=true needs checkpointing.enabled=true (offload is a way to checkpoint)",
+            key="checkpointing",
+            allowed=GROUP_OPTIONS["checkpointing"],
+        )
+    if cfg.checkpointing.offload and cfg.checkpointing.use_reentrant:
+        raise ConfigError(
+            "checkpointing=offload runs its own checkpoint function: checkpointing.use_reentrant must be false",
+            key="checkpointing.use_reentrant",
+            allowed=["false"],
+        )
+    tiled = int(cfg.tiling.loss_chunk_tokens) > 0 or int(cfg.tiling.mlp_tile_tokens) > 0
+    if tiled and cfg.kernels.unsloth:
+        raise ConfigError(
+            f"tiling={cfg.tiling.name} cannot be combined with kernels=unsloth: Unsloth replaces the MLP and the "
+            "loss with its own kernels (its fused loss is already chunked)",
+            key="tiling",
+            allowed=["off"],
+        )
     if cfg.kernels.liger and cfg.kernels.unsloth:
         raise ConfigError(
             "kernels: Liger and Unsloth cannot both be on (Unsloth patches the same modules)",

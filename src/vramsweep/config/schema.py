@@ -19,7 +19,8 @@ GROUP_OPTIONS: dict[str, tuple[str, ...]] = {
     "optimizer": ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor"),
     "attention": ("eager", "sdpa", "flash_attention_2"),
     "kernels": ("none", "liger", "unsloth"),
-    "checkpointing": ("off", "on"),
+    "checkpointing": ("off", "on", "offload"),
+    "tiling": ("off", "loss", "mlp", "on"),
     "vocab": ("full", "sliced"),
     "logger": ("wandb", "none"),
     "hardware": (
@@ -84,6 +85,9 @@ class AdapterConfig:
     targets: Any = "all-linear"  # "all-linear" or a list of module names
     use_rslora: bool = False  # scaling alpha/sqrt(r) instead of alpha/r
     use_dora: bool = False  # weight-decomposed LoRA: + one magnitude vector per adapted layer
+    dtype: str = (
+        "fp32"  # adapter weights: fp32 (PEFT's autocast) | compute (train.dtype: no fp32 input copies)
+    )
 
 
 @dataclass
@@ -120,6 +124,14 @@ class CheckpointingConfig:
     name: str = "off"
     enabled: bool = False
     use_reentrant: bool = False
+    offload: bool = False  # layer inputs kept in pinned host memory (vramsweep.longctx.offload)
+
+
+@dataclass
+class TilingConfig:
+    name: str = "off"
+    loss_chunk_tokens: int = 0  # >0: chunked linear cross-entropy, no full logits (vramsweep.longctx.loss)
+    mlp_tile_tokens: int = 0  # >0: sequence-tiled MLP, recomputed per tile (vramsweep.longctx.mlp)
 
 
 @dataclass
@@ -157,9 +169,13 @@ class HardwareConfig:
     device: str = "cpu"  # cpu | cuda
     memory_gib: float = 0.0  # nominal device memory; 0 = no budget
     budget_gib: float = 0.0  # usable budget for trials (sweeps treat larger peaks as infeasible)
-    peak_bf16_flops: float = 0.0  # dense tensor FLOP/s for MFU; 0 = unknown (mfu null)
+    peak_bf16_flops: float = (
+        0.0  # the profile card's dense tensor FLOP/s (MFU uses the physical GPU's, measure/flops.py)
+    )
     bandwidth_bytes_per_s: float = 0.0
-    overhead_bytes: int = 0  # CUDA context + allocator slack (estimator)
+    overhead_bytes: int = (
+        0  # CUDA context outside the allocator (estimator reports it; the cap does not cover it)
+    )
     emulate_cap: bool = True  # on a larger GPU, cap this process at budget_gib
 
 
@@ -199,6 +215,7 @@ class TrialConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    tiling: TilingConfig = field(default_factory=TilingConfig)
     context: ContextConfig = field(default_factory=ContextConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -218,6 +235,7 @@ _SCHEMAS = {
     "attention": AttentionConfig,
     "kernels": KernelsConfig,
     "checkpointing": CheckpointingConfig,
+    "tiling": TilingConfig,
     "context": ContextConfig,
     "vocab": VocabConfig,
     "data": DataConfig,

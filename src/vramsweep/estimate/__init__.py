@@ -8,6 +8,7 @@ Public API::
 
     estimate(cfg) -> {"peak_memory_bytes", "breakdown_bytes", "budget_bytes", "fits", "assumptions", ...}
     preflight(cfg, margin=0.10) -> (ok, estimate)
+    max_context(cfg) -> {"max_tokens", ...}                    # longest context.max_tokens that fits
     run_estimate(overrides, as_json=...) -> exit code          # ``vramsweep estimate``
     calibrate(results, device_key=...) -> constants            # fit activation constants
     run_calibrate(sweep_dir) -> exit code                      # ``vramsweep estimate --calibrate``
@@ -15,6 +16,8 @@ Public API::
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -41,6 +44,7 @@ __all__ = [
     "estimate",
     "knobs_from_cfg",
     "load_calibration",
+    "max_context",
     "model_dims",
     "preflight",
     "run_calibrate",
@@ -87,20 +91,38 @@ def knobs_from_cfg(cfg: DictConfig, *, seq_len: int | None = None) -> Knobs:
         )
     if str(cfg.attention.implementation) == "flash_attention_2":
         notes.append("flash_attention_2 counted like SDPA's flash kernel (q, k, v, output, fp32 log-sum-exp)")
-    if kern.liger:
+    liger, unsloth = bool(kern.liger), bool(kern.unsloth)
+    # Liger's per-kernel flags (conf/kernels/liger.yaml; read with defaults so older configs still load)
+    flce = liger and bool(kern.get("liger_fused_linear_cross_entropy", True))
+    rms = liger and bool(kern.get("liger_rms_norm", True))
+    swiglu = liger and bool(kern.get("liger_swiglu", True))
+    rope = liger and bool(kern.get("liger_rope", True))
+    if liger:
+        on = [n for n, v in (("fused linear cross-entropy", flce), ("RMSNorm", rms), ("SwiGLU", swiglu)) if v]
+        off = [
+            n
+            for n, v in (("fused linear cross-entropy", flce), ("RMSNorm", rms), ("SwiGLU", swiglu))
+            if not v
+        ]
         notes.append(
-            "Liger kernels (CUDA only, not measured on CPU): RMSNorm/SwiGLU save less; fused linear "
-            "cross-entropy keeps one logits chunk instead of the full (tokens x vocab) logits"
+            f"Liger kernels on: {', '.join(on) or 'none'}"
+            + (f"; off (HF modules): {', '.join(off)}" if off else "")
+            + ": RMSNorm saves its compute-dtype input + fp32 rstd, SwiGLU saves only its two inputs, fused "
+            "linear cross-entropy keeps one logits chunk; RoPE changes no saved tensor"
         )
-    if kern.unsloth:
+    if unsloth:
         notes.append(
-            "Unsloth (not measured on CPU): chunked cross-entropy on compute-dtype logits; with "
+            "Unsloth: fused RMSNorm/SwiGLU; its fused chunked cross-entropy computes the loss gradient inside "
+            "the forward, one chunk of the logits at a time (unsloth_zoo UnslothFusedLoss); with "
             "checkpointing the layer inputs are offloaded to host memory"
         )
+    budget = budget_bytes(cfg)
     if device == "cuda":
         notes.append(
-            f"CUDA: + hardware.overhead_bytes={int(cfg.hardware.overhead_bytes)} for the context and "
-            "allocator slack; kernel workspaces (cuBLAS, dequantisation buffers) are inside it"
+            "CUDA: the peak is the caching allocator's reserved memory (what the budget and the emulated cap "
+            "limit): allocated tensors + the reserve model (idle loss blocks, one layer's cycling working set, "
+            f"small-pool holes); the CUDA context (hardware.overhead_bytes={int(cfg.hardware.overhead_bytes)}) "
+            "lives outside the allocator and is not counted against the budget"
         )
         if str(cfg.optimizer.impl).startswith("bnb_paged"):
             notes.append("paged optimizer state is counted on the device (it only pages out under pressure)")
@@ -126,9 +148,9 @@ def knobs_from_cfg(cfg: DictConfig, *, seq_len: int | None = None) -> Knobs:
         optimizer=str(cfg.optimizer.impl),
         min_8bit_size=int(cfg.optimizer.min_8bit_size),
         attention=str(cfg.attention.implementation),
-        liger=bool(kern.liger),
-        liger_flce=bool(kern.liger and kern.liger_fused_linear_cross_entropy),
-        unsloth=bool(kern.unsloth),
+        liger=liger,
+        liger_flce=flce,
+        unsloth=unsloth,
         checkpointing=bool(cfg.checkpointing.enabled),
         micro_batch=int(cfg.train.micro_batch),
         grad_accum=int(cfg.train.grad_accum),
@@ -137,6 +159,15 @@ def knobs_from_cfg(cfg: DictConfig, *, seq_len: int | None = None) -> Knobs:
         overhead=int(cfg.hardware.overhead_bytes) if device == "cuda" else 0,
         padded_batches=padded,
         notes=notes,
+        fused_rms_norm=rms or unsloth,
+        fused_swiglu=swiglu or unsloth,
+        fused_rope=rope or unsloth,
+        budget=budget,
+        allocator=device == "cuda",
+        offload=bool(cfg.checkpointing.get("offload", False)) and not unsloth,
+        loss_chunk=0 if (flce or unsloth) else int(cfg.get("tiling", {}).get("loss_chunk_tokens", 0) or 0),
+        mlp_tile=int(cfg.get("tiling", {}).get("mlp_tile_tokens", 0) or 0),
+        adapter_bytes=c if str(a.get("dtype", "fp32")) == "compute" else 4,
     )
 
 
@@ -158,10 +189,14 @@ def estimate(
             when it exists, False uses the analytic constants.
 
     Returns:
-        ``peak_memory_bytes``; ``breakdown_bytes`` (params, grads, optimizer, activations, logits,
-        overhead: the moment of the peak, summing to it); ``budget_bytes``/``fits`` (None without a
-        budget); ``assumptions``; ``components_bytes`` (steady sizes: params, grads, optimizer state,
-        activation peak); ``peak_phase``; ``calibration`` (constants used or None).
+        ``peak_memory_bytes`` (CUDA: the caching allocator's reserved peak, ``max_memory_reserved``, as
+        measured with room to spare; CPU: the tracked tensor peak); ``required_bytes`` (what must fit
+        under a hard cap: allocated + the reserve the allocator cannot release; equal to the peak on CPU);
+        ``breakdown_bytes`` (params, grads, optimizer, activations, logits, overhead = the allocator's
+        reserve: the moment of the peak, summing to it); ``budget_bytes``/``fits`` (``required_bytes`` <=
+        budget; None without a budget); ``assumptions``; ``components_bytes`` (steady sizes: params,
+        grads, optimizer state, activation peak; ``allocated_peak``, the ``reserve_*`` terms and
+        ``cuda_context``); ``peak_phase``; ``calibration`` (constants used or None).
     """
     knobs = knobs_from_cfg(cfg, seq_len=seq_len)
     calib_used: dict | None = None
@@ -175,7 +210,7 @@ def estimate(
     notes = list(knobs.notes)
     notes.append(f"peak phase: {est.peak_phase}")
     share = est.at_peak["logits"] / est.peak if est.peak else 0.0
-    if share > 0.3 and not knobs.liger:
+    if share > 0.3 and not knobs.liger_flce:
         notes.append(
             f"logits + loss are {100 * share:.0f}% of the peak: kernels=liger (fused linear cross-entropy), "
             "vocab=sliced or a shorter context.max_tokens shrink them"
@@ -184,9 +219,10 @@ def estimate(
         notes.append(f"activation constants calibrated for {device_key_for(cfg)}: {calib_used}")
     return {
         "peak_memory_bytes": int(est.peak),
+        "required_bytes": int(est.required),
         "breakdown_bytes": dict(est.at_peak),
         "budget_bytes": budget,
-        "fits": None if budget is None else bool(est.peak <= budget),
+        "fits": None if budget is None else bool(est.required <= budget),
         "assumptions": notes,
         "components_bytes": dict(est.components),
         "phases_bytes": dict(est.phases),
@@ -197,7 +233,7 @@ def estimate(
 
 
 def preflight(cfg: DictConfig, margin: float = 0.10) -> tuple[bool, dict[str, Any]]:
-    """Sweeper pre-flight: False when the estimate exceeds ``hardware.budget_gib`` x (1 + margin).
+    """Sweeper pre-flight: False when the required bytes exceed ``hardware.budget_gib`` x (1 + margin).
 
     A budget of 0 means no budget (always True). The estimate dict is returned either way so the
     sweeper can record it with status ``infeasible_estimate``.
@@ -206,4 +242,69 @@ def preflight(cfg: DictConfig, margin: float = 0.10) -> tuple[bool, dict[str, An
     budget = est["budget_bytes"]
     if budget is None:
         return True, est
-    return bool(est["peak_memory_bytes"] <= budget * (1.0 + float(margin))), est
+    return bool(est["required_bytes"] <= budget * (1.0 + float(margin))), est
+
+
+def max_context(
+    cfg: DictConfig, *, calibration: dict | bool | None = None, hi: int | None = None
+) -> dict[str, Any]:
+    """Longest ``context.max_tokens`` whose estimate fits ``hardware.budget_gib`` (bisection on the estimator).
+
+    Every micro-batch is taken to be ``max_tokens`` long (the estimator's worst case). The estimate grows
+    with the tokens (Unsloth's loss chunks aside, whose count steps up by 4), so the bisection finds the
+    boundary between the last token count that fits and the first that does not.
+
+    Returns ``{"max_tokens", "budget_bytes", "estimate" (at max_tokens), "next_estimate" (at max_tokens
+    + 1, or None at the upper end), "upper_bound"}``; ``max_tokens`` is 0 when not even one token fits.
+    Raises ``ValueError`` without a budget.
+    """
+    budget = budget_bytes(cfg)
+    if budget is None:
+        raise ValueError("hardware.budget_gib=0 means no budget: choose a hardware profile with a budget")
+    if hi is None:
+        hi = int(cfg.model.get("max_position_embeddings") or 0) if cfg.model.source != "path" else 0
+        if cfg.model.source == "path":
+            try:
+                with open(Path(str(cfg.model.path)) / "config.json") as fh:
+                    raw = json.load(fh)
+                hi = int((raw.get("text_config") or raw).get("max_position_embeddings") or 0)
+            except (OSError, ValueError, TypeError, AttributeError):
+                hi = 0
+        hi = hi if hi > 0 else 1 << 20
+    hi = max(1, int(hi))
+
+    def est_at(tokens: int) -> dict[str, Any]:
+        return estimate(cfg, seq_len=tokens, calibration=calibration)
+
+    lo_est = est_at(1)
+    if not lo_est["fits"]:
+        return {
+            "max_tokens": 0,
+            "budget_bytes": budget,
+            "estimate": lo_est,
+            "next_estimate": lo_est,
+            "upper_bound": hi,
+        }
+    top = est_at(hi)
+    if top["fits"]:
+        return {
+            "max_tokens": hi,
+            "budget_bytes": budget,
+            "estimate": top,
+            "next_estimate": None,
+            "upper_bound": hi,
+        }
+    lo, up = 1, hi  # fits(lo), not fits(up)
+    while up - lo > 1:
+        mid = (lo + up) // 2
+        if est_at(mid)["fits"]:
+            lo = mid
+        else:
+            up = mid
+    return {
+        "max_tokens": lo,
+        "budget_bytes": budget,
+        "estimate": est_at(lo),
+        "next_estimate": est_at(up),
+        "upper_bound": hi,
+    }

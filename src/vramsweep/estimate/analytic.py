@@ -28,6 +28,15 @@ minimal loop in :mod:`vramsweep.trial`) and checked against the CPU tensor track
   log-softmax; at the peak (log-softmax backward) the saved log-softmax and its incoming and outgoing
   fp32 gradients are alive: 12 bytes per token x vocab entry (+ c when the loop keeps the model output,
   and with it the logits, through backward: :data:`LOOP_KEEPS_LOGITS`). Liger's fused linear cross-entropy (Hsu et al. 2024, arXiv 2410.10989) chunks it.
+* Fused kernels, flag by flag: Liger's RMSNorm (``LigerRMSNormFunction``: saves the input and the fp32
+  rstd), SwiGLU (``LigerSiLUMulFunction``: saves its two inputs, recomputes silu) and fused linear
+  cross-entropy follow ``kernels.liger_rms_norm`` / ``liger_swiglu`` / ``liger_fused_linear_cross_entropy``
+  (as the build does); Liger's RoPE changes no saved tensor. Unsloth patches the norm and SwiGLU alike,
+  offloads each checkpointed layer's input to host memory (``use_gradient_checkpointing="unsloth"``) and
+  computes the loss with unsloth_zoo's ``UnslothFusedLoss`` (:func:`unsloth_ce_chunk_tokens`).
+* LLM.int8 on CUDA (bitsandbytes 0.50 ``MatMul8bitLt``): ``ctx.tensors = (CAt, subA, A)`` keeps every
+  projection input through backward, checkpointing or not; backward dequantises ``CB.to(dtype) * SCB/127``.
+* CUDA caching allocator: :func:`allocator_reserve` (reserved >= allocated); the CUDA context is outside it.
 """
 
 from __future__ import annotations
@@ -90,16 +99,26 @@ class Knobs:
     min_8bit_size: int
     attention: str
     liger: bool
-    liger_flce: bool
+    liger_flce: bool  # Liger fused linear cross-entropy (kernels.liger_fused_linear_cross_entropy)
     unsloth: bool
     checkpointing: bool
     micro_batch: int
     grad_accum: int
     seq_len: int
     device: str
-    overhead: int
+    overhead: int  # CUDA context outside the caching allocator (hardware.overhead_bytes); not in the peak
     padded_batches: bool
     notes: list[str] = field(default_factory=list)
+    # fused kernels honoured one by one (Liger's per-kernel flags; Unsloth patches all of them)
+    fused_rms_norm: bool = False
+    fused_swiglu: bool = False
+    fused_rope: bool = False
+    budget: int | None = None  # hardware.budget_gib in bytes (Unsloth sizes its loss chunks from free memory)
+    allocator: bool = False  # model the CUDA caching allocator's reserve (device == cuda)
+    offload: bool = False  # checkpointing=offload (layer inputs in host memory; CUDA only saves memory)
+    loss_chunk: int = 0  # tiling.loss_chunk_tokens: our chunked linear cross-entropy (0 = HF loss)
+    mlp_tile: int = 0  # tiling.mlp_tile_tokens: sequence-tiled MLP (0 = untiled)
+    adapter_bytes: int = 4  # adapter.dtype: fp32 (PEFT autocast, 4) or compute (= c)
 
     @property
     def tokens(self) -> int:
@@ -174,17 +193,17 @@ def model_tensors(k: Knobs) -> list[TensorSpec]:
             out.append(TensorSpec(f"layers.*.{name}.bias", (fo,), c, trainable=full, count=L))
         if k.method == "lora" and name in k.targets:
             out.append(
-                TensorSpec(f"layers.*.{name}.lora_A", (k.r, fi), ADAPTER_BYTES, trainable=True, count=L)
+                TensorSpec(f"layers.*.{name}.lora_A", (k.r, fi), k.adapter_bytes, trainable=True, count=L)
             )
             out.append(
-                TensorSpec(f"layers.*.{name}.lora_B", (fo, k.r), ADAPTER_BYTES, trainable=True, count=L)
+                TensorSpec(f"layers.*.{name}.lora_B", (fo, k.r), k.adapter_bytes, trainable=True, count=L)
             )
             if k.dora:
                 out.append(
                     TensorSpec(
                         f"layers.*.{name}.lora_magnitude_vector",
                         (fo,),
-                        ADAPTER_BYTES,
+                        k.adapter_bytes,
                         trainable=True,
                         count=L,
                     )
@@ -283,6 +302,36 @@ def optimizer_step_workspace(k: Knobs, trainable: list[TensorSpec]) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
+# Unsloth's fused, chunked cross-entropy
+
+UNSLOTH_CE_BUDGET_BYTES_PER_LOGIT = 16  # unsloth_zoo ``_CE_BYTES_PER_LOGIT``: what it budgets per logit entry
+UNSLOTH_CE_TARGET_CAP = 4 * 1024**3  # unsloth_zoo ``_CE_TARGET_GB_CAP``: at most 4 GiB per chunk
+# Bytes per (token x vocab) entry one chunk actually holds at once: the compute-dtype logits (2), their
+# fp32 upcast (4) and the gradient in the logits dtype (2); the log-softmax and its fp32 gradient are
+# fused by the compiled chunk function. Checked on the two Unsloth GPU fixtures (tests/test_estimate_gpu.py).
+UNSLOTH_CE_BYTES_PER_LOGIT = 8
+
+
+def unsloth_ce_chunk_tokens(k: Knobs, static: float = 0.0) -> int:
+    """Tokens per chunk of ``UnslothFusedLoss`` (unsloth_zoo ``get_chunk_size``).
+
+    ``target`` = min(4 GiB, half the free memory) less the chunk-independent ``grad_inputs``; the free
+    memory is read at run time (``torch.cuda.mem_get_info``: the whole device, not a per-process cap), so
+    here it is the budget less the params + optimizer state, and 4 GiB without a budget.
+    """
+    T, V = k.tokens, k.vocab
+    target = float(UNSLOTH_CE_TARGET_CAP)
+    if k.budget:
+        target = min(target, max(0.5 * (k.budget - static), 1.0))
+    fixed = T * k.dims.hidden_size * k.c
+    if 0 < fixed < target:
+        target -= fixed
+    exact = T * V * UNSLOTH_CE_BUDGET_BYTES_PER_LOGIT / target
+    n_chunks = 1 if exact <= 1.0 + 1e-9 else min(T, 4 * math.ceil(exact / 4 - 1e-9))
+    return -(-T // n_chunks)
+
+
+# --------------------------------------------------------------------------------------------------
 # activations
 
 
@@ -306,7 +355,7 @@ def _norm(s: _Saved, k: Knobs, key: str, in_key: str, width: int, rows: int, in_
     tensor when the weight trains. Liger's RMSNorm saves the input and the fp32 rstd. Returns whether
     the output requires grad."""
     if in_rg:
-        if k.liger:
+        if k.fused_rms_norm:
             s.add(in_key, k.c * width)
         else:
             s.add(in_key if k.c == 4 else f"{key}.x32", 4 * width)
@@ -327,7 +376,7 @@ def _linear(
         s.add(in_key, k.c * fan_in)  # bitsandbytes MatMul8bit keeps ctx.A for the input gradient
     lora = k.method == "lora" and name in k.targets
     if lora:
-        a = ADAPTER_BYTES
+        a = k.adapter_bytes
         if k.dropout > 0:
             # CPU dropout multiplies by a scaled Bernoulli noise tensor in the input dtype (saved only when
             # the input needs a gradient); CUDA's fused native_dropout keeps a bool mask
@@ -343,9 +392,12 @@ def _linear(
     return x_rg or full or lora
 
 
-def _layer_saved(k: Knobs, in_rg: bool, int8: bool = True) -> _Saved:
+def _layer_saved(k: Knobs, in_rg: bool, int8: bool = True, mlp: bool | None = None) -> _Saved:
     """Tensors one decoder layer keeps for backward (``int8=False``: without the LLM.int8 inputs, which
-    a checkpointed recompute does not re-create: backward uses the original nodes' ``ctx.A``)."""
+    a checkpointed recompute does not re-create: backward uses the original nodes' ``ctx.A``).
+    ``mlp=False`` (default when ``tiling.mlp_tile_tokens`` > 0): the tiled MLP keeps only its input."""
+    if mlp is None:
+        mlp = k.mlp_tile <= 0
     d, c = k.dims, k.c
     full = k.method == "full"
     shapes = d.linear_shapes()
@@ -376,12 +428,15 @@ def _layer_saved(k: Knobs, in_rg: bool, int8: bool = True) -> _Saved:
     o_in = "attn_out" if k.attention != "eager" else "attn_out_t"
     _linear(s, k, "o_proj", o_in, *shapes["o_proj"], att_rg, int8)
     ln2 = _norm(s, k, "ln2", "x2", d.hidden_size, 1, True, full)
+    if not mlp:  # vramsweep.longctx.mlp: the tiled MLP's Function saves only its input (ln2_out)
+        s.add("ln2_out", c * d.hidden_size)
+        return s
     gate_rg = _linear(s, k, "gate_proj", "ln2_out", *shapes["gate_proj"], ln2, int8)
     up_rg = _linear(s, k, "up_proj", "ln2_out", *shapes["up_proj"], ln2, int8)
     inter = d.intermediate_size
     if gate_rg or up_rg:
-        s.add("gate_out", c * inter)  # silu input (Liger SwiGLU: a and b only, silu recomputed)
-        if not k.liger:
+        s.add("gate_out", c * inter)  # silu input (Liger/Unsloth SwiGLU: a and b only, silu recomputed)
+        if not k.fused_swiglu:
             s.add("silu_out", c * inter)
         s.add("up_out", c * inter)
     _linear(s, k, "down_proj", "act_out", *shapes["down_proj"], gate_rg or up_rg, int8)
@@ -403,7 +458,17 @@ def _int8_inputs(k: Knobs) -> float:
         "down_proj": ("act_out", d.intermediate_size),
     }
     seen = {key: width for name, (key, width) in inputs.items() if k.quantised(name)}
-    return float(k.c * sum(seen.values()))
+    extra = INT8_CUDA_UNATTRIBUTED_WIDTHS * d.hidden_size if (seen and k.device == "cuda") else 0
+    return float(k.c * (sum(seen.values()) + extra))
+
+
+# CUDA (``MatMul8bitLt``; CPU runs ``MatMul8bitFp``): measured on the 2026-12-01 GPU run (Qwen3-8B, int8,
+# 1,024 tokens, checkpointing; tests/fixtures/gpu_2026-12-01) the allocated peak is 0.84 GiB above the
+# inputs ``ctx.tensors`` keeps -- 24 KiB per token per layer, i.e. three more hidden-width (or, for
+# Qwen3-8B, one intermediate-width) compute-dtype tensors per layer that stay alive through backward
+# like ``ctx.A``. Not attributed to a tensor yet (the outlier columns ``subA`` are ~empty for these
+# activations); one data point, so its scaling with tokens is an assumption.
+INT8_CUDA_UNATTRIBUTED_WIDTHS = 3
 
 
 def eager_bytes_per_token(k: Knobs) -> float:
@@ -424,10 +489,13 @@ class ActivationTerms:
     fixed: float  # cos/sin, batch tensors, masks, final norm
     phases: dict[str, float]
     peak_phase: str
+    working: float = 0.0  # one layer's backward working set (what the allocator cycles layer by layer)
+    loss_transient: float = 0.0  # blocks of the loss freed before its peak (HF: the compute-dtype logits)
 
 
-def activation_terms(k: Knobs, calib: dict | None = None) -> ActivationTerms:
-    """Activation bytes at the peak of one micro-batch's forward + backward."""
+def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -> ActivationTerms:
+    """Activation bytes at the peak of one micro-batch's forward + backward (``static``: bytes of the
+    params + optimizer state, which Unsloth's loss subtracts from the free memory it sizes chunks by)."""
     calib = calib or {}
     f_layers = float(calib.get("layers", 1.0))
     f_attn = float(calib.get("attention", 1.0))
@@ -439,14 +507,27 @@ def activation_terms(k: Knobs, calib: dict | None = None) -> ActivationTerms:
     first = _layer_saved(k, in_rg=full).total  # LoRA: layer 0's input (embedding output) needs no grad
     rest = _layer_saved(k, in_rg=True).total
     per_layer_attn = eager_bytes_per_token(k)
+    # tiled MLP (vramsweep.longctx.mlp): one tile's MLP tensors exist while it is recomputed in backward
+    mlp_transient = 0.0
+    if k.mlp_tile > 0:
+        mlp_tok = (
+            _layer_saved(k, in_rg=True, int8=False, mlp=True).total
+            - _layer_saved(k, in_rg=True, int8=False, mlp=False).total
+        )
+        mlp_transient = mlp_tok * min(s_len, k.mlp_tile) * b
     if k.checkpointing:
-        stored = 0.0 if k.unsloth else L * c * d.hidden_size  # unsloth offloads the layer inputs to CPU
+        # unsloth and checkpointing=offload (vramsweep.longctx.offload) keep the layer inputs in host memory;
+        # on a CPU device the offloaded copies are in the same memory
+        offloaded = k.unsloth or (k.offload and k.device == "cuda")
+        stored = 0.0 if offloaded else L * c * d.hidden_size
         # bitsandbytes' 8-bit matmul keeps its input as ``ctx.A`` (a plain attribute, not a saved
         # tensor), so checkpointing cannot drop it: every layer's int8 inputs stay alive
         stored += L * _int8_inputs(k)
         layers_tok = stored
         attn_all = 0.0
         one_layer = _layer_saved(k, in_rg=True, int8=False).total + per_layer_attn
+        if k.offload and k.device == "cuda":
+            one_layer += 2 * c * d.hidden_size  # the recomputed layer's input + the prefetched next one
     else:
         layers_tok = first + (L - 1) * rest
         attn_all = L * per_layer_attn
@@ -471,15 +552,36 @@ def activation_terms(k: Knobs, calib: dict | None = None) -> ActivationTerms:
     V = k.vocab
 
     # logits + loss at log-softmax backward: saved fp32 log-softmax + two fp32 grads (+ held logits)
-    if k.liger and k.liger_flce:
+    grad_inputs = (
+        0.0  # a loss that computes its gradient in the forward keeps d(hidden) (T x h) into backward
+    )
+    if k.liger_flce:
         chunk = 2 ** math.ceil(math.log2(max(1, -(-T // max(1, -(-V // d.hidden_size))))))
         logits = chunk * V * (4 + 4) + T * d.hidden_size * c  # fp32 chunk + its grad, grad_input
         if full:
             logits += V * d.hidden_size * 4  # fp32 grad_weight accumulated across chunks
         kept_logits = 0.0
     elif k.unsloth:
-        logits = T * V * (c + 4)  # fused CE on the compute-dtype logits, fp32 row statistics
-        kept_logits = T * V * c if LOOP_KEEPS_LOGITS else 0.0
+        # unsloth_zoo ``UnslothFusedLoss`` (fused_losses/cross_entropy_loss.py): the model forward never
+        # returns logits; the loss and its gradient are computed chunk by chunk inside the forward
+        # (``torch.func.grad_and_value`` per chunk), into a preallocated ``grad_inputs`` (T x h, compute dtype).
+        # ``get_chunk_size``: n_chunks = ceil(T*V*16 B / target / 4) * 4 (1 when it fits), target =
+        # min(4 GiB, half the free memory) minus grad_inputs. One chunk alive at a time: its compute-dtype
+        # logits, their fp32 upcast and the gradient in the logits dtype (UNSLOTH_CE_BYTES_PER_LOGIT).
+        chunk = unsloth_ce_chunk_tokens(k, static)
+        grad_inputs = T * d.hidden_size * c
+        logits = chunk * V * UNSLOTH_CE_BYTES_PER_LOGIT + grad_inputs
+        kept_logits = 0.0
+    elif k.loss_chunk > 0:
+        # vramsweep.longctx.loss: per chunk the fp32 logits + logsumexp's fp32 temporary (then softmax and
+        # gradient in place, cast to the compute dtype); d(hidden) (T x h) kept into backward, plus the
+        # decoder output and its shifted copy
+        chunk = min(T, k.loss_chunk)
+        grad_inputs = T * d.hidden_size * c
+        logits = chunk * V * 8 + 3 * grad_inputs
+        if full:
+            logits += V * d.hidden_size * 4  # fp32 weight gradient accumulated across chunks
+        kept_logits = 0.0
     else:
         kept_logits = T * V * c if LOOP_KEEPS_LOGITS else 0.0
         # forward peak at log-softmax: logits (c) + fp32 upcast (4, none when c == 4) + output (4)
@@ -506,40 +608,118 @@ def activation_terms(k: Knobs, calib: dict | None = None) -> ActivationTerms:
         )
     fwd_transient += dora_transient
     phases["forward"] = fixed + layers + attention + fwd_transient * f_layers
+    mlp_lora = (
+        k.method == "lora"
+        and k.adapter_bytes != c
+        and bool(k.targets & {"gate_proj", "up_proj", "down_proj"})
+    )
+    if mlp_lora:
+        grad_flow = c * (2 * d.hidden_size + 2 * d.intermediate_size)
+    else:
+        grad_flow = c * (d.hidden_size + d.intermediate_size / 2)
+    # bitsandbytes backward dequantises the frozen weight (compute dtype) to get the input gradient
+    # (4-bit: ``dequantize_4bit``; LLM.int8: ``CB.to(dtype) * SCB / 127``)
+    dequant = 0.0
+    if k.quant_bits in (4, 8):
+        dequant = c * max((fi * fo for n, (fi, fo) in d.linear_shapes().items() if k.quantised(n)), default=0)
+    if k.quant_bits == 8 and k.device == "cuda":
+        # LLM.int8 forward temporaries of the largest projection, alive while the recomputed layer runs
+        # (bitsandbytes 0.50 CUDA ops): ``A.to(fp16)`` (2/in), ``A.abs() >= threshold`` (2 + 1 /in) and the
+        # int8 ``CA`` (1/in) during quantisation; then fp16 A + CA + the int32 product (4/out) + its
+        # dequantised output (c/out)
+        dequant += T * max(
+            (
+                max(6 * fi, 3 * fi + (4 + c) * fo)
+                for n, (fi, fo) in d.linear_shapes().items()
+                if k.quantised(n)
+            ),
+            default=0,
+        )
     if k.checkpointing:
         # backward of one recomputed layer: its saved tensors + the gradients in flight (residual stream,
         # SwiGLU branches; fp32 LoRA branches in a 16-bit model double them) + DoRA's weight-norm pass,
         # which the recompute runs again. Measured on CPU (tests/test_estimate.py): within ~3 % when this
         # phase is the peak (small vocabularies, fused cross-entropy); the loss phase is exact.
-        mlp_lora = (
-            k.method == "lora"
-            and ADAPTER_BYTES != c
-            and bool(k.targets & {"gate_proj", "up_proj", "down_proj"})
-        )
-        if mlp_lora:
-            grad_flow = c * (2 * d.hidden_size + 2 * d.intermediate_size)
-        else:
-            grad_flow = c * (d.hidden_size + d.intermediate_size / 2)
-        # bitsandbytes backward dequantises the frozen weight (compute dtype) to get the input gradient
-        dequant = 0.0
-        if k.quant_bits in (4, 8):
-            dequant = c * max(
-                (fi * fo for n, (fi, fo) in d.linear_shapes().items() if k.quantised(n)), default=0
-            )
         # full fine-tuning with tied embeddings: lm_head's weight gradient waits in autograd's input
         # buffer until the embedding's backward adds to it (it only becomes ``.grad`` at the very end)
         tied_grad = k.vocab * d.hidden_size * c if (full and d.tie_word_embeddings) else 0.0
         phases["recompute"] = (
             fixed
             + layers
-            + ((one_layer + grad_flow) * T + dora_transient + dequant) * f_layers
+            + ((one_layer + grad_flow) * T + dora_transient + dequant + mlp_transient) * f_layers
             + kept_logits
             + tied_grad
         )
+    if k.mlp_tile > 0 and not k.checkpointing:
+        # backward of a layer's tiled MLP: every layer's saved tensors + one tile's recompute + gradients in
+        # flight (the intermediate-width ones for one tile only)
+        tile_tok = min(s_len, k.mlp_tile) * b
+        inter_flow = c * (2 if mlp_lora else 0.5) * d.intermediate_size
+        flow = (grad_flow - inter_flow) * T + inter_flow * tile_tok
+        phases["mlp_tile"] = fixed + layers + attention + (flow + mlp_transient) * f_layers
     peak_phase = max(phases, key=phases.get)
+    # one layer's backward working set: with checkpointing the recomputed layer's saved tensors + the
+    # gradients in flight; without, one layer's saved tensors (freed layer by layer in backward)
+    if k.checkpointing:
+        working = (one_layer + grad_flow) * T + dequant + mlp_transient
+    else:
+        working = rest * T + per_layer_attn * T
+    # HF cross-entropy: the compute-dtype logits (and, for eager attention, the last layer's score
+    # buffers) are freed at the end of the forward; their blocks are only reused after the loss peak
+    loss_transient = 0.0
+    if not (k.liger_flce or k.unsloth or k.loss_chunk > 0):
+        loss_transient = T * V * c + (fwd_transient if k.attention == "eager" else 0.0)
     return ActivationTerms(
-        layers=layers, attention=attention, logits=logits, fixed=fixed, phases=phases, peak_phase=peak_phase
+        layers=layers,
+        attention=attention,
+        logits=logits,
+        fixed=fixed,
+        phases=phases,
+        peak_phase=peak_phase,
+        working=working,
+        loss_transient=loss_transient,
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# the CUDA caching allocator: reserved >= allocated
+#
+# What the budget (and ``hardware.emulate_cap``'s ``set_per_process_memory_fraction``) limits is the
+# caching allocator's *reserved* memory: the segments it got from ``cudaMalloc``, used or cached. PyTorch's
+# allocator (c10/cuda/CUDACachingAllocator.cpp) serves requests <= 1 MiB (kSmallSize) from 2 MiB segments
+# (kSmallBuffer), 1-10 MiB from 20 MiB segments (kLargeBuffer) and larger ones from their own segment
+# rounded up to 2 MiB (kRoundLarge); a freed block stays in the cache and is reused by a later request
+# that fits it (best fit, split), never merged across segments. So at the peak moment, reserved =
+# allocated + the cached blocks that the requests around the peak cannot use. Three terms, each tied to a
+# mechanism; the two fractions are fitted to the 2026-12-01 GPU run (tests/test_estimate_gpu.py) and are
+# the same for every config:
+#
+# * ``idle_loss``: HF cross-entropy frees the compute-dtype logits (T x V x c) at the end of the forward
+#   and the fp32 log-softmax backward needs a new T x V x 4 block, so the logits' block sits idle at the
+#   peak (eager attention: also the last layer's score buffers). Fused losses keep no such block.
+# * ``layer_cycle``: the backward walks the layers with one layer's working set (recomputed saved
+#   tensors, gradients in flight, dequantised weights), each shape a different size; the segments it
+#   leaves cannot hold the loss's T x V requests, so at an HF-loss peak (a later step) the whole set is
+#   idle; at a peak inside the backward (fused losses) about a third of it is (LAYER_CYCLE_IDLE).
+# * ``small_pool``: parameters, gradients and optimizer state under 1 MiB (LoRA A/B: r x in, out x r in
+#   fp32) live in 2 MiB small-pool segments filled in allocation order, interleaved with transient small
+#   tensors: about half a segment's worth of holes per segment's worth of live bytes (SMALL_POOL_SLACK).
+
+ALLOC_SMALL_SIZE = 1024**2  # kSmallSize: requests up to 1 MiB come from the small pool
+LAYER_CYCLE_IDLE = 0.3  # fitted: idle share of one layer's working set at a peak inside the backward
+SMALL_POOL_SLACK = 0.5  # fitted: small-pool holes per live small-pool byte
+
+
+def allocator_reserve(k: Knobs, acts: ActivationTerms, phase: str, trainable: list[TensorSpec]) -> dict:
+    """Bytes the caching allocator holds beyond the live tensors at the peak (see the note above)."""
+    hf_loss_peak = phase == "loss" and acts.loss_transient > 0
+    small = [t for t in trainable if t.numel * t.elem_bytes < ALLOC_SMALL_SIZE]
+    small_live = sum(t.nbytes for t in small) * 2 + optimizer_state_bytes(k, small)  # weight + grad + state
+    return {
+        "idle_loss": acts.loss_transient if hf_loss_peak else 0.0,
+        "layer_cycle": acts.working * (1.0 if hf_loss_peak else LAYER_CYCLE_IDLE),
+        "small_pool": SMALL_POOL_SLACK * small_live,
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -549,6 +729,7 @@ def activation_terms(k: Knobs, calib: dict | None = None) -> ActivationTerms:
 @dataclass
 class Estimate:
     peak: int
+    required: int  # what must fit under a hard cap: allocated + the reserve the allocator cannot release
     at_peak: dict[str, int]  # breakdown at the peak moment (sums to peak)
     components: dict[str, int]  # steady sizes: params, grads, optimizer, activation/logit peaks
     phases: dict[str, int]
@@ -563,7 +744,7 @@ def estimate_knobs(k: Knobs, calib: dict | None = None) -> Estimate:
     grads = sum(t.nbytes for t in trainable)
     opt = optimizer_state_bytes(k, trainable)
     workspace = optimizer_step_workspace(k, trainable)
-    acts = activation_terms(k, calib)
+    acts = activation_terms(k, calib, static=params + opt)
     L = k.dims.num_layers
 
     def grads_alive(phase: str) -> int:
@@ -578,7 +759,6 @@ def estimate_knobs(k: Knobs, calib: dict | None = None) -> Estimate:
     act_peak = acts.phases[act_phase]
     phase_a = params + opt + totals[act_phase]
     phase_b = params + opt + grads + workspace  # optimizer step (activations freed)
-    overhead = k.overhead
     if phase_a >= phase_b:
         logits_at_peak = acts.logits if act_phase == "loss" else 0.0
         at_peak = {
@@ -587,7 +767,6 @@ def estimate_knobs(k: Knobs, calib: dict | None = None) -> Estimate:
             "optimizer": opt,
             "activations": int(round(act_peak - logits_at_peak)),
             "logits": int(round(logits_at_peak)),
-            "overhead": overhead,
         }
         peak_phase = act_phase
     else:
@@ -597,13 +776,20 @@ def estimate_knobs(k: Knobs, calib: dict | None = None) -> Estimate:
             "optimizer": opt + workspace,
             "activations": 0,
             "logits": 0,
-            "overhead": overhead,
         }
         peak_phase = "optimizer_step"
+    allocated_peak = sum(at_peak.values())
+    reserve = allocator_reserve(k, acts, peak_phase, trainable) if k.allocator else {}
+    at_peak["overhead"] = int(round(sum(reserve.values())))
     peak = sum(at_peak.values())
-    no_calib = activation_terms(k, None) if calib else acts
+    no_calib = activation_terms(k, None, static=params + opt) if calib else acts
+    # Under a cap (a full card, or set_per_process_memory_fraction) a failed cudaMalloc makes the allocator
+    # release its cached free segments and retry before it raises OOM; the idle loss blocks and the
+    # layer-cycle segments are such free segments, the small-pool holes sit in segments with live blocks.
+    required = allocated_peak + int(round(reserve.get("small_pool", 0.0)))
     return Estimate(
         peak=int(peak),
+        required=int(required),
         at_peak={kk: int(v) for kk, v in at_peak.items()},
         components={
             "params": params,
@@ -614,6 +800,9 @@ def estimate_knobs(k: Knobs, calib: dict | None = None) -> Estimate:
             "activations_peak": int(round(max(acts.phases.values()))),
             "logits": int(round(acts.logits)),
             "trainable_params": sum(t.numel * t.count for t in trainable),
+            "allocated_peak": int(allocated_peak),
+            **{f"reserve_{n}": int(round(v)) for n, v in reserve.items()},
+            "cuda_context": k.overhead,
             "model_params": logical_param_count(k),
         },
         phases={kk: int(round(v)) for kk, v in acts.phases.items()},

@@ -1,4 +1,4 @@
-"""``vramsweep estimate [overrides] [--json]`` and ``vramsweep estimate --calibrate <sweep dir>``."""
+"""``vramsweep estimate [overrides] [--json] [--max-context]`` and ``vramsweep estimate --calibrate <sweep dir>``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 GIB = 1024**3
+MIB = 1024**2
 ROWS = ("params", "grads", "optimizer", "activations", "logits", "overhead")
 LABELS = {
     "params": "params (weights + quant state + adapters)",
@@ -15,7 +16,7 @@ LABELS = {
     "optimizer": "optimizer state",
     "activations": "activations (saved for backward)",
     "logits": "logits + loss",
-    "overhead": "overhead (CUDA context, allocator)",
+    "overhead": "allocator reserve (reserved - allocated)",
 }
 
 
@@ -40,7 +41,11 @@ def format_table(est: dict[str, Any], title: str = "") -> str:
     lines.append(row("peak", peak))
     if budget:
         verdict = "fits" if est["fits"] else "does NOT fit"
-        lines.append(f"budget {budget / GIB:.2f} GiB: {verdict} (headroom {(budget - peak) / GIB:+.2f} GiB)")
+        req = est.get("required_bytes", peak)
+        lines.append(
+            f"budget {budget / GIB:.2f} GiB: {verdict} (required {req / GIB:.3f} GiB, headroom "
+            f"{(budget - req) / GIB:+.2f} GiB; the reserve beyond it is released under pressure)"
+        )
     else:
         lines.append("budget: none (hardware.budget_gib=0)")
     comp = est.get("components_bytes") or {}
@@ -62,13 +67,48 @@ def format_table(est: dict[str, Any], title: str = "") -> str:
     return "\n".join(lines)
 
 
-def run_estimate(overrides: list[str], *, as_json: bool) -> int:
-    """CLI body of ``vramsweep estimate``: 0 on success, 2 on a bad override (message on stderr)."""
+def format_max_context(res: dict[str, Any], title: str = "") -> str:
+    """Human-readable answer of ``--max-context``."""
+    e, nxt = res["estimate"], res["next_estimate"]
+    budget = res["budget_bytes"]
+    lines = [title] if title else []
+    if res["max_tokens"] == 0:
+        lines.append(
+            f"max context: 0 tokens -- even 1 token needs {e['required_bytes'] / GIB:.2f} GiB "
+            f"> budget {budget / GIB:.2f} GiB"
+        )
+        return "\n".join(lines)
+    lines.append(
+        f"max context: {res['max_tokens']:,} tokens (context.max_tokens) within budget {budget / GIB:.2f} GiB"
+    )
+    lines.append(
+        f"  at {res['max_tokens']:,}: required {e['required_bytes'] / MIB:,.1f} MiB, reserved peak "
+        f"{e['peak_memory_bytes'] / MIB:,.1f} MiB (peak phase: {e['peak_phase']})"
+    )
+    if nxt is not None:
+        lines.append(
+            f"  at {res['max_tokens'] + 1:,}: required {nxt['required_bytes'] / MIB:,.1f} MiB: does not fit"
+        )
+    else:
+        lines.append(
+            f"  (the search stops at {res['upper_bound']:,} tokens: the model's max_position_embeddings)"
+        )
+    lines.append("  every micro-batch is taken to be max_tokens long (train.micro_batch sequences per step)")
+    return "\n".join(lines)
+
+
+def run_estimate(overrides: list[str], *, as_json: bool, max_context: bool = False) -> int:
+    """CLI body of ``vramsweep estimate``: 0 on success, 2 on a bad override (message on stderr).
+
+    ``max_context``: print the longest ``context.max_tokens`` whose estimate fits ``hardware.budget_gib``
+    instead of the breakdown (exit 2 without a budget).
+    """
     from vramsweep.config import ConfigError, compose
     from vramsweep.config.errors import error_line
     from vramsweep.config.preflight import check_fault_env, check_model_config
     from vramsweep.config.rules import validate
     from vramsweep.estimate import estimate
+    from vramsweep.estimate import max_context as find_max_context
 
     try:
         cfg = compose(list(overrides), validate_rules=False)
@@ -76,17 +116,37 @@ def run_estimate(overrides: list[str], *, as_json: bool) -> int:
         check_fault_env()
         if str(cfg.model.source) == "path":
             check_model_config(str(cfg.model.path))  # names the file and line of a corrupt config.json
-        est = estimate(cfg)
+        if max_context:
+            if float(cfg.hardware.budget_gib) <= 0:
+                print(
+                    error_line(
+                        "estimate",
+                        f"--max-context needs a memory budget, hardware.budget_gib={cfg.hardware.budget_gib} "
+                        f"(hardware={cfg.hardware.name}); pick a profile with one (e.g. hardware=rtx4080_16gb) "
+                        "or set hardware.budget_gib",
+                    ),
+                    file=sys.stderr,
+                )
+                return 2
+            res = find_max_context(cfg)
+        else:
+            est = estimate(cfg)
     except ConfigError as exc:
         print(error_line("estimate", str(exc)), file=sys.stderr)
         return 2
     except (OSError, KeyError, ValueError) as exc:  # anything else unreadable
         print(error_line("estimate", f"{type(exc).__name__}: {exc}"), file=sys.stderr)
         return 2
+    title = f"estimate ({' '.join(overrides) or 'defaults'}): model={cfg.model.name}, hardware={cfg.hardware.name}"
+    if max_context:
+        if as_json:
+            print(json.dumps(res, indent=2))
+        else:
+            print(format_max_context(res, title))
+        return 0
     if as_json:
         print(json.dumps(est, indent=2))
     else:
-        title = f"estimate ({' '.join(overrides) or 'defaults'}): model={cfg.model.name}, hardware={cfg.hardware.name}"
         print(format_table(est, title))
     return 0
 

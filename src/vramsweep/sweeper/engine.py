@@ -883,7 +883,7 @@ class Sweep:
         else:
             pruning = "no pruning (needs a single objective eval_loss/eval_ppl; Optuna cannot prune multi-objective)"
         how = {
-            "fork": f"fork server (preloads {', '.join(s.preload) or 'nothing'})",
+            "fork": _fork_how(s.preload),
             "spawn": "fresh interpreter",
             "inprocess": "in-process (debug)",
             "launcher": "Hydra launcher job",
@@ -987,3 +987,14 @@ def run_sweep(
     except ConfigError as exc:
         print(error_line("train", str(exc)), file=sys.stderr)
         return 2
+
+
+def _fork_how(preload: list[str]) -> str:
+    """How the fork server starts trials on this host (CUDA hosts leave out CUDA-initialising modules)."""
+    from vramsweep.sweeper.runner import effective_preload
+
+    modules, left_out = effective_preload(preload)
+    text = f"fork server (preloads {', '.join(modules) or 'nothing'}"
+    if left_out:
+        text += f"; not {', '.join(left_out)}: they initialise CUDA on import"
+    return text + ")"

@@ -3,7 +3,12 @@
 * ``fork`` (default): ``multiprocessing`` fork server whose zygote has imported torch, transformers,
   peft and the trial module once, so a trial starts in ~0.1-0.3 s instead of ~6-10 s of imports
   (``python -m vramsweep.sweeper.runner --overhead`` measures it). The sweeper process never imports
-  torch, so CUDA is never initialised in the parent.
+  torch, so CUDA is never initialised in the parent. On a CUDA host the server leaves out the modules
+  that initialise CUDA on import (:data:`CUDA_INIT_MODULES`: peft imports bitsandbytes, which queries the
+  device's compute capability); the zygote reports whether CUDA got initialised anyway, and the runner
+  then refuses to fork from it and starts trials by spawn instead (:meth:`ProcessRunner.start`). A trial
+  process that finds itself forked after CUDA was initialised fails with a clear reason (never a silent
+  CPU run, never "Cannot re-initialize CUDA").
 * ``spawn``: a cold interpreter per trial (for libraries that dislike fork).
 * ``inprocess``: the trial runs in the sweeper process (debugging; no kill or timeout protection).
 
@@ -208,7 +213,13 @@ def execute(spec: TrialSpec) -> dict[str, Any]:
         raw = preflight_result(spec) if spec.preflight else None
         if raw is None:
             fn = resolve_fn(spec.trial_fn)
-            raw = fn(list(spec.overrides), sweep=spec.sweep_name, trial=spec.number, reporter=reporter)
+            raw = fn(
+                list(spec.overrides),
+                sweep=spec.sweep_name,
+                trial=spec.number,
+                reporter=reporter,
+                design=spec.design,
+            )
         result = normalise_result(raw, sweep=spec.sweep_name, trial=spec.number, overrides=spec.overrides)
     except (KeyboardInterrupt, SystemExit) as exc:
         if isinstance(exc, KeyboardInterrupt):
@@ -259,6 +270,63 @@ def _die_with_parent(parent_pid: int, parent_ctime: float | None) -> None:
 
 SPEC_ENV = "VRAMSWEEP_TRIAL_SPEC"
 
+#: Modules that initialise CUDA when imported on a GPU host (bitsandbytes 0.50 calls
+#: ``torch.cuda.get_device_capability()`` at import; peft imports bitsandbytes when it is installed; Unsloth
+#: and Liger probe the device). A fork server on a CUDA host never preloads them.
+CUDA_INIT_MODULES = ("bitsandbytes", "peft", "unsloth", "unsloth_zoo", "liger_kernel", "trl")
+#: What a CUDA host's fork server preloads instead: the heavy, CUDA-free parts peft would have pulled in
+#: (most of peft's import time), so a trial only pays for peft's own modules and bitsandbytes.
+CUDA_SAFE_EXTRAS = ("transformers.modeling_utils", "transformers.models.auto.modeling_auto", "accelerate")
+
+
+def cuda_host() -> bool:
+    """Whether this machine has an NVIDIA GPU visible to this process, decided without touching CUDA.
+
+    ``VRAMSWEEP_CUDA_HOST=0|1`` overrides (tests); otherwise an NVIDIA driver with at least one GPU
+    (``/proc/driver/nvidia/gpus`` or ``/dev/nvidia0``) and ``CUDA_VISIBLE_DEVICES`` not empty/-1.
+    """
+    forced = os.environ.get("VRAMSWEEP_CUDA_HOST")
+    if forced is not None:
+        return forced.strip().lower() in ("1", "true", "yes")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    with contextlib.suppress(OSError):
+        if gpus.is_dir() and any(gpus.iterdir()):
+            return True
+    return Path("/dev/nvidia0").exists()
+
+
+def effective_preload(preload: list[str], *, cuda: bool | None = None) -> tuple[list[str], list[str]]:
+    """The fork server's preload for this host: ``(modules, left_out)``.
+
+    On a CUDA host the modules of :data:`CUDA_INIT_MODULES` (and their submodules) are left out and the
+    CUDA-free :data:`CUDA_SAFE_EXTRAS` added in their place (when the list asked for one of them).
+    """
+    if not (cuda_host() if cuda is None else cuda):
+        return list(preload), []
+
+    def unsafe(name: str) -> bool:
+        return any(name == m or name.startswith(m + ".") for m in CUDA_INIT_MODULES)
+
+    keep = [m for m in preload if not unsafe(m)]
+    left_out = [m for m in preload if unsafe(m)]
+    if left_out:
+        keep += [m for m in CUDA_SAFE_EXTRAS if m not in keep]
+    return keep, left_out
+
+
+def forked_after_cuda_init() -> bool:
+    """True in a process forked from a parent that had initialised CUDA (torch marks it a "bad fork")."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return bool(torch.cuda._is_in_bad_fork())
+    except Exception:
+        return False
+
 
 def save_spec(spec: TrialSpec, path: str) -> None:
     """Write a spec as JSON (launcher isolation: the job finds it through ``VRAMSWEEP_TRIAL_SPEC``)."""
@@ -300,7 +368,34 @@ def child_main(spec: TrialSpec) -> None:
         os.chdir(spec.cwd)
     if spec.log_path:
         _redirect_output(spec.log_path)
+    if forked_after_cuda_init():
+        _write_bad_fork_result(spec)
+        return
     execute(spec)
+
+
+def _write_bad_fork_result(spec: TrialSpec) -> None:
+    from vramsweep.record.result import atomic_write_json, new_result
+    from vramsweep.sweeper.outcome import normalise_result
+
+    res = normalise_result(
+        new_result(
+            status="error",
+            reason=(
+                "this trial process was forked from a process that had initialised CUDA, so it cannot use "
+                "the GPU: set hydra.sweeper.isolation=spawn, or remove the module that initialises CUDA "
+                "from hydra.sweeper.preload"
+            ),
+            sweep=spec.sweep_name,
+            trial=spec.number,
+            overrides=spec.overrides,
+        ),
+        sweep=spec.sweep_name,
+        trial=spec.number,
+        overrides=spec.overrides,
+    )
+    res, _ = finalize(res, spec, wall_s=0.0)
+    atomic_write_json(spec.result_path, res)
 
 
 def _load_child_result(path: str) -> dict[str, Any] | None:
@@ -379,29 +474,67 @@ class ProcessRunner(Runner):
         self.preload = list(preload or [])
         self.ctx = multiprocessing.get_context(method)
         self.warmup_s: float | None = None
+        #: what the fork server actually preloaded / left out / its zygote's state, and why a fork server
+        #: was refused (``None`` when it serves trials)
+        self.server_preload: list[str] = []
+        self.left_out: list[str] = []
+        self.zygote: dict[str, Any] = {}
+        self.fallback_reason: str | None = None
         self._live: set[Any] = set()
 
     def start(self) -> None:
         if self.method != "forkserver":
             return
+        import tempfile
         from multiprocessing import forkserver
 
-        global _SERVER_PRELOAD
+        global _SERVER_PRELOAD, _SERVER_STATE
         t0 = time.perf_counter()
-        if _SERVER_PRELOAD == self.preload and _forkserver_alive():
+        preload, self.left_out = effective_preload(self.preload)
+        if _SERVER_PRELOAD == preload and _forkserver_alive() and _SERVER_STATE is not None:
             self.warmup_s = 0.0  # a server with the same preload is already warm (several sweeps per process)
+            self.server_preload, self.zygote = list(preload), dict(_SERVER_STATE)
             return
         _stop_forkserver()
-        _SERVER_PRELOAD = list(self.preload)
-        os.environ["VRAMSWEEP_PRELOAD"] = ",".join(self.preload)
+        _SERVER_PRELOAD = list(preload)
+        self.server_preload = list(preload)
+        os.environ["VRAMSWEEP_PRELOAD"] = ",".join(preload)
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-        self.ctx.set_forkserver_preload(["vramsweep.sweeper.zygote"])
-        forkserver.ensure_running()
-        # The server imports the preload list before it accepts its first client: wait for it here, so
-        # trial 0 is not charged for the warm-up.
-        probe = self.ctx.Process(target=_noop, name="vramsweep-warmup")
-        probe.start()
-        probe.join()
+        fd, status_path = tempfile.mkstemp(prefix="vramsweep-zygote-", suffix=".json")
+        os.close(fd)
+        os.unlink(status_path)
+        os.environ["VRAMSWEEP_ZYGOTE_STATUS"] = status_path
+        try:
+            self.ctx.set_forkserver_preload(["vramsweep.sweeper.zygote"])
+            forkserver.ensure_running()
+            # The server imports the preload list before it accepts its first client: wait for it here, so
+            # trial 0 is not charged for the warm-up.
+            probe = self.ctx.Process(target=_noop, name="vramsweep-warmup")
+            probe.start()
+            probe.join()
+            try:
+                with open(status_path) as fh:
+                    self.zygote = json.load(fh)
+            except (OSError, ValueError):
+                self.zygote = {}
+        finally:
+            os.environ.pop("VRAMSWEEP_ZYGOTE_STATUS", None)
+            with contextlib.suppress(OSError):
+                os.unlink(status_path)
+        _SERVER_STATE = dict(self.zygote)
+        if self.zygote.get("cuda_initialised"):
+            culprit = self.zygote.get("cuda_initialised_by") or "the preload"
+            self.fallback_reason = (
+                f"importing {culprit} in the fork server initialised CUDA; a trial forked from it could not "
+                "use the GPU, so every trial starts in a fresh interpreter (spawn) instead. Remove it from "
+                "hydra.sweeper.preload to get warm starts back"
+            )
+            print(f"vramsweep: warning: {self.fallback_reason}", file=sys.stderr)
+            _stop_forkserver()
+            import multiprocessing
+
+            self.method, self.name = "spawn", "spawn"
+            self.ctx = multiprocessing.get_context("spawn")
         self.warmup_s = time.perf_counter() - t0
 
     def stop(self) -> None:
@@ -497,6 +630,7 @@ def _noop() -> None:
 
 
 _SERVER_PRELOAD: list[str] | None = None
+_SERVER_STATE: dict[str, Any] | None = None
 
 
 def _forkserver_alive() -> bool:
@@ -514,13 +648,14 @@ def _forkserver_alive() -> bool:
 
 
 def _stop_forkserver() -> None:
-    global _SERVER_PRELOAD
+    global _SERVER_PRELOAD, _SERVER_STATE
     from multiprocessing import forkserver
 
     stop = getattr(forkserver._forkserver, "_stop", None)
     if stop is not None:
         stop()
     _SERVER_PRELOAD = None
+    _SERVER_STATE = None
 
 
 def make_runner(isolation: str, preload: list[str]) -> Runner:
@@ -573,8 +708,12 @@ def measure_overhead(
         finally:
             runner.stop()
     return {
-        "isolation": isolation,
+        "isolation": getattr(runner, "name", isolation),
         "n": n,
+        "cuda_host": cuda_host(),
+        "preload": getattr(runner, "server_preload", None) or None,
+        "left_out": getattr(runner, "left_out", None) or None,
+        "fallback_reason": getattr(runner, "fallback_reason", None),
         "warmup_s": getattr(runner, "warmup_s", None),
         "per_trial_s": [round(t, 4) for t in times],
         "median_s": round(statistics.median(times), 4),

@@ -1,0 +1,97 @@
+"""Step time vs tokens: does a step's time grow with its tokens, or is a fixed per-step cost hiding?
+
+Runs the same config at a short and a long context (``--short``/``--long`` tokens per sequence),
+alternating in fresh subprocesses (``--rounds`` times) so machine load hits both alike, and prints for
+each run the step time and where the host spent it (``meta.step_phases_s``: h2d, forward, backward,
+optimizer, sync_wait, other; see ``vramsweep.measure.steps``), then the median ratio
+step(short) / step(long). For compute-bound steps the ratio approaches short/long (0.25 for 1,024 vs
+4,096); a ratio near 1 means a fixed per-step cost dominates. On CUDA, ``host_bound: true`` (the host
+barely waited for the GPU) says that cost is Python/dispatch/launch overhead, not GPU work.
+
+Goal on a GPU (issue: H200, Qwen3-8B nf4_dq + LoRA + checkpointing: 0.70 s at 1,024 vs 0.75 s at 4,096):
+step(1,024) <= 0.35 x step(4,096).
+
+Run:  python bench/step_time.py [--short 256 --long 1024] [--rounds 2] [--steps 8] [overrides ...]
+      python bench/step_time.py --short 1024 --long 4096 model=qwen3_8b quant=nf4_dq checkpointing=on \\
+          hardware=h200_141gb train.micro_batch=1          # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def one(overrides: list[str]) -> dict:
+    from vramsweep.config import compose
+    from vramsweep.trial import run_trial
+
+    res = run_trial(compose(overrides))
+    if res["status"] != "ok":
+        return {"status": res["status"], "reason": res["reason"]}
+    m = res["metrics"]
+    return {
+        "status": "ok",
+        "step_time_s": m["step_time_s"],
+        "tokens_per_s": m["tokens_per_s"],
+        "phases": res["meta"].get("step_phases_s"),
+        "device": res["meta"]["device"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--short", type=int, default=256)
+    ap.add_argument("--long", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(one(args.overrides)))
+        return 0
+    base = [f"train.steps={args.steps}", "train.eval_batches=1", "logger=none", *args.overrides]
+    runs: dict[int, list[dict]] = {args.short: [], args.long: []}
+    for r in range(args.rounds):
+        for n in (args.short, args.long) if r % 2 == 0 else (args.long, args.short):
+            over = [*base, f"context.max_tokens={n}"]
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", *over], capture_output=True, text=True, check=False
+            )
+            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
+                return 1
+            res = json.loads(line[7:])
+            runs[n].append(res)
+            ph = res.get("phases") or {}
+            print(
+                f"round {r} tokens {n:>6}: {res['status']} step {res.get('step_time_s', float('nan')):.4f} s, "
+                f"{res.get('tokens_per_s', float('nan')):,.0f} tok/s; phases "
+                + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in ph.items())
+            )
+    ok = [all(x["status"] == "ok" for x in runs[n]) for n in runs]
+    if not all(ok):
+        print("not every run finished ok: no ratio")
+        return 1
+    short = statistics.median(x["step_time_s"] for x in runs[args.short])
+    long = statistics.median(x["step_time_s"] for x in runs[args.long])
+    print(
+        f"device: {runs[args.long][0]['device']}\n"
+        f"median step time: {args.short} tokens {short:.4f} s, {args.long} tokens {long:.4f} s; "
+        f"ratio {short / long:.3f} (compute-bound ~{args.short / args.long:.2f}; goal <= 0.35 for 1,024/4,096)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

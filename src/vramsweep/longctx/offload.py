@@ -1,0 +1,164 @@
+"""Offloaded activation checkpoints: each decoder layer keeps only its input, in host memory.
+
+Plain gradient checkpointing keeps every decoder layer's input on the GPU (``layers x tokens x hidden x
+dtype``: Qwen3-8B at 65,536 tokens, 36 x 65,536 x 4,096 x 2 B = 18 GiB) and recomputes the layer in
+backward. Here each layer's input is copied to **pinned host memory on a side stream** during forward
+(the GPU copy is released once the copy is done), and in backward copied back — the next layer's input
+is **prefetched** on the side stream while the current layer recomputes — so the GPU holds about two
+layer inputs plus one layer's recompute. Unsloth's ``use_gradient_checkpointing="unsloth"`` and Arctic
+Long Sequence Training (arXiv 2506.13996) do the same.
+
+It plugs into Hugging Face's checkpointing hook: after ``model.gradient_checkpointing_enable()``,
+:func:`enable_offload` replaces each ``GradientCheckpointingLayer``'s ``_gradient_checkpointing_func``.
+Dropout in the layer (LoRA dropout) replays the same random numbers in the recompute, so gradients equal
+``checkpointing=on``'s. Trainable parameters of the layer are passed to the autograd Function so the
+first layer's adapters get gradients although its input (frozen embeddings) does not require grad.
+
+On a CPU device there is no separate device memory: the "offloaded" copy lives in the same RAM, so it
+saves nothing; it runs (for tests of equality) and the trial says so (``meta.build.offload``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class OffloadManager:
+    """Host copies of the layer inputs of one forward pass, in forward order; backward consumes them in
+    reverse and prefetches the one before."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.slots: list[list[Any] | None] = []
+        self.bytes_offloaded = 0
+        self.peak_host_bytes = 0
+        self._live_host = 0
+
+    def save(self, t: torch.Tensor) -> int:
+        if self.cuda:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+            self.stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(self.stream):
+                buf.copy_(t, non_blocking=True)
+            t.record_stream(self.stream)  # the GPU copy is not reused before the side stream read it
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        else:
+            buf, done = t.detach().clone(), None
+        nbytes = t.numel() * t.element_size()
+        self.bytes_offloaded += nbytes
+        self._live_host += nbytes
+        self.peak_host_bytes = max(self.peak_host_bytes, self._live_host)
+        self.slots.append([buf, done, None, None])  # host copy, D2H event, prefetched tensor, H2D event
+        return len(self.slots) - 1
+
+    def _prefetch(self, i: int) -> None:
+        if not self.cuda or i < 0 or i >= len(self.slots):
+            return
+        slot = self.slots[i]
+        if slot is None or slot[2] is not None:
+            return
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(slot[1])
+            slot[2] = slot[0].to(self.device, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+            slot[3] = ev
+
+    def load(self, i: int) -> torch.Tensor:
+        slot = self.slots[i]
+        assert slot is not None, f"offloaded activation {i} was already consumed"
+        if self.cuda:
+            self._prefetch(i)
+            torch.cuda.current_stream(self.device).wait_event(slot[3])
+            out = slot[2]
+            out.record_stream(torch.cuda.current_stream(self.device))
+        else:
+            out = slot[0]
+        self._live_host -= slot[0].numel() * slot[0].element_size()
+        self.slots[i] = None
+        self._prefetch(i - 1)  # the layer before runs next in backward
+        if all(s is None for s in self.slots):
+            self.slots.clear()
+        return out
+
+
+def _rng_state(device: torch.device) -> tuple:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+class _OffloadedCheckpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run, manager: OffloadManager, hidden: torch.Tensor, n_args: int, *rest):
+        args, _params = rest[:n_args], rest[n_args:]
+        ctx.run, ctx.manager, ctx.args, ctx.n_rest = run, manager, args, len(rest)
+        ctx.rng = _rng_state(hidden.device)
+        ctx.slot = manager.save(hidden.detach())
+        with torch.no_grad():
+            out = run(hidden, *args)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"checkpointing=offload expects a decoder layer returning a tensor, got {type(out)}"
+            )
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        hidden = ctx.manager.load(ctx.slot).detach()
+        want_input_grad = ctx.needs_input_grad[2]
+        hidden.requires_grad_(want_input_grad)
+        dev = hidden.device
+        with torch.enable_grad(), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            torch.set_rng_state(ctx.rng[0])
+            if ctx.rng[1] is not None:
+                torch.cuda.set_rng_state(ctx.rng[1], dev)
+            out = ctx.run(hidden, *ctx.args)
+        # Parameter gradients accumulate in .grad here; the Function returns None for the params.
+        torch.autograd.backward(out, grad)
+        return (None, None, hidden.grad if want_input_grad else None, None, *([None] * ctx.n_rest))
+
+
+def offloaded_checkpoint(manager: OffloadManager, layer: torch.nn.Module):
+    """A ``_gradient_checkpointing_func`` for ``layer``: ``fn(function, *args)`` as transformers calls it."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def checkpoint_fn(function, hidden, *args):
+        return _OffloadedCheckpoint.apply(function, manager, hidden, len(args), *args, *params)
+
+    return checkpoint_fn
+
+
+def enable_offload(model: torch.nn.Module, device: torch.device) -> dict:
+    """Switch every checkpointed layer of ``model`` (after ``gradient_checkpointing_enable``) to offloaded
+    checkpoints; returns notes for ``meta.build``. Call after the adapter is attached (the Function
+    needs each layer's trainable parameters)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    manager = OffloadManager(device)
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, GradientCheckpointingLayer)
+        and getattr(m, "gradient_checkpointing", False)
+        and hasattr(m, "_gradient_checkpointing_func")
+    ]
+    if not layers:
+        raise RuntimeError(
+            "checkpointing=offload found no checkpointed layers (gradient_checkpointing_enable did not mark "
+            "any GradientCheckpointingLayer)"
+        )
+    for layer in layers:
+        layer._gradient_checkpointing_func = offloaded_checkpoint(manager, layer)
+    model._vramsweep_offload = manager
+    return {
+        "layers": len(layers),
+        "target": "pinned host memory, side-stream copies, prefetch" if manager.cuda else "host memory",
+        "saves_device_memory": manager.cuda,
+        "note": None
+        if manager.cuda
+        else "CPU device: the offloaded copies live in the same RAM; this runs and is exact, but saves nothing",
+    }

@@ -1,0 +1,248 @@
+"""Long-context components (vramsweep.longctx): exact against the plain computation, and smaller.
+
+Tiled loss == HF's loss; tiled MLP == untiled; offloaded checkpoints == checkpointing=on (values and
+gradients, fp32 on CPU, LoRA dropout on so the RNG replay is exercised); the CPU tracker shows the drop.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vramsweep.longctx.loss import causal_lm_loss, chunked_linear_cross_entropy
+from vramsweep.longctx.mlp import TiledMLP, tile_mlps
+from vramsweep.longctx.offload import enable_offload
+from vramsweep.measure.cpu import TensorMemoryTracker
+
+pytestmark = pytest.mark.usefixtures("embedded_model_dir")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_chunked_ce_matches_cross_entropy(dtype, chunk):
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 50, 16, 97
+    hidden = torch.randn(n, h, generator=g).to(dtype).requires_grad_(True)
+    weight = torch.randn(v, h, generator=g).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[::5] = -100
+    ref = torch.nn.functional.cross_entropy((hidden @ weight.t()).float(), labels, ignore_index=-100)
+    ref.backward()
+    rh, rw = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    out = chunked_linear_cross_entropy(hidden, weight, labels, chunk_tokens=chunk)
+    (out * 2).backward()  # a non-unit upstream gradient must scale both gradients
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.item() == pytest.approx(ref.item(), rel=tol, abs=tol)
+    torch.testing.assert_close(hidden.grad.float(), 2 * rh.float(), rtol=tol * 5, atol=tol)
+    torch.testing.assert_close(weight.grad.float(), 2 * rw.float(), rtol=tol * 5, atol=tol)
+
+
+def test_chunked_ce_rejects_bad_chunk():
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        chunked_linear_cross_entropy(
+            torch.zeros(2, 2), torch.zeros(3, 2), torch.zeros(2, dtype=torch.long), chunk_tokens=0
+        )
+
+
+def _model(*overrides):
+    from vramsweep.build import build_model
+    from vramsweep.config import compose
+
+    cfg = compose(["train.dtype=fp32", "adapter.dropout=0.1", *overrides])
+    built = build_model(cfg)
+    built.model.train()
+    return built.model
+
+
+def _batch(seq=96, b=2, vocab=3072):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (b, seq), generator=g)
+    labels = ids.clone()
+    labels[:, : seq // 3] = -100  # context tokens are not targets
+    return ids, labels
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _run(model, fn, seed=123):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = fn()
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+def _same(a, b, rtol=1e-4, atol=1e-6):
+    la, ga = a
+    lb, gb = b
+    assert la.item() == pytest.approx(lb.item(), rel=1e-5)
+    assert ga.keys() == gb.keys() and ga
+    for k in ga:
+        torch.testing.assert_close(ga[k], gb[k], rtol=rtol, atol=atol, msg=k)
+
+
+def test_tiled_loss_equals_hf_loss_on_the_tiny_model():
+    model = _model()
+    ids, labels = _batch()
+    ref = _run(model, lambda: model(input_ids=ids, labels=labels).loss)
+    got = _run(model, lambda: causal_lm_loss(model, ids, None, labels, chunk_tokens=17))
+    _same(ref, got)
+
+
+def test_tiled_mlp_equals_untiled():
+    # Dropout off: tiles draw their dropout masks tile by tile (a different, equally distributed mask than
+    # one draw over the whole sequence); the recompute replays each tile's mask exactly.
+    model = _model("adapter.dropout=0.0")
+    ids, labels = _batch()
+    ref = _run(model, lambda: model(input_ids=ids, labels=labels).loss)
+    assert tile_mlps(model, 20) == 4  # 4 decoder layers
+    got = _run(model, lambda: model(input_ids=ids, labels=labels).loss)
+    _same(ref, got)
+    names = {n for n, _ in model.named_parameters()}
+    assert not any(".mlp.mlp." in n for n in names)  # module names (and PEFT adapter names) unchanged
+
+
+def test_offload_equals_checkpointing_on_with_lora_dropout():
+    model = _model("checkpointing=on")
+    ids, labels = _batch()
+    ref = _run(model, lambda: model(input_ids=ids, labels=labels).loss)
+    notes = enable_offload(model, torch.device("cpu"))
+    assert notes["layers"] == 4 and notes["saves_device_memory"] is False and "saves nothing" in notes["note"]
+    got = _run(model, lambda: model(input_ids=ids, labels=labels).loss)
+    _same(ref, got)
+    assert not model._vramsweep_offload.slots  # every offloaded input consumed by backward
+
+
+def test_offload_plus_tiling_equals_plain():
+    model = _model("checkpointing=on", "adapter.dropout=0.0")
+    ids, labels = _batch()
+    ref = _run(model, lambda: model(input_ids=ids, labels=labels).loss)
+    enable_offload(model, torch.device("cpu"))
+    tile_mlps(model, 32)
+    got = _run(model, lambda: causal_lm_loss(model, ids, None, labels, chunk_tokens=64))
+    _same(ref, got)
+
+
+def _peak(model, fn):
+    model.zero_grad(set_to_none=True)
+    tracker = TensorMemoryTracker(model)
+    with tracker:
+        fn().backward()
+    tracker.close()
+    return tracker.peak_bytes, tracker.breakdown()
+
+
+def test_tracker_shows_the_drop():
+    """Tiled loss removes the seq x vocab logits (fp32 copy + gradient); tiled MLP the seq x intermediate
+    tensors; at 512 tokens x 2 sequences on the tiny model (vocab 3072, intermediate 768)."""
+    model = _model("adapter.dropout=0.0")
+    ids, labels = _batch(seq=512)
+    plain, _ = _peak(model, lambda: model(input_ids=ids, labels=labels).loss)
+    tiled_loss, _ = _peak(model, lambda: causal_lm_loss(model, ids, None, labels, chunk_tokens=128))
+    tile_mlps(model, 128)
+    both, _ = _peak(model, lambda: causal_lm_loss(model, ids, None, labels, chunk_tokens=128))
+    logits_fp32 = 2 * 511 * 3072 * 4
+    assert plain - tiled_loss > logits_fp32, (plain, tiled_loss)
+    assert both < tiled_loss, (tiled_loss, both)
+    print(
+        f"\npeak MiB: plain {plain / 2**20:.1f}, tiled loss {tiled_loss / 2**20:.1f}, + tiled MLP {both / 2**20:.1f}"
+    )
+
+
+def test_tiled_mlp_module_wrapper_and_validation():
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    x = torch.randn(2, 33, 8, requires_grad=True)
+    ref = mlp(x)
+    ref.sum().backward()
+    gx, gw = x.grad.clone(), mlp[0].weight.grad.clone()
+    x.grad = None
+    mlp.zero_grad()
+    out = TiledMLP(mlp, 10)(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(x.grad, gx)
+    torch.testing.assert_close(mlp[0].weight.grad, gw)
+    with pytest.raises(ValueError, match="tile_tokens"):
+        TiledMLP(mlp, 0)
+
+
+# ---- the knobs: checkpointing=offload, tiling=loss|mlp|on change what runs --------------------------------
+
+
+def test_offload_knob_installs_the_offloaded_checkpoint():
+    from vramsweep.build import build_model
+    from vramsweep.config import compose
+    from vramsweep.longctx.offload import OffloadManager
+
+    built = build_model(compose(["checkpointing=offload"]))
+    assert built.notes["longctx"]["offload"]["layers"] == 4
+    assert isinstance(built.model._vramsweep_offload, OffloadManager)
+    plain = build_model(compose(["checkpointing=on"]))
+    assert "offload" not in plain.notes["longctx"]
+
+
+def test_tiling_knob_lowers_the_trial_peak(tmp_path):
+    from conftest import FAST
+    from vramsweep.config import compose
+    from vramsweep.trial import run_trial
+
+    def trial(name, *over):
+        ov = [*FAST, "context.max_tokens=256", "train.micro_batch=2", f"results_dir={tmp_path / name}", *over]
+        return run_trial(compose(ov), overrides=ov)
+
+    off = trial("off")
+    on = trial("on", "tiling=on", "tiling.loss_chunk_tokens=64", "tiling.mlp_tile_tokens=64")
+    assert off["status"] == on["status"] == "ok", (off["reason"], on["reason"])
+    assert on["meta"]["build"]["longctx"]["mlp_tiles"]["layers"] == 4
+    assert on["metrics"]["peak_memory_bytes"] < 0.8 * off["metrics"]["peak_memory_bytes"]
+    # same model, same data, same seed: the loss the loop sees is the same function
+    assert on["metrics"]["initial_eval_loss"] == pytest.approx(off["metrics"]["initial_eval_loss"], rel=1e-6)
+    assert on["metrics"]["train_loss"] == pytest.approx(off["metrics"]["train_loss"], rel=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["checkpointing=offload", "checkpointing.use_reentrant=true"], "checkpointing.use_reentrant"),
+        (["checkpointing=off", "checkpointing.offload=true"], "checkpointing"),
+        (["tiling.loss_chunk_tokens=-1"], "tiling.loss_chunk_tokens"),
+        (["tiling.mlp_tile_tokens=1.5"], "tiling.mlp_tile_tokens"),
+    ],
+)
+def test_longctx_rules(overrides, key):
+    from vramsweep.config import ConfigError, compose
+
+    with pytest.raises(ConfigError) as err:
+        compose(overrides)
+    assert err.value.key == key
+
+
+def test_unsloth_with_tiling_refused():
+    from vramsweep.config import compose
+    from vramsweep.config.rules import ConfigError, _rules_combinations
+
+    cfg = compose(["kernels=unsloth", "tiling=on"], validate_rules=False)
+    with pytest.raises(ConfigError, match="kernels=unsloth"):
+        _rules_combinations(cfg)
+
+
+def test_adapter_dtype_compute_keeps_adapters_in_bf16_and_drops_fp32_input_copies():
+    """adapter.dtype=compute: LoRA weights in the compute dtype, so PEFT no longer keeps an fp32 copy of each
+    adapted projection's input for backward (the dominant activation term at long context)."""
+    from vramsweep.build import build_model
+    from vramsweep.config import compose
+
+    peaks, dtypes = {}, {}
+    ids, labels = _batch(seq=256)
+    for mode in ("fp32", "compute"):
+        built = build_model(compose([f"adapter.dtype={mode}"]))  # default train.dtype=bf16
+        model = built.model
+        model.train()
+        dtypes[mode] = {p.dtype for p in model.parameters() if p.requires_grad}
+        peaks[mode], bd = _peak(model, lambda m=model: m(input_ids=ids, labels=labels).loss)
+        peaks[mode] = bd["activations"]
+    assert dtypes == {"fp32": {torch.float32}, "compute": {torch.bfloat16}}
+    assert peaks["compute"] < 0.8 * peaks["fp32"], peaks
