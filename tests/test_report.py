@@ -243,7 +243,7 @@ def test_report_writes_md_csv_plots_and_prints_main_table(tmp_path: Path, capsys
     out = capsys.readouterr().out
     assert "## One-factor ablation" in out
     assert "| quant=nf4 " in out and "-39.6" in out
-    assert "best eval_loss (minimize): trial 0 = 2.0000" in out
+    assert "best eval_loss (minimize): trial 0000 = 2.0000" in out
     for name in (
         "ablation.md",
         "ablation.csv",
@@ -546,7 +546,7 @@ def test_pick_never_picks_infeasible_and_breaks_ties(tmp_path: Path, monkeypatch
     folder = write_sweep(tmp_path / "sw", res, budget_gib=16)
     assert run_pick(str(folder), budget_gib=16, conf_dir=str(conf)) == 0
     out = capsys.readouterr().out
-    assert out.startswith("Picked trial 2 of syn for 16 GiB (prefer quality)")
+    assert out.startswith("Picked trial 0002 of syn for 16 GiB (prefer quality)")
     exp = (conf / "experiment" / "syn_16gib.yaml").read_text()
     assert exp.splitlines()[0] == "# @package _global_" and "trial 2 of sweep 'syn'" in exp
     assert "vramsweep train +experiment=syn_16gib" in out

@@ -254,7 +254,7 @@ def test_stale_trial_with_a_result_file_is_told_from_it_not_rerun(tmp_path):
         (["adapter.r=choice(8,abc)"], "adapter.r"),
         (["train.lr=choice(0.001,5.0)"], "train.lr"),
         (["sweep=quant", "sweep.factors=[['quant=nf5']]"], "quant=nf5"),
-        (["quant=nf5", "adapter.r=8,16"], "quant/nf5"),  # Hydra: unknown option of a fixed override
+        (["quant=nf5", "adapter.r=8,16"], "quant=nf5"),  # Hydra: unknown option of a fixed override
         (["adapter.r=choice(8,16"], "choice(8,16"),  # Hydra: syntax
         (["quant=none,nf4", "hydra.sweeper.sampler=simulated_annealing"], "hydra.sweeper.sampler"),
         (["quant=none,nf4", "hydra.sweeper.objectives=[vram]"], "vram"),

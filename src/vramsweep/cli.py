@@ -36,8 +36,11 @@ def _groups_text() -> str:
     return "\n".join(lines)
 
 
-def _err(msg: str) -> int:
-    print(f"vramsweep: error: {msg}", file=sys.stderr)
+def _err(msg: str, verb: str = "train") -> int:
+    """One error style for every verb: ``vramsweep <verb>: error: <one line>``; exit code 2."""
+    from vramsweep.config.errors import error_line
+
+    print(error_line(verb, msg), file=sys.stderr)
     return 2
 
 
@@ -64,10 +67,46 @@ def _hydra_flags(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     return flags
 
 
+def _human(v: float | None, fmt: str, unit: str = "") -> str:
+    return "n/a" if v is None else format(v, fmt) + unit
+
+
+def print_result(res: dict, path: object) -> None:
+    """The end-of-trial summary of ``vramsweep train`` (no ``n/a MiB (None)``: absent values say so)."""
+    from vramsweep.sweeper.progress import status_label
+
+    m = res["metrics"]
+    print(f"status: {status_label(res)}" + (f" ({res['reason']})" if res.get("reason") else ""))
+    peak = m.get("peak_memory_bytes")
+    if peak:
+        kind = f" ({m['memory_kind']})" if m.get("memory_kind") else ""
+        print(f"peak memory: {peak / 2**20:.1f} MiB{kind}")
+    else:
+        print("peak memory: not measured")
+    bd = m.get("memory_breakdown_bytes") or {}
+    if bd:
+        print("  breakdown: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in bd.items()))
+    if m.get("tokens_per_s") is not None or m.get("step_time_s") is not None:
+        print(
+            f"tokens/s: {_human(m.get('tokens_per_s'), '.1f')}   step time: {_human(m.get('step_time_s'), '.3f', ' s')}"
+            f"   mfu: {_human(m.get('mfu'), '.3f')}"
+        )
+    if m.get("eval_loss") is not None or m.get("initial_eval_loss") is not None:
+        print(
+            f"eval loss: {_human(m.get('initial_eval_loss'), '.4f')} -> {_human(m.get('eval_loss'), '.4f')}"
+            f"   ppl: {_human(m.get('eval_ppl'), '.2f')}   task score: {_human(m.get('task_score'), '.3f')}"
+        )
+    est = res.get("estimate") or {}
+    if est.get("peak_memory_bytes"):
+        print(f"estimate: {est['peak_memory_bytes'] / 2**20:.1f} MiB")
+    print(f"result: {path}")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     flags = _hydra_flags(args, overrides)
     from vramsweep.config import ConfigError, compose
+    from vramsweep.config.preflight import check_named_options, preflight
 
     try:
         from vramsweep.sweeper.multirun import check_option_names, run_multirun
@@ -82,7 +121,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         return run_multirun(overrides, flags=flags, multirun=bool(args.multirun))
 
     try:
+        check_named_options(overrides)
         cfg = compose(overrides, validate_rules=True)
+        if not args.cfg:
+            preflight(cfg, overrides=overrides)  # before any model is built or any file written
     except ConfigError as exc:
         return _err(str(exc))
     if flags:
@@ -94,27 +136,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     path = default_result_path(cfg, overrides)
     res = run_trial(cfg, result_path=path, overrides=overrides)
-    m = res["metrics"]
-
-    def f(v, fmt):
-        return "n/a" if v is None else format(v, fmt)
-
-    print(f"status: {res['status']}" + (f" ({res['reason']})" if res.get("reason") else ""))
-    peak = m.get("peak_memory_bytes")
-    print(f"peak memory: {f(peak / 2**20 if peak else None, '.1f')} MiB ({m.get('memory_kind')})")
-    bd = m.get("memory_breakdown_bytes") or {}
-    if bd:
-        print("  breakdown: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in bd.items()))
-    print(
-        f"tokens/s: {f(m.get('tokens_per_s'), '.1f')}   step time: {f(m.get('step_time_s'), '.3f')} s   mfu: {f(m.get('mfu'), '.3f')}"
-    )
-    print(
-        f"eval loss: {f(m.get('initial_eval_loss'), '.4f')} -> {f(m.get('eval_loss'), '.4f')}   ppl: {f(m.get('eval_ppl'), '.2f')}   task score: {f(m.get('task_score'), '.3f')}"
-    )
-    est = res.get("estimate") or {}
-    if est.get("peak_memory_bytes"):
-        print(f"estimate: {est['peak_memory_bytes'] / 2**20:.1f} MiB")
-    print(f"result: {path}")
+    print_result(res, path)
     return 0 if res["status"] in ("ok",) else 1
 
 
@@ -122,7 +144,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     try:
         from vramsweep.estimate import run_calibrate, run_estimate
     except ImportError as exc:
-        return _err(f"the estimator is not available: {exc}")
+        return _err(f"the estimator is not available: {exc}", "estimate")
     if args.calibrate:
         return run_calibrate(args.calibrate)
     return run_estimate(list(args.overrides), as_json=args.json, max_context=args.max_context)
@@ -132,7 +154,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     try:
         from vramsweep.report import run_report
     except ImportError as exc:
-        return _err(f"reports are not available: {exc}")
+        return _err(f"reports are not available: {exc}", "report")
     return run_report(args.target, study=args.study, out_dir=args.out, wandb=args.wandb)
 
 
@@ -140,7 +162,7 @@ def cmd_pick(args: argparse.Namespace) -> int:
     try:
         from vramsweep.report import run_pick
     except ImportError as exc:
-        return _err(f"pick is not available: {exc}")
+        return _err(f"pick is not available: {exc}", "pick")
     return run_pick(
         args.target,
         budget_gib=args.budget_gib,

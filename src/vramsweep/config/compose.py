@@ -68,10 +68,23 @@ def _translate_hydra_error(exc: Exception) -> ConfigError:
     cause = exc.__cause__
     cause_line = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
     # Unknown option in a group: "Could not find 'quant/nf5'" -> name the group's options.
-    m = re.search(r"Could not find '([\w/]+)/([\w.\-]+)'", text)
+    m = re.search(r"Could not find '([\w/]+)/([\w.\-]*)'", text)
     if m:
         group, opt = m.group(1), m.group(2)
-        return ConfigError(f"unknown option {group}={opt}", key=group, allowed=list_options(group))
+        allowed = [o for o in list_options(group) if not o.startswith("base_")]
+        if not opt:
+            return ConfigError(f"{group}= needs an option", key=group, allowed=allowed)
+        return ConfigError(f"unknown option {group}={opt}", key=group, allowed=allowed)
+    m = re.search(r"Error parsing override '([^']*)'", text)
+    if m:
+        from vramsweep.config.errors import one_line
+
+        ov = m.group(1)
+        why = one_line(cause_line or text.split(m.group(0), 1)[-1])
+        why = re.sub(r"^ValueError while evaluating '[^']*': ", "", why)
+        if why.startswith("Error parsing override"):
+            why = "syntax error"
+        return ConfigError(f"cannot parse override {ov!r}: {why}", key=ov.partition("=")[0].lstrip("+~"))
     m = re.search(r"Could not override '([\w.]+)'", text)
     if m:
         key = m.group(1)
@@ -82,7 +95,24 @@ def _translate_hydra_error(exc: Exception) -> ConfigError:
     if m:
         key = m.group(1)
         return ConfigError(f"bad value for {key}={m.group(2)}: {cause_line}", key=key)
-    return ConfigError(f"invalid config: {text}" + (f": {cause_line}" if cause_line else ""))
+    from vramsweep.config.errors import one_line
+
+    return ConfigError(one_line(f"invalid config: {text}" + (f": {cause_line}" if cause_line else "")))
+
+
+def check_deletions(overrides: list[str] | tuple[str, ...]) -> None:
+    """``~quant`` (delete a config group) is refused: every group in the defaults list is required."""
+    from vramsweep.config.schema import CONFIG_GROUPS
+
+    for ov in overrides:
+        if ov.startswith("~"):
+            key = ov[1:].partition("=")[0]
+            if key in CONFIG_GROUPS:
+                raise ConfigError(
+                    f"{ov}: the {key} group is required and cannot be removed; choose an option with {key}=<option>",
+                    key=key,
+                    allowed=[o for o in list_options(key) if not o.startswith("base_")],
+                )
 
 
 def compose(overrides: list[str] | tuple[str, ...] = (), *, validate_rules: bool = True) -> DictConfig:
@@ -98,6 +128,7 @@ def compose(overrides: list[str] | tuple[str, ...] = (), *, validate_rules: bool
 
     from vramsweep.config.schema import register_configs
 
+    check_deletions(overrides)
     register_configs()
     GlobalHydra.instance().clear()
     try:

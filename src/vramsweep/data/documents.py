@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -139,6 +138,17 @@ def normalize_document(obj: Any, *, default_id: str) -> dict[str, Any]:
     return {**obj, "id": doc_id, "title": title, "sections": norm_sections, "facts": norm_facts}
 
 
+def _guess_encoding(raw: bytes) -> str | None:
+    """A likely legacy encoding for a line that is not UTF-8 (named in the error), or ``None``."""
+    for enc in ("cp1252", "latin-1"):
+        try:
+            raw.decode(enc)
+            return "Windows-1252/Latin-1" if enc == "cp1252" else "Latin-1"
+        except UnicodeDecodeError:
+            continue
+    return None
+
+
 def load_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Read documents from a JSONL file (format in the module docstring).
 
@@ -150,9 +160,26 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     p = Path(path)
     docs: list[dict[str, Any]] = []
     seen: dict[str, int] = {}
-    with p.open("r", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    blank = 0
+    with p.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]  # a UTF-8 byte-order mark
+            elif lineno == 1 and raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+                raise ValueError(
+                    f"{p}:1: the file is UTF-16 (byte-order mark {raw[:2].hex()}); save it as UTF-8"
+                )
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                guess = _guess_encoding(raw)
+                raise ValueError(
+                    f"{p}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                    + (f"; it looks like {guess}" if guess else "")
+                    + ": save the file as UTF-8"
+                ) from None
             if not line.strip():
+                blank += 1
                 continue
             try:
                 obj = json.loads(line)
@@ -169,7 +196,8 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             seen[doc["id"]] = lineno
             docs.append(doc)
     if not docs:
-        raise ValueError(f"{p}:1: no documents (the file is empty)")
+        what = f"only {blank} blank line(s)" if blank else "the file is empty"
+        raise ValueError(f"{p}:1: no documents ({what})")
     return docs
 
 
@@ -187,13 +215,6 @@ def write_jsonl(docs: Iterable[dict[str, Any]], path: str | os.PathLike[str]) ->
         except ValueError as e:
             raise ValueError(f"document {i}: {e}") from None
         lines.append(json.dumps(doc, ensure_ascii=False, separators=(",", ":")))
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write("".join(f"{line}\n" for line in lines))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from vramsweep.record.result import atomic_write_text
+
+    atomic_write_text(p, "".join(f"{line}\n" for line in lines))

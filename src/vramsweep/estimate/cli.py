@@ -104,6 +104,8 @@ def run_estimate(overrides: list[str], *, as_json: bool, max_context: bool = Fal
     instead of the breakdown (exit 2 without a budget).
     """
     from vramsweep.config import ConfigError, compose
+    from vramsweep.config.errors import error_line
+    from vramsweep.config.preflight import check_fault_env, check_model_config
     from vramsweep.config.rules import validate
     from vramsweep.estimate import estimate
     from vramsweep.estimate import max_context as find_max_context
@@ -111,12 +113,18 @@ def run_estimate(overrides: list[str], *, as_json: bool, max_context: bool = Fal
     try:
         cfg = compose(list(overrides), validate_rules=False)
         validate(cfg, machine=False)  # a GPU config is estimated on any machine
+        check_fault_env()
+        if str(cfg.model.source) == "path":
+            check_model_config(str(cfg.model.path))  # names the file and line of a corrupt config.json
         if max_context:
             if float(cfg.hardware.budget_gib) <= 0:
                 print(
-                    f"error: --max-context needs a memory budget, hardware.budget_gib={cfg.hardware.budget_gib} "
-                    f"(hardware={cfg.hardware.name}); pick a profile with one (e.g. hardware=rtx4080_16gb) or set "
-                    "hardware.budget_gib",
+                    error_line(
+                        "estimate",
+                        f"--max-context needs a memory budget, hardware.budget_gib={cfg.hardware.budget_gib} "
+                        f"(hardware={cfg.hardware.name}); pick a profile with one (e.g. hardware=rtx4080_16gb) "
+                        "or set hardware.budget_gib",
+                    ),
                     file=sys.stderr,
                 )
                 return 2
@@ -124,10 +132,10 @@ def run_estimate(overrides: list[str], *, as_json: bool, max_context: bool = Fal
         else:
             est = estimate(cfg)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line("estimate", str(exc)), file=sys.stderr)
         return 2
-    except (OSError, KeyError, ValueError) as exc:  # e.g. unreadable model.path/config.json
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except (OSError, KeyError, ValueError) as exc:  # anything else unreadable
+        print(error_line("estimate", f"{type(exc).__name__}: {exc}"), file=sys.stderr)
         return 2
     title = f"estimate ({' '.join(overrides) or 'defaults'}): model={cfg.model.name}, hardware={cfg.hardware.name}"
     if max_context:
@@ -168,7 +176,7 @@ def run_calibrate(sweep_dir: str) -> int:
 
     d = Path(sweep_dir)
     if not d.is_dir():
-        print(f"error: {sweep_dir} is not a folder", file=sys.stderr)
+        print(f"vramsweep estimate: error: --calibrate {sweep_dir} is not a folder", file=sys.stderr)
         return 2
     results = _load_results(d)
     results_dir = d.parent.parent if d.parent.name == "sweeps" else d
@@ -198,6 +206,6 @@ def run_calibrate(sweep_dir: str) -> int:
         )
         done += 1
     if not done:
-        print(f"error: no usable trials in {sweep_dir}", file=sys.stderr)
+        print(f"vramsweep estimate: error: --calibrate: no usable trials in {sweep_dir}", file=sys.stderr)
         return 1
     return 0

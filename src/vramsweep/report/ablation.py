@@ -11,6 +11,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from vramsweep.config.errors import error_line
 from vramsweep.record.result import atomic_write_text
 from vramsweep.report.importance import Importances, compute_importances
 from vramsweep.report.load import ReportError, SweepData, load_sweep, safe_url
@@ -37,7 +38,8 @@ def summary_line(sweep: SweepData) -> str:
     budget = sweep.budget_gib
     feasible = sum(sweep.feasible(t) for t in sweep.trials)
     btxt = f"budget {budget:g} GiB" if budget is not None else "no memory budget"
-    return f"{sweep.name}: {len(sweep.trials)} trials ({parts}); {btxt}; {feasible} feasible"
+    n = len(sweep.trials)
+    return f"{sweep.name}: {n} trial{'' if n == 1 else 's'} ({parts}); {btxt}; {feasible} feasible"
 
 
 def importance_table(imps: Importances) -> Table | None:
@@ -139,8 +141,11 @@ def run_report(
     try:
         sweep = load_sweep(target, study=study)
     except ReportError as exc:
-        print(f"vramsweep report: {exc}", file=sys.stderr)
+        print(error_line("report", str(exc)), file=sys.stderr)
         return 2
+    for n in sweep.notes:  # torn or unreadable inputs are said on the terminal, not only in ablation.md
+        if "unreadable" in n or "not a result object" in n or "study database not used" in n:
+            print(f"vramsweep report: warning: {n}", file=sys.stderr)
     if not sweep.trials:
         where = sweep.folder if sweep.folder is not None else safe_url(target)
         what = (
@@ -156,7 +161,7 @@ def run_report(
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        print(f"vramsweep report: cannot create output folder {out}: {exc}", file=sys.stderr)
+        print(error_line("report", f"cannot create output folder {out}: {exc}"), file=sys.stderr)
         return 2
     report = build_report(sweep)
     imps = report.importances if report.importances is not None else Importances()
@@ -168,7 +173,7 @@ def run_report(
         atomic_write_text(md_path, render_markdown(report, plots, target=target))
         atomic_write_text(csv_path, csv_text(tables))
     except OSError as exc:
-        print(f"vramsweep report: cannot write to {out}: {exc}", file=sys.stderr)
+        print(error_line("report", f"cannot write to {out}: {exc}"), file=sys.stderr)
         return 2
 
     main = report.main
@@ -182,18 +187,20 @@ def run_report(
     for r in best.rows:
         if r["trial"] is not None:
             print(
-                f"best {r['objective']} ({r['direction']}): trial {r['trial']} = "
+                f"best {r['objective']} ({r['direction']}): trial {r['trial']:04d} = "
                 f"{best.columns[3].cell(r)}  [{r['knobs']}]"
             )
     objs = ", ".join(f"{m} {'min' if d == 'minimize' else 'max'}" for m, d in sweep.objectives)
-    print(f"Pareto front (feasible; {objs}): " + (", ".join(f"#{t.number}" for t in front) or "empty"))
+    print(
+        f"Pareto front (feasible; {objs}): " + (", ".join(f"trial {t.number:04d}" for t in front) or "empty")
+    )
     n_fail = len(report.tables["failures"].rows)
     if n_fail:
         print(f"{n_fail} failed or infeasible trial(s): see 'Failures' in {md_path}")
     if wandb:
         where, warning = _log_wandb(report, plots, out)
         if warning:
-            print(f"warning: {warning}", file=sys.stderr)
+            print(f"vramsweep report: warning: {warning}", file=sys.stderr)
         else:
             print(f"W&B summary run: {where}")
     files = [md_path, csv_path] + plots

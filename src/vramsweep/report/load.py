@@ -383,7 +383,7 @@ def _load_result_files(folder: Path, notes: list[str]) -> dict[int, TrialRecord]
             notes.append(f"skipped {path.name}: no trial number")
             continue
         if rec.number in out:
-            notes.append(f"trial {rec.number}: duplicate result {path.name} ignored")
+            notes.append(f"trial {rec.number:04d}: duplicate result {path.name} ignored")
             continue
         out[rec.number] = rec
     return out
@@ -586,12 +586,17 @@ def _load_folder(folder: Path, study: str | None) -> SweepData:
             if added:
                 notes.append(
                     f"{len(added)} trial(s) without a result JSON taken from the study "
-                    f"({', '.join(f'#{n}' for n in sorted(added))})"
+                    f"({', '.join(f'{n:04d}' for n in sorted(added))})"
                 )
             storage = url
         except ReportError as exc:
             if study is not None:
                 raise
+            if str(exc).startswith("cannot open storage"):  # not a database at all (garbage, torn copy)
+                raise ReportError(
+                    f"{db if db.is_file() else safe_url(url)} is not a readable Optuna study database ({exc}); "
+                    "move it aside to report from the result JSONs alone"
+                ) from exc
             notes.append(f"study database not used: {exc}")
     elif study is not None:
         raise ReportError(f"--study {study!r} given but {folder} has no study database")

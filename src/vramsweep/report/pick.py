@@ -364,7 +364,9 @@ def default_name(sweep_name: str, budget_gib: float) -> str:
 
 
 def _err(msg: str) -> int:
-    print(f"vramsweep pick: {msg}", file=sys.stderr)
+    from vramsweep.config.errors import error_line
+
+    print(error_line("pick", msg), file=sys.stderr)
     return 2
 
 
@@ -443,14 +445,14 @@ def run_pick(
     try:
         spec = build_experiment(winner, conf)
     except ReportError as exc:
-        return _err(f"cannot pin trial {winner.number}: {exc}")
+        return _err(f"cannot pin trial {winner.number:04d}: {exc}")
     warnings: list[str] = []
     if spec.skipped:
         warnings.append(
             "not pinned (unknown to this conf, so this checkout cannot set them): " + ", ".join(spec.skipped)
         )
     if not winner.config:
-        warnings.append(f"trial {winner.number} has no recorded config: pinned from its overrides only")
+        warnings.append(f"trial {winner.number:04d} has no recorded config: pinned from its overrides only")
     if winner.memory_kind == "cpu_tracked":
         warnings.append(
             "peak measured on CPU (tracked tensors): a GPU adds CUDA context and allocator slack; "
@@ -479,7 +481,7 @@ def run_pick(
     except ReportError as exc:
         exp_path.unlink(missing_ok=True)
         print(
-            f"vramsweep pick: the experiment for trial {winner.number} does not compose, removed {exp_path}: {exc}",
+            f"vramsweep pick: error: the experiment for trial {winner.number:04d} does not compose, removed {exp_path}: {exc}",
             file=sys.stderr,
         )
         return 1
@@ -508,13 +510,13 @@ def run_pick(
         return _err(f"cannot write {prod_path}: {exc}")
 
     print(
-        f"Picked trial {winner.number} of {sweep.name} for {budget_gib:g} GiB (prefer {prefer}): "
+        f"Picked trial {winner.number:04d} of {sweep.name} for {budget_gib:g} GiB (prefer {prefer}): "
         f"peak {winner.peak_gib:.4f} GiB (headroom {budget_gib - winner.peak_gib:.4f} GiB), "
         f"{fmt(winner.tokens_per_s, '.1f') or 'n/a'} tokens/s, eval loss {fmt(winner.eval_loss, '.4f') or 'n/a'}"
     )
     print(candidates_table(sweep, ranked, budget_gib).markdown())
     for w in warnings:
-        print(f"warning: {w}", file=sys.stderr)
+        print(f"vramsweep pick: warning: {w}", file=sys.stderr)
     print(f"{'overwrote' if existed else 'wrote'} {exp_path}")
     print(f"wrote {prod_path}")
     print(f"train it: {TRAIN_COMMAND.format(name=name)}")
@@ -532,7 +534,7 @@ def _nothing_fits(
         return _err(f"no trial results in {where}: nothing to pick from")
     near = closest(sweep, limit, min_tokens_per_s)
     print(
-        f"vramsweep pick: nothing fits {cond}: {len(sweep.trials)} trial(s), "
+        f"vramsweep pick: error: nothing fits {cond}: {len(sweep.trials)} trial(s), "
         f"{sum(t.ok for t in sweep.trials)} ok; nothing written.",
         file=sys.stderr,
     )

@@ -607,7 +607,7 @@ def best_table(sweep: SweepData) -> Table:
     objs = ", ".join(f"{m} {'↓' if d == 'minimize' else '↑'}" for m, d in sweep.objectives)
     intro = (
         f"Feasible trials only ({len(feasible)} of {len(sweep.trials)}). "
-        f"Pareto front over {objs}: " + (", ".join(f"#{t.number}" for t in front) or "empty") + "."
+        f"Pareto front over {objs}: " + (", ".join(f"trial {t.number:04d}" for t in front) or "empty") + "."
     )
     return Table(
         "best",

@@ -33,7 +33,7 @@ from typing import Any
 from vramsweep.config.compose import ConfigError
 from vramsweep.sweeper.design import DesignPoint, build_design, design_choices
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY, Outcome, user_attrs
-from vramsweep.sweeper.progress import Progress, trial_line
+from vramsweep.sweeper.progress import Progress, fmt_override, plural, trial_line
 from vramsweep.sweeper.runner import RunReport, TrialSpec, _load_child_result, make_runner
 from vramsweep.sweeper.settings import Settings, resolve_settings
 from vramsweep.sweeper.space import (
@@ -49,6 +49,7 @@ from vramsweep.sweeper.storage import (
     COPY_OF,
     FINGERPRINT,
     HEARTBEAT,
+    LOST,
     OWNER,
     RETRIES,
     RETRY_OF,
@@ -57,6 +58,7 @@ from vramsweep.sweeper.storage import (
     load_or_create_study,
     pop_slot,
     process_identity,
+    requeue_lost,
     storage_lock,
     top_up,
     trial_counts,
@@ -89,6 +91,7 @@ class Job:
     duplicate_of: int | None = None
     source: dict[str, Any] | None = None
     dup_streak: int = 0
+    retries: int = 0  # how many earlier trials of this point were lost (dead worker, Ctrl-C)
 
 
 @dataclass
@@ -183,6 +186,7 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
     make_pruner(settings.pruner, active=True)
     if (
         settings.pruning_active
+        and _pruner_chosen(settings)
         and int(base.train.eval_every) == 0
         and not any(override_key(o) == "train.eval_every" for d in (design or []) for o in d.overrides)
     ):
@@ -287,6 +291,14 @@ def _space_text(d: dict[str, Any] | None) -> str:
 
 def _point_key(params: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((str(k), repr(v)) for k, v in params.items()))
+
+
+def _pruner_chosen(settings: Settings) -> bool:
+    """Whether the user chose the pruner (a warning about it is actionable); the default one on a
+    default search without intermediate evals simply never prunes, which is fine."""
+    from vramsweep.sweeper.settings import SweeperConf
+
+    return settings.pruner != SweeperConf.pruner
 
 
 def _wall(result: dict[str, Any], fallback: float) -> float:
@@ -485,6 +497,7 @@ class Sweep:
                     },
                 )
             self.reconcile()
+            self._requeue_lost()
             added = top_up(self.study, self.plan.n_total, self._slot_attrs)
         counts = trial_counts(self.study)
         done = sum(v for k, v in counts.items() if k in ("COMPLETE", "PRUNED", "FAIL"))
@@ -512,8 +525,6 @@ class Sweep:
     def _reap(self, t: Any, now: float) -> None:
         import optuna
 
-        from vramsweep.sweeper.runner import parent_side_result
-
         trial = optuna.Trial(self.admin, t._trial_id)
         data = _load_child_result(str(self.result_path(t.number)))
         for tmp in self.trials_dir.glob(f".{t.number:04d}.json.*.tmp"):
@@ -528,33 +539,14 @@ class Sweep:
             return
         slot = t.system_attrs.get(SLOT)
         retries = int(t.system_attrs.get(RETRIES, 0))
-        will_retry = slot is not None and retries < self.s.retry_stale
         owner = t.system_attrs.get(OWNER) or {}
         beat = t.system_attrs.get(HEARTBEAT)
         age = f"{now - float(beat):.0f} s ago" if beat else "never"
+        will_retry = self._retry_lost(self.admin, t, retries)
         reason = (
             f"stale: the worker running this trial died (host {owner.get('host', '?')} pid {owner.get('pid', '?')}, "
-            f"last heartbeat {age})"
-            + ("; its config is retried once" if will_retry else "; not retried again")
+            f"last heartbeat {age}); {self._retry_note(retries, will_retry)}"
         )
-        if will_retry:
-            from optuna.trial import TrialState, create_trial
-
-            self.admin.add_trial(
-                create_trial(
-                    state=TrialState.WAITING,
-                    system_attrs={
-                        "fixed_params": dict(t.params),
-                        SLOT: slot,
-                        RETRY_OF: t.number,
-                        RETRIES: retries + 1,
-                    },
-                    user_attrs={
-                        "retry_of": t.number,
-                        **({"design": t.user_attrs["design"]} if "design" in t.user_attrs else {}),
-                    },
-                )
-            )
         spec = self._spec_for(
             t.number,
             t._trial_id,
@@ -564,12 +556,88 @@ class Sweep:
             t.system_attrs.get(RETRY_OF),
             worker=0,
         )
-        res = parent_side_result(spec, reason, 0.0)
+        res = self._lost_result(spec, reason, retries, t._trial_id)
         self._tell(self.admin, trial, res, Outcome.from_dict(res["meta"]["optuna"]))
         self._say(
             f"vramsweep: trial {t.number:04d} was left RUNNING by a dead worker: failed"
-            + (" and re-enqueued" if will_retry else "")
+            + (
+                f" and re-enqueued (retry {retries + 1}/{self.s.retry_stale})"
+                if will_retry
+                else "; not retried again"
+            )
         )
+
+    # ------------------------------------------------------------------ lost points (dead worker, Ctrl-C)
+    def _retry_lost(self, study: Any, t: Any, retries: int) -> bool:
+        """Re-enqueue a lost trial's point into its slot when it has retries left; whether it did."""
+        from optuna.trial import TrialState, create_trial
+
+        slot = t.system_attrs.get(SLOT)
+        if slot is None or retries >= self.s.retry_stale:
+            return False
+        study.add_trial(
+            create_trial(
+                state=TrialState.WAITING,
+                system_attrs={
+                    "fixed_params": dict(t.params),
+                    SLOT: slot,
+                    RETRY_OF: t.number,
+                    RETRIES: retries + 1,
+                },
+                user_attrs={
+                    "retry_of": t.number,
+                    "retries": retries + 1,
+                    **({"design": t.user_attrs["design"]} if "design" in t.user_attrs else {}),
+                },
+            )
+        )
+        return True
+
+    def _retry_note(self, retries: int, will_retry: bool) -> str:
+        n = self.s.retry_stale
+        if will_retry:
+            return f"its config is retried ({retries + 1}/{n})"
+        return (
+            f"not retried again: lost {retries + 1} time(s), hydra.sweeper.retry_stale={n}; "
+            "re-run with a higher hydra.sweeper.retry_stale to retry it"
+        )
+
+    def _lost_result(self, spec: TrialSpec, reason: str, retries: int, trial_id: int) -> dict[str, Any]:
+        """The result JSON of a lost trial (``meta.retries`` = earlier losses of its point); marks it lost."""
+        from vramsweep.record.result import atomic_write_json
+        from vramsweep.sweeper.runner import parent_side_result
+
+        res = parent_side_result(spec, reason, 0.0)
+        res["meta"]["retries"] = retries
+        res["meta"]["lost"] = True
+        atomic_write_json(spec.result_path, res)
+        self.storage.set_trial_system_attr(trial_id, LOST, True)
+        return res
+
+    def _requeue_lost(self) -> int:
+        """Slots whose last trial was lost (and not retried: the bound was reached) get a retry when
+        ``retry_stale`` now allows one. Call under the lock."""
+        n = 0
+        for t in requeue_lost(self.admin):
+            retries = int(t.system_attrs.get(RETRIES, 0))
+            if self._retry_lost(self.admin, t, retries):
+                n += 1
+                self._say(
+                    f"vramsweep: trial {t.number:04d}'s point was lost {retries + 1} time(s): "
+                    f"retried again (hydra.sweeper.retry_stale={self.s.retry_stale})"
+                )
+        return n
+
+    def _note_retries(self, job: Job, report: RunReport) -> None:
+        """Record in a retried point's result JSON how many earlier trials of it were lost."""
+        if not job.retries or job.duplicate_of is not None:
+            return
+        from vramsweep.record.result import atomic_write_json
+
+        report.result.setdefault("meta", {})["retries"] = job.retries
+        path = self.result_path(job.number)
+        if path.exists():
+            atomic_write_json(path, report.result)
 
     # ------------------------------------------------------------------ trials
     def _spec_for(
@@ -650,6 +718,7 @@ class Sweep:
             frozen = self.storage.get_trial(trial_id)
             slot = int(frozen.system_attrs[SLOT])
             retry_of = frozen.system_attrs.get(RETRY_OF)
+            retries = int(frozen.system_attrs.get(RETRIES, 0))
             if self.plan.design is not None:
                 point = self.plan.design[slot]
                 for k in point.params:
@@ -665,7 +734,7 @@ class Sweep:
             overrides = merge_overrides(self.plan.fixed, point_overrides)
             trial.set_user_attr("overrides", overrides)
             trial.set_user_attr("design", design)
-            job = Job(trial, trial.number, slot, overrides, label, design, retry_of)
+            job = Job(trial, trial.number, slot, overrides, label, design, retry_of, retries=retries)
             job.dup_streak = int(frozen.system_attrs.get(DUP_STREAK, 0))
             if self.plan.design is None and self.s.dedup and retry_of is None:
                 dup = self._find_duplicate(trial.params, trial.number)
@@ -799,6 +868,7 @@ class Sweep:
             print(text, file=sys.stderr)
 
     def _record(self, job: Job, report: RunReport) -> None:
+        self._note_retries(job, report)
         status = str(report.result.get("status"))
         with self._tell_lock:
             self._tell(self.study, job.trial, report.result, report.outcome)
@@ -814,8 +884,13 @@ class Sweep:
             if job.duplicate_of is not None:
                 shown.append(f"(same point as {job.duplicate_of:04d}: not re-run)")
             if self.progress is not None:
+                done, running, best = self._study_progress()
                 self.progress.finished(
-                    trial_line(job.number, report.result, report.wall_s, self.s.objectives, shown)
+                    trial_line(job.number, report.result, report.wall_s, self.s.objectives, shown),
+                    wall_s=report.wall_s if job.duplicate_of is None else None,
+                    done=done,
+                    running=running,
+                    best=best,
                 )
             if (
                 self.finished >= self.s.min_trials_for_failure_rate
@@ -828,29 +903,39 @@ class Sweep:
                 )
                 self.abort.set()
 
+    def _study_progress(self) -> tuple[int | None, int | None, str | None]:
+        """``(done, running, best so far)`` counted from the study: right with several workers."""
+        try:
+            counts = trial_counts(self.study)
+        except Exception:
+            return None, None, None
+        done = sum(v for k, v in counts.items() if k in ("COMPLETE", "PRUNED", "FAIL"))
+        best = None
+        with contextlib.suppress(Exception):
+            front = self.study.best_trials
+            if front and len(self.s.objectives) == 1:
+                b = front[0]
+                best = f"{self.s.objectives[0].metric} {b.values[0]:.4g} (trial {b.number:04d})"
+            elif front:
+                best = f"Pareto front of {len(front)} trial{'s' if len(front) != 1 else ''}"
+        return min(done, self.plan.n_total), counts.get("RUNNING", 0), best
+
+    def _show_running(self) -> None:
+        if self.progress is not None and self.progress.live:
+            done, running, best = self._study_progress()
+            self.progress.update(done=done, running=running, best=best)
+
     def _requeue_interrupted(self, job: Job) -> None:
-        """Ctrl-C: fail the trial and put its config back in its slot, so a re-run does it."""
-        from optuna.trial import TrialState, create_trial
-
-        from vramsweep.sweeper.runner import parent_side_result
-
+        """Ctrl-C: a stop, not a failure of the config. The trial is closed (reason ``interrupted``) and
+        its point put back in its slot, within the same bound as a dead worker (``retry_stale``)."""
         with self._tell_lock, storage_lock(self.s.storage, self.s.study_name):
-            self.study.add_trial(
-                create_trial(
-                    state=TrialState.WAITING,
-                    system_attrs={
-                        "fixed_params": dict(job.trial.params),
-                        SLOT: job.slot,
-                        RETRY_OF: job.number,
-                        RETRIES: 0,
-                    },
-                    user_attrs={"retry_of": job.number, "design": job.design},
-                )
-            )
+            frozen = self.storage.get_trial(job.trial._trial_id)
+            will_retry = self._retry_lost(self.study, frozen, job.retries)
             spec = self._spec_for(
                 job.number, job.trial._trial_id, job.slot, job.overrides, job.design, job.retry_of, 0
             )
-            res = parent_side_result(spec, "interrupted (Ctrl-C): re-enqueued", 0.0)
+            reason = "interrupted (Ctrl-C); " + self._retry_note(job.retries, will_retry)
+            res = self._lost_result(spec, reason, job.retries, job.trial._trial_id)
             self._tell(self.study, job.trial, res, Outcome.from_dict(res["meta"]["optuna"]))
             self._running.discard(job.trial._trial_id)
 
@@ -870,6 +955,7 @@ class Sweep:
             spec = self._spec_for(
                 job.number, job.trial._trial_id, job.slot, job.overrides, job.design, job.retry_of, idx
             )
+            self._show_running()
             report = self.runner.run(spec, tick_s=1.0, timeout_s=self.s.timeout_s)
             if self.interrupted:
                 self._requeue_interrupted(job)
@@ -948,10 +1034,32 @@ class Sweep:
                     self.storage.set_trial_system_attr(tid, HEARTBEAT, time.time())
 
     # ------------------------------------------------------------------ main
+    @classmethod
+    def finished(cls, plan: Plan, study: Any, **kw: Any) -> int:
+        """A complete study: say so and print its summary (nothing is written, no trial process)."""
+        sweep = cls(plan, **kw)
+        sweep.study = study
+        print(
+            f"vramsweep: study '{plan.settings.study_name}' is complete ({plan.n_total}/{plan.n_total} "
+            "finished): nothing to run",
+            flush=True,
+        )
+        sweep.summary(0.0)
+        return 0
+
+    def _nothing_waiting(self) -> bool:
+        from vramsweep.sweeper.storage import remaining_slots
+
+        return remaining_slots(self.study, self.plan.n_total)[0] == 0
+
     def run(self) -> int:
         """Run to completion; returns the exit code (0 done, 1 aborted or interrupted)."""
         self.prepare()
         assert self.progress is not None
+        if self._nothing_waiting() and self.s.isolation != "launcher":
+            self._stop.set()  # no trial to start: no fork server (no torch import), just the summary
+            self.summary(0.0)
+            return 0
         if self.plan.wandb:
             from vramsweep.report.wandb_summary import SummaryUpdater
 
@@ -970,6 +1078,7 @@ class Sweep:
                 return 1 if self.abort.is_set() else 0
             self.runner.start()
             started = True
+            self.progress.start()
             # Completion is signalled with events, not Thread.join(): a KeyboardInterrupt that lands in
             # join() can leave CPython's thread state saying "finished" while the worker still runs.
             done = [threading.Event() for _ in range(n_threads)]
@@ -1000,6 +1109,7 @@ class Sweep:
                     time.sleep(0.2)
         finally:
             self._stop.set()
+            self.progress.stop()
             if started:
                 self.runner.stop()
             if self.wandb_summary is not None:
@@ -1030,7 +1140,7 @@ class Sweep:
         objs = ", ".join(f"{o.direction} {o.metric}" for o in s.objectives)
         budget = f"; budget {s.budget_gib:g} GiB" if s.budget_gib else ""
         return (
-            f"vramsweep: '{s.name}': {what}, {self.plan.n_total} trials, {objs}{budget}; {pruning}; "
+            f"vramsweep: '{s.name}': {what}, {plural(self.plan.n_total, 'trial')}, {objs}{budget}; {pruning}; "
             f"{s.n_jobs} worker(s), each trial in a {how}"
         )
 
@@ -1049,9 +1159,16 @@ class Sweep:
             ):
                 continue
             st = str(t.user_attrs.get("status", t.state.name.lower()))
+            if st == "ok" and any(
+                isinstance(v, int | float) and v > 0
+                for k, v in t.system_attrs.items()
+                if k.startswith("constraints") and not isinstance(v, list)
+            ):
+                st = "over budget"
             by_status[st] = by_status.get(st, 0) + 1
         lines = [
-            f"vramsweep: sweep '{self.s.name}' - this run: {self.finished} trials in {wall_s:.0f} s; study total: "
+            f"vramsweep: sweep '{self.s.name}' - this run: {plural(self.finished, 'trial')} in {wall_s:.0f} s; "
+            "study total: "
             + (", ".join(f"{v} {k}" for k, v in sorted(by_status.items())) or "no finished trials")
         ]
         try:
@@ -1063,12 +1180,23 @@ class Sweep:
                 b = best[0]
                 lines.append(
                     f"vramsweep: best feasible: trial {b.number:04d} {self.s.objectives[0].metric}={b.values[0]:.6g} "
-                    + " ".join(o for o in b.user_attrs.get("overrides") or [] if o not in self.plan.fixed)
+                    + " ".join(
+                        fmt_override(o)
+                        for o in b.user_attrs.get("overrides") or []
+                        if o not in self.plan.fixed
+                    )
                 )
             else:
                 lines.append(
                     f"vramsweep: Pareto front (feasible): trials {', '.join(f'{t.number:04d}' for t in best)}"
                 )
+        lost = [t.number for t in requeue_lost(self.study)]
+        if lost:
+            lines.append(
+                f"vramsweep: {len(lost)} design point(s) lost for good (their worker died or was stopped "
+                f"{self.s.retry_stale + 1} times: trial(s) {', '.join(f'{n:04d}' for n in lost)}): re-run with "
+                f"hydra.sweeper.retry_stale={self.s.retry_stale + 1} to retry them"
+            )
         if self.abort_reason:
             lines.append(f"vramsweep: ABORTED: {self.abort_reason}")
         lines.append(
@@ -1091,15 +1219,25 @@ def run_sweep(
     from optuna.exceptions import ExperimentalWarning
 
     warnings.filterwarnings("ignore", category=ExperimentalWarning)
+    from vramsweep.config.errors import error_line
+    from vramsweep.config.preflight import check_fault_env, check_named_options, preflight_sweep
+    from vramsweep.sweeper.fastpath import finished_study
+
+    done = finished_study(sweeper_cfg, task_cfg, arguments)
+    if done is not None:  # nothing to run: the summary, without composing every point or importing torch
+        return Sweep.finished(*done, runner=runner, launcher_factory=launcher_factory)
     try:
+        check_fault_env()
+        check_named_options(arguments)  # sweep=<typo>: Hydra ignores an unknown option of an optional group
         plan = plan_sweep(sweeper_cfg, task_cfg, arguments)
+        preflight_sweep(plan, task_cfg, arguments)  # before the study, any folder or any trial
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line("train", str(exc)), file=sys.stderr)
         return 2
     try:
         return Sweep(plan, runner=runner, launcher_factory=launcher_factory).run()
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(error_line("train", str(exc)), file=sys.stderr)
         return 2
 
 

@@ -10,7 +10,8 @@ checkpointing. Training runs ``train.steps`` simulated steps and calls ``reporte
 Faults and timing come from the ``VRAMSWEEP_FAKE`` environment variable (JSON), e.g.
 ``{"sleep_s": 0.2, "faults": {"1": "oom", "2": "nan", "3": "kill"}, "marker_dir": "/tmp/m"}``:
 
-* ``faults``: by trial number: ``oom`` (raises ``torch.cuda.OutOfMemoryError``), ``nan`` (NaN loss),
+* ``faults``: by trial number (or by an override such as ``"adapter.r=8"``: every trial of that point):
+  ``oom`` (raises ``torch.cuda.OutOfMemoryError``), ``nan`` (NaN loss),
   ``kill`` (SIGKILL to itself), ``raise`` (a RuntimeError), ``hang`` (sleeps until killed),
   ``unsupported`` (raises ``UnsupportedError``), ``none_metric`` (returns without ``eval_loss``).
 * ``sleep_s``: real seconds per trial (spread over the steps); ``marker_dir``: the trial touches
@@ -165,7 +166,10 @@ def fake_trial(
     """A result dict with the shape of the real trial's, from :func:`landscape` (see module doc)."""
     env = _env()
     knobs = parse_overrides(overrides)
-    fault = (env.get("faults") or {}).get(str(trial))
+    faults = env.get("faults") or {}
+    fault = faults.get(str(trial))
+    if fault is None:  # faults keyed by an override hit the same point whatever its trial number
+        fault = next((v for k, v in faults.items() if "=" in k and k in overrides), None)
     _touch(env, "start", trial)
     steps = int(_num(knobs, "train.steps"))
     eval_every = int(_num(knobs, "train.eval_every"))

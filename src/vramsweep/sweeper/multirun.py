@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -124,6 +125,15 @@ def _task(cfg: Any) -> Any:
     return run_trial(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
 
 
+def _command_line_error(exc: Exception) -> int:
+    """Hydra rejected the command line before our sweeper ran: one line, exit 2 (like ``vramsweep train``)."""
+    from vramsweep.config.compose import _translate_hydra_error
+    from vramsweep.config.errors import error_line
+
+    print(error_line("train", str(_translate_hydra_error(exc))), file=sys.stderr)
+    return 2
+
+
 def run_multirun(args: list[str], *, flags: list[str] | None = None, multirun: bool = True) -> int:
     """Run Hydra's multirun with our sweeper, as if ``vramsweep -m <args>`` was typed.
 
@@ -164,12 +174,22 @@ def run_multirun(args: list[str], *, flags: list[str] | None = None, multirun: b
     global SWEEPER_STARTED
     SWEEPER_STARTED = False
     code: Any = 0
+    saved_full = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its search path and hints
     try:
         main()
     except SystemExit as exc:
         code = exc.code
+    except Exception as exc:
+        if SWEEPER_STARTED:
+            raise  # a bug past the command line: the traceback is the useful output
+        code = _command_line_error(exc)
     finally:
         sys.argv = saved
+        if saved_full is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = saved_full
         GlobalHydra.instance().clear()
     if code is None:
         return 0

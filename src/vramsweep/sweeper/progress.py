@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from typing import Any, TextIO
 
 MIB = float(1 << 20)
@@ -20,13 +21,67 @@ def _fmt(v: Any, spec: str) -> str:
     return format(v, spec) if isinstance(v, int | float) and not isinstance(v, bool) else "-"
 
 
+def over_budget(result: dict[str, Any], budget_gib: float | None = None) -> bool:
+    """Whether an ``ok`` trial's measured peak exceeds its budget (``hardware.budget_gib`` or ``budget_gib``)."""
+    c = ((result.get("meta") or {}).get("optuna") or {}).get("constraint")
+    if isinstance(c, int | float) and not isinstance(c, bool):
+        return c > 0
+    budget = budget_gib
+    try:
+        budget = float(result["config"]["hardware"]["budget_gib"]) or budget
+    except (KeyError, TypeError, ValueError):
+        pass
+    peak = (result.get("metrics") or {}).get("peak_memory_bytes")
+    return bool(budget) and isinstance(peak, int | float) and peak / float(1 << 30) > float(budget)
+
+
+def status_label(result: dict[str, Any], budget_gib: float | None = None) -> str:
+    """The status a person reads: ``over budget`` for an ``ok`` trial whose peak exceeds the budget."""
+    status = str(result.get("status"))
+    if status == "ok" and over_budget(result, budget_gib):
+        return "over budget"
+    return status
+
+
+def plural(n: int, word: str) -> str:
+    """``1 trial``, ``2 trials``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def fmt_value(v: Any) -> str:
+    """A value for a label: floats with 3 significant digits (``2.23e-04``, ``0.5``), others as given."""
+    if isinstance(v, float):
+        if v != 0 and (abs(v) < 1e-2 or abs(v) >= 1e5):
+            return f"{v:.2e}"
+        return f"{v:.4g}"
+    if isinstance(v, str):
+        try:
+            f = float(v)
+        except ValueError:
+            return v
+        if ("." in v or "e" in v.lower()) and f == f:
+            return fmt_value(f)
+    return str(v)
+
+
+def fmt_override(ov: str) -> str:
+    """``train.lr=0.00022258235696668132`` -> ``train.lr=2.23e-04`` (other overrides unchanged)."""
+    key, sep, value = ov.partition("=")
+    return f"{key}={fmt_value(value)}" if sep else ov
+
+
+def trial_label(number: int) -> str:
+    """The one trial label style: ``trial 0004`` (the result file is ``trials/0004.json``)."""
+    return f"trial {number:04d}"
+
+
 def trial_line(
     number: int, result: dict[str, Any], wall_s: float, objectives: list[Any], changed: list[str]
 ) -> str:
     """``trial 0004 ok        peak 41.2 MiB | 512 tok/s | eval_loss 2.314 | 23.1 s | quant=nf4``."""
     m = result.get("metrics") or {}
     status = str(result.get("status"))
-    parts = [f"trial {number:04d} {status:<19s}"]
+    parts = [f"{trial_label(number)} {status_label(result):<19s}"]
     peak = m.get("peak_memory_bytes")
     parts.append(f"peak {_fmt(peak / MIB if isinstance(peak, int | float) else None, '.1f')} MiB")
     parts.append(f"{_fmt(m.get('tokens_per_s'), '.0f')} tok/s")
@@ -37,7 +92,7 @@ def trial_line(
     parts.append(f"{wall_s:.1f} s")
     line = " | ".join(parts)
     if changed:
-        line += " | " + " ".join(changed)
+        line += " | " + " ".join(fmt_override(c) for c in changed)
     note = ((result.get("meta") or {}).get("optuna") or {}).get("note")
     if status != "ok" and result.get("reason"):
         line += f"\n      reason: {str(result['reason'])[:300]}"
@@ -46,29 +101,149 @@ def trial_line(
     return line
 
 
-class Progress:
-    """Thread-safe progress printer (plain lines: works in logs, CI and terminals alike)."""
+def fmt_duration(seconds: float | None) -> str:
+    """``42 s``, ``3m10s``, ``2h05m``; ``?`` when unknown."""
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "?"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
-    def __init__(self, total: int, done: int = 0, enabled: bool = True, stream: TextIO | None = None):
+
+class Progress:
+    """Thread-safe progress printer.
+
+    Counts (done/running/total) come from the study when the engine passes them (:meth:`update`), so
+    they are right when several workers share one study; otherwise they are counted locally. One line
+    per finished trial, prefixed by a bar and ``done/total``; on a terminal also a live status line
+    (``done, running, ETA, best so far``) redrawn in place every second. When the stream is not a TTY
+    (CI logs, pipes) there is no live line and the per-trial lines stay one line each.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        done: int = 0,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        live: bool | None = None,
+    ):
         self.total = total
         self.done = done
+        self.running = 0
+        self.best: str | None = None
         self.enabled = enabled
         self.stream = stream or sys.stdout
+        if live is None:
+            isatty = getattr(self.stream, "isatty", None)
+            live = bool(isatty and isatty())
+        self.live = bool(live and enabled)
+        self._walls: list[float] = []
+        self._t0 = time.monotonic()
         self._lock = threading.Lock()
+        self._shown = False
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ state
+    def update(self, *, done: int | None = None, running: int | None = None, best: str | None = None) -> None:
+        """New counts (from the study) and/or best-so-far text; redraws the live line."""
+        with self._lock:
+            if done is not None:
+                self.done = done
+            if running is not None:
+                self.running = running
+            if best is not None:
+                self.best = best
+            self._draw()
+
+    def eta_s(self) -> float | None:
+        """Remaining trials x mean trial time (this run) / trials running in parallel (all workers)."""
+        if not self._walls:
+            return None
+        left = max(0, self.total - self.done)
+        return left * (sum(self._walls) / len(self._walls)) / max(1, self.running)
+
+    def status(self) -> str:
+        """``12/20 done, 2 running | ETA 3m10s | best eval_loss 2.314 (trial 0007)``."""
+        parts = [f"{self.done}/{self.total} done, {self.running} running"]
+        if self.done < self.total:
+            parts.append(f"ETA {fmt_duration(self.eta_s())}")
+        if self.best:
+            parts.append(f"best {self.best}")
+        return " | ".join(parts)
+
+    # ------------------------------------------------------------------ output
+    def _clear(self) -> None:
+        if self.live and self._shown:
+            self.stream.write("\r\x1b[2K")
+            self._shown = False
+
+    def _draw(self) -> None:
+        if not self.live:
+            return
+        self._clear()
+        self.stream.write(f"{bar(self.done, self.total)} {self.status()}")
+        self.stream.flush()
+        self._shown = True
+
+    def start(self) -> None:
+        """Redraw the live line every second (ETA and elapsed move while trials run)."""
+        if not self.live or self._ticker is not None:
+            return
+
+        def tick() -> None:
+            while not self._stop.wait(1.0):
+                with self._lock:
+                    self._draw()
+
+        self._ticker = threading.Thread(target=tick, name="vramsweep-progress", daemon=True)
+        self._ticker.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._clear()
+            if self.live:
+                self.stream.flush()
 
     def say(self, text: str) -> None:
         if not self.enabled:
             return
         with self._lock:
+            self._clear()
             print(text, file=self.stream, flush=True)
+            self._draw()
 
-    def finished(self, line: str, counted: bool = True) -> None:
+    def finished(
+        self,
+        line: str,
+        counted: bool = True,
+        *,
+        wall_s: float | None = None,
+        done: int | None = None,
+        running: int | None = None,
+        best: str | None = None,
+    ) -> None:
         with self._lock:
-            if counted:
+            if wall_s is not None and wall_s > 0:
+                self._walls.append(float(wall_s))
+            if done is not None:
+                self.done = done
+            elif counted:
                 self.done += 1
+            if running is not None:
+                self.running = running
+            if best is not None:
+                self.best = best
             if self.enabled:
+                self._clear()
                 print(
                     f"{bar(self.done, self.total)} {self.done:>{len(str(self.total))}}/{self.total} {line}",
                     file=self.stream,
                     flush=True,
                 )
+                self._draw()

@@ -89,8 +89,10 @@ class SweeperConf:
         timeout_s: wall-clock limit per trial (``null`` = none); a trial over it is killed (``error``).
         heartbeat_s: how often a worker stamps its running trials.
         grace_s: a RUNNING trial whose heartbeat is older than this is stale (its worker died): failed,
-            its config retried once. Trials of dead processes on this host are detected at once.
-        retry_stale: how many times a stale trial's config is retried.
+            its config retried (up to ``retry_stale`` times). Trials of dead processes on this host are
+            detected at once.
+        retry_stale: how many times a design point whose worker died (or that Ctrl-C stopped) is
+            retried; after that it is recorded ``error`` for good (a re-run with a higher value retries it).
         dedup: search design only: a point the sampler proposes again is not re-run; the earlier
             trial's outcome is copied (``duplicate_of``) at zero cost.
         sweep_dir: ``null`` = ``<results_dir>/sweeps/<name>``.
@@ -118,7 +120,7 @@ class SweeperConf:
     timeout_s: float | None = None
     heartbeat_s: float = 10.0
     grace_s: float = 120.0
-    retry_stale: int = 1
+    retry_stale: int = 3
     dedup: bool = True
     sweep_dir: str | None = None
     cuda_devices: list[str] | None = None

@@ -10,8 +10,10 @@ Why our own heartbeat: Optuna's heartbeat only runs inside ``Study.optimize``; w
 worker stamps ``vramsweep:heartbeat`` on its RUNNING trials and records its owner (host, pid, process
 start time). A RUNNING trial is stale when its owner process on this host is gone (detected at once)
 or its heartbeat is older than ``grace_s`` (other hosts). A stale trial whose result JSON exists is
-told from that JSON (no re-run, no duplicate); otherwise it is failed with status ``error`` and its
-config re-enqueued once into the same slot (``retry_of``).
+told from that JSON (no re-run, no duplicate); otherwise it is failed with status ``error`` (marked
+``vramsweep:lost``) and its config re-enqueued into the same slot (``retry_of``), up to
+``hydra.sweeper.retry_stale`` times per point (``vramsweep:retries`` counts them); a later run with a
+higher bound retries a point that ran out (:func:`requeue_lost`).
 
 All of this runs under a storage-wide lock (SQLite: a lock file next to the DB; PostgreSQL:
 ``pg_advisory_lock``; MySQL: ``GET_LOCK``), which also removes the create-study race of REFERENCE.md.
@@ -41,6 +43,7 @@ HEARTBEAT = "vramsweep:heartbeat"
 FINGERPRINT = "vramsweep:fingerprint"
 #: On a trial that copied an earlier trial's outcome (a re-proposed point): not counted toward n_trials.
 COPY_OF = "vramsweep:copy_of"
+LOST = "vramsweep:lost"  # the trial's worker died (or Ctrl-C stopped it): its point is retried
 
 _thread_lock = threading.RLock()
 _engines: dict[str, Any] = {}
@@ -227,6 +230,21 @@ def trial_counts(study: Any) -> dict[str, int]:
             continue
         out[t.state.name] = out.get(t.state.name, 0) + 1
     return out
+
+
+def requeue_lost(study: Any) -> list[Any]:
+    """The lost trials (``LOST``: dead worker, Ctrl-C) that are the *last* trial of their slot, i.e. whose
+    point has no retry yet: candidates for another retry when the bound allows. Call under the lock."""
+    from optuna.trial import TrialState
+
+    last: dict[int, Any] = {}
+    for t in study.get_trials(deepcopy=False):
+        slot = t.system_attrs.get(SLOT)
+        if slot is None:
+            continue
+        if int(slot) not in last or t.number > last[int(slot)].number:
+            last[int(slot)] = t
+    return [t for t in last.values() if t.state == TrialState.FAIL and t.system_attrs.get(LOST)]
 
 
 def top_up(study: Any, n_total: int, slot_attrs: Any) -> int:

@@ -1,0 +1,32 @@
+"""One error style for every verb: ``vramsweep <verb>: error: <one line>``.
+
+Library noise (Hydra's config search path, its ``HYDRA_FULL_ERROR`` hint, links to its docs) is cut, and
+the message is folded onto one line, so a bad input reads the same whichever layer caught it.
+"""
+
+from __future__ import annotations
+
+import re
+
+_NOISE = (
+    re.compile(r"\s*Config search path:.*", re.S),
+    re.compile(r"\s*Set the environment variable HYDRA_FULL_ERROR=1.*", re.S),
+    re.compile(r"\s*See https://hydra\.cc/\S*( for details)?"),
+    re.compile(r"\s*Available options in '[\w/]+':.*?(?=$|\s\(allowed:)", re.S),
+)
+
+
+def one_line(msg: str) -> str:
+    """``msg`` without library noise, folded onto one line."""
+    text = str(msg)
+    for pat in _NOISE[:3]:
+        text = pat.sub("", text)
+    text = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    return re.sub(r"\s{2,}", " ", text).strip()
+
+
+def error_line(verb: str, msg: str) -> str:
+    """``vramsweep <verb>: error: <msg on one line>`` (an ``error:`` prefix already in ``msg`` is dropped)."""
+    text = one_line(msg)
+    text = re.sub(r"^(vramsweep( \w+)?: )?(error: )?", "", text)
+    return f"vramsweep {verb}: error: {text}" if verb else f"vramsweep: error: {text}"

@@ -1,0 +1,100 @@
+"""Re-running a finished sweep: print its summary without validating every point or importing torch.
+
+``make demo`` twice, or a worker started after the others finished, should not compose every design
+point (~0.3-0.8 s each) nor start the fork server (importing torch) only to find nothing to run.
+:func:`finished_study` recomputes the study fingerprint from the settings alone (no config is composed)
+and opens the study read-only; when the fingerprint is the one stored, every slot exists and none is
+WAITING or RUNNING, and no lost point may be retried, the sweep is complete. Anything unexpected
+(another design, more ``n_trials``, a missing database, an error) returns ``None``: the normal,
+fully validated path runs, so this shortcut can skip work but never change an outcome.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def finished_study(
+    sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]
+) -> tuple[Any, Any] | None:
+    """``(plan, study)`` when the sweep of this command line is already complete, else ``None``."""
+    try:
+        return _finished_study(sweeper_cfg, task_cfg, arguments)
+    except Exception:  # any doubt: take the validated path
+        return None
+
+
+def _finished_study(
+    sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]
+) -> tuple[Any, Any] | None:
+    from vramsweep.sweeper.design import build_design
+    from vramsweep.sweeper.engine import DEFAULT_SEARCH_TRIALS, Plan
+    from vramsweep.sweeper.settings import resolve_settings
+    from vramsweep.sweeper.space import (
+        cli_sweep_params,
+        merge_overrides,
+        override_key,
+        parse_params,
+        space_size,
+    )
+    from vramsweep.sweeper.storage import FINGERPRINT, RETRIES, SLOT, requeue_lost, sqlite_path
+
+    cli_params, cli_fixed = cli_sweep_params(arguments)
+    settings = resolve_settings(sweeper_cfg, task_cfg, cli_params=cli_params)
+    db = sqlite_path(settings.storage)
+    if db is None or not db.is_file():  # remote storages (and new sweeps) take the normal path
+        return None
+    pinned = {override_key(o) for o in cli_fixed}
+    settings.params = {k: v for k, v in settings.params.items() if k not in pinned}
+    dims, fixed_params = parse_params(settings.params)
+    fixed = merge_overrides(fixed_params, cli_fixed)
+    base_seed = int((task_cfg.get("train") or {}).get("seed", 0))
+    design = build_design(
+        settings.design,
+        dims=dims,
+        baseline=settings.baseline,
+        factors=settings.factors,
+        stack=settings.stack,
+        repeats=settings.repeats,
+        base_seed=base_seed,
+    )
+    if design is not None:
+        n_total = len(design) if settings.n_trials is None else min(settings.n_trials, len(design))
+    else:
+        n_total = (
+            settings.n_trials
+            if settings.n_trials is not None
+            else int(min(DEFAULT_SEARCH_TRIALS, space_size(dims)))
+        )
+    import optuna
+    from optuna.trial import TrialState
+
+    from vramsweep.sweeper.storage import make_storage
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.load_study(
+        study_name=settings.study_name,
+        storage=make_storage(settings.storage, child=True),  # read-only: no table creation, no migration
+        sampler=optuna.samplers.RandomSampler(),
+        pruner=optuna.pruners.NopPruner(),
+    )
+    expected = {
+        "design": settings.design,
+        "points": [p.overrides for p in design] if design is not None else None,
+        "fixed": fixed,
+    }
+    if study.user_attrs.get(FINGERPRINT) != expected:
+        return None
+    if [d.name.lower() for d in study.directions] != [o.direction for o in settings.objectives]:
+        return None
+    if list(study.metric_names or []) != [o.metric for o in settings.objectives]:
+        return None
+    trials = study.get_trials(deepcopy=False)
+    if any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in trials):
+        return None
+    slots = {t.system_attrs.get(SLOT) for t in trials}
+    if any(k not in slots for k in range(n_total)):
+        return None
+    if any(int(t.system_attrs.get(RETRIES, 0)) < settings.retry_stale for t in requeue_lost(study)):
+        return None  # a lost point may be retried now: the normal path does it
+    return Plan(settings, fixed, dims, design, int(n_total), base_seed), study

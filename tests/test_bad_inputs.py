@@ -1,0 +1,365 @@
+"""Bad input, every verb: exit code 2, one line ``vramsweep <verb>: error: ...`` naming the problem,
+and nothing written (no result, no folder, no probe file left behind).
+
+Run in-process through ``vramsweep.cli.main`` (the console script's entry point) to stay fast; the
+sweep cases use the fake trial function so that a case that *did* start would finish in milliseconds
+(and fail the "nothing written" check) rather than train.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from test_config import BAD as CONFIG_BAD  # the original 33 bad overrides, now also checked for one line
+from vramsweep.cli import main
+from vramsweep.config.compose import conf_dir
+
+FAKE = [
+    "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+    "hydra.sweeper.isolation=inprocess",
+    "hydra.sweeper.study_name=bad",
+]
+Usage = namedtuple("Usage", "total used free")  # shutil.disk_usage's result, for a full disk
+DOC = {"id": "d1", "title": "t", "sections": [{"heading": "h", "text": "some text"}]}
+
+
+def _inputs(root: Path) -> dict[str, Path]:
+    """Every bad input file, written before the snapshot (so they do not count as 'written')."""
+    d = root / "in"
+    d.mkdir()
+    files: dict[str, bytes] = {
+        "empty.jsonl": b"",
+        "blank.jsonl": b"\n  \n\n",
+        "malformed.jsonl": json.dumps(DOC).encode() + b'\n{"id": "x", "sections": [\n',
+        "latin1.jsonl": json.dumps(DOC).encode()
+        + b"\n"
+        + json.dumps(DOC | {"id": "d2"}).encode().replace(b"some text", b"caf\xe9"),
+        "utf16.jsonl": (json.dumps(DOC) + "\n").encode("utf-16"),
+        "nosections.jsonl": json.dumps({"id": "a", "title": "t"}).encode() + b"\n",
+        "emptysections.jsonl": json.dumps({"id": "a", "sections": []}).encode() + b"\n",
+        "dupid.jsonl": (json.dumps(DOC) + "\n" + json.dumps(DOC) + "\n").encode(),
+        "list.jsonl": b"[1, 2, 3]\n",
+        "good.jsonl": (json.dumps(DOC) + "\n").encode(),
+        "not_a_dir": b"x",
+    }
+    out = {}
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+        out[name] = d / name
+    models = {
+        "m_corrupt": '{"hidden_size": 64,',
+        "m_list": "[1, 2]",
+        "m_missing": json.dumps({"model_type": "qwen3", "num_attention_heads": 4}),
+        "m_badvalue": json.dumps(
+            {
+                "hidden_size": "big",
+                "num_attention_heads": 4,
+                "num_hidden_layers": 2,
+                "intermediate_size": 8,
+                "vocab_size": 10,
+            }
+        ),
+    }
+    for name, text in models.items():
+        (d / name).mkdir()
+        (d / name / "config.json").write_text(text)
+        out[name] = d / name
+    (d / "m_dir").mkdir()
+    (d / "m_dir" / "config.json").mkdir()  # unreadable: a folder where the file should be
+    out["m_dir"] = d / "m_dir"
+    g = d / "garbage_sweep"
+    (g / "trials").mkdir(parents=True)
+    (g / "study.db").write_bytes(b"this is not a database\x00" * 64)
+    (g / "trials" / "0000.json").write_text(json.dumps({"trial": 0, "status": "ok", "metrics": {}}))
+    out["garbage_sweep"] = g
+    bad_db = d / "garbage_results" / "sweeps" / "bad"
+    bad_db.mkdir(parents=True)
+    (bad_db / "study.db").write_bytes(b"not a database\x00" * 64)
+    out["garbage_results"] = d / "garbage_results"
+    (d / "empty_sweep").mkdir()
+    out["empty_sweep"] = d / "empty_sweep"
+    return out
+
+
+# (id, verb, argv with {placeholders}, env, substring the one-line message must contain)
+CASES: list[tuple[str, str, list[str], dict[str, str], str]] = [
+    # --- results folder
+    (
+        "results-in-proc",
+        "train",
+        ["results_dir=/proc/vramsweep-x"],
+        {},
+        "results_dir='/proc/vramsweep-x' is not writable",
+    ),
+    ("results-is-file", "train", ["results_dir={not_a_dir}"], {}, "is a file, not a folder"),
+    ("results-under-file", "train", ["results_dir={not_a_dir}/sub"], {}, "is a file, not a folder"),
+    ("results-disk-full", "train", ["results_dir={root}/res"], {"_DISK_FULL": "1"}, "MiB free"),
+    # --- data=jsonl: file:line and the problem
+    (
+        "jsonl-empty",
+        "train",
+        ["data=jsonl", "data.path={empty.jsonl}"],
+        {},
+        "empty.jsonl:1: no documents (the file is empty)",
+    ),
+    (
+        "jsonl-blank",
+        "train",
+        ["data=jsonl", "data.path={blank.jsonl}"],
+        {},
+        "blank.jsonl:1: no documents (only 3 blank",
+    ),
+    (
+        "jsonl-malformed",
+        "train",
+        ["data=jsonl", "data.path={malformed.jsonl}"],
+        {},
+        "malformed.jsonl:2: invalid JSON",
+    ),
+    (
+        "jsonl-latin1",
+        "train",
+        ["data=jsonl", "data.path={latin1.jsonl}"],
+        {},
+        "latin1.jsonl:2: not UTF-8 (byte 0xe9",
+    ),
+    ("jsonl-latin1-named", "train", ["data=jsonl", "data.path={latin1.jsonl}"], {}, "Latin-1"),
+    (
+        "jsonl-utf16",
+        "train",
+        ["data=jsonl", "data.path={utf16.jsonl}"],
+        {},
+        "utf16.jsonl:1: the file is UTF-16",
+    ),
+    (
+        "jsonl-no-sections",
+        "train",
+        ["data=jsonl", "data.path={nosections.jsonl}"],
+        {},
+        "nosections.jsonl:1: missing required field 'sections'",
+    ),
+    (
+        "jsonl-empty-sections",
+        "train",
+        ["data=jsonl", "data.path={emptysections.jsonl}"],
+        {},
+        "emptysections.jsonl:1: 'sections' must be a non-empty list",
+    ),
+    ("jsonl-dup-id", "train", ["data=jsonl", "data.path={dupid.jsonl}"], {}, "dupid.jsonl:2: duplicate id"),
+    ("jsonl-not-object", "train", ["data=jsonl", "data.path={list.jsonl}"], {}, "list.jsonl:1:"),
+    (
+        "jsonl-bad-eval",
+        "train",
+        ["data=jsonl", "data.path={good.jsonl}", "data.eval_path={malformed.jsonl}"],
+        {},
+        "data.eval_path: ",
+    ),
+    (
+        "jsonl-eval-missing",
+        "train",
+        ["data=jsonl", "data.path={good.jsonl}", "data.eval_path={root}/nope.jsonl"],
+        {},
+        "data.eval_path",
+    ),
+    # --- model.path config.json
+    (
+        "model-corrupt",
+        "train",
+        ["model=local", "model.path={m_corrupt}"],
+        {},
+        "m_corrupt/config.json:1: not valid JSON",
+    ),
+    ("model-list", "train", ["model=local", "model.path={m_list}"], {}, "expected a JSON object, got list"),
+    ("model-missing-dim", "train", ["model=local", "model.path={m_missing}"], {}, "missing 'hidden_size'"),
+    ("model-bad-dim", "train", ["model=local", "model.path={m_badvalue}"], {}, "bad dimension value"),
+    ("model-config-is-dir", "train", ["model=local", "model.path={m_dir}"], {}, "has no config.json"),
+    # --- names and overrides
+    ("unknown-sweep", "train", ["sweep=nope"], {}, "unknown sweep 'nope'"),
+    ("unknown-experiment", "train", ["+experiment=nope"], {}, "unknown experiment 'nope'"),
+    ("empty-option", "train", ["quant="], {}, "quant= needs an option (allowed: fp4"),
+    ("empty-choice", "train", ["quant=choice()"], {}, "cannot parse override 'quant=choice()'"),
+    ("choice-without-m", "train", ["quant=choice(nf4,none)"], {}, "requires --multirun"),
+    ("delete-quant", "train", ["~quant"], {}, "the quant group is required"),
+    ("delete-adapter", "train", ["~adapter"], {}, "the adapter group is required"),
+    ("delete-quant-value", "train", ["~quant=nf4"], {}, "the quant group is required"),
+    (
+        "fault-bogus",
+        "train",
+        [],
+        {"VRAMSWEEP_FAULT": "bogus"},
+        "VRAMSWEEP_FAULT='bogus' is not a fault spec (allowed: oom@<step>",
+    ),
+    ("fault-no-step", "train", [], {"VRAMSWEEP_FAULT": "oom"}, "VRAMSWEEP_FAULT='oom'"),
+    ("fault-bad-step", "train", [], {"VRAMSWEEP_FAULT": "nan@x"}, "VRAMSWEEP_FAULT='nan@x'"),
+    ("fault-unknown-kind", "train", [], {"VRAMSWEEP_FAULT": "segv@1"}, "error@<step>"),
+    # --- sweeps: the same pre-flight before the study or any folder exists
+    (
+        "m-results-in-proc",
+        "train",
+        ["-m", "results_dir=/proc/vramsweep-x", "adapter.r=8,16", *FAKE],
+        {},
+        "the sweep folder /proc/vramsweep-x/sweeps",
+    ),
+    (
+        "m-jsonl-malformed",
+        "train",
+        ["-m", "data=jsonl", "data.path={malformed.jsonl}", "adapter.r=8,16", *FAKE],
+        {},
+        "malformed.jsonl:2: invalid JSON",
+    ),
+    (
+        "m-jsonl-latin1",
+        "train",
+        ["-m", "data=jsonl", "data.path={latin1.jsonl}", "adapter.r=8,16", *FAKE],
+        {},
+        "not UTF-8",
+    ),
+    (
+        "m-jsonl-in-space",
+        "train",
+        ["-m", "data=jsonl", "data.path={good.jsonl},{empty.jsonl}", *FAKE],
+        {},
+        "empty.jsonl:1: no documents",
+    ),
+    (
+        "m-model-corrupt",
+        "train",
+        ["-m", "model=local", "model.path={m_corrupt}", "adapter.r=8,16", *FAKE],
+        {},
+        "not valid JSON",
+    ),
+    (
+        "m-fault-bogus",
+        "train",
+        ["-m", "adapter.r=8,16", *FAKE],
+        {"VRAMSWEEP_FAULT": "bogus"},
+        "VRAMSWEEP_FAULT='bogus'",
+    ),
+    ("m-unknown-sweep", "train", ["-m", "sweep=nope", *FAKE], {}, "unknown sweep 'nope'"),
+    (
+        "m-garbage-db",
+        "train",
+        ["-m", "results_dir={garbage_results}", "adapter.r=8,16", *FAKE],
+        {},
+        "is not a SQLite database",
+    ),
+    ("m-disk-full", "train", ["-m", "adapter.r=8,16", *FAKE], {"_DISK_FULL": "1"}, "MiB free"),
+    (
+        "m-unknown-option",
+        "train",
+        ["-m", "quant=nf5", "adapter.r=8,16", *FAKE],
+        {},
+        "unknown option quant=nf5",
+    ),
+    ("m-empty-option", "train", ["-m", "quant=", "adapter.r=8,16", *FAKE], {}, "quant= needs an option"),
+    ("m-empty-choice", "train", ["-m", "quant=choice()", *FAKE], {}, "quant=choice()"),
+    ("m-syntax", "train", ["-m", "adapter.r=choice(8,16", *FAKE], {}, "choice(8,16"),
+    ("m-unknown-key", "train", ["-m", "adapter.rank=8,16", *FAKE], {}, "adapter.rank"),
+    ("m-bad-value", "train", ["-m", "adapter.r=choice(8,abc)", *FAKE], {}, "adapter.r"),
+    (
+        "m-bad-sampler",
+        "train",
+        ["-m", "quant=none,nf4", "hydra.sweeper.sampler=simulated_annealing", *FAKE],
+        {},
+        "hydra.sweeper.sampler",
+    ),
+    (
+        "m-bad-objective",
+        "train",
+        ["-m", "quant=none,nf4", "hydra.sweeper.objectives=[vram]", *FAKE],
+        {},
+        "vram",
+    ),
+    # --- estimate
+    (
+        "estimate-model-corrupt",
+        "estimate",
+        ["model=local", "model.path={m_corrupt}"],
+        {},
+        "m_corrupt/config.json:1: not valid JSON",
+    ),
+    (
+        "estimate-model-missing",
+        "estimate",
+        ["model=local", "model.path={m_missing}"],
+        {},
+        "missing 'hidden_size'",
+    ),
+    ("estimate-unknown-option", "estimate", ["quant=nf5"], {}, "unknown option quant=nf5"),
+    ("estimate-fault-bogus", "estimate", [], {"VRAMSWEEP_FAULT": "bogus"}, "VRAMSWEEP_FAULT"),
+    ("estimate-calibrate-missing", "estimate", ["--calibrate", "{root}/nope"], {}, "is not a folder"),
+    ("estimate-delete-group", "estimate", ["~quant"], {}, "the quant group is required"),
+    # --- report / pick
+    ("report-missing", "report", ["{root}/nope"], {}, "no such sweep folder"),
+    ("report-not-a-sweep", "report", ["{good.jsonl}"], {}, "is not a sweep folder"),
+    ("report-garbage-db", "report", ["{garbage_sweep}"], {}, "is not a readable Optuna study database"),
+    ("report-garbage-db-file", "report", ["{garbage_sweep}/study.db"], {}, "cannot open storage"),
+    ("pick-missing", "pick", ["{root}/nope", "--budget-gib", "16"], {}, "no such sweep folder"),
+    (
+        "pick-negative-budget",
+        "pick",
+        ["{empty_sweep}", "--budget-gib", "-1"],
+        {},
+        "--budget-gib must be a positive number",
+    ),
+    (
+        "pick-headroom",
+        "pick",
+        ["{empty_sweep}", "--budget-gib", "4", "--headroom-gib", "5"],
+        {},
+        "--headroom-gib",
+    ),
+]
+CASES += [
+    (f"config-{' '.join(ov)}", "train", list(ov), {"VRAMSWEEP_FORCE_NO_CUDA": "1"}, hint)
+    for ov, _key, hint in CONFIG_BAD
+]
+
+
+def _fill(arg: str, files: dict[str, Path], root: Path) -> str:
+    out = arg.replace("{root}", str(root))
+    for name, path in files.items():
+        out = out.replace("{" + name + "}", str(path))
+    return out
+
+
+def _tree(*roots: Path) -> set[Path]:
+    return {p for r in roots if r.exists() for p in r.rglob("*")}
+
+
+def test_the_suite_is_large_enough():
+    assert len(CASES) >= 60 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize(("case_id", "verb", "argv", "env", "needle"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, needle):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("VRAMSWEEP_FAULT", raising=False)
+    files = _inputs(tmp_path)
+    for k, v in env.items():
+        if k == "_DISK_FULL":
+            monkeypatch.setattr(
+                "vramsweep.config.preflight.shutil.disk_usage", lambda p: Usage(2**30, 2**30 - 2**20, 2**20)
+            )
+        else:
+            monkeypatch.setenv(k, v)
+    args = [_fill(a, files, tmp_path) for a in argv]
+    if verb == "train" and not any(a.startswith("results_dir=") for a in args):
+        args.append(f"results_dir={tmp_path / 'res'}")
+    experiments = conf_dir() / "experiment"
+    before, before_conf = _tree(tmp_path), _tree(experiments)
+    capsys.readouterr()
+    code = main([verb, *args])
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2, f"exit {code}\nstdout: {out}\nstderr: {err}"
+    assert len(lines) == 1, f"expected one line, got:\n{err}"
+    assert lines[0].startswith(f"vramsweep {verb}: error: "), lines[0]
+    assert needle in lines[0], lines[0]
+    assert "HYDRA_FULL_ERROR" not in err and "search path" not in err.lower()
+    assert _tree(tmp_path) == before, f"written: {sorted(map(str, _tree(tmp_path) - before))}"
+    assert _tree(experiments) == before_conf
