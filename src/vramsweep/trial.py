@@ -175,7 +175,8 @@ def timing_conditions(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _random_token_data(cfg: DictConfig):
-    """Architecture-only models have no tokenizer: random token sequences of exactly max_tokens."""
+    """Random token sequences of exactly ``context.max_tokens`` (architecture-only models have no tokenizer;
+    ``data=random`` asks for them: memory/speed at an exact length, e.g. max-context searches)."""
     import torch
 
     from vramsweep.data.examples import Example
@@ -264,31 +265,45 @@ def evaluate(model, batches: list[dict], device) -> tuple[float, float | None, i
     fp32 would take 10 GB, more than the training step it measures on a 16 GB card."""
     import torch
 
+    from vramsweep.longctx.loss import causal_lm_of
+
     was_training = model.training
     model.eval()
+    try:  # decoder + lm_head per chunk: the seq x vocab logits never exist at once (long contexts)
+        lm = causal_lm_of(model)
+        head = lm.get_output_embeddings()
+    except (TypeError, AttributeError):
+        lm = head = None
     total, count, hits, spans = 0.0, 0, 0, 0
     with torch.no_grad():
         for b in batches:
             for row in range(b["input_ids"].shape[0]):
                 ids = b["input_ids"][row : row + 1].to(device)
-                logits = model(
-                    input_ids=ids, attention_mask=b["attention_mask"][row : row + 1].to(device)
-                ).logits
+                mask = b["attention_mask"][row : row + 1].to(device)
+                if head is not None:
+                    hidden = lm.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[
+                        0
+                    ]
+                    logits_at = lambda s, e, h=hidden: head(h[s:e])  # noqa: E731
+                else:
+                    full = model(input_ids=ids, attention_mask=mask).logits[0]
+                    logits_at = lambda s, e, f=full: f[s:e]  # noqa: E731
                 labels = b["labels"][row, 1:].to(device)
                 n = labels.shape[0]
+                preds = []
                 for s in range(0, n, EVAL_CHUNK):
                     chunk = labels[s : s + EVAL_CHUNK]
+                    logits = logits_at(s, s + chunk.shape[0])
                     total += float(
                         torch.nn.functional.cross_entropy(
-                            logits[0, s : s + chunk.shape[0]].float(),
-                            chunk,
-                            ignore_index=-100,
-                            reduction="sum",
+                            logits.float(), chunk, ignore_index=-100, reduction="sum"
                         )
                     )
                     count += int((chunk != -100).sum())
-                pred = logits[0].argmax(-1)
-                del logits
+                    preds.append(logits.argmax(-1))
+                    del logits
+                pred = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long, device=ids.device)
+                logits_at = None
                 for start, end in b["fact_spans"][row]:
                     if start < 1 or end > ids.shape[1]:
                         continue
@@ -454,7 +469,8 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
     torch.manual_seed(int(t.seed))
 
     _, tokenizer = model_source(cfg)
-    data = build_trial_data(cfg, tokenizer) if tokenizer is not None else _random_token_data(cfg)
+    random_tokens = tokenizer is None or cfg.data.source == "random"
+    data = _random_token_data(cfg) if random_tokens else build_trial_data(cfg, tokenizer)
     keep_ids = None
     if cfg.vocab.mode != "full":
         from vramsweep.build.vocab import kept_ids

@@ -161,7 +161,7 @@ def _rules_values(cfg: DictConfig) -> None:
     _check_range(cfg, "vocab.reserve", 0, 10**7, integer=True)
     if cfg.vocab.mode == "top_k":
         _check_range(cfg, "vocab.top_k", 1, 10**7, integer=True)
-    _check_choice(cfg, "data.source", ("embedded", "jsonl"))
+    _check_choice(cfg, "data.source", ("embedded", "jsonl", "random"))
     _check_range(cfg, "data.num_docs", 1, 10**6, integer=True)
     _check_range(cfg, "data.num_eval_docs", 1, 10**6, integer=True)
     _check_choice(cfg, "hardware.device", ("cpu", "cuda"))

@@ -154,7 +154,7 @@ class VocabConfig:
 @dataclass
 class DataConfig:
     name: str = "synthetic"
-    source: str = "embedded"  # embedded | jsonl
+    source: str = "embedded"  # embedded | jsonl | random (random tokens of exactly context.max_tokens)
     path: Optional[str] = None  # JSONL file when source=jsonl
     eval_path: Optional[str] = None
     num_docs: int = 48  # synthetic training documents

@@ -1223,6 +1223,16 @@ def run_sweep(
     from vramsweep.config.preflight import check_fault_env, check_named_options, preflight_sweep
     from vramsweep.sweeper.fastpath import finished_study
 
+    if str((task_cfg.get("sweep") or {}).get("design")) == "max_context":
+        from vramsweep.sweeper.maxctx import run_max_context
+
+        try:
+            check_fault_env()
+            check_named_options(arguments)
+        except ConfigError as exc:
+            print(error_line("train", str(exc)), file=sys.stderr)
+            return 2
+        return run_max_context(sweeper_cfg, task_cfg, arguments, runner=runner)
     done = finished_study(sweeper_cfg, task_cfg, arguments)
     if done is not None:  # nothing to run: the summary, without composing every point or importing torch
         return Sweep.finished(*done, runner=runner, launcher_factory=launcher_factory)

@@ -235,6 +235,7 @@ def run_max_context(
 ) -> int:
     """Run a ``max_context`` sweep; 0 done, 2 bad config (nothing written)."""
     from vramsweep.config.compose import ConfigError, compose
+    from vramsweep.config.errors import error_line
     from vramsweep.estimate import max_context as predict
     from vramsweep.record.result import atomic_write_json, atomic_write_text
     from vramsweep.sweeper.runner import make_runner
@@ -254,16 +255,22 @@ def run_max_context(
             int(bounds.get("step", 1024)),
         )
     except (TypeError, ValueError):
-        print("vramsweep train: error: sweep.max_context needs integers min, max, step", file=sys.stderr)
+        print(error_line("train", "sweep.max_context needs integers min, max, step"), file=sys.stderr)
         return 2
     if not (0 < lo <= hi and step > 0):
         print(
-            f"vramsweep train: error: sweep.max_context: need 0 < min <= max and step > 0 (got min={lo}, max={hi}, "
-            f"step={step})",
+            error_line(
+                "train",
+                f"sweep.max_context: need 0 < min <= max and step > 0 (got min={lo}, max={hi}, step={step})",
+            ),
             file=sys.stderr,
         )
         return 2
-    fixed = [a for a in arguments if override_key(a) not in ("sweep",) and not a.startswith("hydra.")]
+    fixed = [
+        a
+        for a in arguments
+        if override_key(a) != "sweep" and not override_key(a).startswith(("sweep.", "hydra."))
+    ]
     fixed = [*list(sweep.get("fixed") or []), *fixed]
     configs = [
         list(c) if isinstance(c, list | tuple) else str(c).split() for c in (sweep.get("configs") or [[]])
@@ -277,7 +284,7 @@ def run_max_context(
             est = predict(cfg)
         except (ConfigError, ValueError) as exc:
             print(
-                f"vramsweep train: error: max_context config {' '.join(conf) or '(base)'}: {exc}",
+                error_line("train", f"max_context config {' '.join(conf) or '(base)'}: {exc}"),
                 file=sys.stderr,
             )
             return 2

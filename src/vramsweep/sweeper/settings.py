@@ -22,7 +22,7 @@ SAMPLERS = ("tpe", "random", "grid", "nsga2", "gp")
 #: Pruners accepted by short name (``hydra.sweeper.pruner=<name>``).
 PRUNERS = ("median", "sha", "hyperband", "none")
 #: Sweep designs (``sweep.design``).
-DESIGNS = ("search", "grid", "ablation", "stacking")
+DESIGNS = ("search", "grid", "ablation", "stacking")  # + "max_context" (sweeper/maxctx.py, its own driver)
 #: Trial isolation modes (``hydra.sweeper.isolation``).
 ISOLATIONS = ("fork", "spawn", "inprocess", "launcher")
 #: Metrics that can be objectives (numeric fields of the result's ``metrics``; dotted paths reach into
