@@ -872,8 +872,8 @@ class Sweep:
         status = str(report.result.get("status"))
         with self._tell_lock:
             self._tell(self.study, job.trial, report.result, report.outcome)
-        if self.wandb_summary is not None:
-            self.wandb_summary.poke()
+            if self.wandb_summary is not None:
+                self.wandb_summary.poke()
             self._running.discard(job.trial._trial_id)
             self.finished += 1
             self.failures += int(report.outcome.failure)
