@@ -82,9 +82,9 @@ def test_written_once_reused_and_loadable(cache, capsys):
 
 def test_deterministic_and_keyed(tmp_path, monkeypatch):
     digests, shard_sha = [], []
-    for run in ("a", "b"):
+    for run, workers in (("a", 1), ("b", 3)):  # threads write shards out of order: same bytes
         monkeypatch.setenv("VRAMSWEEP_CACHE", str(tmp_path / run))
-        path, _ = aw.ensure_arch_weights(_cfg(), progress=False)
+        path, _ = aw.ensure_arch_weights(_cfg(), progress=False, workers=workers)
         digests.append(aw.folder_digest(path))
         shard_sha.append([_sha(p) for p in sorted(path.glob("*.safetensors"))])
     assert digests[0] == digests[1] and shard_sha[0] == shard_sha[1]

@@ -33,6 +33,7 @@ import json
 import re
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -143,8 +144,14 @@ def _progress(msg: str) -> None:
     print(f"vramsweep: {msg}", file=sys.stderr, flush=True)
 
 
-def write_arch_weights(cfg: DictConfig, out: Path, *, progress: bool = True) -> dict[str, Any]:
-    """Write the folder for ``cfg`` into ``out`` (which must not exist). Returns the info dict."""
+def write_arch_weights(
+    cfg: DictConfig, out: Path, *, progress: bool = True, workers: int = 1
+) -> dict[str, Any]:
+    """Write the folder for ``cfg`` into ``out`` (which must not exist). Returns the info dict.
+
+    ``workers`` shards are generated and written at once (threads: ``normal_`` and the file write release
+    the GIL); host memory peaks at ``workers`` x the largest shard.
+    """
     import safetensors.torch
     import tokenizers
     import transformers
@@ -180,26 +187,42 @@ def write_arch_weights(cfg: DictConfig, out: Path, *, progress: bool = True) -> 
             f"writing random {cfg.model.name} weights once ({total / 1e9:.2f} GB in {n} shards, "
             f"{cfg.train.dtype}, seed {seed}) -> {out}"
         )
-    weight_map: dict[str, str] = {}
-    written, last_print, largest = 0, time.perf_counter(), 0
-    for i, group in enumerate(groups, 1):
-        fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+    weight_map = {
+        name: f"model-{i:05d}-of-{n:05d}.safetensors" for i, g in enumerate(groups, 1) for name, _ in g
+    }
+    state = {"written": 0, "done": 0, "largest": 0, "last_print": time.perf_counter()}
+    lock = threading.Lock()
+
+    def write_shard(i: int) -> None:
+        group = groups[i - 1]
         shard = {name: _init(name, meta, seed, std) for name, meta in group}
         size = sum(t.numel() * t.element_size() for t in shard.values())
-        largest = max(largest, size)
-        safetensors.torch.save_file(shard, str(out / fname), metadata={"format": "pt"})
+        safetensors.torch.save_file(
+            shard, str(out / f"model-{i:05d}-of-{n:05d}.safetensors"), metadata={"format": "pt"}
+        )
         del shard
-        written += size
-        for name, _ in group:
-            weight_map[name] = fname
-        now = time.perf_counter()
-        if progress and (now - last_print >= PROGRESS_EVERY_S or i == n) and n > 1:
-            rate = written / max(now - t0, 1e-9)
-            _progress(
-                f"  {i}/{n} shards, {written / 1e9:.2f}/{total / 1e9:.2f} GB, {now - t0:.0f} s "
-                f"({rate / 1e6:.0f} MB/s, ~{(total - written) / max(rate, 1):.0f} s left)"
-            )
-            last_print = now
+        with lock:
+            state["written"] += size
+            state["done"] += 1
+            state["largest"] = max(state["largest"], size)
+            now = time.perf_counter()
+            if progress and n > 1 and (now - state["last_print"] >= PROGRESS_EVERY_S or state["done"] == n):
+                rate = state["written"] / max(now - t0, 1e-9)
+                _progress(
+                    f"  {state['done']}/{n} shards, {state['written'] / 1e9:.2f}/{total / 1e9:.2f} GB, "
+                    f"{now - t0:.0f} s ({rate / 1e6:.0f} MB/s, ~{(total - state['written']) / max(rate, 1):.0f} s left)"
+                )
+                state["last_print"] = now
+
+    if workers <= 1:
+        for i in range(1, n + 1):
+            write_shard(i)
+    else:  # each shard has its own generator: the bytes do not depend on the order or the thread
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(write_shard, range(1, n + 1)))
+    largest = state["largest"]
     index = {"metadata": {"total_size": int(total)}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     write_s = time.perf_counter() - t0
@@ -218,6 +241,7 @@ def write_arch_weights(cfg: DictConfig, out: Path, *, progress: bool = True) -> 
         "tokenizer_tokens": len(tokenizer),
         "write_s": round(write_s, 3),
         "write_mb_per_s": round(total / max(write_s, 1e-9) / 1e6, 1),
+        "workers": int(workers),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "safetensors": getattr(safetensors, "__version__", "?"),
@@ -245,7 +269,9 @@ def folder_bytes(path: Path) -> int:
     return int(sum(p.stat().st_size for p in path.iterdir() if p.is_file()))
 
 
-def ensure_arch_weights(cfg: DictConfig, *, progress: bool = True) -> tuple[Path, dict[str, Any]]:
+def ensure_arch_weights(
+    cfg: DictConfig, *, progress: bool = True, workers: int = 1
+) -> tuple[Path, dict[str, Any]]:
     """The cached weights folder for ``cfg`` (``model.source=arch``), writing it first if needed.
 
     Returns:
@@ -271,7 +297,7 @@ def ensure_arch_weights(cfg: DictConfig, *, progress: bool = True) -> tuple[Path
                     shutil.rmtree(out, ignore_errors=True)  # renamed but never marked complete
                     _check_disk(cfg, out.parent)
                     try:
-                        write_arch_weights(cfg, tmp, progress=progress)
+                        write_arch_weights(cfg, tmp, progress=progress, workers=workers)
                     except BaseException:
                         shutil.rmtree(tmp, ignore_errors=True)
                         raise
@@ -315,3 +341,32 @@ def folder_digest(path: Path) -> str:
             for chunk in iter(lambda: fh.read(1 << 22), b""):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vramsweep.build.arch_weights [--workers N] [overrides...]``: write (or find) the folder
+    that ``kernels=unsloth`` would load for these overrides; prints its notes as JSON."""
+    import argparse
+
+    from vramsweep.config import compose
+
+    p = argparse.ArgumentParser(prog="python -m vramsweep.build.arch_weights", description=main.__doc__)
+    p.add_argument(
+        "--workers", type=int, default=1, help="shards written at once (host RAM: N x largest shard)"
+    )
+    p.add_argument("overrides", nargs="*", help="e.g. model=qwen3_8b train.dtype=bf16")
+    args = p.parse_args(argv)
+    cfg = compose(list(args.overrides), validate_rules=False)
+    if cfg.model.source != "arch":
+        print(
+            f"error: model={cfg.model.name} is not architecture-only (model.source={cfg.model.source})",
+            file=sys.stderr,
+        )
+        return 2
+    _, notes = ensure_arch_weights(cfg, workers=max(1, args.workers))
+    print(json.dumps(notes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
