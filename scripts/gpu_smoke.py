@@ -625,8 +625,7 @@ def main(argv: list[str] | None = None) -> int:
             "sweep.factors=["
             + ",".join(_quote([_scale_override(o, divisor) for o in f]) for f in LONG_FACTORS)
             + "]",
-            "train.steps=3",
-            "train.measure_warmup_steps=1",
+            *([] if args.dry_run else ["train.steps=3", "train.measure_warmup_steps=1"]),  # dry: already
             *list(args.overrides),
             *iso,
         ]
