@@ -74,7 +74,12 @@ BUNDLE_FILE = "gpu_bundle.tar.xz"
 TRIM = {
     "unsloth": ["studio/*"],  # the 82 MB web UI
     "unsloth-zoo": ["unsloth_zoo/mlx/*"],  # Apple MLX only
-    "bitsandbytes": ["bitsandbytes/libbitsandbytes_cuda*"],  # all CUDA libraries but BNB_KEEP_CUDA's
+    # every GPU library but BNB_KEEP_CUDA's (other CUDA versions, ROCm, XPU); the CPU one stays
+    "bitsandbytes": [
+        "bitsandbytes/libbitsandbytes_cuda*",
+        "bitsandbytes/libbitsandbytes_rocm*",
+        "bitsandbytes/libbitsandbytes_xpu*",
+    ],
     "pyarrow": [
         "pyarrow/include/*",
         "pyarrow/includes/*",
@@ -264,21 +269,60 @@ def build(args: argparse.Namespace) -> int:
     return 0
 
 
+def bundle_requirements(folder: Path) -> dict[str, list[tuple[str, str]]]:
+    """``{name: [(requiring dist, specifier), ...]}`` from the Requires-Dist of every bundled distribution
+    (markers evaluated for the running Python; extras ignored)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    out: dict[str, list[tuple[str, str]]] = {}
+    for meta in folder.glob("*.dist-info/METADATA"):
+        owner = meta.parent.name.split("-")[0]
+        for line in meta.read_text(errors="replace").splitlines():
+            if not line.startswith("Requires-Dist:"):
+                continue
+            try:
+                req = Requirement(line.split(":", 1)[1].strip())
+            except InvalidRequirement:
+                continue
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            if str(req.specifier):
+                out.setdefault(norm(req.name), []).append((owner, str(req.specifier)))
+    return out
+
+
 def activate(args: argparse.Namespace) -> int:
-    """Move out of ``DIR`` every bundled distribution the running (image) Python already has."""
+    """Move out of ``DIR`` every bundled distribution the running (image) Python already has in a version
+    that satisfies what the bundle requires of it (so the image's copy wins); a distribution the image lacks,
+    or has in a version the bundle cannot use (e.g. datasets 5 where unsloth needs <5), is taken from DIR."""
     from importlib import metadata
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
 
     folder = Path(args.dir)
     data = json.loads((folder / MANIFEST).read_text())
+    needs = bundle_requirements(folder)
     shadow = folder.with_name(folder.name + ".shadowed")
+    forced = {norm(n) for n in args.force}
     kept, skipped = [], []
-    for info in data["dists"].values():
+    for key, info in data["dists"].items():
         try:
             have = metadata.version(info["dist"])
         except metadata.PackageNotFoundError:
             have = None
-        if have is None or norm(info["dist"]) in {norm(n) for n in args.force}:
+        if have is None or key in forced:
             kept.append(f"{info['dist']} {info['version']}")
+            continue
+        bad = []
+        for owner, spec in needs.get(key, []):
+            try:
+                if not SpecifierSet(spec).contains(Version(have), prereleases=True):
+                    bad.append(f"{owner} needs {spec}")
+            except InvalidVersion:
+                bad.append(f"unparsable version {have}")
+        if bad:
+            kept.append(f"{info['dist']} {info['version']} (image has {have}; {', '.join(bad)})")
             continue
         skipped.append(f"{info['dist']} (image has {have})")
         shadow.mkdir(exist_ok=True)

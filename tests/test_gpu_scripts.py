@@ -126,12 +126,13 @@ def test_bundle_trimming():
     assert [d for d, p in drop if not b.trimmed_away(d, p)] == []
 
 
-def test_bundle_activation_lets_the_image_copy_win(tmp_path):
-    b = _load("gpu_bundle")
-    site = tmp_path / "gpu_bundle"
+def _fake_bundle(root: Path, manifest_name: str, requires: str = "") -> Path:
+    site = root / "gpu_bundle"
     for top in ("pytest", "pytest-9.0.dist-info", "not_in_image_pkg", "not_in_image_pkg-1.0.dist-info"):
         (site / top).mkdir(parents=True)
-    (site / b.MANIFEST).write_text(
+    meta = "Metadata-Version: 2.1\nName: not-in-image-pkg\nVersion: 1.0\n" + requires
+    (site / "not_in_image_pkg-1.0.dist-info" / "METADATA").write_text(meta)
+    (site / manifest_name).write_text(
         json.dumps(
             {
                 "dists": {
@@ -145,6 +146,17 @@ def test_bundle_activation_lets_the_image_copy_win(tmp_path):
             }
         )
     )
+    return site
+
+
+def test_bundle_activation_lets_the_image_copy_win(tmp_path, capsys):
+    b = _load("gpu_bundle")
+    site = _fake_bundle(tmp_path / "a", b.MANIFEST, "Requires-Dist: pytest>=1\n")
     assert b.main(["activate", str(site)]) == 0
-    assert not (site / "pytest").exists() and (tmp_path / "gpu_bundle.shadowed" / "pytest").is_dir()
+    assert not (site / "pytest").exists() and (site.parent / "gpu_bundle.shadowed" / "pytest").is_dir()
     assert (site / "not_in_image_pkg").is_dir()
+    # the image's pytest does not satisfy what a bundled distribution needs: the bundle's copy is used
+    site = _fake_bundle(tmp_path / "b", b.MANIFEST, "Requires-Dist: pytest<1.0; python_version >= '3'\n")
+    capsys.readouterr()
+    assert b.main(["activate", str(site)]) == 0
+    assert (site / "pytest").is_dir() and "not_in_image_pkg needs <1.0" in capsys.readouterr().out
