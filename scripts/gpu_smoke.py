@@ -71,6 +71,17 @@ DRY_OVERRIDES = [
     "data.num_docs=4",
     "data.num_eval_docs=1",
 ]
+#: The dry run's weights-folder step: a small Qwen3 architecture (the GPU run writes Qwen3-8B's 16.4 GB).
+DRY_ARCH = [
+    "model=qwen3_8b",
+    "model.vocab_size=512",
+    "model.hidden_size=128",
+    "model.intermediate_size=512",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.head_dim=32",
+]
 #: The dry run divides every ``context.max_tokens`` of the design by this (floor 128): same knobs, CPU-sized.
 DRY_CONTEXT_DIVISOR = 8
 GIB = 1024**3
@@ -576,12 +587,13 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "import failed",
     )
-    if not args.dry_run and unsloth_ok:
+    if args.dry_run or unsloth_ok:  # the dry run writes a tiny architecture's folder (same code path)
         cmd = [python, "-m", "vramsweep.build.arch_weights", "--workers", str(min(8, os.cpu_count() or 1))]
         print(
             "gpu_smoke: Unsloth weights folder for qwen3_8b (written once into VRAMSWEEP_CACHE)", flush=True
         )
-        wrc, wto, text = run_logged(cmd + base_model, min(PHASE_CAP_S["weights"], left(300)), log, tee=True)
+        arch = DRY_ARCH if args.dry_run else base_model
+        wrc, wto, text = run_logged(cmd + arch, min(PHASE_CAP_S["weights"], left(200)), log, tee=True)
         weights = next((json.loads(x) for x in reversed(text.splitlines()) if x.startswith("{")), None)
         if weights is None:
             notes.append(
@@ -589,12 +601,12 @@ def main(argv: list[str] | None = None) -> int:
             )
     if weights is not None:
         notes.append(
-            f"Unsloth weights folder (random Qwen3-8B, {weights['dtype']}): {weights['disk_bytes'] / 1e9:.2f} GB on "
-            f"disk in {weights['shards']} shards, "
+            f"Unsloth weights folder (random {'tiny Qwen3 test architecture' if args.dry_run else 'Qwen3-8B'}, "
+            f"{weights['dtype']}): {weights['disk_bytes'] / 1e9:.3f} GB on disk in {weights['shards']} shards, "
             + (
-                f"written in {weights['write_s']:.0f} s ({weights['write_mb_per_s']:.0f} MB/s)"
+                f"written in {weights['write_s']:.1f} s ({weights['write_mb_per_s']:.0f} MB/s)"
                 if weights["written_now"]
-                else f"reused (written earlier in {weights['write_s']:.0f} s)"
+                else f"reused (written earlier in {weights['write_s']:.1f} s)"
             )
         )
 

@@ -781,6 +781,10 @@ def test_gpu_smoke_dry_run(tmp_path):
     md = (out / "summary.md").read_text()
     assert md.startswith("### GPU smoke — DRY RUN on CPU (") and "Verdict: PASS" in md
     assert "Long-context probe" in md and "Profiler (baseline, 2 profiled steps): 128 tokens:" in md
+    assert (
+        "Unsloth weights folder (random tiny Qwen3 test architecture, bf16): 0.001 GB on disk in 4 shards"
+        in md
+    )
     prof = (out / "profile.md").read_text()
     assert prof.count("Top ops by self CPU time") == 2 and "aten::" in prof
 
