@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch: bash scripts/gpu_smoke.sh [--out DIR] [--bundle FILE] [--wheels DIR] [--budget-s 450] [-- overrides]
+# Launch: bash scripts/gpu_smoke.sh [--out DIR] [--bundle FILE] [--wheels DIR] [--budget-s 470] [-- overrides]
 #         bash scripts/gpu_smoke.sh --dry-run [--out DIR]     (CPU, embedded tiny model, tiny steps)
 #
 # One-shot GPU smoke test (issues 7, 10); at most 8 minutes on one H200. On a CUDA machine, no network:
