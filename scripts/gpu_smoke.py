@@ -70,6 +70,7 @@ DRY_OVERRIDES = [
     "train.eval_batches=1",
     "data.num_docs=4",
     "data.num_eval_docs=1",
+    "hydra.sweeper.timeout_s=900",  # 2 CPU cores shared with other jobs: a 512-token CPU trial took > 150 s
 ]
 #: The dry run's weights-folder step: a small Qwen3 architecture (the GPU run writes Qwen3-8B's 16.4 GB).
 DRY_ARCH = [
