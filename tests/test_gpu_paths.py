@@ -777,7 +777,8 @@ def test_gpu_smoke_dry_run(tmp_path):
     assert status["attention=flash_attention_2"] == status["kernels=liger"] == "unsupported"  # no CUDA here
     assert status["quant=nf4"] == status["checkpointing=off"] == "ok"
     assert status["kernels=unsloth"] in ("unsupported", "ok")  # ok where `make unsloth` installed it
-    assert [t["config"]["context"]["max_tokens"] for t in long] == [1536, 2048]  # 12,288 / 16,384 over 8
+    contexts = [[o for o in t["overrides"] if o.startswith("context.max_tokens=")][-1] for t in long]
+    assert contexts == ["context.max_tokens=1536", "context.max_tokens=2048"]  # 12,288 / 16,384 over 8
     md = (out / "summary.md").read_text()
     assert md.startswith("### GPU smoke — DRY RUN on CPU (") and "Verdict: PASS" in md
     assert "Long-context probe" in md and "Profiler (baseline, 2 profiled steps): 128 tokens:" in md
