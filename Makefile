@@ -53,13 +53,13 @@ bench: $(STAMP) ## overhead + sweep-efficiency benchmarks (prints measured ratio
 unsloth: $(STAMP) ## optional: unsloth 2026.10.9 without its CUDA-pulling pins (imports and trains on CPU too)
 	$(BIN)/pip install -q --no-deps unsloth==2026.10.9 unsloth_zoo==2026.10.9
 
-gpu-smoke: ## on a CUDA machine (its own torch; offline wheels from wheels/): the one-shot GPU smoke sweep
+gpu-smoke: ## on a CUDA machine (its own torch; wheels/gpu_bundle.tar.xz if present): the one-shot GPU smoke (<= 8 min)
 	bash scripts/gpu_smoke.sh
 
 gpu-smoke-dry: $(STAMP) ## the GPU smoke path on CPU with the embedded tiny model (what CI checks)
 	bash scripts/gpu_smoke.sh --dry-run
 
-gpu-wheels: $(STAMP) ## download bitsandbytes/liger-kernel/nvidia-ml-py wheels into wheels/ for an offline GPU box
+gpu-wheels: $(STAMP) ## where PyPI is reachable: wheels/gpu_bundle.tar.xz (<= 64 MiB) with all the offline GPU image lacks
 	bash scripts/fetch_gpu_wheels.sh
 
 clean: ## remove the venv, caches and results

@@ -15,6 +15,7 @@ import csv
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,7 +27,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = "gpu_smoke"
-MAX_FILES = 8
+MAX_FILES = 9
 BUNDLE = (
     "summary.md",
     "summary.csv",
@@ -36,6 +37,26 @@ BUNDLE = (
     "trials.jsonl",
     "sweep.json",
     "smoke.log",
+    "profile.md",
+)
+#: The long-context probe: a second, 2-trial sweep (Qwen3-8B nf4_dq + Liger + checkpointing, 16 GiB cap).
+LONG_SWEEP = "gpu_smoke_long"
+LONG_BASELINE = [
+    "quant=nf4_dq",
+    "attention=sdpa",
+    "kernels=liger",
+    "checkpointing=on",
+    "context.max_tokens=12288",
+]
+LONG_FACTORS = [["context.max_tokens=16384"]]
+#: The profiler pass: the smoke baseline at these lengths (2 warm-up + 2 profiled steps each).
+PROFILE_TOKENS = (1024, 4096)
+#: Seconds of the --budget-s each phase may take at most (the sweep gets what the others leave).
+PHASE_CAP_S = {"weights": 150.0, "long": 75.0, "profile": 90.0}
+#: Harmless noise filtered out of what the user sees (the trial logs keep it): Liger 0.8.5 with Triton 3.6
+#: probes its Ascend (NPU) backend on import and reports the failed import of triton's ``tanh``.
+HARMLESS = (
+    re.compile(r"Backend impl 'liger_kernel\.ops\.backends\._ascend\.rope'.*cannot import name 'tanh'"),
 )
 #: Statuses that are results (the smoke test passes with them); ``error`` is a failure.
 RESULT_STATUSES = ("ok", "oom", "unsupported", "infeasible_estimate", "pruned", "diverged")
@@ -49,6 +70,18 @@ DRY_OVERRIDES = [
     "train.eval_batches=1",
     "data.num_docs=4",
     "data.num_eval_docs=1",
+    "hydra.sweeper.timeout_s=900",  # 2 CPU cores shared with other jobs: a 512-token CPU trial took > 150 s
+]
+#: The dry run's weights-folder step: a small Qwen3 architecture (the GPU run writes Qwen3-8B's 16.4 GB).
+DRY_ARCH = [
+    "model=qwen3_8b",
+    "model.vocab_size=512",
+    "model.hidden_size=128",
+    "model.intermediate_size=512",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.head_dim=32",
 ]
 #: The dry run divides every ``context.max_tokens`` of the design by this (floor 128): same knobs, CPU-sized.
 DRY_CONTEXT_DIVISOR = 8
@@ -154,10 +187,95 @@ def dry_design_overrides(sweep_file: Path, divisor: int = DRY_CONTEXT_DIVISOR) -
     ]
 
 
+def is_harmless(line: str) -> bool:
+    """True for a known-harmless line (:data:`HARMLESS`) that the user output leaves out."""
+    return any(p.search(line) for p in HARMLESS)
+
+
+class NoiseFilter:
+    """Drops :data:`HARMLESS` lines (and the ``warnings.warn(...)`` source echo that follows a warning)."""
+
+    def __init__(self) -> None:
+        self.dropped = 0
+        self._after = False
+
+    def keep(self, line: str) -> bool:
+        if is_harmless(line):
+            self.dropped += 1
+            self._after = True
+            return False
+        if self._after and line.startswith((" ", "\t")) and "warn" in line:
+            self._after = False
+            return False
+        self._after = False
+        return True
+
+
+def run_logged(cmd: list[str], budget_s: float, log: Path, *, tee: bool = False) -> tuple[int, bool, str]:
+    """Run ``cmd`` in its own process group, output filtered (:class:`NoiseFilter`) into ``log`` (and the
+    console with ``tee``); SIGINT/SIGTERM/SIGKILL it when over ``budget_s``.
+
+    Returns:
+        ``(exit code, timed_out, filtered output)``.
+    """
+    import threading
+
+    flt = NoiseFilter()
+    kept: list[str] = []
+    timed_out = False
+    with open(log, "a") as fh:
+        fh.write(f"$ {' '.join(cmd)}\n")
+        fh.flush()
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+            text=True,
+            errors="replace",
+        )
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if flt.keep(line):
+                    kept.append(line)
+                    fh.write(line)
+                    fh.flush()
+                    if tee:
+                        sys.stdout.write(line)
+                        sys.stdout.flush()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=max(budget_s, 1.0))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            fh.write(f"\ngpu_smoke: over the {budget_s:.0f} s budget: interrupting\n")
+            fh.flush()
+            for sig, grace in ((signal.SIGINT, 60), (signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    rc = proc.wait(timeout=grace)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            rc = proc.wait()
+        reader.join(10)
+        if flt.dropped:
+            fh.write(f"gpu_smoke: left out {flt.dropped} harmless line(s) (Liger's Ascend backend probe)\n")
+    return int(rc), timed_out, "".join(kept)
+
+
 def run_sweep(
     python: str, results_dir: Path, overrides: list[str], budget_s: float, log: Path
 ) -> tuple[int, bool]:
-    """Run the sweep through the CLI in its own process group; Ctrl-C it when over budget.
+    """Run the sweep through the CLI; Ctrl-C it when over budget.
 
     Returns:
         ``(exit code, timed_out)``.
@@ -172,29 +290,8 @@ def run_sweep(
         f"results_dir={results_dir}",
         *overrides,
     ]
-    timed_out = False
-    with open(log, "a") as fh:
-        fh.write(f"$ {' '.join(cmd)}\n")
-        fh.flush()
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=budget_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            fh.write(f"\ngpu_smoke: over the {budget_s:.0f} s budget: interrupting the sweep\n")
-            fh.flush()
-            for sig, grace in ((signal.SIGINT, 60), (signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    rc = proc.wait(timeout=grace)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            rc = proc.wait()
-    return int(rc), timed_out
+    rc, timed_out, _ = run_logged(cmd, budget_s, log)
+    return rc, timed_out
 
 
 def run_report(python: str, sweep_dir: Path, out: Path, log: Path) -> int:
@@ -302,19 +399,35 @@ def render_summary(
 
     conf = (env.get("alloc_conf") or {}).get("PYTORCH_CUDA_ALLOC_CONF")
     model = ((trials[0].get("config") or {}).get("model") or {}).get("name") if trials else None
-    peaks = [r["peak_gib"] for r in rows if r["peak_gib"] is not None]
-    unit, scale = ("GiB", 1.0) if not peaks or max(peaks) >= 1.0 else ("MiB", 1024.0)  # tiny CPU runs: MiB
     lines = [
         header_line(env, trials, dry, when),
         "",
         f"`{command}` · torch {env.get('torch')} (CUDA {env.get('torch_cuda')}) · transformers {ver('transformers')} · "
         f"peft {ver('peft')} · bitsandbytes {ver('bitsandbytes')} · liger-kernel {ver('liger_kernel')} · "
-        f"flash-attn {ver('flash_attn')} · driver {env.get('driver') or '–'} · "
+        f"unsloth {ver('unsloth')} · flash-attn {ver('flash_attn')} · driver {env.get('driver') or '–'} · "
         f"PYTORCH_CUDA_ALLOC_CONF={conf or 'unset'} · model {model or '?'} (random init, memory/speed only)"
         if not dry
         else f"`{command}` · torch {env.get('torch')} · transformers {ver('transformers')} · bitsandbytes "
         f"{ver('bitsandbytes')} · {env.get('device')} · model {model or '?'}",
         "",
+        render_table(rows).rstrip("\n"),
+    ]
+    kinds = sorted({r["memory_kind"] for r in rows if r["memory_kind"]})
+    lines += [
+        "",
+        f"Peak = {', '.join(kinds) or 'n/a'} (CUDA: max reserved in the training steps; CPU: tracked tensor bytes). "
+        "Allocated/fragmentation/NVML are CUDA-only. Sweep exit code "
+        f"{sweep_rc}{' (stopped at the time budget)' if timed_out else ''}; {len(rows)} trial(s).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_table(rows: list[dict[str, Any]], *, title: str | None = None) -> str:
+    """One markdown table row per trial (memory in GiB, or MiB when every peak is under 1 GiB)."""
+    peaks = [r["peak_gib"] for r in rows if r["peak_gib"] is not None]
+    unit, scale = ("GiB", 1.0) if not peaks or max(peaks) >= 1.0 else ("MiB", 1024.0)  # tiny CPU runs: MiB
+    lines = [f"{title}:", ""] if title else []
+    lines += [
         f"| # | change from baseline | status | peak {unit} | allocated {unit} | frag. {unit} | NVML {unit} "
         "| tokens/s | s/step | MFU | note |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -329,13 +442,6 @@ def render_summary(
             f"{mem(r['fragmentation_gib'])} | {mem(r['nvml_gib'])} | {_fmt(r['tokens_per_s'], '.0f')} | "
             f"{_fmt(r['step_time_s'], '.2f')} | {_fmt(r['mfu'], '.3f')} | {_short(r['reason'])} |"
         )
-    kinds = sorted({r["memory_kind"] for r in rows if r["memory_kind"]})
-    lines += [
-        "",
-        f"Peak = {', '.join(kinds) or 'n/a'} (CUDA: max reserved in the training steps; CPU: tracked tensor bytes). "
-        "Allocated/fragmentation/NVML are CUDA-only. Sweep exit code "
-        f"{sweep_rc}{' (stopped at the time budget)' if timed_out else ''}; {len(rows)} trial(s).",
-    ]
     return "\n".join(lines) + "\n"
 
 
@@ -359,7 +465,7 @@ def bundle(
     report_dir: Path,
     log: Path,
 ) -> list[Path]:
-    """Write the at-most-8-file folder. Returns the files written."""
+    """Write the at-most-:data:`MAX_FILES`-file folder. Returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
     foreign = [p.name for p in out.iterdir() if p.name not in BUNDLE]
     if foreign:
@@ -379,6 +485,7 @@ def bundle(
         (report_dir / "memory_breakdown.png", "memory_breakdown.png"),
         (sweep_dir / "sweep.json", "sweep.json"),
         (log, "smoke.log"),
+        (log.with_name("profile.md"), "profile.md"),
     ):
         if src.is_file():
             shutil.copyfile(src, out / name)
@@ -415,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
         "--budget-s",
         type=float,
         default=None,
-        help="wall-clock budget of the sweep (default 420 s; 1500 s for --dry-run on busy CPUs)",
+        help="wall-clock budget of the whole smoke (default 470 s: weights folder, sweep, long-context "
+        "probe, profiler; 1800 s for --dry-run on busy CPUs)",
     )
     p.add_argument(
         "--isolation",
@@ -432,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
 
     python = sys.executable
     if args.budget_s is None:
-        args.budget_s = 1500.0 if args.dry_run else 420.0
+        args.budget_s = 1800.0 if args.dry_run else 470.0
     when = datetime.now(UTC)
     stamp = when.strftime("%Y%m%d-%H%M%S")
     default_out = ROOT / "results" / ("gpu_smoke_dry" if args.dry_run else "gpu_smoke")
@@ -462,13 +570,54 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
+    deadline = t0 + args.budget_s
+
+    def left(reserve: float = 0.0) -> float:
+        return deadline - time.perf_counter() - reserve
+
+    divisor = DRY_CONTEXT_DIVISOR if args.dry_run else 1
+    base_model = (
+        ["model=tiny", "hardware=cpu"] if args.dry_run else ["model=qwen3_8b", "hardware=rtx4080_16gb"]
+    )
+    iso = [f"hydra.sweeper.isolation={args.isolation}"] if args.isolation else []
+    notes: list[str] = []
+
+    # 1. Unsloth's weights folder for the Qwen3-8B architecture: written once, outside the trials' timeouts.
+    weights = None
+    unsloth_ok = str((env.get("versions") or {}).get("unsloth") or "").split(":")[0] not in (
+        "",
+        "import failed",
+    )
+    if args.dry_run or unsloth_ok:  # the dry run writes a tiny architecture's folder (same code path)
+        cmd = [python, "-m", "vramsweep.build.arch_weights", "--workers", str(min(8, os.cpu_count() or 1))]
+        print(
+            "gpu_smoke: Unsloth weights folder for qwen3_8b (written once into VRAMSWEEP_CACHE)", flush=True
+        )
+        arch = DRY_ARCH if args.dry_run else base_model
+        wrc, wto, text = run_logged(cmd + arch, min(PHASE_CAP_S["weights"], left(200)), log, tee=True)
+        weights = next((json.loads(x) for x in reversed(text.splitlines()) if x.startswith("{")), None)
+        if weights is None:
+            notes.append(
+                f"Unsloth weights folder: not written (exit {wrc}{', timed out' if wto else ''}; smoke.log)"
+            )
+    if weights is not None:
+        notes.append(
+            f"Unsloth weights folder (random {'tiny Qwen3 test architecture' if args.dry_run else 'Qwen3-8B'}, "
+            f"{weights['dtype']}): {weights['disk_bytes'] / 1e9:.3f} GB on disk in {weights['shards']} shards, "
+            + (
+                f"written in {weights['write_s']:.1f} s ({weights['write_mb_per_s']:.0f} MB/s)"
+                if weights["written_now"]
+                else f"reused (written earlier in {weights['write_s']:.1f} s)"
+            )
+        )
+
+    # 2. The ablation sweep (sweeps/gpu_smoke.yaml).
     dry = DRY_OVERRIDES + dry_design_overrides(ROOT / "sweeps" / f"{SWEEP}.yaml") if args.dry_run else []
-    overrides = dry + list(args.overrides)
-    if args.isolation:
-        overrides.append(f"hydra.sweeper.isolation={args.isolation}")
+    overrides = dry + list(args.overrides) + iso
     sweep_dir = work / "sweeps" / SWEEP
-    print(f"gpu_smoke: sweep {SWEEP} -> {sweep_dir} (budget {args.budget_s:.0f} s, log {log})", flush=True)
-    rc, timed_out = run_sweep(python, work, overrides, args.budget_s, log)
+    budget = max(60.0, left(PHASE_CAP_S["long"] + PHASE_CAP_S["profile"]))
+    print(f"gpu_smoke: sweep {SWEEP} -> {sweep_dir} (budget {budget:.0f} s, log {log})", flush=True)
+    rc, timed_out = run_sweep(python, work, overrides, budget, log)
     trials = load_trials(sweep_dir)
     report_dir = work / "report"
     report_rc = run_report(python, sweep_dir, report_dir, log) if trials else 1
@@ -478,12 +627,79 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError):
         pass
 
+    # 3. Long-context probe: nf4_dq + Liger + checkpointing at 12,288 and 16,384 tokens under the cap.
+    long_trials: list[dict[str, Any]] = []
+    long_rc, long_to = 0, False
+    budget = min(PHASE_CAP_S["long"], left(PHASE_CAP_S["profile"]))
+    if budget > 20:
+        long_ov = (DRY_OVERRIDES if args.dry_run else []) + [
+            f"sweep.name={LONG_SWEEP}",
+            "sweep.baseline=" + _quote([_scale_override(o, divisor) for o in LONG_BASELINE]),
+            "sweep.factors=["
+            + ",".join(_quote([_scale_override(o, divisor) for o in f]) for f in LONG_FACTORS)
+            + "]",
+            *([] if args.dry_run else ["train.steps=3", "train.measure_warmup_steps=1"]),  # dry: already
+            *list(args.overrides),
+            *iso,
+        ]
+        print(
+            f"gpu_smoke: long-context probe -> {work / 'sweeps' / LONG_SWEEP} (budget {budget:.0f} s)",
+            flush=True,
+        )
+        long_rc, long_to = run_sweep(python, work, long_ov, budget, log)
+        long_trials = load_trials(work / "sweeps" / LONG_SWEEP)
+    else:
+        notes.append("long-context probe: skipped (time budget spent)")
+
+    # 4. torch.profiler on the baseline: where a step's fixed cost goes.
+    profile_md = work / "profile.md"
+    baseline = [
+        o for o in _baseline(ROOT / "sweeps" / f"{SWEEP}.yaml") if not o.startswith("context.max_tokens")
+    ]
+    prof_lines = []
+    for tokens in PROFILE_TOKENS:
+        n = max(128, tokens // divisor)
+        budget = min(PHASE_CAP_S["profile"] / len(PROFILE_TOKENS), left()) if not args.dry_run else left()
+        if budget < 15:
+            prof_lines.append(f"{n} tokens: skipped (time budget spent)")
+            continue
+        cmd = [python, str(ROOT / "scripts" / "gpu_profile.py"), "--tokens", str(n), "--out", str(profile_md)]
+        prc, pto, text = run_logged(cmd + ["--", *base_model, *baseline], budget, log)
+        prof = next(
+            (json.loads(x.split(" ", 1)[1]) for x in text.splitlines() if x.startswith("PROFILE_JSON ")), None
+        )
+        if prof is None:
+            prof_lines.append(f"{n} tokens: failed (exit {prc}{', timed out' if pto else ''}; smoke.log)")
+            continue
+        prof_lines.append(profile_summary(prof))
+    if prof_lines:
+        notes.append(
+            "Profiler (baseline, 2 profiled steps): " + "; ".join(prof_lines) + " (tables: profile.md)"
+        )
+
     command = "bash scripts/gpu_smoke.sh" + (" --dry-run" if args.dry_run else "")
     rows = summary_rows(trials)
     md = render_summary(
         rows, env, trials, dry=args.dry_run, command=command, when=when, sweep_rc=rc, timed_out=timed_out
     )
+    long_rows = summary_rows(long_trials)
+    if long_rows:
+        md += (
+            "\n"
+            + render_table(long_rows, title="Long-context probe (nf4_dq + liger + checkpointing)")
+            + (
+                f"Long-context sweep exit code {long_rc}{' (stopped at the time budget)' if long_to else ''}.\n"
+            )
+        )
+    if notes:
+        md += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     ok, why = verdict(trials, expected, rc)
+    long_errors = [r for r in long_trials if r.get("status") not in RESULT_STATUSES]
+    if long_errors:
+        ok, why = (
+            False,
+            f"{why}; error in long-context trial(s) " + ", ".join(str(r.get("trial")) for r in long_errors),
+        )
     if report_rc != 0:
         ok, why = False, f"{why}; the report failed (exit {report_rc}, see smoke.log)"
     md += f"\nVerdict: {'PASS' if ok else 'FAIL'}: {why}. Wall time {time.perf_counter() - t0:.0f} s.\n"
@@ -492,8 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     files = bundle(
         out,
         summary_md=md,
-        summary_csv_text=summary_csv(rows),
-        trials=trials,
+        summary_csv_text=summary_csv(rows + long_rows),
+        trials=trials + long_trials,
         sweep_dir=sweep_dir,
         report_dir=report_dir,
         log=log,
@@ -502,6 +718,29 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     print(f"gpu_smoke: wrote {len(files)} file(s) to {out}: {', '.join(f.name for f in files)}")
     return 0 if ok else 1
+
+
+def _baseline(sweep_file: Path) -> list[str]:
+    import yaml
+
+    return [
+        str(o)
+        for o in ((yaml.safe_load(sweep_file.read_text()) or {}).get("sweep") or {}).get("baseline") or []
+    ]
+
+
+def profile_summary(prof: dict[str, Any]) -> str:
+    """One line per profiled length: mean step wall time, GPU-idle fraction and kernels per step."""
+    steps = prof.get("steps") or []
+    walls = [s["wall_ms"] for s in steps] or [w * 1e3 for w in prof.get("walls_s") or []]
+    text = f"{prof['tokens']} tokens: {sum(walls) / max(len(walls), 1):.0f} ms/step"
+    idle = [s["gpu_idle_fraction"] for s in steps if s.get("gpu_idle_fraction") is not None]
+    if idle:
+        kernels = [s["kernels"] for s in steps if s.get("kernels") is not None]
+        text += (
+            f", GPU idle {sum(idle) / len(idle):.0%}, {sum(kernels) / max(len(kernels), 1):.0f} kernels/step"
+        )
+    return text
 
 
 if __name__ == "__main__":

@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# Launch: bash scripts/gpu_smoke.sh [--out DIR] [--wheels DIR] [--budget-s 420] [-- extra overrides]
+# Launch: bash scripts/gpu_smoke.sh [--out DIR] [--bundle FILE] [--wheels DIR] [--budget-s 470] [-- overrides]
 #         bash scripts/gpu_smoke.sh --dry-run [--out DIR]     (CPU, embedded tiny model, tiny steps)
 #
-# One-shot GPU smoke test (issue 7). On a CUDA machine with no network it
-#   1. installs what the image lacks from a wheels folder, offline (bitsandbytes, liger-kernel,
-#      nvidia-ml-py, ...: `pip install --no-index --find-links wheels/`, see scripts/fetch_gpu_wheels.sh);
-#   2. runs sweeps/gpu_smoke.yaml: a random-init Qwen3-8B architecture under a 16 GiB cap
-#      (hardware=rtx4080_16gb emulated on the larger GPU), ablating quant x attention x kernels x
-#      checkpointing x context, each trial in a fresh process, within --budget-s seconds;
-#   3. writes the report and bundles everything into one folder of at most 8 files:
-#      summary.md (dated table for README), summary.csv, ablation.md, pareto.png, memory_breakdown.png,
-#      trials.jsonl (every trial result), sweep.json, smoke.log;
-#   4. prints the dated markdown table.
-# --dry-run runs the same sweep file, sweeper, trial code and report on the CPU with the embedded tiny
-# model and tiny steps (CI runs it). Exit status: 0 when every trial ended in a recorded status
-# (ok / oom / unsupported are all results), 1 when the sweep or the report failed, 2 on bad usage.
+# One-shot GPU smoke test (issues 7, 10); at most 8 minutes on one H200. On a CUDA machine, no network:
+#   1. makes what the image lacks importable, offline: wheels/gpu_bundle.tar.xz from
+#      scripts/fetch_gpu_wheels.sh (extracted once, on PYTHONPATH), else loose wheels in --wheels DIR;
+#   2. writes the random-weights folder kernels=unsloth loads for the Qwen3-8B architecture (once, cached);
+#   3. runs sweeps/gpu_smoke.yaml: a random-init Qwen3-8B architecture under a 16 GiB cap
+#      (hardware=rtx4080_16gb emulated on the larger GPU), ablating quant x attention x kernels (Liger,
+#      Unsloth) x checkpointing x context, trials isolated the sweeper's default way;
+#   4. a long-context probe (nf4_dq + liger + checkpointing at 12,288 and 16,384 tokens) and torch.profiler
+#      on the baseline at 1,024 and 4,096 tokens (top ops by self CPU / CUDA time, GPU-idle fraction);
+#   5. writes one folder of at most 9 files: summary.md (dated tables for README), summary.csv,
+#      ablation.md, pareto.png, memory_breakdown.png, trials.jsonl (every trial result), sweep.json,
+#      smoke.log, profile.md; and prints the dated markdown summary.
+# --dry-run runs the same steps on the CPU with the embedded tiny model, tiny steps and contexts / 8
+# (CI runs it). Exit status: 0 when every trial ended in a recorded status (ok / oom / unsupported are
+# all results), 1 when a sweep or the report failed, 2 on bad usage.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -23,17 +25,19 @@ cd "$ROOT"
 
 DRY=0
 WHEELS="${VRAMSWEEP_WHEELS:-$ROOT/wheels}"
+BUNDLE="${VRAMSWEEP_GPU_BUNDLE:-$ROOT/wheels/gpu_bundle.tar.xz}"
 ARGS=()
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   esac
 done
-# --wheels is consumed here (the install happens before Python runs); everything else goes to gpu_smoke.py.
+# --wheels/--bundle are consumed here (the install happens before Python runs); the rest goes to gpu_smoke.py.
 while [ $# -gt 0 ]; do
   case "$1" in
     --wheels) WHEELS="$2"; shift 2 ;;
+    --bundle) BUNDLE="$2"; shift 2 ;;
     *) ARGS+=("$1"); shift ;;
   esac
 done
@@ -59,6 +63,7 @@ else
 fi
 echo "gpu_smoke: python $PY"
 
+PYTHONPATH_IMAGE="${PYTHONPATH:-}"
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"   # works without `pip install -e .`
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1
@@ -66,8 +71,32 @@ export WANDB_MODE="${WANDB_MODE:-disabled}"
 export VRAMSWEEP_CACHE="${VRAMSWEEP_CACHE:-$ROOT/.cache/vramsweep}"
 export PYTHONUNBUFFERED=1
 
-# Offline install of whatever the image lacks (GPU runs only; the dry run uses what is installed).
+# What the image lacks, offline (GPU runs only; the dry run uses what is installed):
+# 1. the bundle from scripts/fetch_gpu_wheels.sh (wheels/gpu_bundle.tar.xz): extracted once into
+#    $VRAMSWEEP_CACHE/gpu_bundle/, every distribution the image already has set aside (the image's copy
+#    wins), the folder put on PYTHONPATH (trial processes inherit it);
+# 2. else loose wheels in --wheels DIR, installed with pip --no-index.
 if [ "$DRY" = 0 ]; then
+  if [ -f "$BUNDLE" ]; then
+    BDIR="$VRAMSWEEP_CACHE/gpu_bundle"
+    STAMP_NOW="$(stat -c '%s %Y' "$BUNDLE")"
+    if [ "$(cat "$BDIR.stamp" 2>/dev/null)" != "$STAMP_NOW" ]; then
+      echo "gpu_smoke: extracting $BUNDLE -> $BDIR"
+      rm -rf "$BDIR" "$BDIR.shadowed" "$BDIR.stamp"
+      mkdir -p "$(dirname "$BDIR")"
+      "$PY" - "$BUNDLE" "$(dirname "$BDIR")" <<'EOF'
+import sys, tarfile
+with tarfile.open(sys.argv[1]) as tar:  # the archive holds one folder, gpu_bundle/
+    kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+    tar.extractall(sys.argv[2], **kw)
+EOF
+      "$PY" "$HERE/gpu_bundle.py" activate "$BDIR"
+      echo "$STAMP_NOW" > "$BDIR.stamp"
+    else
+      echo "gpu_smoke: using the extracted bundle in $BDIR"
+    fi
+    export PYTHONPATH="$ROOT/src:$BDIR${PYTHONPATH_IMAGE:+:$PYTHONPATH_IMAGE}"
+  fi
   MISSING="$("$PY" - <<'EOF'
 import importlib.util
 need = {"bitsandbytes": "bitsandbytes", "liger_kernel": "liger-kernel", "pynvml": "nvidia-ml-py",
@@ -84,7 +113,7 @@ EOF
           || echo "gpu_smoke: could not install $dist from $WHEELS (trials needing it are recorded unsupported)"
       done
     else
-      echo "gpu_smoke: missing $MISSING and no wheels in $WHEELS (run scripts/fetch_gpu_wheels.sh where PyPI is reachable)"
+      echo "gpu_smoke: missing $MISSING and no bundle ($BUNDLE) or wheels in $WHEELS (run scripts/fetch_gpu_wheels.sh where PyPI is reachable)"
     fi
   fi
 fi

@@ -303,8 +303,7 @@ def test_unsloth_rejects_what_it_cannot_honour(fake_unsloth, tmp_path, overrides
 
 
 def test_unsloth_needs_weights_on_disk(fake_unsloth, tmp_path):
-    with pytest.raises(UnsupportedError, match="architecture-only"):
-        kernels.check_unsloth(_cfg("kernels=unsloth", "model=qwen3_8b"))  # rules.py can call this
+    kernels.check_unsloth(_cfg("kernels=unsloth", "model=qwen3_8b"))  # arch: build_model writes a folder
     with pytest.raises(UnsupportedError, match="loads weights from disk"):
         kernels.load_with_unsloth(_cfg("kernels=unsloth", "model=qwen3_8b"), None)
     kernels.check_unsloth(_cfg("kernels=unsloth"))  # embedded model, sdpa, bf16 LoRA: fine
@@ -635,15 +634,17 @@ def test_smoke_sweep_file_plans_for_gpu_and_dry_run():
 
     smoke = _smoke_module()
     gpu = plan_from_args(["sweep=gpu_smoke"])
-    assert gpu.settings.design == "ablation" and gpu.n_total == 10 and gpu.settings.budget_gib == 15.0
+    assert gpu.settings.design == "ablation" and gpu.n_total == 12 and gpu.settings.budget_gib == 15.0
     knobs = {o.split("=")[0] for p in gpu.design for o in p.overrides}
+    assert sum("kernels=unsloth" in p.overrides for p in gpu.design) == 2  # Unsloth on the 8B architecture
     assert {"quant", "attention", "kernels", "checkpointing", "context.max_tokens"} <= knobs
     dry = smoke.dry_design_overrides(ROOT / "sweeps" / "gpu_smoke.yaml")
     assert dry[0] == (
         "sweep.baseline=['quant=nf4_dq','attention=sdpa','kernels=none','checkpointing=on','context.max_tokens=128']"
     )
     assert dry[1].startswith("sweep.factors=[['quant=nf4'],") and dry[1].endswith(
-        ",['context.max_tokens=512'],['context.max_tokens=512','kernels=liger']]"
+        ",['context.max_tokens=512'],['context.max_tokens=512','kernels=liger'],['kernels=unsloth'],"
+        "['context.max_tokens=512','kernels=unsloth']]"
     )  # the same design, contexts / 8: the dry run plans and runs it (test_gpu_smoke_dry_run, slow)
 
 
@@ -758,22 +759,35 @@ def test_gpu_smoke_dry_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     files = sorted(p.name for p in out.iterdir())
-    assert len(files) <= 8 and {
+    assert len(files) <= 9 and {
         "summary.md",
         "summary.csv",
         "trials.jsonl",
         "ablation.md",
         "sweep.json",
+        "profile.md",
     } <= set(files)
     trials = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
+    main = [t for t in trials if t.get("sweep") == "gpu_smoke"]
+    long = [t for t in trials if t.get("sweep") == "gpu_smoke_long"]
     status = {
-        " ".join((t["meta"].get("design") or {}).get("change") or ["(baseline)"]): t["status"] for t in trials
+        " ".join((t["meta"].get("design") or {}).get("change") or ["(baseline)"]): t["status"] for t in main
     }
-    assert len(trials) == 10 and status["(baseline)"] == "ok"
+    assert len(main) == 12 and status["(baseline)"] == "ok"
     assert status["attention=flash_attention_2"] == status["kernels=liger"] == "unsupported"  # no CUDA here
     assert status["quant=nf4"] == status["checkpointing=off"] == "ok"
+    assert status["kernels=unsloth"] in ("unsupported", "ok")  # ok where `make unsloth` installed it
+    contexts = [[o for o in t["overrides"] if o.startswith("context.max_tokens=")][-1] for t in long]
+    assert contexts == ["context.max_tokens=1536", "context.max_tokens=2048"]  # 12,288 / 16,384 over 8
     md = (out / "summary.md").read_text()
     assert md.startswith("### GPU smoke — DRY RUN on CPU (") and "Verdict: PASS" in md
+    assert "Long-context probe" in md and "Profiler (baseline, 2 profiled steps): 128 tokens:" in md
+    assert (
+        "Unsloth weights folder (random tiny Qwen3 test architecture, bf16): 0.001 GB on disk in 4 shards"
+        in md
+    )
+    prof = (out / "profile.md").read_text()
+    assert prof.count("Top ops by self CPU time") == 2 and "aten::" in prof
 
 
 # ================================================================================================== GPU

@@ -13,7 +13,8 @@
   matches the knob (:func:`check_unsloth`): its 4-bit is always NF4 + double quantisation computed in
   ``train.dtype`` (measured: ``quant=nf4`` came back double-quantised), and it picks its own attention
   kernel, so only ``quant=nf4_dq|int8|none`` and ``attention=sdpa`` run with it. It needs weights on
-  disk (embedded model or ``model.path``).
+  disk: the embedded model, ``model.path``, or for an architecture-only model (``source=arch``) a folder of
+  deterministic random weights written once into the cache (:mod:`vramsweep.build.arch_weights`).
 
 Liger needs CUDA (Triton); Unsloth trains on CPU with its fallbacks. ``rules.py`` marks them
 ``unsupported`` where they cannot run, so these functions are only reached on a capable machine.
@@ -223,13 +224,6 @@ def check_unsloth(cfg: DictConfig) -> None:
 
     Pure config checks (no import of unsloth), so ``rules.py`` can run them before anything is built.
     """
-    if cfg.model.source == "arch":
-        raise UnsupportedError(
-            f"kernels=unsloth loads weights from disk: model={cfg.model.name} is architecture-only (built in "
-            "memory); use the embedded model (model=tiny) or model=local model.path=<HF folder>",
-            key="kernels",
-            allowed=["none", "liger"],
-        )
     q = cfg.quant
     if q.bits == 4 and not (q.quant_type == "nf4" and q.double_quant):
         raise UnsupportedError(
@@ -317,7 +311,8 @@ def load_with_unsloth(cfg: DictConfig, path: Any) -> tuple[Any, Any]:
     check_unsloth(cfg)
     if path is None:
         raise UnsupportedError(
-            f"kernels=unsloth loads weights from disk: model={cfg.model.name} has no weights folder",
+            f"kernels=unsloth loads weights from disk: model={cfg.model.name} has no weights folder "
+            "(build_model writes one for source=arch)",
             key="kernels",
             allowed=["none", "liger"],
         )

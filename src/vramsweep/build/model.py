@@ -131,6 +131,10 @@ def build_model(cfg: DictConfig, *, keep_ids: list[int] | None = None) -> Built:
     path, tokenizer = model_source(cfg)
 
     if cfg.kernels.unsloth:
+        if path is None and cfg.model.source == "arch":  # Unsloth loads from disk: random weights, cached
+            from vramsweep.build.arch_weights import ensure_arch_weights
+
+            path, notes["arch_weights"] = ensure_arch_weights(cfg)
         model, tok = kernels.load_with_unsloth(cfg, path)
         notes["kernels"] = "unsloth.FastLanguageModel"
         notes["unsloth"] = kernels.unsloth_notes(cfg)
