@@ -343,7 +343,7 @@ def test_bad_input(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, need
     for k, v in env.items():
         if k == "_DISK_FULL":
             monkeypatch.setattr(
-                "vramsweep.config.preflight.shutil.disk_usage", lambda p: Usage(2**30, 2**30 - 2**20, 2**20)
+                "vramsweep.preflight.shutil.disk_usage", lambda p: Usage(2**30, 2**30 - 2**20, 2**20)
             )
         else:
             monkeypatch.setenv(k, v)

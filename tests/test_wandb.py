@@ -103,7 +103,7 @@ def _finished(res: dict, status: str = "ok") -> dict:
 def _run_trial_logger(
     tmp_path: Path, *, status: str = "ok", sweep_dir: Path | None = None, design=None
 ) -> dict:
-    from vramsweep.record.wandb_logger import start_logger
+    from vramsweep.report.wandb_run import start_logger
 
     cfg = _cfg(tmp_path)
     res = new_result(sweep="sw", trial=7, overrides=["quant=nf4", "adapter.r=16", "logger=wandb"], config={})
@@ -199,13 +199,13 @@ def test_failed_trial_tags_status_and_reason(tmp_path: Path) -> None:
     ],
 )
 def test_design_role(design: dict | None, role: str | None) -> None:
-    from vramsweep.record.wandb_logger import design_role
+    from vramsweep.report.wandb_run import design_role
 
     assert design_role(design) == role
 
 
 def test_trial_runs_go_to_the_sweep_folder(tmp_path: Path, monkeypatch) -> None:
-    from vramsweep.record.wandb_logger import wandb_root
+    from vramsweep.report.wandb_run import wandb_root
 
     cfg = _cfg(tmp_path)
     res = new_result(sweep="sw", trial=3)
@@ -223,7 +223,7 @@ def test_trial_runs_go_to_the_sweep_folder(tmp_path: Path, monkeypatch) -> None:
 def test_wandb_failures_never_fail_the_trial(tmp_path: Path, monkeypatch) -> None:
     import wandb
 
-    from vramsweep.record.wandb_logger import WandbLogger, start_logger
+    from vramsweep.report.wandb_run import WandbLogger, start_logger
 
     def boom(*a: Any, **k: Any) -> None:
         raise RuntimeError("no W&B today")

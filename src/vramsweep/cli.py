@@ -106,7 +106,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     flags = _hydra_flags(args, overrides)
     from vramsweep.config import ConfigError, compose
-    from vramsweep.config.preflight import check_named_options, preflight
+    from vramsweep.preflight import check_named_options, preflight
 
     try:
         from vramsweep.sweeper.multirun import check_option_names, run_multirun

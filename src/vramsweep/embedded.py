@@ -32,7 +32,7 @@ def _key(mcfg: DictConfig) -> str:
 
 
 def embedded_dir(mcfg: DictConfig) -> Path:
-    from vramsweep.build.model import cache_root
+    from vramsweep.hfmodel import cache_root
 
     return cache_root() / "embedded" / f"{mcfg.name}-{_key(mcfg)}"
 
@@ -78,9 +78,9 @@ def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dic
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from vramsweep.build.model import hf_config
     from vramsweep.data.synthetic import pretrain_texts
     from vramsweep.data.tokenizer import train_tokenizer
+    from vramsweep.hfmodel import hf_config
 
     t0 = time.time()
     steps, batch, seq = int(mcfg.pretrain_steps), int(mcfg.pretrain_batch), int(mcfg.pretrain_seq_len)

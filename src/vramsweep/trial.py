@@ -712,7 +712,7 @@ def run_trial(
     status, reason, oom = "ok", None, False
     try:
         validate(cfg)
-        from vramsweep.record.wandb_logger import start_logger
+        from vramsweep.report.wandb_run import start_logger
 
         logger = start_logger(
             cfg,

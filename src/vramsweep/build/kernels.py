@@ -30,7 +30,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from vramsweep.config.rules import UnsupportedError
+from vramsweep.config.rules import UnsupportedError, check_unsloth  # noqa: F401 - re-exported
 
 #: ``model_type`` -> the ``liger_kernel.transformers`` patch for that family (causal text LMs, Liger 0.8.5).
 LIGER_PATCHES: dict[str, str] = {
@@ -219,41 +219,6 @@ def apply_liger_to_instance(cfg: DictConfig, model: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- Unsloth
-def check_unsloth(cfg: DictConfig) -> None:
-    """Raise :class:`UnsupportedError` for what Unsloth cannot do faithfully with our knobs.
-
-    Pure config checks (no import of unsloth), so ``rules.py`` can run them before anything is built.
-    """
-    q = cfg.quant
-    if q.bits == 4 and not (q.quant_type == "nf4" and q.double_quant):
-        raise UnsupportedError(
-            f"kernels=unsloth always quantises 4-bit as NF4 + double quantisation: quant={q.name} would be "
-            "measured as nf4_dq",
-            key="quant",
-            allowed=["nf4_dq", "int8", "none"],
-        )
-    if q.bits == 4 and q.compute_dtype != cfg.train.dtype:
-        raise UnsupportedError(
-            f"kernels=unsloth computes 4-bit matmuls in train.dtype={cfg.train.dtype}, not "
-            f"quant.compute_dtype={q.compute_dtype}",
-            key="quant.compute_dtype",
-            allowed=[str(cfg.train.dtype)],
-        )
-    if cfg.vocab.mode != "full":
-        raise UnsupportedError(
-            "kernels=unsloth patches the embedding and lm_head itself: vocab slicing is not applied to it",
-            key="vocab",
-            allowed=["full"],
-        )
-    if cfg.attention.implementation != "sdpa":
-        raise UnsupportedError(
-            f"kernels=unsloth chooses its own attention kernel (xformers / flash-attn / SDPA); "
-            f"attention={cfg.attention.name} cannot be applied: use attention=sdpa with it",
-            key="attention",
-            allowed=["sdpa"],
-        )
-
-
 def unsloth_kwargs(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """Translate our knobs into ``FastLanguageModel.from_pretrained`` and ``get_peft_model`` kwargs.
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -311,8 +312,6 @@ def _rules_machine(cfg: DictConfig) -> None:
                 "kernels=liger needs liger-kernel (pip install -e '.[gpu]')", key="kernels", allowed=["none"]
             )
     if cfg.kernels.unsloth:
-        from vramsweep.build.kernels import check_unsloth
-
         # arch-only model, fp4, vocab slicing, attention != sdpa: what Unsloth cannot honour
         check_unsloth(cfg)
         if not _module_available("unsloth"):
@@ -330,6 +329,59 @@ def _rules_machine(cfg: DictConfig) -> None:
 
 
 RULES: tuple[Callable[[DictConfig], None], ...] = (_rules_values, _rules_combinations)
+
+
+def check_unsloth(cfg: DictConfig) -> None:
+    """Raise :class:`UnsupportedError` for what Unsloth cannot do faithfully with our knobs.
+
+    Pure config checks (no import of unsloth): they run before anything is built.
+    """
+    q = cfg.quant
+    if q.bits == 4 and not (q.quant_type == "nf4" and q.double_quant):
+        raise UnsupportedError(
+            f"kernels=unsloth always quantises 4-bit as NF4 + double quantisation: quant={q.name} would be "
+            "measured as nf4_dq",
+            key="quant",
+            allowed=["nf4_dq", "int8", "none"],
+        )
+    if q.bits == 4 and q.compute_dtype != cfg.train.dtype:
+        raise UnsupportedError(
+            f"kernels=unsloth computes 4-bit matmuls in train.dtype={cfg.train.dtype}, not "
+            f"quant.compute_dtype={q.compute_dtype}",
+            key="quant.compute_dtype",
+            allowed=[str(cfg.train.dtype)],
+        )
+    if cfg.vocab.mode != "full":
+        raise UnsupportedError(
+            "kernels=unsloth patches the embedding and lm_head itself: vocab slicing is not applied to it",
+            key="vocab",
+            allowed=["full"],
+        )
+    if cfg.attention.implementation != "sdpa":
+        raise UnsupportedError(
+            f"kernels=unsloth chooses its own attention kernel (xformers / flash-attn / SDPA); "
+            f"attention={cfg.attention.name} cannot be applied: use attention=sdpa with it",
+            key="attention",
+            allowed=["sdpa"],
+        )
+
+
+FAULT_KINDS = ("oom", "nan", "error")
+FAULT_RE = re.compile(r"^(oom|nan|error)@(\d+)$")
+
+
+def check_fault_env(environ: dict[str, str] | None = None) -> None:
+    """``VRAMSWEEP_FAULT`` (test hook) must be ``oom@<step>``, ``nan@<step>`` or ``error@<step>``."""
+    env = os.environ if environ is None else environ
+    spec = env.get("VRAMSWEEP_FAULT")
+    if spec is None or spec == "":
+        return
+    if not FAULT_RE.match(spec.strip()):
+        raise ConfigError(
+            f"VRAMSWEEP_FAULT={spec!r} is not a fault spec",
+            key="VRAMSWEEP_FAULT",
+            allowed=[f"{k}@<step>" for k in FAULT_KINDS] + ["unset"],
+        )
 
 
 def validate(cfg: DictConfig, *, machine: bool = True) -> None:

@@ -105,10 +105,10 @@ def run_estimate(overrides: list[str], *, as_json: bool, max_context: bool = Fal
     """
     from vramsweep.config import ConfigError, compose
     from vramsweep.config.errors import error_line
-    from vramsweep.config.preflight import check_fault_env, check_model_config
-    from vramsweep.config.rules import validate
+    from vramsweep.config.rules import check_fault_env, validate
     from vramsweep.estimate import estimate
     from vramsweep.estimate import max_context as find_max_context
+    from vramsweep.estimate.dims import check_model_config
 
     try:
         cfg = compose(list(overrides), validate_rules=False)

@@ -7,6 +7,7 @@ config group; ``model.source=path`` reads the Hugging Face ``config.json`` of th
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,3 +98,36 @@ def model_dims(cfg: DictConfig) -> ModelDims:
         attention_bias=False,
         family=str(m.family),
     )
+
+
+def check_model_config(path: str | os.PathLike, *, key: str = "model.path") -> None:
+    """Raise unless ``<path>/config.json`` is readable JSON with the model's dimensions."""
+
+    from vramsweep.config.compose import ConfigError
+
+    cfg_file = Path(str(path)) / "config.json"
+    try:
+        text = cfg_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
+        raise ConfigError(f"{key}: cannot read {cfg_file}: {why}", key=key) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{key}: {cfg_file}:{exc.lineno}: not valid JSON: {exc.msg} (column {exc.colno})", key=key
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{key}: {cfg_file}: expected a JSON object, got {type(data).__name__}", key=key
+        ) from None
+    try:
+        _from_hf_json(data)
+    except KeyError as exc:
+        raise ConfigError(
+            f"{key}: {cfg_file}: missing {exc.args[0]!r} (a Hugging Face model config needs "
+            "hidden_size, num_attention_heads, num_hidden_layers, intermediate_size, vocab_size)",
+            key=key,
+        ) from None
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        raise ConfigError(f"{key}: {cfg_file}: bad dimension value ({exc})", key=key) from None

@@ -8,7 +8,7 @@
 * summary: trial counts per status and the best trial per objective.
 
 One ``wandb`` folder per sweep: the summary run and the trial runs
-(:mod:`vramsweep.record.wandb_logger`) both live in ``<sweep dir>/wandb``. The run id is stored in
+(:mod:`vramsweep.report.wandb_run`) both live in ``<sweep dir>/wandb``. The run id is stored in
 ``<sweep dir>/wandb/summary_run.json``; every update resumes that run, so the sweeper can call
 :func:`update_sweep_summary` after each finished trial and ``vramsweep report <dir> --wandb`` adds the
 full report to the same run. Offline, each update writes a complete snapshot and the snapshots it
@@ -83,7 +83,7 @@ def _masked(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _role(t: TrialRecord) -> str | None:
-    from vramsweep.record.wandb_logger import design_role
+    from vramsweep.report.wandb_run import design_role
 
     return design_role(t.design)
 

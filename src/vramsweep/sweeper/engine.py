@@ -1220,7 +1220,7 @@ def run_sweep(
 
     warnings.filterwarnings("ignore", category=ExperimentalWarning)
     from vramsweep.config.errors import error_line
-    from vramsweep.config.preflight import check_fault_env, check_named_options, preflight_sweep
+    from vramsweep.preflight import check_fault_env, check_named_options, preflight_sweep
     from vramsweep.sweeper.fastpath import finished_study
 
     if str((task_cfg.get("sweep") or {}).get("design")) == "max_context":

@@ -33,6 +33,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from vramsweep.preflight import sqlite_path  # noqa: F401 - re-exported (storage.sqlite_path)
+
 log = logging.getLogger("vramsweep.sweeper")
 
 SLOT = "vramsweep:slot"
@@ -47,14 +49,6 @@ LOST = "vramsweep:lost"  # the trial's worker died (or Ctrl-C stopped it): its p
 
 _thread_lock = threading.RLock()
 _engines: dict[str, Any] = {}
-
-
-def sqlite_path(url: str) -> Path | None:
-    """The file of a ``sqlite:///`` URL (``None`` for other backends)."""
-    if not url.startswith("sqlite:"):
-        return None
-    path = url.split(":///", 1)[1] if ":///" in url else ""
-    return Path(path) if path and path != ":memory:" else None
 
 
 def make_storage(url: str, *, child: bool = False) -> Any:

@@ -21,9 +21,7 @@ Checks:
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -31,14 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import ConfigError, list_options
+from vramsweep.config.rules import FAULT_KINDS, FAULT_RE, check_fault_env  # noqa: F401 - re-exported
+from vramsweep.estimate.dims import check_model_config
 
 #: Free disk required in the results folder before anything runs (result JSONs, logs, plots, study.db).
 MIN_FREE_BYTES = 64 * 2**20
 #: Added per trial of a sweep (a result JSON is ~10 KiB, a trial log up to ~100 KiB; generous).
 PER_TRIAL_BYTES = 1 * 2**20
 #: ``VRAMSWEEP_FAULT`` forms (see ``vramsweep.trial._fault``): ``<kind>@<step>``.
-FAULT_KINDS = ("oom", "nan", "error")
-FAULT_RE = re.compile(r"^(oom|nan|error)@(\d+)$")
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -110,38 +108,6 @@ def check_jsonl(path: str | os.PathLike, *, key: str = "data.path") -> None:
         raise ConfigError(f"{key}: {exc}", key=key) from None
 
 
-def check_model_config(path: str | os.PathLike, *, key: str = "model.path") -> None:
-    """Raise unless ``<path>/config.json`` is readable JSON with the model's dimensions."""
-    from vramsweep.estimate.dims import _from_hf_json
-
-    cfg_file = Path(str(path)) / "config.json"
-    try:
-        text = cfg_file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        why = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
-        raise ConfigError(f"{key}: cannot read {cfg_file}: {why}", key=key) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"{key}: {cfg_file}:{exc.lineno}: not valid JSON: {exc.msg} (column {exc.colno})", key=key
-        ) from None
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"{key}: {cfg_file}: expected a JSON object, got {type(data).__name__}", key=key
-        ) from None
-    try:
-        _from_hf_json(data)
-    except KeyError as exc:
-        raise ConfigError(
-            f"{key}: {cfg_file}: missing {exc.args[0]!r} (a Hugging Face model config needs "
-            "hidden_size, num_attention_heads, num_hidden_layers, intermediate_size, vocab_size)",
-            key=key,
-        ) from None
-    except (TypeError, ValueError, ZeroDivisionError) as exc:
-        raise ConfigError(f"{key}: {cfg_file}: bad dimension value ({exc})", key=key) from None
-
-
 def check_option(group: str, name: str, *, hint: str = "") -> None:
     """Raise unless ``conf/<group>/<name>.yaml`` exists (names the options; shared with the sweeper)."""
     opts = [o for o in list_options(group) if not o.startswith("base_")]
@@ -167,20 +133,6 @@ def check_named_options(overrides: Iterable[str]) -> None:
     hints = {"experiment": "write one with vramsweep pick", "sweep": "a file under sweeps/"}
     for group, name in named_options(overrides):
         check_option(group, name, hint=hints[group])
-
-
-def check_fault_env(environ: dict[str, str] | None = None) -> None:
-    """``VRAMSWEEP_FAULT`` (test hook) must be ``oom@<step>``, ``nan@<step>`` or ``error@<step>``."""
-    env = os.environ if environ is None else environ
-    spec = env.get("VRAMSWEEP_FAULT")
-    if spec is None or spec == "":
-        return
-    if not FAULT_RE.match(spec.strip()):
-        raise ConfigError(
-            f"VRAMSWEEP_FAULT={spec!r} is not a fault spec",
-            key="VRAMSWEEP_FAULT",
-            allowed=[f"{k}@<step>" for k in FAULT_KINDS] + ["unset"],
-        )
 
 
 def check_inputs(cfg: Any) -> None:
@@ -240,10 +192,16 @@ def _input_values(plan: Any) -> list[tuple[str, str]]:
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
+def sqlite_path(url: str) -> Path | None:
+    """The file of a ``sqlite:///`` URL (``None`` for other backends)."""
+    if not url.startswith("sqlite:"):
+        return None
+    path = url.split(":///", 1)[1] if ":///" in url else ""
+    return Path(path) if path and path != ":memory:" else None
+
+
 def check_study_file(storage_url: str) -> None:
     """An existing SQLite study file must be a database (a torn copy or another file is named)."""
-    from vramsweep.sweeper.storage import sqlite_path
-
     path = sqlite_path(storage_url)
     if path is None or not path.is_file() or path.stat().st_size == 0:
         return
