@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Launch: bash scripts/gpu_smoke.sh [--out DIR] [--bundle FILE] [--wheels DIR] [--budget-s 470] [-- overrides]
 #         bash scripts/gpu_smoke.sh --dry-run [--out DIR]     (CPU, embedded tiny model, tiny steps)
+#         bash scripts/gpu_smoke.sh --maxctx [--budget-s 470] (GPU: sweeps/max_context_16gb.yaml instead)
 #
 # One-shot GPU smoke test (issues 7, 10); at most 8 minutes on one H200. On a CUDA machine, no network:
 #   1. makes what the image lacks importable, offline: wheels/gpu_bundle.tar.xz from
@@ -24,6 +25,8 @@ ROOT="$(cd "$HERE/.." && pwd)"
 cd "$ROOT"
 
 DRY=0
+MAXCTX=0
+MAXCTX_BUDGET=470
 WHEELS="${VRAMSWEEP_WHEELS:-$ROOT/wheels}"
 BUNDLE="${VRAMSWEEP_GPU_BUNDLE:-$ROOT/wheels/gpu_bundle.tar.xz}"
 ARGS=()
@@ -36,6 +39,8 @@ done
 # --wheels/--bundle are consumed here (the install happens before Python runs); the rest goes to gpu_smoke.py.
 while [ $# -gt 0 ]; do
   case "$1" in
+    --maxctx) MAXCTX=1; shift ;;
+    --budget-s) MAXCTX_BUDGET="$2"; ARGS+=("$1" "$2"); shift 2 ;;
     --wheels) WHEELS="$2"; shift 2 ;;
     --bundle) BUNDLE="$2"; shift 2 ;;
     *) ARGS+=("$1"); shift ;;
@@ -116,6 +121,22 @@ EOF
       echo "gpu_smoke: missing $MISSING and no bundle ($BUNDLE) or wheels in $WHEELS (run scripts/fetch_gpu_wheels.sh where PyPI is reachable)"
     fi
   fi
+fi
+
+if [ "$MAXCTX" = 1 ]; then
+  # Max-context search (issue 11): estimator prediction, then real trials to the boundary, per config of
+  # sweeps/max_context_16gb.yaml, under a wall-clock budget. Probes are kept: a re-run continues where the
+  # budget stopped it. Grid step 8,192 tokens here (the sweep file's 4,096 takes about twice the probes).
+  OUTDIR="${OUT:-$ROOT/results/gpu_maxctx}"
+  mkdir -p "$OUTDIR"
+  set +e
+  timeout --signal=INT "$MAXCTX_BUDGET" "$PY" -m vramsweep.cli train -m sweep=max_context_16gb \
+    "results_dir=$ROOT/results" sweep.max_context.step=8192 2>&1 | tee "$OUTDIR/maxctx.log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  cp "$ROOT/results/sweeps/max_context_16gb/max_context."{md,csv,json} "$OUTDIR/" 2>/dev/null || true
+  echo "gpu_smoke --maxctx: exit $rc; table in $OUTDIR/max_context.md (absent when the budget ran out first)"
+  exit "$rc"
 fi
 
 exec "$PY" "$HERE/gpu_smoke.py" "${ARGS[@]+"${ARGS[@]}"}"

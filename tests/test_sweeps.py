@@ -40,6 +40,14 @@ def test_sweep_file_composes_and_validates(name):
     text = (ROOT / "sweeps" / f"{name}.yaml").read_text()
     assert text.startswith("# @package _global_\n")
     assert f"vramsweep train -m sweep={name}" in text.split("defaults:")[0]  # the launch command, up top
+    if "design: max_context" in text:  # its own driver: every config composed, rule-checked and predicted
+        from vramsweep.sweeper.engine import compose_sweep
+        from vramsweep.sweeper.maxctx import plan_max_context
+
+        mplan = plan_max_context(*compose_sweep([f"sweep={name}"]))
+        assert mplan.name == name and mplan.budget_bytes > 0 and len(mplan.configs) >= 2
+        assert all(lo_pred > 0 for _, _, lo_pred in mplan.configs)
+        return
     plan = plan_from_args([f"sweep={name}"])
     s = plan.settings
     assert s.name == name and s.study_name == name

@@ -124,7 +124,14 @@ def named_options(overrides: Iterable[str]) -> list[tuple[str, str]]:
     out = []
     for ov in overrides:
         key, sep, value = ov.lstrip("+").partition("=")
-        if sep and key in ("sweep", "experiment") and value and value != "null":
+        # a list/function (sweep=a,b, glob(...)) is the sweeper's to refuse, with its own message
+        if (
+            sep
+            and key in ("sweep", "experiment")
+            and value
+            and value != "null"
+            and not set(value) & set(",()*")
+        ):
             out.append((key, value))
     return out
 

@@ -2,7 +2,7 @@
 
 ``make demo`` twice, or a worker started after the others finished, should not compose every design
 point (~0.3-0.8 s each) nor start the fork server (importing torch) only to find nothing to run.
-:func:`finished_study` recomputes the study fingerprint from the settings alone (no config is composed)
+:func:`finished_study` recomputes the sweep's identity from the settings alone (no config is composed)
 and opens the study read-only; when the fingerprint is the one stored, every slot exists and none is
 WAITING or RUNNING, and no lost point may be retried, the sweep is complete. Anything unexpected
 (another design, more ``n_trials``, a missing database, an error) returns ``None``: the normal,
@@ -28,7 +28,7 @@ def _finished_study(
     sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]
 ) -> tuple[Any, Any] | None:
     from vramsweep.sweeper.design import build_design
-    from vramsweep.sweeper.engine import DEFAULT_SEARCH_TRIALS, Plan
+    from vramsweep.sweeper.engine import DEFAULT_SEARCH_TRIALS, IDENTITY, Plan, name_sweep
     from vramsweep.sweeper.settings import resolve_settings
     from vramsweep.sweeper.space import (
         cli_sweep_params,
@@ -37,13 +37,16 @@ def _finished_study(
         parse_params,
         space_size,
     )
-    from vramsweep.sweeper.storage import FINGERPRINT, RETRIES, SLOT, requeue_lost, sqlite_path
+    from vramsweep.sweeper.storage import RETRIES, SLOT, requeue_lost, sqlite_path
 
     cli_params, cli_fixed = cli_sweep_params(arguments)
-    settings = resolve_settings(sweeper_cfg, task_cfg, cli_params=cli_params)
-    db = sqlite_path(settings.storage)
-    if db is None or not db.is_file():  # remote storages (and new sweeps) take the normal path
-        return None
+    sweep_node = task_cfg.get("sweep") or {}
+    settings = resolve_settings(
+        sweeper_cfg,
+        task_cfg,
+        cli_params=cli_params,
+        sweep_file=sweep_node.get("name") if sweep_node else None,
+    )
     pinned = {override_key(o) for o in cli_fixed}
     settings.params = {k: v for k, v in settings.params.items() if k not in pinned}
     dims, fixed_params = parse_params(settings.params)
@@ -66,6 +69,11 @@ def _finished_study(
             if settings.n_trials is not None
             else int(min(DEFAULT_SEARCH_TRIALS, space_size(dims)))
         )
+    plan = Plan(settings, fixed, dims, design, int(n_total), base_seed)
+    name_sweep(plan)  # the study name (ad-hoc sweeps: <keys>-<identity hash>) and the identity to match
+    db = sqlite_path(settings.storage)
+    if db is None or not db.is_file():  # remote storages (and new sweeps) take the normal path
+        return None
     import optuna
     from optuna.trial import TrialState
 
@@ -78,12 +86,7 @@ def _finished_study(
         sampler=optuna.samplers.RandomSampler(),
         pruner=optuna.pruners.NopPruner(),
     )
-    expected = {
-        "design": settings.design,
-        "points": [p.overrides for p in design] if design is not None else None,
-        "fixed": fixed,
-    }
-    if study.user_attrs.get(FINGERPRINT) != expected:
+    if study.user_attrs.get(IDENTITY) != plan.identity:
         return None
     if [d.name.lower() for d in study.directions] != [o.direction for o in settings.objectives]:
         return None
@@ -97,4 +100,4 @@ def _finished_study(
         return None
     if any(int(t.system_attrs.get(RETRIES, 0)) < settings.retry_stale for t in requeue_lost(study)):
         return None  # a lost point may be retried now: the normal path does it
-    return Plan(settings, fixed, dims, design, int(n_total), base_seed), study
+    return plan, study

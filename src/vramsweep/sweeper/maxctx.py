@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -230,20 +231,30 @@ def _table_md(rows: list[dict], budget_gib: float, device_note: str) -> str:
     return out.getvalue()
 
 
-def run_max_context(
-    sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str], *, runner=None
-) -> int:
-    """Run a ``max_context`` sweep; 0 done, 2 bad config (nothing written)."""
-    from vramsweep.config.compose import ConfigError, compose
-    from vramsweep.config.errors import error_line
-    from vramsweep.estimate import max_context as predict
-    from vramsweep.record.result import atomic_write_json, atomic_write_text
-    from vramsweep.sweeper.runner import make_runner
-    from vramsweep.sweeper.settings import DEFAULT_PRELOAD, DEFAULT_TRIAL_FN
-    from vramsweep.sweeper.space import override_key
+@dataclass
+class MaxContextPlan:
+    """A validated ``max_context`` sweep: bounds, budget, and each config with its predicted length."""
 
-    def say(text: str) -> None:
-        print(text, flush=True)
+    name: str
+    lo: int
+    hi: int
+    step: int
+    budget_bytes: int
+    fixed: list[str]
+    configs: list[tuple[list[str], list[str], int]] = field(
+        default_factory=list
+    )  # (overrides, config, predicted)
+
+
+def plan_max_context(
+    sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]
+) -> MaxContextPlan:
+    """Check everything (bounds, every config composes and passes the rules, a budget) and predict each
+    config's max context; raise ``ConfigError`` before anything is written."""
+    from vramsweep.config.compose import ConfigError, compose
+    from vramsweep.config.rules import validate
+    from vramsweep.estimate import max_context as predict
+    from vramsweep.sweeper.space import override_key
 
     sweep = task_cfg.get("sweep") or {}
     name = str(sweeper_cfg.get("study_name") or sweep.get("name") or "max_context")
@@ -255,41 +266,63 @@ def run_max_context(
             int(bounds.get("step", 1024)),
         )
     except (TypeError, ValueError):
-        print(error_line("train", "sweep.max_context needs integers min, max, step"), file=sys.stderr)
-        return 2
+        raise ConfigError(
+            "sweep.max_context needs integers min, max, step", key="sweep.max_context"
+        ) from None
     if not (0 < lo <= hi and step > 0):
-        print(
-            error_line(
-                "train",
-                f"sweep.max_context: need 0 < min <= max and step > 0 (got min={lo}, max={hi}, step={step})",
-            ),
-            file=sys.stderr,
+        raise ConfigError(
+            f"sweep.max_context: need 0 < min <= max and step > 0 (got min={lo}, max={hi}, step={step})",
+            key="sweep.max_context",
         )
-        return 2
-    fixed = [
-        a
-        for a in arguments
-        if override_key(a) != "sweep" and not override_key(a).startswith(("sweep.", "hydra."))
-    ]
+    # sweep=<name> stays (its defaults list picks model/quant/hardware/data for every probe); sweep.* and
+    # hydra.* settings are the driver's, not the trial's
+    fixed = [a for a in arguments if not override_key(a).startswith(("sweep.", "hydra."))]
     fixed = [*list(sweep.get("fixed") or []), *fixed]
     configs = [
         list(c) if isinstance(c, list | tuple) else str(c).split() for c in (sweep.get("configs") or [[]])
     ]
-    # check every config before anything runs or is written
-    plans = []
+    plan = MaxContextPlan(name, lo, hi, step, 0, fixed)
     for conf in configs:
         over = [*fixed, *conf]
         try:
-            cfg = compose(over)
+            cfg = compose(over, validate_rules=False)
+            validate(cfg, machine=False)  # what this machine lacks (CUDA, Liger) shows as an unsupported probe
             est = predict(cfg)
         except (ConfigError, ValueError) as exc:
-            print(
-                error_line("train", f"max_context config {' '.join(conf) or '(base)'}: {exc}"),
-                file=sys.stderr,
-            )
-            return 2
-        plans.append((over, conf, int(est["max_tokens"]), cfg))
-    budget_bytes = int(float(plans[0][3].hardware.budget_gib) * GIB)
+            raise ConfigError(
+                f"max_context config {' '.join(conf) or '(base)'}: {exc}", key="sweep.configs"
+            ) from None
+        plan.budget_bytes = int(float(cfg.hardware.budget_gib) * GIB)
+        plan.configs.append((over, conf, int(est["max_tokens"])))
+    return plan
+
+
+def run_max_context(
+    sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str], *, runner=None
+) -> int:
+    """Run a ``max_context`` sweep; 0 done, 2 bad config (nothing written)."""
+    from vramsweep.config.compose import ConfigError
+    from vramsweep.config.errors import error_line
+    from vramsweep.record.result import atomic_write_json, atomic_write_text
+    from vramsweep.sweeper.runner import make_runner
+    from vramsweep.sweeper.settings import DEFAULT_PRELOAD, DEFAULT_TRIAL_FN
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+    try:
+        plan = plan_max_context(sweeper_cfg, task_cfg, arguments)
+    except ConfigError as exc:
+        print(error_line("train", str(exc)), file=sys.stderr)
+        return 2
+    name, lo, hi, step, budget_bytes, fixed = (
+        plan.name,
+        plan.lo,
+        plan.hi,
+        plan.step,
+        plan.budget_bytes,
+        plan.fixed,
+    )
     results_dir = str(task_cfg.get("results_dir") or "results")
     sweep_dir = Path(os.path.abspath(sweeper_cfg.get("sweep_dir") or Path(results_dir) / "sweeps" / name))
     (sweep_dir / "trials").mkdir(parents=True, exist_ok=True)
@@ -302,47 +335,54 @@ def run_max_context(
     }
     runner = runner or make_runner(isolation, list(sweeper_cfg.get("preload") or DEFAULT_PRELOAD))
     say(
-        f"vramsweep: '{name}': max-context search over {len(plans)} config(s), {lo:,}..{hi:,} tokens in steps of "
-        f"{step:,}, budget {budget_bytes / GIB:g} GiB; each probe is a real trial ({isolation})"
+        f"vramsweep: '{name}': max-context search over {len(plan.configs)} config(s), {lo:,}..{hi:,} tokens in "
+        f"steps of {step:,}, budget {budget_bytes / GIB:g} GiB; each probe is a real trial ({isolation})"
     )
     runner.start()
     prober = _Prober(runner, sweep_dir, settings, budget_bytes, say)
-    rows = []
+    rows: list[dict[str, Any]] = []
+
+    def write_tables() -> str:
+        device = next(
+            (
+                f", measured on {r['meta']['device']}"
+                for r in prober.known.values()
+                if (r.get("meta") or {}).get("device")
+            ),
+            "",
+        )
+        atomic_write_json(
+            sweep_dir / "max_context.json", {"budget_bytes": budget_bytes, "fixed": fixed, "rows": rows}
+        )
+        md = _table_md(rows, budget_bytes / GIB, device)
+        atomic_write_text(sweep_dir / "max_context.md", md)
+        buf = io.StringIO()
+        cols = [
+            "config",
+            "predicted_tokens",
+            "max_tokens",
+            "next_tokens",
+            "next_status",
+            "peak_gib",
+            "tokens_per_s",
+            "probes",
+            "confirmed",
+            "reason",
+        ]
+        w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+        atomic_write_text(sweep_dir / "max_context.csv", buf.getvalue())
+        return md
+
     try:
-        for over, conf, predicted, _ in plans:
+        for over, conf, predicted in plan.configs:
             say(f"config {' '.join(conf) or '(base)'}: estimator predicts {predicted:,} tokens")
             rows.append(search_config(prober, over, predicted, lo, hi, step))
             rows[-1]["config"] = " ".join(conf) or "(base)"
+            md = write_tables()  # after each config: a budget-limited run keeps what it finished
     finally:
         runner.stop()
-    device = ""
-    for res in prober.known.values():
-        dev = (res.get("meta") or {}).get("device")
-        if dev:
-            device = f", measured on {dev}"
-            break
-    atomic_write_json(
-        sweep_dir / "max_context.json", {"budget_bytes": budget_bytes, "fixed": fixed, "rows": rows}
-    )
-    md = _table_md(rows, budget_bytes / GIB, device)
-    atomic_write_text(sweep_dir / "max_context.md", md)
-    buf = io.StringIO()
-    cols = [
-        "config",
-        "predicted_tokens",
-        "max_tokens",
-        "next_tokens",
-        "next_status",
-        "peak_gib",
-        "tokens_per_s",
-        "probes",
-        "confirmed",
-        "reason",
-    ]
-    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
-    w.writeheader()
-    w.writerows(rows)
-    atomic_write_text(sweep_dir / "max_context.csv", buf.getvalue())
     say(md)
     say(f"results: {sweep_dir}")
     return 0
