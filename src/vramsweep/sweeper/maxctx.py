@@ -286,7 +286,8 @@ def plan_max_context(
         over = [*fixed, *conf]
         try:
             cfg = compose(over, validate_rules=False)
-            validate(cfg, machine=False)  # what this machine lacks (CUDA, Liger) shows as an unsupported probe
+            # what this machine lacks (CUDA, Liger) shows as an unsupported probe, not a planning error
+            validate(cfg, machine=False)
             est = predict(cfg)
         except (ConfigError, ValueError) as exc:
             raise ConfigError(
