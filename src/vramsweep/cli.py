@@ -239,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from vramsweep.noise import quiet_terminal_warnings
+
+    quiet_terminal_warnings()  # e.g. Liger's Ascend-backend import warning; trial logs keep it
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):

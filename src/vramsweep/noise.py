@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 
+#: Warnings that are noise at a terminal: Liger 0.8.5 with Triton 3.6 warns on import that its Ascend (NPU)
+#: RoPE backend "cannot import name 'tanh'" — a backend for another accelerator, never used on CUDA.
+NOISE_WARNINGS = (r"Backend impl 'liger_kernel\.ops\.backends\._ascend\.rope'",)
 #: (logger name, message start) of records that are noise at a terminal.
 NOISE = (("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),)
 
@@ -30,6 +34,17 @@ class _TerminalNoiseFilter(logging.Filter):
             return True
         isatty = getattr(sys.stderr, "isatty", None)
         return not (isatty and isatty())
+
+
+def quiet_terminal_warnings() -> bool:
+    """Ignore :data:`NOISE_WARNINGS` in this process when stderr is a terminal (``vramsweep`` verbs call it;
+    sweep trials, whose output goes to their log files, keep the warnings). Returns whether it did."""
+    isatty = getattr(sys.stderr, "isatty", None)
+    if not (isatty and isatty()):
+        return False
+    for pattern in NOISE_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    return True
 
 
 def install() -> None:
