@@ -73,3 +73,31 @@ def test_lower_floors_do_not_import_upper_ones():
     for low in ("vramsweep.data", "vramsweep.measure", "vramsweep.longctx", "vramsweep.record"):
         assert g.get(low, set()) <= {"vramsweep.record"}, (low, g.get(low))
     assert not g.get("vramsweep.report", set()) & {"vramsweep.trial", "vramsweep.build"}
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the vramsweep modules it imports (a package and its own submodules are not edges)."""
+    mods: dict[str, Path] = {}
+    for path in (SRC / "vramsweep").rglob("*.py"):
+        mods[".".join(path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")] = path
+    graph: dict[str, set[str]] = {}
+    for module, path in mods.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps.add(node.module)
+                deps |= {f"{node.module}.{a.name}" for a in node.names}
+        graph[module] = {
+            d
+            for d in deps
+            if d in mods and d != module and not module.startswith(d + ".") and not d.startswith(module + ".")
+        }
+    return graph
+
+
+def test_no_import_cycles_between_modules():
+    """Within a part too: e.g. build.model <-> build.kernels, config.compose <-> config.rules."""
+    cycle = find_cycle(module_graph())
+    assert cycle is None, " -> ".join(cycle)

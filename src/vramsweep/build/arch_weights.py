@@ -65,7 +65,7 @@ def arch_key(cfg: DictConfig) -> str:
 
 
 def arch_weights_dir(cfg: DictConfig) -> Path:
-    from vramsweep.build.model import cache_root
+    from vramsweep.hfmodel import cache_root
 
     return cache_root() / "arch_weights" / f"{cfg.model.name}-{arch_key(cfg)}"
 
@@ -78,7 +78,8 @@ def _skeleton(cfg: DictConfig, tokenizer: Any) -> torch.nn.Module:
     """The model on the meta device (no storage), its config carrying the tokenizer's special ids."""
     from transformers import AutoModelForCausalLM
 
-    from vramsweep.build.model import hf_config, torch_dtype
+    from vramsweep.build.common import torch_dtype
+    from vramsweep.hfmodel import hf_config
 
     config = hf_config(cfg.model)
     config.bos_token_id = tokenizer.bos_token_id
@@ -126,7 +127,8 @@ def plan_bytes(cfg: DictConfig) -> dict[str, int]:
     """Parameters, bytes and shards of the folder ``cfg`` would write (no tokenizer training, no storage)."""
     from transformers import AutoModelForCausalLM
 
-    from vramsweep.build.model import hf_config, torch_dtype
+    from vramsweep.build.common import torch_dtype
+    from vramsweep.hfmodel import hf_config
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(cfg.model), dtype=torch_dtype(cfg.train.dtype))

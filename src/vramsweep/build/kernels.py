@@ -232,7 +232,7 @@ def unsloth_kwargs(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     Returns:
         ``(load_kwargs, peft_kwargs)``; ``model_name`` is added by :func:`load_with_unsloth`.
     """
-    from vramsweep.build.model import torch_dtype
+    from vramsweep.build.common import torch_dtype
 
     q, a = cfg.quant, cfg.adapter
     gc: str | bool = "unsloth" if cfg.checkpointing.enabled else False

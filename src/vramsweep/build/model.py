@@ -19,13 +19,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from vramsweep.build.common import DTYPE_MAP, bnb_config, torch_dtype  # noqa: F401 - re-exported
 from vramsweep.hfmodel import cache_root, hf_config  # noqa: F401 - re-exported (build.model.hf_config)
-
-DTYPE_MAP = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return DTYPE_MAP[name]
 
 
 @dataclass
@@ -35,24 +30,6 @@ class Built:
     device: torch.device
     notes: dict = field(default_factory=dict)
     id_map: Any = None  # vocab slicing IdMap when vocab.mode != full
-
-
-def bnb_config(cfg: DictConfig):
-    """``BitsAndBytesConfig`` for ``cfg.quant`` (None for 16-bit)."""
-    q = cfg.quant
-    if q.bits == 16:
-        return None
-    from transformers import BitsAndBytesConfig
-
-    if q.bits == 8:
-        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=list(q.skip_modules))
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=q.quant_type,
-        bnb_4bit_use_double_quant=bool(q.double_quant),
-        bnb_4bit_compute_dtype=torch_dtype(q.compute_dtype),
-        llm_int8_skip_modules=list(q.skip_modules),
-    )
 
 
 def model_source(cfg: DictConfig) -> tuple[Path | None, Any]:

@@ -9,17 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-
-class ConfigError(ValueError):
-    """A bad override or incompatible combination. ``str()`` names the override and allowed values."""
-
-    def __init__(self, message: str, key: str | None = None, allowed: list | tuple | None = None):
-        self.key = key
-        self.allowed = list(allowed) if allowed is not None else None
-        full = message
-        if allowed is not None:
-            full += f" (allowed: {', '.join(str(a) for a in allowed)})"
-        super().__init__(full)
+from vramsweep.config.errors import ConfigError  # noqa: E402,F401 - defined below rules; re-exported
 
 
 def repo_root() -> Path:

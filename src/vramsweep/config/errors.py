@@ -30,3 +30,15 @@ def error_line(verb: str, msg: str) -> str:
     text = one_line(msg)
     text = re.sub(r"^(vramsweep( \w+)?: )?(error: )?", "", text)
     return f"vramsweep {verb}: error: {text}" if verb else f"vramsweep: error: {text}"
+
+
+class ConfigError(ValueError):
+    """A bad override or incompatible combination. ``str()`` names the override and allowed values."""
+
+    def __init__(self, message: str, key: str | None = None, allowed: list | tuple | None = None):
+        self.key = key
+        self.allowed = list(allowed) if allowed is not None else None
+        full = message
+        if allowed is not None:
+            full += f" (allowed: {', '.join(str(a) for a in allowed)})"
+        super().__init__(full)

@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from vramsweep.config.compose import ConfigError
+from vramsweep.config.errors import ConfigError
 from vramsweep.config.schema import (
     DTYPES,
     GROUP_OPTIONS,

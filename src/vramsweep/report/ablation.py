@@ -13,10 +13,11 @@ from pathlib import Path
 
 from vramsweep.config.errors import error_line
 from vramsweep.record.result import atomic_write_text
-from vramsweep.report.importance import Importances, compute_importances
+from vramsweep.report.build import build_report, importance_table  # noqa: F401 - re-exported
+from vramsweep.report.importance import Importances
 from vramsweep.report.load import ReportError, SweepData, load_sweep, safe_url
 from vramsweep.report.plots import make_plots
-from vramsweep.report.tables import Column, Report, Table, build_tables, csv_text, pareto_front
+from vramsweep.report.tables import Report, Table, csv_text, pareto_front
 
 MAX_PRINT_ROWS = 50
 SECTION_ORDER = (
@@ -40,44 +41,6 @@ def summary_line(sweep: SweepData) -> str:
     btxt = f"budget {budget:g} GiB" if budget is not None else "no memory budget"
     n = len(sweep.trials)
     return f"{sweep.name}: {n} trial{'' if n == 1 else 's'} ({parts}); {btxt}; {feasible} feasible"
-
-
-def importance_table(imps: Importances) -> Table | None:
-    """Params × objectives table of importances (None when there are none)."""
-    if not imps.values:
-        return None
-    metrics = list(imps.values)
-    params: dict[str, None] = {}
-    for m in metrics:
-        for p in imps.values[m]:
-            params.setdefault(p)
-    rows = [{"param": p, **{m: imps.values[m].get(p) for m in metrics}} for p in params]
-    cols = [Column("param", lambda r: r["param"], False)]
-    for m in metrics:
-        cols.append(Column(m, (lambda key: lambda r: "" if r[key] is None else f"{r[key]:.3f}")(m)))
-    return Table(
-        "importances",
-        "Parameter importances",
-        cols,
-        rows,
-        intro="Optuna `get_param_importances` (PED-ANOVA) per objective over the ok trials; "
-        "each column sums to 1.",
-    )
-
-
-def build_report(sweep: SweepData, *, importances: bool = True) -> Report:
-    """Tables (and importances) of a loaded sweep; see :mod:`vramsweep.report.tables`."""
-    report = build_tables(sweep)
-    if importances:
-        imps = compute_importances(sweep)
-        table = importance_table(imps)
-        if table is not None:
-            table.notes = list(imps.notes)
-            report.tables["importances"] = table
-        else:
-            report.notes += ["Importances skipped: " + n for n in imps.notes] or ["Importances skipped."]
-        report.importances = imps
-    return report
 
 
 def render_markdown(report: Report, plots: list[Path], *, target: str) -> str:

@@ -340,7 +340,7 @@ def update_sweep_summary(
         fp = _fingerprint(folder)
         if not force and _read_state(wdir).get("fingerprint") == fp:
             return None
-        from vramsweep.report.ablation import build_report
+        from vramsweep.report.build import build_report
         from vramsweep.report.load import load_sweep
 
         sweep = load_sweep(str(folder))

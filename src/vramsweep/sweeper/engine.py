@@ -17,22 +17,28 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
-import json
 import logging
 import os
-import re
 import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
-from vramsweep.sweeper.design import DesignPoint, build_design, design_choices
+from vramsweep.sweeper.design import build_design, design_choices
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY, Outcome, user_attrs
+from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
+    DEFAULT_SEARCH_TRIALS,
+    IDENTITY,
+    NOT_IDENTITY,
+    Plan,
+    identity_hash,
+    name_sweep,
+    sweep_identity,
+)
 from vramsweep.sweeper.progress import Progress, fmt_override, plural, trial_line
 from vramsweep.sweeper.runner import RunReport, TrialSpec, _load_child_result, make_runner
 from vramsweep.sweeper.settings import Settings, resolve_settings
@@ -66,7 +72,6 @@ from vramsweep.sweeper.storage import (
 
 log = logging.getLogger("vramsweep.sweeper")
 
-DEFAULT_SEARCH_TRIALS = 20
 #: After this many re-proposed points in a row for one slot, the slot gets an unmeasured point at random.
 DEDUP_PATIENCE = 3
 DUP_STREAK = "vramsweep:dup_streak"
@@ -92,21 +97,6 @@ class Job:
     source: dict[str, Any] | None = None
     dup_streak: int = 0
     retries: int = 0  # how many earlier trials of this point were lost (dead worker, Ctrl-C)
-
-
-@dataclass
-class Plan:
-    """The validated sweep: settings, fixed overrides, space and (for fixed designs) points."""
-
-    settings: Settings
-    fixed: list[str]
-    dims: list[Param]
-    design: list[DesignPoint] | None
-    n_total: int
-    base_seed: int = 0
-    identity: dict[str, Any] = field(default_factory=dict)
-    sweep_id: str = ""
-    wandb: bool = False  # trials log to W&B: keep the sweep-summary run current as trials finish
 
 
 def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]) -> Plan:
@@ -201,51 +191,6 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
     plan.wandb = str((task_cfg.get("logger") or {}).get("name")) == "wandb" or "logger=wandb" in fixed
     name_sweep(plan)
     return plan
-
-
-#: Fixed overrides that do not change what a trial measures (not part of a sweep's identity).
-NOT_IDENTITY = ("results_dir", "sweep.name")
-IDENTITY = "vramsweep:identity"
-
-
-def sweep_identity(plan: Plan) -> dict[str, Any]:
-    """What makes two runs the same sweep: design and its points (or the search space), the fixed
-    overrides, the objectives and the trial function. Stored with the study; a resume must match it."""
-    import dataclasses
-
-    s = plan.settings
-    ident: dict[str, Any] = {
-        "design": s.design,
-        "objectives": [f"{o.direction} {o.metric}" for o in s.objectives],
-        "fixed": sorted(o for o in plan.fixed if override_key(o) not in NOT_IDENTITY),
-        "trial_fn": s.trial_fn,
-    }
-    if plan.design is not None:
-        ident["points"] = [list(p.overrides) for p in plan.design]
-    else:
-        ident["space"] = {
-            d.key: {k: v for k, v in dataclasses.asdict(d).items() if k not in ("key", "texts")}
-            for d in plan.dims
-        }
-    return json.loads(json.dumps(ident, default=str))
-
-
-def identity_hash(identity: dict[str, Any]) -> str:
-    """A short stable hash of a sweep's identity (names ad-hoc sweeps)."""
-    return hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
-
-
-def name_sweep(plan: Plan) -> None:
-    """An ad-hoc sweep (no sweep file, ``sweep.name`` or ``study_name``) is named ``<swept keys>-<hash>``,
-    so each distinct sweep gets its own folder and study, and the same command resumes its own."""
-    s = plan.settings
-    plan.identity = sweep_identity(plan)
-    plan.sweep_id = identity_hash(plan.identity)
-    if s.named:
-        return
-    keys = [d.key for d in plan.dims] or list(design_choices(plan.design or []))
-    stem = re.sub(r"[^A-Za-z0-9_.\-]+", "_", "-".join(keys))[:48].strip("-_") or "multirun"
-    s.rename(f"{stem}-{plan.sweep_id}")
 
 
 def identity_diff(old: dict[str, Any], new: dict[str, Any]) -> str:

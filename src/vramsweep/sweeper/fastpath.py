@@ -28,7 +28,7 @@ def _finished_study(
     sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]
 ) -> tuple[Any, Any] | None:
     from vramsweep.sweeper.design import build_design
-    from vramsweep.sweeper.engine import DEFAULT_SEARCH_TRIALS, IDENTITY, Plan, name_sweep
+    from vramsweep.sweeper.plan import DEFAULT_SEARCH_TRIALS, IDENTITY, Plan, name_sweep
     from vramsweep.sweeper.settings import resolve_settings
     from vramsweep.sweeper.space import (
         cli_sweep_params,
