@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
-from vramsweep.sweeper.design import build_design, design_choices
+from vramsweep.sweeper.design import design_choices
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY, Outcome, user_attrs
 from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
     DEFAULT_SEARCH_TRIALS,
@@ -37,19 +37,21 @@ from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
     Plan,
     identity_hash,
     name_sweep,
+    plan_design,
     sweep_identity,
+    total_trials,
 )
 from vramsweep.sweeper.progress import Progress, fmt_override, plural, trial_line
 from vramsweep.sweeper.runner import RunReport, TrialSpec, _load_child_result, make_runner
 from vramsweep.sweeper.settings import Settings, resolve_settings
 from vramsweep.sweeper.space import (
-    Param,
     cli_sweep_params,
     merge_overrides,
     override_key,
     params_to_overrides,
     parse_params,
     space_size,
+    suggest,
 )
 from vramsweep.sweeper.storage import (
     COPY_OF,
@@ -132,19 +134,11 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
     base_seed = int(base.train.seed)
     if dims:
         validate_space(fixed, dims)
-    design = build_design(
-        settings.design,
-        dims=dims,
-        baseline=settings.baseline,
-        factors=settings.factors,
-        stack=settings.stack,
-        repeats=settings.repeats,
-        base_seed=base_seed,
-    )
+    design = plan_design(settings, dims, base_seed)
+    n_total = total_trials(settings, design, dims)
     if design is not None:
         if settings.design != "grid":  # a grid's values were all probed above; its combinations run as data
             validate_design(fixed, design)
-        n_total = len(design) if settings.n_trials is None else min(settings.n_trials, len(design))
         if settings.n_trials is not None and settings.n_trials > len(design):
             print(
                 f"vramsweep: the {settings.design} design has {len(design)} points; n_trials={settings.n_trials} "
@@ -153,9 +147,6 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
             )
     else:
         size = space_size(dims)
-        n_total = (
-            settings.n_trials if settings.n_trials is not None else int(min(DEFAULT_SEARCH_TRIALS, size))
-        )
         if settings.dedup and n_total > size:
             print(
                 f"vramsweep: the search space has {int(size)} distinct points; n_trials={n_total} capped to "
@@ -623,16 +614,6 @@ class Sweep:
             cwd=os.getcwd(),
         )
 
-    @staticmethod
-    def _suggest(trial: Any, d: Param) -> Any:
-        if d.kind == "range" and d.step is not None:
-            return trial.suggest_int(d.key, int(d.values[0]), int(d.values[-1]), step=d.step)
-        if d.discrete:
-            return trial.suggest_categorical(d.key, list(d.values))
-        if d.integer:
-            return trial.suggest_int(d.key, int(d.low), int(d.high), log=d.log)
-        return trial.suggest_float(d.key, float(d.low), float(d.high), log=d.log)
-
     def _find_duplicate(self, params: dict[str, Any], number: int) -> tuple[int, dict[str, Any]] | None:
         from optuna.trial import TrialState
 
@@ -672,7 +653,7 @@ class Sweep:
                 point_overrides = list(point.overrides)
                 label = _design_label(design, point_overrides)
             else:
-                params = {d.key: self._suggest(trial, d) for d in self.plan.dims}
+                params = {d.key: suggest(trial, d) for d in self.plan.dims}
                 point_overrides = params_to_overrides(params, self.plan.dims)
                 label = point_overrides
                 design = {"kind": "search"}

@@ -27,15 +27,13 @@ def finished_study(
 def _finished_study(
     sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]
 ) -> tuple[Any, Any] | None:
-    from vramsweep.sweeper.design import build_design
-    from vramsweep.sweeper.plan import DEFAULT_SEARCH_TRIALS, IDENTITY, Plan, name_sweep
+    from vramsweep.sweeper.plan import IDENTITY, Plan, name_sweep, plan_design, total_trials
     from vramsweep.sweeper.settings import resolve_settings
     from vramsweep.sweeper.space import (
         cli_sweep_params,
         merge_overrides,
         override_key,
         parse_params,
-        space_size,
     )
     from vramsweep.sweeper.storage import RETRIES, SLOT, requeue_lost, sqlite_path
 
@@ -52,23 +50,8 @@ def _finished_study(
     dims, fixed_params = parse_params(settings.params)
     fixed = merge_overrides(fixed_params, cli_fixed)
     base_seed = int((task_cfg.get("train") or {}).get("seed", 0))
-    design = build_design(
-        settings.design,
-        dims=dims,
-        baseline=settings.baseline,
-        factors=settings.factors,
-        stack=settings.stack,
-        repeats=settings.repeats,
-        base_seed=base_seed,
-    )
-    if design is not None:
-        n_total = len(design) if settings.n_trials is None else min(settings.n_trials, len(design))
-    else:
-        n_total = (
-            settings.n_trials
-            if settings.n_trials is not None
-            else int(min(DEFAULT_SEARCH_TRIALS, space_size(dims)))
-        )
+    design = plan_design(settings, dims, base_seed)
+    n_total = total_trials(settings, design, dims)
     plan = Plan(settings, fixed, dims, design, int(n_total), base_seed)
     name_sweep(plan)  # the study name (ad-hoc sweeps: <keys>-<identity hash>) and the identity to match
     db = sqlite_path(settings.storage)

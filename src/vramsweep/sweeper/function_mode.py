@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
-from vramsweep.sweeper.space import Param, cli_sweep_params, merge_overrides, parse_params
+from vramsweep.sweeper.space import Param, cli_sweep_params, merge_overrides, parse_params, suggest
 
 DEFAULT_N_TRIALS = 20
 
@@ -75,16 +75,6 @@ def _sampler(spec: Any, seed: int | None, dims: Sequence[Param], n_jobs: int, n_
         s = (spec.get("seed") if isinstance(spec, dict) else None) or seed
         return optuna.samplers.GridSampler(space, seed=s), len(points)
     return make_sampler(spec, seed=seed, n_jobs=n_jobs, n_objectives=n_objectives)
-
-
-def _suggest(trial: Any, d: Param) -> Any:
-    if d.kind == "range" and d.step is not None:
-        return trial.suggest_int(d.key, int(d.values[0]), int(d.values[-1]), step=d.step)
-    if d.discrete:
-        return trial.suggest_categorical(d.key, list(d.values))
-    if d.integer:
-        return trial.suggest_int(d.key, int(d.low), int(d.high), log=d.log)
-    return trial.suggest_float(d.key, float(d.low), float(d.high), log=d.log)
 
 
 def _values(ret: Any, n: int) -> list[float]:
@@ -154,7 +144,7 @@ def run_function_sweep(
         for _ in range(batch):
             trial = study.ask()
             for d in dims:
-                _suggest(trial, d)
+                suggest(trial, d)
             if custom is not None:
                 custom(config, trial)
             trials.append(trial)

@@ -10,9 +10,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from vramsweep.sweeper.design import DesignPoint, design_choices
+from vramsweep.sweeper.design import DesignPoint, build_design, design_choices
 from vramsweep.sweeper.settings import Settings
-from vramsweep.sweeper.space import Param, override_key
+from vramsweep.sweeper.space import Param, override_key, space_size
 
 DEFAULT_SEARCH_TRIALS = 20
 
@@ -75,3 +75,26 @@ def name_sweep(plan: Plan) -> None:
     keys = [d.key for d in plan.dims] or list(design_choices(plan.design or []))
     stem = re.sub(r"[^A-Za-z0-9_.\-]+", "_", "-".join(keys))[:48].strip("-_") or "multirun"
     s.rename(f"{stem}-{plan.sweep_id}")
+
+
+def plan_design(settings: Settings, dims: list[Param], base_seed: int) -> list[DesignPoint] | None:
+    """The fixed design's points (grid/ablation/stacking), or None for a search."""
+    return build_design(
+        settings.design,
+        dims=dims,
+        baseline=settings.baseline,
+        factors=settings.factors,
+        stack=settings.stack,
+        repeats=settings.repeats,
+        base_seed=base_seed,
+    )
+
+
+def total_trials(settings: Settings, design: list[DesignPoint] | None, dims: list[Param]) -> int:
+    """The study's total: every design point (at most ``n_trials``), or ``n_trials`` / the default for a
+    search (before the engine caps it to the space size when duplicates are not re-run)."""
+    if design is not None:
+        return len(design) if settings.n_trials is None else min(settings.n_trials, len(design))
+    if settings.n_trials is not None:
+        return int(settings.n_trials)
+    return int(min(DEFAULT_SEARCH_TRIALS, space_size(dims)))

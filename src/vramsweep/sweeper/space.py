@@ -285,3 +285,14 @@ def params_to_overrides(params: dict[str, Any], dims: Sequence[Param] = ()) -> l
     for k, v in params.items():
         out.append(f"{k}={by_key[k].text(v) if k in by_key else format_value(v)}")
     return out
+
+
+def suggest(trial: Any, d: Param) -> Any:
+    """Ask an Optuna trial for ``d``'s value (int steps, categorical choices, int/float intervals)."""
+    if d.kind == "range" and d.step is not None:
+        return trial.suggest_int(d.key, int(d.values[0]), int(d.values[-1]), step=d.step)
+    if d.discrete:
+        return trial.suggest_categorical(d.key, list(d.values))
+    if d.integer:
+        return trial.suggest_int(d.key, int(d.low), int(d.high), log=d.log)
+    return trial.suggest_float(d.key, float(d.low), float(d.high), log=d.log)
