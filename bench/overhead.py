@@ -51,9 +51,9 @@ def _prepared(overrides, steps):
 
     import torch
 
-    from vramsweep.build import build_model, build_optimizer, build_scheduler
-    from vramsweep.build.model import model_source
     from vramsweep.data_prep import build_trial_data
+    from vramsweep.knobs import build_model, build_optimizer, build_scheduler
+    from vramsweep.knobs.model import model_source
     from vramsweep.trial import _batches, _collate
 
     cfg = _cfg([*overrides, f"train.steps={steps}"])

@@ -22,7 +22,7 @@ random.
 Trial-seconds come from each trial's ``meta.wall_s``. Two trial functions:
 
 * ``--trial fake`` (default; seconds): the deterministic fake landscape of
-  ``vramsweep.sweeper.fake`` with *simulated* seconds (steps run x modelled step time), no model. It
+  ``tests/fakes.py`` with *simulated* seconds (steps run x modelled step time), no model. It
   is a surrogate of the real knobs' effects (memory from precision/rank/checkpointing, loss from
   learning rate/rank/precision, cost from precision/checkpointing), used so the bench runs in a minute.
 * ``--trial real``: the real tiny-model trial (``vramsweep.trial``) with very few steps (``--steps``,
@@ -117,10 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.trial == "fake":
         budget = 0.06 if args.budget_gib is None else args.budget_gib
         common += [
-            "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
-            "hydra.sweeper.preload=[vramsweep.sweeper.fake]",
+            "hydra.sweeper.trial_fn=fakes:fake_trial",
+            "hydra.sweeper.preload=[fakes]",
         ]
         env_fake = {"step_s": 1.0}
+        # the fake trial is a test double: it lives in tests/fakes.py (importable by the trial processes too)
+        tests_dir = str(Path(__file__).resolve().parents[1] / "tests")
+        sys.path.insert(0, tests_dir)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
     else:
         budget = 0.0 if args.budget_gib is None else args.budget_gib
         common += [

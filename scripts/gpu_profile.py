@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from vramsweep.build import build_model, build_optimizer
     from vramsweep.config import compose
+    from vramsweep.knobs import build_model, build_optimizer
 
     cfg = compose([*args.overrides, f"context.max_tokens={args.tokens}", "train.micro_batch=1"])
     torch.manual_seed(int(cfg.train.seed))

@@ -589,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         "import failed",
     )
     if args.dry_run or unsloth_ok:  # the dry run writes a tiny architecture's folder (same code path)
-        cmd = [python, "-m", "vramsweep.build.arch_weights", "--workers", str(min(8, os.cpu_count() or 1))]
+        cmd = [python, "-m", "vramsweep.knobs.arch_weights", "--workers", str(min(8, os.cpu_count() or 1))]
         print(
             "gpu_smoke: Unsloth weights folder for qwen3_8b (written once into VRAMSWEEP_CACHE)", flush=True
         )

@@ -15,6 +15,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Test doubles (tests/fakes.py, ...) are importable by the trial and sweeper processes tests start too.
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p)
 
 # Small, fast trial settings shared by tests that run real trials on the embedded model.
 FAST = [

@@ -15,10 +15,10 @@ import types
 import pytest
 import torch
 
-from vramsweep.build import arch_weights as aw
-from vramsweep.build import kernels
 from vramsweep.config import compose
 from vramsweep.config.rules import UnsupportedError
+from vramsweep.knobs import arch_weights as aw
+from vramsweep.knobs import kernels
 
 #: A small Qwen3 architecture (``source=arch``): 4 shards (embedding, 2 layers, norm + lm_head), ~1.2 MB.
 SMALL = [
@@ -189,7 +189,7 @@ def fake_unsloth(monkeypatch):
 
 
 def test_unsloth_on_an_arch_model_loads_the_materialised_folder(cache, fake_unsloth):
-    from vramsweep.build.model import build_model
+    from vramsweep.knobs.model import build_model
 
     cfg = _cfg("kernels=unsloth", "quant=nf4_dq", "hardware=cpu")
     kernels.check_unsloth(cfg)  # source=arch is no longer refused (rules.py calls this)

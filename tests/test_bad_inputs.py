@@ -19,7 +19,7 @@ from vramsweep.cli import main
 from vramsweep.config.compose import conf_dir
 
 FAKE = [
-    "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+    "hydra.sweeper.trial_fn=fakes:fake_trial",
     "hydra.sweeper.isolation=inprocess",
     "hydra.sweeper.study_name=bad",
 ]

@@ -1,7 +1,7 @@
 """Memory estimator (issue 5): exactness against real tensors, total peak against the CPU tracker,
 published anchors, calibration, pre-flight and the CLI entry points.
 
-The comparisons build real models with :mod:`vramsweep.build` (random init, small dims, no download)
+The comparisons build real models with :mod:`vramsweep.knobs` (random init, small dims, no download)
 and count real bytes with :mod:`vramsweep.measure.cpu`, so a wrong formula fails here.
 """
 
@@ -101,7 +101,7 @@ def _rel(est: float, real: float) -> float:
 
 
 def test_state_bytes_match_real_tensors_for_every_cpu_knob_combination(results_dir):
-    from vramsweep.build import build_model, build_optimizer
+    from vramsweep.knobs import build_model, build_optimizer
     from vramsweep.measure.cpu import model_state_tensors, optimizer_state_tensors, tensor_bytes
 
     opt_cfgs = {o: _cfg(SMALL + [f"optimizer={o}"], results_dir).optimizer for o in OPTIMIZERS}
@@ -183,7 +183,7 @@ def test_nf4_double_quant_anchor_bits_per_param():
 def _tracked_peak(cfg) -> dict:
     """Peak of the second optimizer step (the first, untracked, creates the optimizer state), as
     :func:`vramsweep.trial._train` tracks its warm-up steps."""
-    from vramsweep.build import build_model, build_optimizer
+    from vramsweep.knobs import build_model, build_optimizer
     from vramsweep.longctx.apply import loss_fn
     from vramsweep.measure.cpu import TensorMemoryTracker
 

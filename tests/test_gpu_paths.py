@@ -20,9 +20,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vramsweep.build import kernels
 from vramsweep.config import ConfigError, compose, rules
 from vramsweep.config.rules import UnsupportedError
+from vramsweep.knobs import kernels
 from vramsweep.measure import cuda as mcuda
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,7 +174,7 @@ def _patch_qwen3_like_liger(monkeypatch) -> None:
 
 
 def test_liger_class_patch_reaches_an_arch_model_and_is_verified(monkeypatch):
-    from vramsweep.build.arch import build_arch_model
+    from vramsweep.knobs.arch import build_arch_model
 
     cfg = _cfg(*SMALL_ARCH, "kernels=liger", "quant=nf4")
     plain, _ = build_arch_model(cfg, "cpu")
@@ -197,8 +197,8 @@ def test_real_liger_patches_reach_the_model(family):
     In a subprocess (Liger's class patches are process-global); no Triton kernel runs, so a CPU will do."""
     code = f"""
 from peft import LoraConfig, get_peft_model
-from vramsweep.build import kernels
-from vramsweep.build.arch import build_arch_model
+from vramsweep.knobs import kernels
+from vramsweep.knobs.arch import build_arch_model
 from vramsweep.config import compose
 cfg = compose({SMALL_ARCH + [f"model.family={family}", "kernels=liger", "quant=nf4"]!r}, validate_rules=False)
 print(kernels.apply_liger(cfg))
@@ -547,8 +547,8 @@ def test_nvml_missing_or_pid_hidden(monkeypatch, fake_nvml):
 def test_arch_builder_quantises_in_place(quant, cls, per_layer):
     from transformers import AutoModelForCausalLM
 
-    from vramsweep.build.arch import build_arch_model
-    from vramsweep.build.model import count_quantised_layers, hf_config
+    from vramsweep.knobs.arch import build_arch_model
+    from vramsweep.knobs.model import count_quantised_layers, hf_config
 
     cfg = _cfg(*SMALL_ARCH, f"quant={quant}")
     model, notes = build_arch_model(cfg, "cpu")
@@ -576,7 +576,7 @@ def test_arch_builder_quantises_in_place(quant, cls, per_layer):
 def test_arch_builder_never_holds_the_bf16_model():
     """The point of the direct path: peak live bytes while building a 4-bit model stay far below the
     bf16 model (an 8B would otherwise need 16 GB before quantisation)."""
-    from vramsweep.build.arch import build_arch_model
+    from vramsweep.knobs.arch import build_arch_model
     from vramsweep.measure.cpu import TensorMemoryTracker
 
     cfg = _cfg(*SMALL_ARCH, "quant=nf4_dq")
@@ -596,7 +596,7 @@ def test_arch_builder_never_holds_the_bf16_model():
 def test_arch_builder_ties_embeddings_and_trains_lora():
     from peft import LoraConfig, get_peft_model
 
-    from vramsweep.build.arch import build_arch_model
+    from vramsweep.knobs.arch import build_arch_model
 
     cfg = _cfg(*SMALL_ARCH, "model.tie_word_embeddings=true", "quant=nf4")
     model, _ = build_arch_model(cfg, "cpu")
@@ -612,7 +612,7 @@ def test_arch_builder_ties_embeddings_and_trains_lora():
 
 
 def test_arch_builder_is_seeded():
-    from vramsweep.build.arch import build_arch_model
+    from vramsweep.knobs.arch import build_arch_model
 
     a, _ = build_arch_model(_cfg(*SMALL_ARCH, "train.seed=3"), "cpu")
     b, _ = build_arch_model(_cfg(*SMALL_ARCH, "train.seed=3"), "cpu")
@@ -804,7 +804,7 @@ def uncapped():
 def test_gpu_arch_8b_nf4_builds_fast_under_a_16gib_cap(uncapped):
     import time
 
-    from vramsweep.build.arch import build_arch_model
+    from vramsweep.knobs.arch import build_arch_model
 
     cfg = _cfg("model=qwen3_8b", "quant=nf4_dq", "hardware=rtx4080_16gb")
     mon = mcuda.CudaMemoryMonitor(cfg)
@@ -841,7 +841,7 @@ def test_gpu_trial_records_cuda_metrics_and_cap(tmp_path, uncapped, monkeypatch)
 def test_unsloth_trains_on_cpu(tmp_path, embedded_model_dir):
     """Real Unsloth (``make unsloth``): it loads the embedded model through FastLanguageModel, wraps it
     with its LoRA, and our loop trains it on the CPU (its no-GPU fallback)."""
-    from vramsweep.build import build_model
+    from vramsweep.knobs import build_model
     from vramsweep.trial import run_trial_overrides
 
     cfg = _cfg("kernels=unsloth", "adapter=rslora", "adapter.r=8", "context.max_tokens=128")

@@ -1,6 +1,6 @@
 """The package has no import cycles between its parts, counting lazy (function-level) imports too.
 
-A part is a top-level module or subpackage of ``vramsweep`` (``vramsweep.build``, ``vramsweep.config``,
+A part is a top-level module or subpackage of ``vramsweep`` (``vramsweep.knobs``, ``vramsweep.config``,
 ...). A cycle between parts (config -> build -> config) means a change on one floor can break the
 other's import, and lazy imports only hide it until the function runs.
 """
@@ -72,7 +72,7 @@ def test_lower_floors_do_not_import_upper_ones():
     g = import_graph()
     for low in ("vramsweep.data", "vramsweep.measure", "vramsweep.longctx", "vramsweep.record"):
         assert g.get(low, set()) <= {"vramsweep.record"}, (low, g.get(low))
-    assert not g.get("vramsweep.report", set()) & {"vramsweep.trial", "vramsweep.build"}
+    assert not g.get("vramsweep.report", set()) & {"vramsweep.trial", "vramsweep.knobs"}
 
 
 def module_graph() -> dict[str, set[str]]:

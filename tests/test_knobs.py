@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from vramsweep.build import build_model, build_optimizer
 from vramsweep.config import compose
+from vramsweep.knobs import build_model, build_optimizer
 from vramsweep.measure import TensorMemoryTracker
 from vramsweep.measure.cpu import (
     _quant_state_tensors,

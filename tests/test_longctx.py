@@ -46,8 +46,8 @@ def test_chunked_ce_rejects_bad_chunk():
 
 
 def _model(*overrides):
-    from vramsweep.build import build_model
     from vramsweep.config import compose
+    from vramsweep.knobs import build_model
 
     cfg = compose(["train.dtype=fp32", "adapter.dropout=0.1", *overrides])
     built = build_model(cfg)
@@ -173,8 +173,8 @@ def test_tiled_mlp_module_wrapper_and_validation():
 
 
 def test_offload_knob_installs_the_offloaded_checkpoint():
-    from vramsweep.build import build_model
     from vramsweep.config import compose
+    from vramsweep.knobs import build_model
     from vramsweep.longctx.offload import OffloadManager
 
     built = build_model(compose(["checkpointing=offload"]))
@@ -232,8 +232,8 @@ def test_unsloth_with_tiling_refused():
 def test_adapter_dtype_compute_keeps_adapters_in_bf16_and_drops_fp32_input_copies():
     """adapter.dtype=compute: LoRA weights in the compute dtype, so PEFT no longer keeps an fp32 copy of each
     adapted projection's input for backward (the dominant activation term at long context)."""
-    from vramsweep.build import build_model
     from vramsweep.config import compose
+    from vramsweep.knobs import build_model
 
     peaks, dtypes = {}, {}
     ids, labels = _batch(seq=256)

@@ -46,7 +46,7 @@ def _sweeper_cmd(root: Path, *extra: str) -> list[str]:
         "-m",
         "vramsweep.sweeper",
         f"results_dir={root}",
-        "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+        "hydra.sweeper.trial_fn=fakes:fake_trial",
         "hydra.sweeper.isolation=inprocess",
         "adapter.r=4,8,16",
         "hydra.sweeper.sampler=grid",
@@ -117,8 +117,8 @@ def test_ctrl_c_requeue_is_bounded_like_a_dead_worker(tmp_path):
     )
     args = [
         f"results_dir={tmp_path}",
-        "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
-        "hydra.sweeper.preload=[vramsweep.sweeper.fake]",
+        "hydra.sweeper.trial_fn=fakes:fake_trial",
+        "hydra.sweeper.preload=[fakes]",
         "adapter.r=4,8",
         "hydra.sweeper.sampler=grid",
         "hydra.sweeper.study_name=cc",
@@ -156,7 +156,7 @@ def test_ctrl_c_requeue_is_bounded_like_a_dead_worker(tmp_path):
 
 def concurrent_trial(overrides, *, sweep=None, trial=None, **kw):
     """A fake trial that, while trial 0 runs, lets "another worker" finish the next waiting slot."""
-    from vramsweep.sweeper.fake import fake_trial
+    from fakes import fake_trial
     from vramsweep.sweeper.storage import pop_slot
 
     if trial == 0:
@@ -224,7 +224,7 @@ def test_finished_study_rerun_is_fast_and_never_imports_torch(tmp_path):
     server (which imports torch)."""
     args = [
         f"results_dir={tmp_path}",
-        "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+        "hydra.sweeper.trial_fn=fakes:fake_trial",
         "hydra.sweeper.isolation=inprocess",
         "sweep=demo",
     ]
@@ -253,7 +253,7 @@ def test_finished_study_rerun_is_fast_and_never_imports_torch(tmp_path):
             sys.executable,
             str(script),
             *args[:-2],
-            "hydra.sweeper.preload=[vramsweep.sweeper.fake]",
+            "hydra.sweeper.preload=[fakes]",
             "sweep=demo",
         ],
         capture_output=True,
@@ -309,7 +309,7 @@ def test_sweep_summary_says_1_trial_and_no_pruning_warning_by_default(tmp_path, 
     monkeypatch.setenv("VRAMSWEEP_FAKE", "{}")
     args = [
         f"results_dir={tmp_path}",
-        "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+        "hydra.sweeper.trial_fn=fakes:fake_trial",
         "hydra.sweeper.isolation=inprocess",
         "hydra.sweeper.study_name=one",
         "train.lr=interval(1e-5,1e-3)",
@@ -362,7 +362,7 @@ def test_report_says_torn_results_on_the_terminal(tmp_path, capsys, monkeypatch)
     monkeypatch.setenv("VRAMSWEEP_FAKE", "{}")
     args = [
         f"results_dir={tmp_path}",
-        "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+        "hydra.sweeper.trial_fn=fakes:fake_trial",
         "hydra.sweeper.isolation=inprocess",
         "hydra.sweeper.study_name=torn",
         "adapter.r=4,8",
@@ -403,7 +403,7 @@ def test_lost_point_is_reported_and_retried_after_raising_the_bound(tmp_path, ca
     monkeypatch.setenv("VRAMSWEEP_FAKE", "{}")
     args = [
         f"results_dir={tmp_path}",
-        "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+        "hydra.sweeper.trial_fn=fakes:fake_trial",
         "hydra.sweeper.isolation=inprocess",
         "adapter.r=4,8",
         "hydra.sweeper.sampler=grid",

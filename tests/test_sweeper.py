@@ -1,6 +1,6 @@
 """The vramsweep Hydra sweeper: plugin discovery, search space, designs, outcomes, resume, pruning, budget.
 
-Trials here are the fake trial (``vramsweep.sweeper.fake``): milliseconds each, deterministic metrics,
+Trials here are the fake trial (``fakes``): milliseconds each, deterministic metrics,
 run through the real fork-server isolation. Real-trial sweeps are in ``test_sweeps.py`` (slow).
 """
 
@@ -16,17 +16,17 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from fakes import landscape, parse_overrides
 from vramsweep.config import ConfigError
 from vramsweep.sweeper import run_multirun
 from vramsweep.sweeper.design import ablation_points, stacking_points
-from vramsweep.sweeper.fake import landscape, parse_overrides
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY, classify
 from vramsweep.sweeper.settings import Objective, parse_objectives
 from vramsweep.sweeper.space import cli_sweep_params, grid_points, merge_overrides, parse_params
 
 FAKE = [
-    "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
-    "hydra.sweeper.preload=[vramsweep.sweeper.fake]",
+    "hydra.sweeper.trial_fn=fakes:fake_trial",
+    "hydra.sweeper.preload=[fakes]",
 ]
 GIB = float(1 << 30)
 

@@ -1,6 +1,6 @@
 """Fault tests: failures are data, kills are survived, resume is exact, bad spaces never start.
 
-All with the fake trial function (``vramsweep.sweeper.fake``), run through the real fork-server
+All with the fake trial function (``fakes``), run through the real fork-server
 isolation; the sweeper kill test runs the sweeper as a separate process and SIGKILLs it mid-trial.
 """
 
@@ -23,8 +23,8 @@ from vramsweep.sweeper import run_multirun
 from vramsweep.sweeper.storage import HEARTBEAT, OWNER, SLOT
 
 FAKE = [
-    "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
-    "hydra.sweeper.preload=[vramsweep.sweeper.fake]",
+    "hydra.sweeper.trial_fn=fakes:fake_trial",
+    "hydra.sweeper.preload=[fakes]",
 ]
 
 
@@ -53,7 +53,7 @@ def faulty_sweep(tmp_path_factory):
             [
                 f"results_dir={root}",
                 *FAKE,
-                "hydra.sweeper.preload=[vramsweep.sweeper.fake,torch]",
+                "hydra.sweeper.preload=[fakes,torch]",
                 "adapter.r=4,8,16,32,64",
                 "hydra.sweeper.sampler=grid",
                 "hydra.sweeper.study_name=tf",

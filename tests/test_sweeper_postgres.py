@@ -23,8 +23,8 @@ import pytest
 pytestmark = pytest.mark.postgres
 
 FAKE = [
-    "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
-    "hydra.sweeper.preload=[vramsweep.sweeper.fake]",
+    "hydra.sweeper.trial_fn=fakes:fake_trial",
+    "hydra.sweeper.preload=[fakes]",
 ]
 
 

@@ -24,7 +24,7 @@ from vramsweep.cli import main as cli_main
 from vramsweep.sweeper import run_multirun
 
 FAKE = [
-    "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+    "hydra.sweeper.trial_fn=fakes:fake_trial",
     "hydra.sweeper.isolation=inprocess",
 ]
 
@@ -337,7 +337,7 @@ def test_report_on_a_copied_sweep_folder_reads_the_copy(tmp_path, capsys):
 
 def test_fake_landscape_does_not_depend_on_where_results_go():
     """The bench's landscape is reproducible: the same knobs measure the same under /tmp/a and /tmp/b."""
-    from vramsweep.sweeper.fake import landscape, parse_overrides
+    from fakes import landscape, parse_overrides
 
     a = landscape(
         parse_overrides(["quant=nf4", "adapter.r=16", "results_dir=/tmp/a", "hardware.budget_gib=1"])

@@ -9,7 +9,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
-from vramsweep.build.vocab import (
+from vramsweep.data.documents import document_text, format_section
+from vramsweep.data.examples import build_examples
+from vramsweep.data.synthetic import generate_documents, pretrain_texts
+from vramsweep.data.tokenizer import train_tokenizer
+from vramsweep.knobs.vocab import (
     IdMap,
     SlicedTokenizer,
     embedding_bytes_saved,
@@ -20,10 +24,6 @@ from vramsweep.build.vocab import (
     save_sliced,
     slice_model_and_tokenizer,
 )
-from vramsweep.data.documents import document_text, format_section
-from vramsweep.data.examples import build_examples
-from vramsweep.data.synthetic import generate_documents, pretrain_texts
-from vramsweep.data.tokenizer import train_tokenizer
 
 HIDDEN = 64
 # Exactness tolerance: kept rows are copied, so fp32 logits should match bit for bit; 1e-6 absorbs any

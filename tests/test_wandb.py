@@ -445,8 +445,8 @@ def test_summary_of_a_real_sweep_folder(tmp_path: Path) -> None:
     rc = run_multirun(
         [
             f"results_dir={tmp_path}",
-            "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
-            "hydra.sweeper.preload=[vramsweep.sweeper.fake]",
+            "hydra.sweeper.trial_fn=fakes:fake_trial",
+            "hydra.sweeper.preload=[fakes]",
             "hydra.sweeper.isolation=inprocess",
             "sweep=memory_stack",
         ]
@@ -471,7 +471,7 @@ def test_sweep_with_wandb_logger_keeps_the_summary_run_current(tmp_path: Path) -
     rc = run_multirun(
         [
             f"results_dir={tmp_path}",
-            "hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial",
+            "hydra.sweeper.trial_fn=fakes:fake_trial",
             "hydra.sweeper.isolation=inprocess",
             "sweep=memory_stack",
             "logger=wandb",

@@ -454,9 +454,9 @@ def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> 
 def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logger, cuda_mon) -> None:
     import torch
 
-    from vramsweep.build import build_model, build_optimizer, build_scheduler
-    from vramsweep.build.model import model_source
     from vramsweep.data_prep import EVAL_BATCH, build_trial_data
+    from vramsweep.knobs import build_model, build_optimizer, build_scheduler
+    from vramsweep.knobs.model import model_source
     from vramsweep.measure import TensorMemoryTracker
     from vramsweep.measure.cpu import model_state_tensors, optimizer_state_tensors, tensor_bytes
     from vramsweep.measure.steps import StepClock
@@ -473,7 +473,7 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
     data = _random_token_data(cfg) if random_tokens else build_trial_data(cfg, tokenizer)
     keep_ids = None
     if cfg.vocab.mode != "full":
-        from vramsweep.build.vocab import kept_ids
+        from vramsweep.knobs.vocab import kept_ids
 
         # The ids the model will actually see: every train and eval example as built (after truncation).
         seen = [e.input_ids for e in data.train] + [e.input_ids for e in data.eval]
@@ -490,7 +490,7 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
     result["meta"]["data"] = data.stats
     pad_id = data.pad_id
     if built.id_map is not None:
-        from vramsweep.build.vocab import remap_examples
+        from vramsweep.knobs.vocab import remap_examples
 
         fallback = str(cfg.vocab.fallback)
         names = tokenizer.convert_ids_to_tokens

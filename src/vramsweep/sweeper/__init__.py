@@ -4,7 +4,7 @@ Modules: :mod:`.settings` (``hydra.sweeper.*``), :mod:`.space` (override grammar
 :mod:`.design` (grid / ablation / stacking), :mod:`.validate` (reject bad spaces before any trial),
 :mod:`.samplers`, :mod:`.storage` (study, slots, resume, heartbeat), :mod:`.runner` (fork-server trial
 processes), :mod:`.outcome` (statuses -> Optuna states and constraints), :mod:`.engine` (workers),
-:mod:`.multirun` (the CLI entry), :mod:`.fake` (fake trials for tests and benches).
+:mod:`.multirun` (the CLI entry).
 
 Importing this package is cheap (Hydra's plugin scan imports the plugin, which imports us lazily).
 """

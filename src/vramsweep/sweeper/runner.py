@@ -666,6 +666,20 @@ def make_runner(isolation: str, preload: list[str]) -> Runner:
     return ProcessRunner("forkserver", preload)
 
 
+def noop_trial(overrides: list[str], **_: Any) -> dict[str, Any]:
+    """Imports what a real trial imports (``VRAMSWEEP_PRELOAD``) and returns ``ok`` at once (overhead probe)."""
+    from vramsweep.record.result import new_result
+
+    for name in [m for m in os.environ.get("VRAMSWEEP_PRELOAD", "").split(",") if m]:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass
+    res = new_result(status="ok", overrides=list(overrides))
+    res["metrics"]["eval_loss"] = 1.0
+    return res
+
+
 def measure_overhead(
     isolation: str = "fork", n: int = 5, preload: list[str] | None = None, workdir: str | None = None
 ) -> dict[str, Any]:
@@ -697,7 +711,7 @@ def measure_overhead(
                     study_name="overhead",
                     storage="",
                     objectives=[],
-                    trial_fn="vramsweep.sweeper.fake:noop_trial",
+                    trial_fn="vramsweep.sweeper.runner:noop_trial",
                     parent_pid=os.getpid(),
                     env=dict(os.environ),
                     cwd=os.getcwd(),

@@ -43,8 +43,8 @@ def meta_skeleton(cfg: DictConfig) -> torch.nn.Module:
     """
     from transformers import AutoModelForCausalLM
 
-    from vramsweep.build.common import torch_dtype
     from vramsweep.hfmodel import hf_config
+    from vramsweep.knobs.common import torch_dtype
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
@@ -57,7 +57,7 @@ def meta_skeleton(cfg: DictConfig) -> torch.nn.Module:
 
 def _quantiser(cfg: DictConfig) -> Any:
     """transformers' bitsandbytes quantiser for ``cfg.quant`` (None for 16-bit)."""
-    from vramsweep.build.common import bnb_config
+    from vramsweep.knobs.common import bnb_config
 
     qconf = bnb_config(cfg)
     if qconf is None:
@@ -169,7 +169,7 @@ def build_arch_model(cfg: DictConfig, device: torch.device | str) -> tuple[torch
     Returns:
         ``(model, notes)``: the model in eval mode with ``use_cache=False``, and what was done.
     """
-    from vramsweep.build.common import torch_dtype
+    from vramsweep.knobs.common import torch_dtype
 
     t0 = time.perf_counter()
     dev = _device(device)

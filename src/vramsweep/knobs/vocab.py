@@ -395,7 +395,7 @@ class SlicedTokenizer:
                 {
                     "tokenizer_class": "VramsweepSlicedTokenizer",
                     "vramsweep_note": "sliced vocabulary: load with "
-                    "vramsweep.build.vocab.SlicedTokenizer.from_pretrained(<this folder>)",
+                    "vramsweep.knobs.vocab.SlicedTokenizer.from_pretrained(<this folder>)",
                 },
                 indent=2,
             )

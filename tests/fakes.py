@@ -1,7 +1,7 @@
-"""Fake trial functions: the injection point for fault tests, the efficiency bench and the overhead probe.
+"""Fake trial functions (a test double): the injection point for fault tests and the efficiency bench.
 
-Use with ``hydra.sweeper.trial_fn=vramsweep.sweeper.fake:fake_trial``. The fake reads the knob values
-from the overrides (no model, no compose: milliseconds per trial) and returns a DESIGN.md §5 result
+Use with ``hydra.sweeper.trial_fn=fakes:fake_trial``. The fake reads the knob values
+from the overrides (no model, no compose: milliseconds per trial) and returns a result (docs/CONTRACTS.md)
 from a deterministic landscape: memory grows with precision, rank, micro-batch and context and shrinks
 with checkpointing; loss depends on the learning rate, rank and optimizer; throughput on precision and
 checkpointing. Training runs ``train.steps`` simulated steps and calls ``reporter`` every
@@ -245,18 +245,4 @@ def fake_trial(
         "fake": True,
     }
     _touch(env, "end", trial)
-    return res
-
-
-def noop_trial(overrides: Sequence[str], **_: Any) -> dict[str, Any]:
-    """Imports what a real trial imports (``VRAMSWEEP_PRELOAD``) and returns ``ok`` at once (overhead probe)."""
-    import importlib
-
-    for name in [m for m in os.environ.get("VRAMSWEEP_PRELOAD", "").split(",") if m]:
-        try:
-            importlib.import_module(name)
-        except Exception:
-            pass
-    res = new_result(status="ok", overrides=list(overrides))
-    res["metrics"]["eval_loss"] = 1.0
     return res

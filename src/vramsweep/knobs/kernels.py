@@ -14,7 +14,7 @@
   ``train.dtype`` (measured: ``quant=nf4`` came back double-quantised), and it picks its own attention
   kernel, so only ``quant=nf4_dq|int8|none`` and ``attention=sdpa`` run with it. It needs weights on
   disk: the embedded model, ``model.path``, or for an architecture-only model (``source=arch``) a folder of
-  deterministic random weights written once into the cache (:mod:`vramsweep.build.arch_weights`).
+  deterministic random weights written once into the cache (:mod:`vramsweep.knobs.arch_weights`).
 
 Liger needs CUDA (Triton); Unsloth trains on CPU with its fallbacks. ``rules.py`` marks them
 ``unsupported`` where they cannot run, so these functions are only reached on a capable machine.
@@ -232,7 +232,7 @@ def unsloth_kwargs(cfg: DictConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     Returns:
         ``(load_kwargs, peft_kwargs)``; ``model_name`` is added by :func:`load_with_unsloth`.
     """
-    from vramsweep.build.common import torch_dtype
+    from vramsweep.knobs.common import torch_dtype
 
     q, a = cfg.quant, cfg.adapter
     gc: str | bool = "unsloth" if cfg.checkpointing.enabled else False

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from vramsweep.build.common import DTYPE_MAP, bnb_config, torch_dtype  # noqa: F401 - re-exported
 from vramsweep.hfmodel import cache_root, hf_config  # noqa: F401 - re-exported (build.model.hf_config)
+from vramsweep.knobs.common import DTYPE_MAP, bnb_config, torch_dtype  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -69,7 +69,7 @@ def count_quantised_layers(model: torch.nn.Module) -> dict[str, int]:
 
 def build_model(cfg: DictConfig, *, keep_ids: list[int] | None = None) -> Built:
     """Build the model for one trial. ``keep_ids``: vocabulary rows to keep when ``vocab`` slices."""
-    from vramsweep.build import kernels
+    from vramsweep.knobs import kernels
 
     device = torch.device("cuda" if cfg.hardware.device == "cuda" else "cpu")
     dtype = torch_dtype(cfg.train.dtype)
@@ -78,7 +78,7 @@ def build_model(cfg: DictConfig, *, keep_ids: list[int] | None = None) -> Built:
 
     if cfg.kernels.unsloth:
         if path is None and cfg.model.source == "arch":  # Unsloth loads from disk: random weights, cached
-            from vramsweep.build.arch_weights import ensure_arch_weights
+            from vramsweep.knobs.arch_weights import ensure_arch_weights
 
             path, notes["arch_weights"] = ensure_arch_weights(cfg)
         model, tok = kernels.load_with_unsloth(cfg, path)
@@ -99,7 +99,7 @@ def build_model(cfg: DictConfig, *, keep_ids: list[int] | None = None) -> Built:
     load_kw: dict[str, Any] = dict(dtype=dtype, attn_implementation=cfg.attention.implementation)
     qconf = bnb_config(cfg)
     if path is None:  # source=arch: meta skeleton -> random init + quantisation in place on the device
-        from vramsweep.build.arch import build_arch_model
+        from vramsweep.knobs.arch import build_arch_model
 
         model, notes["arch_build"] = build_arch_model(cfg, device)
     else:
@@ -116,7 +116,7 @@ def build_model(cfg: DictConfig, *, keep_ids: list[int] | None = None) -> Built:
 
     id_map = None
     if cfg.vocab.mode != "full":
-        from vramsweep.build.vocab import slice_model_and_tokenizer
+        from vramsweep.knobs.vocab import slice_model_and_tokenizer
 
         if keep_ids is None:
             raise ValueError("vocab slicing needs keep_ids from the training corpus")

@@ -78,8 +78,8 @@ def _skeleton(cfg: DictConfig, tokenizer: Any) -> torch.nn.Module:
     """The model on the meta device (no storage), its config carrying the tokenizer's special ids."""
     from transformers import AutoModelForCausalLM
 
-    from vramsweep.build.common import torch_dtype
     from vramsweep.hfmodel import hf_config
+    from vramsweep.knobs.common import torch_dtype
 
     config = hf_config(cfg.model)
     config.bos_token_id = tokenizer.bos_token_id
@@ -127,8 +127,8 @@ def plan_bytes(cfg: DictConfig) -> dict[str, int]:
     """Parameters, bytes and shards of the folder ``cfg`` would write (no tokenizer training, no storage)."""
     from transformers import AutoModelForCausalLM
 
-    from vramsweep.build.common import torch_dtype
     from vramsweep.hfmodel import hf_config
+    from vramsweep.knobs.common import torch_dtype
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(cfg.model), dtype=torch_dtype(cfg.train.dtype))
@@ -346,13 +346,13 @@ def folder_digest(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m vramsweep.build.arch_weights [--workers N] [overrides...]``: write (or find) the folder
+    """``python -m vramsweep.knobs.arch_weights [--workers N] [overrides...]``: write (or find) the folder
     that ``kernels=unsloth`` would load for these overrides; prints its notes as JSON."""
     import argparse
 
     from vramsweep.config import compose
 
-    p = argparse.ArgumentParser(prog="python -m vramsweep.build.arch_weights", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m vramsweep.knobs.arch_weights", description=main.__doc__)
     p.add_argument(
         "--workers", type=int, default=1, help="shards written at once (host RAM: N x largest shard)"
     )
