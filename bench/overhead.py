@@ -51,10 +51,9 @@ def _prepared(overrides, steps):
 
     import torch
 
-    from vramsweep.data_prep import build_trial_data
+    from vramsweep.data_prep import build_trial_data, collate_batch, micro_batches
     from vramsweep.knobs import build_model, build_optimizer, build_scheduler
     from vramsweep.knobs.model import model_source
-    from vramsweep.trial import _batches, _collate
 
     cfg = _cfg([*overrides, f"train.steps={steps}"])
     random.seed(int(cfg.train.seed))
@@ -62,8 +61,8 @@ def _prepared(overrides, steps):
     _, tok = model_source(cfg)
     data = build_trial_data(cfg, tok)
     built = build_model(cfg)
-    micro = _batches(data.train, int(cfg.train.micro_batch), steps, int(cfg.train.seed))
-    batches = [_collate(b, data.pad_id) for b in micro]
+    micro = micro_batches(data.train, int(cfg.train.micro_batch), steps, int(cfg.train.seed))
+    batches = [collate_batch(b, data.pad_id) for b in micro]
     params = [p for p in built.model.parameters() if p.requires_grad]
     opt, _ = build_optimizer(cfg, params)
     sched = build_scheduler(cfg, opt)

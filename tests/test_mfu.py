@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from vramsweep.config import compose
-from vramsweep.measure.flops import DEVICE_PEAKS, device_peak, flops_per_token, mfu
-from vramsweep.trial import _mfu
+from vramsweep.measure.flops import DEVICE_PEAKS, device_peak, flops_per_token, mfu, trial_mfu
 
 T = 1e12
 
@@ -61,7 +60,7 @@ def test_emulated_profile_uses_the_physical_h200_peak(tps, seq, old):
     total, trainable = 8_190_735_360, 43_646_976  # Qwen3-8B + LoRA r16 all-linear
     notes = {"total_params": total, "trainable_params": trainable}
     meta = {"device": "NVIDIA H200"}
-    value = _mfu(cfg, notes, tps, seq, meta)
+    value = trial_mfu(cfg, notes, tps, seq, meta)
     per_token = flops_per_token(
         total_params=total,
         trainable_params=trainable,
@@ -84,4 +83,4 @@ def test_mfu_above_one_is_not_reported():
 
 def test_cpu_mfu_is_null():
     cfg = compose([])
-    assert _mfu(cfg, {"total_params": 1, "trainable_params": 1}, 100.0, 10, {"device": "cpu"}) is None
+    assert trial_mfu(cfg, {"total_params": 1, "trainable_params": 1}, 100.0, 10, {"device": "cpu"}) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,3 +63,101 @@ def build_trial_data(cfg: DictConfig, tokenizer: Any) -> TrialData:
         raise ValueError("the eval documents produced no examples (need documents with >= 2 sections)")
     stats = {"train": examples_stats(train), "eval": examples_stats(ev)}
     return TrialData(train=train, eval=ev, pad_id=int(tokenizer.pad_token_id), stats=stats)
+
+
+def trial_data(cfg: DictConfig, tokenizer: Any) -> TrialData:
+    """Documents -> examples, or exact-length random tokens (``data=random``, or a model without tokenizer)."""
+    if tokenizer is None or cfg.data.source == "random":
+        return random_token_data(cfg)
+    return build_trial_data(cfg, tokenizer)
+
+
+def random_token_data(cfg: DictConfig):
+    """Random token sequences of exactly ``context.max_tokens`` (architecture-only models have no tokenizer;
+    ``data=random`` asks for them: memory/speed at an exact length, e.g. max-context searches)."""
+    import torch
+
+    from vramsweep.data.examples import Example
+
+    g = torch.Generator().manual_seed(int(cfg.data.seed))
+    n = max(8, int(cfg.train.micro_batch) * 2)
+    L = int(cfg.context.max_tokens)
+    V = int(cfg.model.vocab_size)
+
+    def mk(i: int) -> Example:
+        ids = torch.randint(3, V, (L,), generator=g).tolist()
+        return Example(
+            input_ids=ids,
+            labels=list(ids),
+            doc_id=f"random-{i}",
+            target_section=0,
+            n_context_tokens=0,
+            fact_spans=[],
+        )
+
+    return TrialData(
+        train=[mk(i) for i in range(n)],
+        eval=[mk(n + i) for i in range(4)],
+        pad_id=0,
+        stats={"random_tokens": True},
+    )
+
+
+def micro_batches(examples: list, batch_size: int, count: int, seed: int) -> list[list]:
+    """``count`` micro-batches cycling through a seeded shuffle; the two longest go first (fail fast:
+    an OOM shows on step 0, and the tracked warm-up steps see the worst case)."""
+    rng = random.Random(seed)
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    out: list[list] = []
+    pos = 0
+    while len(out) < count:
+        batch = []
+        for _ in range(batch_size):
+            if pos % len(order) == 0 and pos:
+                rng.shuffle(order)
+            batch.append(examples[order[pos % len(order)]])
+            pos += 1
+        out.append(batch)
+    lengths = [max(len(e.input_ids) for e in b) for b in out]
+    ranked = sorted(range(len(out)), key=lambda i: (-lengths[i], i))
+    first = ranked[: min(2, len(out))]
+    rest = [i for i in range(len(out)) if i not in first]
+    return [out[i] for i in first + rest]
+
+
+def _spread(items: list, n: int) -> list:
+    if len(items) <= n:
+        return list(items)
+    step = len(items) / n
+    return [items[int(i * step)] for i in range(n)]
+
+
+def eval_subset(examples: list, n: int) -> list:
+    """A fixed held-out subset: up to half of it examples whose target repeats facts (so the task score
+    has spans to check), the rest spread evenly over the other examples; original order kept."""
+    if len(examples) <= n:
+        return list(examples)
+    with_facts = [i for i, e in enumerate(examples) if e.fact_spans]
+    picked = set(_spread(with_facts, n // 2))
+    rest = [i for i in range(len(examples)) if i not in picked]
+    picked |= set(_spread(rest, n - len(picked)))
+    return [examples[i] for i in sorted(picked)]
+
+
+def collate_batch(examples: list, pad_id: int) -> dict:
+    from vramsweep.data.examples import collate
+
+    b = collate(examples, pad_id)
+    b["fact_spans"] = [list(e.fact_spans) for e in examples]
+    # Counted once here, on the host, so the loop never reads device tensors for bookkeeping.
+    b["n_tokens"] = int(b["attention_mask"].sum())
+    b["n_targets"] = int((b["labels"] != -100).sum())
+    b["no_padding"] = b["n_tokens"] == int(b["attention_mask"].numel())
+    return b
+
+
+def eval_batches(examples: list, n_batches: int, pad_id: int) -> list[dict]:
+    """The held-out batches (:data:`EVAL_BATCH` rows each) of the fixed eval subset."""
+    ex = eval_subset(examples, n_batches * EVAL_BATCH)
+    return [collate_batch(ex[i : i + EVAL_BATCH], pad_id) for i in range(0, len(ex), EVAL_BATCH)]

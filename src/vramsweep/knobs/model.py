@@ -67,14 +67,18 @@ def count_quantised_layers(model: torch.nn.Module) -> dict[str, int]:
     return counts
 
 
-def build_model(cfg: DictConfig, *, keep_ids: list[int] | None = None) -> Built:
-    """Build the model for one trial. ``keep_ids``: vocabulary rows to keep when ``vocab`` slices."""
+def build_model(
+    cfg: DictConfig, *, keep_ids: list[int] | None = None, source: tuple[Path | None, Any] | None = None
+) -> Built:
+    """Build the model for one trial. ``keep_ids``: vocabulary rows to keep when ``vocab`` slices;
+    ``source``: :func:`model_source`'s (weights dir, tokenizer) when the caller has it already (the
+    tokenizer is then loaded once per trial)."""
     from vramsweep.knobs import kernels
 
     device = torch.device("cuda" if cfg.hardware.device == "cuda" else "cpu")
     dtype = torch_dtype(cfg.train.dtype)
     notes: dict[str, Any] = {"device": str(device), "dtype": cfg.train.dtype}
-    path, tokenizer = model_source(cfg)
+    path, tokenizer = source if source is not None else model_source(cfg)
 
     if cfg.kernels.unsloth:
         if path is None and cfg.model.source == "arch":  # Unsloth loads from disk: random weights, cached

@@ -19,6 +19,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -192,3 +193,22 @@ class TensorMemoryTracker(TorchDispatchMode):
     def breakdown(self) -> dict[str, int]:
         """Category bytes at the peak (``other`` = optimizer-step temporaries)."""
         return {k: int(v) for k, v in self.peak_breakdown.items()}
+
+
+def close_tracker(tracker: TensorMemoryTracker, optimizer: Any) -> tuple[int, dict[str, int], str | None]:
+    """Close the CPU tracker: (peak bytes, breakdown, note). Optimizer state that did not exist yet at the
+    tracked peak (AdamW creates it in the first ``optimizer.step()``, after step 0's forward/backward) is
+    alive during every later step, so it is added to the peak and its breakdown (the note says so)."""
+    tracker.close()
+    peak, breakdown = int(tracker.peak_bytes), tracker.breakdown()
+    state = tensor_bytes(optimizer_state_tensors(optimizer))
+    missing = state - int(breakdown.get("optimizer", 0))
+    note = None
+    if missing > 0:
+        peak += missing
+        breakdown["optimizer"] = state
+        note = (
+            f"optimizer state ({missing / 2**20:.2f} MiB) was created by the first optimizer step, after the "
+            "tracked forward/backward peak; it is alive in every later step, so it is added to the peak"
+        )
+    return peak, breakdown, note

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 TFLOPS = 1e12
 
@@ -109,3 +110,22 @@ def mfu(
         info["computed"] = value
         return None, info
     return value, info
+
+
+def trial_mfu(cfg: Any, notes: dict, tokens_per_s: float | None, mean_seq: float, meta: dict) -> float | None:
+    """A trial's MFU against the physical GPU that ran its steps (not the emulated profile's card): the
+    composed config gives the shape, ``notes`` the build's parameter counts, ``meta["device"]`` the card;
+    ``meta["mfu"]`` gets the peak used (or why there is none). Null on CPU."""
+    if cfg.hardware.device != "cuda":
+        return None
+    per_token = flops_per_token(
+        total_params=int(notes.get("total_params", 0)),
+        trainable_params=int(notes.get("trainable_params", 0)),
+        num_layers=int(cfg.model.num_layers),
+        attn_width=int(cfg.model.num_heads) * int(cfg.model.head_dim),
+        mean_seq=mean_seq,
+        recompute=bool(cfg.checkpointing.enabled),
+    )
+    value, info = mfu(per_token, tokens_per_s, meta.get("device"))
+    meta["mfu"] = info
+    return value

@@ -37,8 +37,16 @@ class StepClock:
     def start(self) -> None:
         self.t0 = time.perf_counter()
 
+    @property
+    def running(self) -> bool:
+        """True once :meth:`start` was called (the timed steps)."""
+        return self.t0 is not None
+
     @contextmanager
-    def phase(self, name: str, on: bool = True) -> Iterator[None]:
+    def phase(self, name: str, on: bool | None = None) -> Iterator[None]:
+        """Time ``name`` when ``on`` (default: while the clock is :attr:`running`)."""
+        if on is None:
+            on = self.running
         if not on:
             yield
             return
