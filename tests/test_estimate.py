@@ -184,7 +184,7 @@ def _tracked_peak(cfg) -> dict:
     """Peak of the second optimizer step (the first, untracked, creates the optimizer state), as
     :func:`vramsweep.trial._train` tracks its warm-up steps."""
     from vramsweep.knobs import build_model, build_optimizer
-    from vramsweep.longctx.apply import loss_fn
+    from vramsweep.knobs.registry import loss_fn
     from vramsweep.measure.cpu import TensorMemoryTracker
 
     model = build_model(cfg).model

@@ -178,10 +178,10 @@ def test_offload_knob_installs_the_offloaded_checkpoint():
     from vramsweep.longctx.offload import OffloadManager
 
     built = build_model(compose(["checkpointing=offload"]))
-    assert built.notes["longctx"]["offload"]["layers"] == 4
+    assert built.notes["knobs"]["offload"]["layers"] == 4
     assert isinstance(built.model._vramsweep_offload, OffloadManager)
     plain = build_model(compose(["checkpointing=on"]))
-    assert "offload" not in plain.notes["longctx"]
+    assert "offload" not in plain.notes["knobs"]
 
 
 def test_tiling_knob_lowers_the_trial_peak(tmp_path):
@@ -196,7 +196,7 @@ def test_tiling_knob_lowers_the_trial_peak(tmp_path):
     off = trial("off")
     on = trial("on", "tiling=on", "tiling.loss_chunk_tokens=64", "tiling.mlp_tile_tokens=64")
     assert off["status"] == on["status"] == "ok", (off["reason"], on["reason"])
-    assert on["meta"]["build"]["longctx"]["mlp_tiles"]["layers"] == 4
+    assert on["meta"]["build"]["knobs"]["mlp_tiles"]["layers"] == 4
     assert on["metrics"]["peak_memory_bytes"] < 0.8 * off["metrics"]["peak_memory_bytes"]
     # same model, same data, same seed: the loss the loop sees is the same function
     assert on["metrics"]["initial_eval_loss"] == pytest.approx(off["metrics"]["initial_eval_loss"], rel=1e-6)
@@ -207,7 +207,7 @@ def test_tiling_knob_lowers_the_trial_peak(tmp_path):
     ("overrides", "key"),
     [
         (["checkpointing=offload", "checkpointing.use_reentrant=true"], "checkpointing.use_reentrant"),
-        (["checkpointing=off", "checkpointing.offload=true"], "checkpointing"),
+        (["checkpointing=offload", "checkpointing.enabled=false"], "checkpointing"),
         (["tiling.loss_chunk_tokens=-1"], "tiling.loss_chunk_tokens"),
         (["tiling.mlp_tile_tokens=1.5"], "tiling.mlp_tile_tokens"),
     ],

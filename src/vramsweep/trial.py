@@ -327,7 +327,7 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
     import torch
 
     from vramsweep.knobs import build_optimizer, build_scheduler
-    from vramsweep.longctx.apply import loss_fn
+    from vramsweep.knobs.registry import loss_fn
     from vramsweep.longctx.loss import causal_lm_of
     from vramsweep.loop import CpuMemoryTracking, Every, Loop, OnStepEnd, Timing, fit
     from vramsweep.measure import TensorMemoryTracker

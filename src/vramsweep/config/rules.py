@@ -193,13 +193,14 @@ def _rules_values(cfg: DictConfig) -> None:
 
 
 def _rules_combinations(cfg: DictConfig) -> None:
-    if cfg.checkpointing.offload and not cfg.checkpointing.enabled:
+    offload = cfg.checkpointing.name == "offload"
+    if offload and not cfg.checkpointing.enabled:
         raise ConfigError(
-            "checkpointing.offload=true needs checkpointing.enabled=true (offload is a way to checkpoint)",
+            "checkpointing=offload needs checkpointing.enabled=true (offload is a way to checkpoint)",
             key="checkpointing",
             allowed=GROUP_OPTIONS["checkpointing"],
         )
-    if cfg.checkpointing.offload and cfg.checkpointing.use_reentrant:
+    if offload and cfg.checkpointing.use_reentrant:
         raise ConfigError(
             "checkpointing=offload runs its own checkpoint function: checkpointing.use_reentrant must be false",
             key="checkpointing.use_reentrant",

@@ -124,7 +124,6 @@ class CheckpointingConfig:
     name: str = "off"
     enabled: bool = False
     use_reentrant: bool = False
-    offload: bool = False  # layer inputs kept in pinned host memory (vramsweep.longctx.offload)
 
 
 @dataclass

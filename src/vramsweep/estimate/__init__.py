@@ -32,6 +32,7 @@ from vramsweep.estimate.calibration import (
 )
 from vramsweep.estimate.cli import run_calibrate, run_estimate
 from vramsweep.estimate.dims import ModelDims, model_dims
+from vramsweep.knobs import registry
 
 GIB = 1024**3
 
@@ -164,10 +165,8 @@ def knobs_from_cfg(cfg: DictConfig, *, seq_len: int | None = None) -> Knobs:
         fused_rope=rope or unsloth,
         budget=budget,
         allocator=device == "cuda",
-        offload=bool(cfg.checkpointing.get("offload", False)) and not unsloth,
-        loss_chunk=0 if (flce or unsloth) else int(cfg.get("tiling", {}).get("loss_chunk_tokens", 0) or 0),
-        mlp_tile=int(cfg.get("tiling", {}).get("mlp_tile_tokens", 0) or 0),
         adapter_bytes=c if str(a.get("dtype", "fp32")) == "compute" else 4,
+        **registry.estimate_fields(cfg),  # knobs registered with estimate hooks (vramsweep.knobs.registry)
     )
 
 

@@ -174,9 +174,9 @@ def build_model(
         notes["adapter"] = {"type": "full"}
     if cfg.kernels.liger:
         notes["kernels_instance"] = kernels.apply_liger_to_instance(cfg, model)
-    from vramsweep.longctx.apply import apply_longctx
+    from vramsweep.knobs import registry
 
-    notes["longctx"] = apply_longctx(cfg, model, device)
+    notes["knobs"] = registry.apply_build(cfg, model, device)  # each active knob's build hook
     trainable = sum(logical_numel(p) for p in model.parameters() if p.requires_grad)
     notes["trainable_params"] = int(trainable)
     notes["total_params"] = int(sum(logical_numel(p) for p in model.parameters()))  # 4-bit counted unpacked

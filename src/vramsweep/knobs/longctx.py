@@ -1,0 +1,90 @@
+"""Long-context knobs (``checkpointing=offload``, ``tiling=loss|mlp|on``) registered with their build,
+loss and estimate hooks (:mod:`vramsweep.knobs.registry`); the implementations live in
+:mod:`vramsweep.longctx`. Results name them ``meta.build.knobs.offload`` / ``mlp_tiles`` / ``loss_chunks``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vramsweep.knobs.registry import KnobHooks, register
+
+
+def _unsloth(cfg: Any) -> bool:
+    return bool(cfg.kernels.get("unsloth", False))
+
+
+def _fused_ce(cfg: Any) -> bool:
+    """A fused, chunked cross-entropy already keeps one logits chunk (Liger FLCE or Unsloth's)."""
+    k = cfg.kernels
+    return _unsloth(cfg) or (
+        bool(k.get("liger", False)) and bool(k.get("liger_fused_linear_cross_entropy", True))
+    )
+
+
+# --- checkpointing=offload: each checkpointed layer keeps only its input, in pinned host memory
+
+
+def _offload_build(cfg: Any, model: Any, device: Any) -> dict[str, Any]:
+    from vramsweep.longctx.offload import enable_offload
+
+    return enable_offload(model, device)
+
+
+register(
+    KnobHooks(
+        name="offload",
+        active=lambda cfg: cfg.checkpointing.name == "offload",  # the option is the knob
+        build=_offload_build,
+        # Unsloth offloads its own checkpoints (counted by the estimator's unsloth term)
+        estimate=lambda cfg: {"offload": not _unsloth(cfg)},
+    )
+)
+
+
+# --- tiling.mlp_tile_tokens > 0: each decoder MLP runs over the sequence in tiles (no full intermediate)
+
+
+def _mlp_build(cfg: Any, model: Any, device: Any) -> dict[str, Any]:
+    from vramsweep.longctx.mlp import tile_mlps
+
+    tile = int(cfg.tiling.mlp_tile_tokens)
+    return {"tile_tokens": tile, "layers": tile_mlps(model, tile)}
+
+
+register(
+    KnobHooks(
+        name="mlp_tiles",
+        active=lambda cfg: int(cfg.get("tiling", {}).get("mlp_tile_tokens", 0) or 0) > 0,
+        build=_mlp_build,
+        estimate=lambda cfg: {"mlp_tile": int(cfg.tiling.mlp_tile_tokens)},
+    )
+)
+
+
+# --- tiling.loss_chunk_tokens > 0: chunked linear cross-entropy (the seq x vocab logits never exist)
+
+
+def _loss_build(cfg: Any, model: Any, device: Any) -> dict[str, Any]:
+    from vramsweep.longctx.loss import causal_lm_of
+
+    causal_lm_of(model)  # fails now (clear reason) rather than at the first step
+    return {"chunk_tokens": int(cfg.tiling.loss_chunk_tokens)}
+
+
+def _chunked_loss(cfg: Any, model: Any):
+    from vramsweep.longctx.loss import causal_lm_loss
+
+    chunk = int(cfg.tiling.loss_chunk_tokens)
+    return lambda ids, mask, labels: causal_lm_loss(model, ids, mask, labels, chunk_tokens=chunk)
+
+
+register(
+    KnobHooks(
+        name="loss_chunks",
+        active=lambda cfg: int(cfg.get("tiling", {}).get("loss_chunk_tokens", 0) or 0) > 0,
+        build=_loss_build,
+        loss=_chunked_loss,
+        estimate=lambda cfg: {"loss_chunk": 0 if _fused_ce(cfg) else int(cfg.tiling.loss_chunk_tokens)},
+    )
+)
