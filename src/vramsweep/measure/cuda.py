@@ -31,7 +31,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-GIB = 1024**3
+from vramsweep.record.units import GIB
+
 #: NVML's "not available" sentinel for per-process memory (NVML_VALUE_NOT_AVAILABLE as unsigned long long).
 NVML_VALUE_NOT_AVAILABLE = 2**64 - 1
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
