@@ -7,6 +7,7 @@ Every result JSON the product writes during the test session is also checked (te
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -274,3 +275,31 @@ def test_results_are_written_with_write_result():
                         f"{path.relative_to(src)}:{node.lineno}: atomic_write_json({target}, ...)"
                     )
     assert not offenders, offenders
+
+
+@pytest.mark.slow  # a pytest subprocess: ~20 s on a loaded machine
+def test_the_session_check_fails_a_test_that_writes_a_malformed_result(tmp_path):
+    """tests/conftest.py's autouse check turns a bad result written by the product into a test error."""
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve().parent
+    shutil.copy(here / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_inner.py").write_text(
+        "from vramsweep.record.result import new_result, write_result\n\n"
+        "def test_good(tmp_path):\n"
+        "    write_result(tmp_path / 'r.json', new_result(status='ok'))\n\n"
+        "def test_bad(tmp_path):\n"
+        "    write_result(tmp_path / 'r.json', new_result(status='ok') | {'trial': 'three'})\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "2 passed, 1 error" in out, out  # test_bad's call passes; its teardown (the check) errors
+    assert "ERROR" in out and "test_bad" in out and "result.trial='three'" in out, out
