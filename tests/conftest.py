@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+from vramsweep.record.result import RESULT_LOG_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VRAMSWEEP_CACHE", str(ROOT / ".cache" / "vramsweep"))
@@ -19,6 +23,42 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p)
+
+# Every result JSON the product writes during the session (record.write_result, in this process or any
+# trial/sweeper process it starts) is checked against the schema (record.schema.check_result) and logged
+# here as ``ok|bad <path> [error]``; the autouse fixture below fails the test that produced a bad one.
+RESULT_LOG = Path(tempfile.mkdtemp(prefix="vramsweep-result-log-")) / "results.log"
+RESULT_LOG.touch()
+os.environ[RESULT_LOG_ENV] = str(RESULT_LOG)
+
+
+def result_log_lines(start: int = 0) -> list[str]:
+    """Lines of the session's result log from byte offset ``start``."""
+    with open(RESULT_LOG, encoding="utf-8") as fh:
+        fh.seek(start)
+        return fh.read().splitlines()
+
+
+@pytest.fixture(autouse=True)
+def results_follow_the_schema():
+    """Fail a test whose run wrote a result JSON that breaks the schema (docs/CONTRACTS.md)."""
+    start = RESULT_LOG.stat().st_size
+    yield
+    bad = [line.split("\t", 1)[1] for line in result_log_lines(start) if line.startswith("bad\t")]
+    if bad:
+        pytest.fail("result JSON breaks the schema (docs/CONTRACTS.md): " + "; ".join(bad), pytrace=False)
+
+
+def pytest_terminal_summary(terminalreporter):
+    lines = result_log_lines() if RESULT_LOG.exists() else []
+    if lines:
+        n_bad = sum(line.startswith("bad\t") for line in lines)
+        terminalreporter.write_line(f"result JSONs checked against the schema: {len(lines)} ({n_bad} bad)")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(RESULT_LOG.parent, ignore_errors=True)
+
 
 # Small, fast trial settings shared by tests that run real trials on the embedded model.
 FAST = [

@@ -28,9 +28,9 @@ from vramsweep.estimate import (
     save_calibration,
 )
 from vramsweep.estimate.analytic import _quantised_linear_specs, estimate_knobs
+from vramsweep.record.units import GIB
 
 GB = 1e9
-GIB = 1024**3
 # A small Qwen3-architecture model (random init): every knob's code path, seconds on two CPU cores.
 SMALL = [
     "model.source=arch",

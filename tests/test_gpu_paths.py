@@ -24,9 +24,9 @@ from vramsweep.config import ConfigError, compose, rules
 from vramsweep.config.rules import UnsupportedError
 from vramsweep.knobs import kernels
 from vramsweep.measure import cuda as mcuda
+from vramsweep.record.units import GIB
 
 ROOT = Path(__file__).resolve().parents[1]
-GIB = 1024**3
 HAS_CUDA = torch.cuda.is_available()
 HAS_UNSLOTH = importlib.util.find_spec("unsloth") is not None
 

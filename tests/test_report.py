@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from vramsweep.record.result import atomic_write_json, new_result
+from vramsweep.record.units import GIB as G
 from vramsweep.report import build_report, load_sweep, run_pick, run_report
 from vramsweep.report.pick import default_name, rank_key
 from vramsweep.report.plots import pareto_figure
 
-G = 1024**3
 REPO = Path(__file__).resolve().parents[1]
 OBJECTIVES = [
     {"metric": "peak_memory_bytes", "direction": "minimize"},

@@ -18,6 +18,7 @@ from optuna.trial import TrialState
 
 from fakes import landscape, parse_overrides
 from vramsweep.config import ConfigError
+from vramsweep.record.units import GIB
 from vramsweep.sweeper import run_multirun
 from vramsweep.sweeper.design import ablation_points, stacking_points
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY, classify
@@ -28,7 +29,6 @@ FAKE = [
     "hydra.sweeper.trial_fn=fakes:fake_trial",
     "hydra.sweeper.preload=[fakes]",
 ]
-GIB = float(1 << 30)
 
 
 def sweep(tmp_path: Path, *args: str) -> int:

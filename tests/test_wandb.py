@@ -17,8 +17,7 @@ import pytest
 from _wandb_records import offline_runs, read_run
 from test_report import BASE, ablation_results, result, write_sweep
 from vramsweep.record.result import atomic_write_json, new_result
-
-G = 1024**3
+from vramsweep.record.units import GIB as G
 
 
 @pytest.fixture(autouse=True)

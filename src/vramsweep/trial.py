@@ -6,7 +6,7 @@ and entropy from the full logits every step); see ``bench/overhead.py``. Librari
 do well: optimizers by name (torch/bitsandbytes/transformers), schedules (``transformers.get_scheduler``),
 gradient checkpointing (``gradient_checkpointing_enable``), adapters (PEFT) and tracking (W&B).
 
-Failures never raise out of :func:`run_trial`: they become statuses (DESIGN.md §5) with a reason, and
+Failures never raise out of :func:`run_trial`: they become statuses (docs/CONTRACTS.md) with a reason, and
 whatever was measured before the failure is kept.
 """
 
@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.config.compose import ConfigError
 from vramsweep.loop import Callback, Diverged, Pruned
-from vramsweep.record.result import atomic_write_json, new_result
+from vramsweep.record.result import new_result, write_result
 
 Reporter = Callable[[int, float], bool]
 
@@ -548,7 +548,7 @@ def run_trial(
     if logger is not None:
         logger.finish(result)
     if result_path is not None:
-        atomic_write_json(result_path, result)
+        write_result(result_path, result)
         result["meta"]["result_path"] = str(result_path)
     return result
 

@@ -33,8 +33,7 @@ from vramsweep.estimate.calibration import (
 from vramsweep.estimate.cli import run_calibrate, run_estimate
 from vramsweep.estimate.dims import ModelDims, model_dims
 from vramsweep.knobs import registry
-
-GIB = 1024**3
+from vramsweep.record.units import GIB
 
 __all__ = [
     "GIB",

@@ -45,6 +45,7 @@ import math
 from dataclasses import dataclass, field
 
 from vramsweep.estimate.dims import LINEARS, ModelDims
+from vramsweep.record.units import GIB
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAPTER_BYTES = 4  # PEFT autocasts adapter weights to fp32
@@ -305,7 +306,7 @@ def optimizer_step_workspace(k: Knobs, trainable: list[TensorSpec]) -> int:
 # Unsloth's fused, chunked cross-entropy
 
 UNSLOTH_CE_BUDGET_BYTES_PER_LOGIT = 16  # unsloth_zoo ``_CE_BYTES_PER_LOGIT``: what it budgets per logit entry
-UNSLOTH_CE_TARGET_CAP = 4 * 1024**3  # unsloth_zoo ``_CE_TARGET_GB_CAP``: at most 4 GiB per chunk
+UNSLOTH_CE_TARGET_CAP = 4 * GIB  # unsloth_zoo ``_CE_TARGET_GB_CAP``: at most 4 GiB per chunk
 # Bytes per (token x vocab) entry one chunk actually holds at once: the compute-dtype logits (2), their
 # fp32 upcast (4) and the gradient in the logits dtype (2); the log-softmax and its fp32 gradient are
 # fused by the compiled chunk function. Checked on the two Unsloth GPU fixtures (tests/test_estimate_gpu.py).

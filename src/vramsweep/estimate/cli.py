@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-GIB = 1024**3
-MIB = 1024**2
+from vramsweep.record.units import GIB, MIB
+
 ROWS = ("params", "grads", "optimizer", "activations", "logits", "overhead")
 LABELS = {
     "params": "params (weights + quant state + adapters)",

@@ -2,7 +2,7 @@
 fragmentation (reserved - allocated), per-phase peaks, and the per-process memory cap that emulates a
 smaller card (``hardware=rtx4080_16gb`` on an 80/141 GB GPU).
 
-Definitions (DESIGN.md §6):
+Definitions (docs/CONTRACTS.md, metrics):
 
 * ``cuda_max_allocated_bytes`` / ``cuda_max_reserved_bytes``: ``torch.cuda.max_memory_allocated`` /
   ``max_memory_reserved`` of the measured phase (``train`` when the trial marks phases, else the whole
@@ -31,7 +31,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-GIB = 1024**3
+from vramsweep.record.units import GIB
+
 #: NVML's "not available" sentinel for per-process memory (NVML_VALUE_NOT_AVAILABLE as unsigned long long).
 NVML_VALUE_NOT_AVAILABLE = 2**64 - 1
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")

@@ -1,4 +1,6 @@
-"""Trial result JSON (DESIGN.md §5): one file per trial, written atomically (temp + fsync + replace)."""
+"""Trial result JSON (docs/CONTRACTS.md, "Result JSON"): one file per trial, written atomically
+(temp + fsync + replace) by :func:`write_result`. The schema's types are in :mod:`vramsweep.record.schema`,
+statuses in :mod:`vramsweep.record.status`, metrics in :mod:`vramsweep.record.metrics`."""
 
 from __future__ import annotations
 
@@ -9,26 +11,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
-STATUSES = ("ok", "oom", "unsupported", "diverged", "error", "infeasible_estimate", "pruned")
-METRIC_KEYS = (
-    "peak_memory_bytes",
-    "memory_kind",
-    "memory_breakdown_bytes",
-    "tokens_per_s",
-    "step_time_s",
-    "mfu",
-    "train_loss",
-    "initial_eval_loss",
-    "eval_loss",
-    "eval_ppl",
-    "task_score",
-)
+from vramsweep.record.metrics import METRIC_KEYS, empty_metrics
+from vramsweep.record.schema import SCHEMA_VERSION
+from vramsweep.record.status import STATUSES, parse_status
 
-
-def empty_metrics() -> dict[str, Any]:
-    """Every metric key present, all null (never write a figure that was not measured)."""
-    return {k: None for k in METRIC_KEYS}
+#: When set (the test suite sets it), :func:`write_result` appends each result path it writes to this file,
+#: one per line, so every result the suite produces can be checked against the schema afterwards.
+RESULT_LOG_ENV = "VRAMSWEEP_RESULT_LOG"
 
 
 def new_result(
@@ -40,11 +29,9 @@ def new_result(
     overrides: list[str] | None = None,
     config: dict | None = None,
 ) -> dict[str, Any]:
-    if status not in STATUSES:
-        raise ValueError(f"status={status!r} (allowed: {', '.join(STATUSES)})")
     return {
         "schema": SCHEMA_VERSION,
-        "status": status,
+        "status": parse_status(status).value,  # ValueError naming the allowed statuses
         "reason": reason,
         "sweep": sweep,
         "trial": trial,
@@ -113,11 +100,52 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return path
 
 
+def _dumps(data: Any) -> str:
+    return json.dumps(_clean(data), indent=2, allow_nan=False) + "\n"
+
+
 def atomic_write_json(path: str | os.PathLike, data: Any) -> Path:
     """Write ``data`` as JSON atomically (NaN/inf stored as null)."""
-    return atomic_write_text(path, json.dumps(_clean(data), indent=2, allow_nan=False) + "\n")
+    return atomic_write_text(path, _dumps(data))
+
+
+def write_result(path: str | os.PathLike, result: dict[str, Any]) -> Path:
+    """Write a trial result JSON atomically (the one way results are written).
+
+    With ``VRAMSWEEP_RESULT_LOG`` set (the test suite), the written JSON is also checked against the schema
+    (:func:`vramsweep.record.schema.check_result`) and ``ok <path>`` or ``bad <path> <error>`` appended to
+    that file; the writer itself never fails on a schema error.
+    """
+    text = _dumps(result)
+    out = atomic_write_text(path, text)
+    log = os.environ.get(RESULT_LOG_ENV)
+    if log:
+        from vramsweep.record.schema import ResultSchemaError, check_result
+
+        try:
+            check_result(json.loads(text))
+            line = f"ok\t{Path(out).resolve()}"
+        except ResultSchemaError as exc:
+            line = f"bad\t{Path(out).resolve()}\t{exc}"
+        with open(log, "a", encoding="utf-8") as fh:  # one short O_APPEND write per line
+            fh.write(line.replace("\n", " ") + "\n")
+    return out
 
 
 def load_result(path: str | os.PathLike) -> dict[str, Any]:
     with open(path) as fh:
         return json.load(fh)
+
+
+__all__ = [
+    "METRIC_KEYS",
+    "RESULT_LOG_ENV",
+    "SCHEMA_VERSION",
+    "STATUSES",
+    "atomic_write_json",
+    "atomic_write_text",
+    "empty_metrics",
+    "load_result",
+    "new_result",
+    "write_result",
+]

@@ -1,6 +1,6 @@
 """Load a sweep's trial results from a sweep folder or an Optuna storage, tolerating partial data.
 
-A sweep folder (docs/CONTRACTS.md) holds ``sweep.json``, ``trials/<NNNN>.json`` (DESIGN.md §5) and usually
+A sweep folder (docs/CONTRACTS.md) holds ``sweep.json``, ``trials/<NNNN>.json`` (result JSON) and usually
 ``study.db``. Result JSONs are the primary record; trials that exist only in the study (still running, or
 killed before their JSON was written) are filled in from the study so a partial or multi-worker sweep
 shows every trial. A storage URL + study name is read the same way from the trials' user attrs
@@ -20,14 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-GIB = float(1024**3)
-#: Statuses that are failures (everything except ``ok``); ``running`` marks study trials without a result.
-FAILURE_STATUSES = ("oom", "unsupported", "diverged", "error", "infeasible_estimate", "pruned")
+from vramsweep.record import feasibility
+from vramsweep.record.metrics import SCALAR_METRICS, direction
+from vramsweep.record.status import Status
+from vramsweep.record.units import GIB
+
+#: Report-only status of a study trial without a result JSON (still running, or killed before writing).
+RUNNING = "running"
 #: Objectives used when ``sweep.json`` names none.
-DEFAULT_OBJECTIVES: tuple[tuple[str, str], ...] = (
-    ("peak_memory_bytes", "minimize"),
-    ("tokens_per_s", "maximize"),
-    ("eval_loss", "minimize"),
+DEFAULT_OBJECTIVES: tuple[tuple[str, str], ...] = tuple(
+    (m, direction(m)) for m in ("peak_memory_bytes", "tokens_per_s", "eval_loss")
 )
 #: Override keys that never describe a knob of the trial itself.
 _IGNORED_KEYS = ("sweep", "hydra", "experiment")
@@ -113,6 +115,14 @@ def display_value(value: Any) -> str:
     return str(value)
 
 
+def _default_direction(metric: str) -> str:
+    """The registry's direction of ``metric``; ``minimize`` for a metric the registry does not know."""
+    try:
+        return direction(metric)
+    except KeyError:
+        return "minimize"
+
+
 def _lookup(config: dict, dotted: str) -> tuple[bool, Any]:
     node: Any = config
     for part in dotted.split("."):
@@ -124,7 +134,7 @@ def _lookup(config: dict, dotted: str) -> tuple[bool, Any]:
 
 @dataclass
 class TrialRecord:
-    """One trial's result (DESIGN.md §5), normalised: every accessor tolerates missing data."""
+    """One trial's result (docs/CONTRACTS.md), normalised: every accessor tolerates missing data."""
 
     number: int
     status: str
@@ -175,7 +185,7 @@ class TrialRecord:
 
     @property
     def ok(self) -> bool:
-        return self.status == "ok"
+        return self.status == Status.OK
 
     @property
     def peak_bytes(self) -> float | None:
@@ -246,8 +256,7 @@ class TrialRecord:
     @property
     def recorded_budget_gib(self) -> float | None:
         """``config.hardware.budget_gib`` as recorded (0 = no budget), None when not recorded."""
-        found, v = _lookup(self.config, "hardware.budget_gib")
-        return num(v) if found else None
+        return feasibility.recorded_budget_gib(self.config)
 
     def knob_value(self, key: str) -> Any:
         """The value this trial ran with for knob ``key`` (``quant`` -> its option name, ``adapter.r``)."""
@@ -283,26 +292,17 @@ class SweepData:
         return budgets.pop() if len(budgets) == 1 else None
 
     def trial_budget_gib(self, trial: TrialRecord) -> float | None:
-        """The trial's own ``hardware.budget_gib`` when recorded, else ``sweep.json`` budget_gib; None for 0.
-
-        Same precedence as the sweeper's budget constraint (a sweep may vary ``hardware``).
-        """
-        b = trial.recorded_budget_gib
-        if b is None:
-            b = num(self.settings.get("budget_gib"))
-        return b if b is not None and b > 0 else None
+        """The trial's own ``hardware.budget_gib`` when recorded, else ``sweep.json`` budget_gib; None for 0
+        (:func:`vramsweep.record.feasibility.budget_gib`, the rule the sweeper's constraint uses)."""
+        return feasibility.budget_gib(trial.config, self.settings.get("budget_gib"))
 
     def fits(self, trial: TrialRecord) -> bool | None:
         """Peak within the budget; None when there is no budget to compare with."""
-        budget = self.trial_budget_gib(trial)
-        if budget is None:
-            return None
-        peak = trial.peak_gib
-        return peak is not None and peak <= budget
+        return feasibility.fits(trial.peak_bytes, self.trial_budget_gib(trial))
 
     def feasible(self, trial: TrialRecord) -> bool:
         """Status ok and (no budget, or peak ≤ budget). Only feasible trials can be best."""
-        return trial.ok and self.fits(trial) is not False
+        return feasibility.feasible(trial.status, trial.peak_bytes, self.trial_budget_gib(trial))
 
     # -- objectives and knobs -----------------------------------------------------------------
     @property
@@ -310,8 +310,9 @@ class SweepData:
         out = []
         for obj in self.settings.get("objectives") or []:
             if isinstance(obj, dict) and obj.get("metric"):
-                direction = str(obj.get("direction", "minimize")).lower()
-                out.append((str(obj["metric"]), "maximize" if direction.startswith("max") else "minimize"))
+                metric = str(obj["metric"])
+                d = str(obj.get("direction") or _default_direction(metric)).lower()
+                out.append((metric, "maximize" if d.startswith("max") else "minimize"))
         return out or list(DEFAULT_OBJECTIVES)
 
     def _design_overrides(self) -> list[str]:
@@ -467,13 +468,13 @@ def record_from_frozen(trial: Any, metric_names: list[str], base_folder: Path | 
     if state == TrialState.COMPLETE:
         status = str(ua.get("status") or "ok")
     elif state == TrialState.PRUNED:
-        status = "pruned"
+        status = Status.PRUNED.value
     elif state == TrialState.FAIL:
-        status = str(ua.get("status") or "error")
+        status = str(ua.get("status") or Status.ERROR.value)
     else:
-        status = "running"
+        status = RUNNING
     reason = ua.get("reason") or (trial.system_attrs or {}).get("fail_reason")
-    if status == "running":
+    if status == RUNNING:
         reason = reason or f"no result yet (state {state.name})"
     elif status != "ok":
         reason = reason or f"optuna state {state.name}"
@@ -481,9 +482,7 @@ def record_from_frozen(trial: Any, metric_names: list[str], base_folder: Path | 
     values = trial.values or []
     for name, value in zip(metric_names, values):
         metrics[name] = value
-    from vramsweep.record.result import METRIC_KEYS
-
-    for key in METRIC_KEYS:
+    for key in SCALAR_METRICS:  # the sweeper stores these as user attrs (outcome.ATTR_METRICS)
         if key in ua:
             metrics[key] = ua[key]
     meta = {"design": ua["design"]} if isinstance(ua.get("design"), dict) else {}

@@ -12,8 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from vramsweep.record.metrics import direction
+from vramsweep.record.units import GIB
 from vramsweep.report.importance import Importances
-from vramsweep.report.load import GIB, SweepData, TrialRecord
+from vramsweep.report.load import SweepData, TrialRecord
 from vramsweep.report.tables import pareto_front
 
 BREAKDOWN_ORDER = ("params", "grads", "optimizer", "activations", "other")
@@ -87,7 +89,7 @@ def pareto_figure(sweep: SweepData) -> Any:
             zorder=3,
         )
     front = sorted(
-        pareto_front(feasible, [("peak_memory_bytes", "minimize"), ("tokens_per_s", "maximize")]),
+        pareto_front(feasible, [(m, direction(m)) for m in ("peak_memory_bytes", "tokens_per_s")]),
         key=lambda t: (t.peak_gib, -(t.tokens_per_s or 0.0)),
     )
     if front:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vramsweep.record.units import GIB
 from vramsweep.report.load import (
     REPEAT_KEYS,
     SweepData,
@@ -567,7 +568,7 @@ def estimate_tables(sweep: SweepData) -> tuple[Table, Table] | None:
 
 
 _METRIC_FORMAT: dict[str, Callable[[float], str]] = {
-    "peak_memory_bytes": lambda v: f"{v / 1024**3:.4f} GiB",
+    "peak_memory_bytes": lambda v: f"{v / GIB:.4f} GiB",
     "tokens_per_s": lambda v: f"{v:.1f}",
     "eval_loss": lambda v: f"{v:.4f}",
     "eval_ppl": lambda v: f"{v:.2f}",

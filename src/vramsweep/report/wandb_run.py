@@ -30,6 +30,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from vramsweep.record.units import GIB
+
 #: Environment variable naming the sweep folder (set by the sweeper for its trials; optional).
 SWEEP_DIR_ENV = "VRAMSWEEP_SWEEP_DIR"
 #: Config groups whose option name becomes a tag (``quant:nf4``).
@@ -111,7 +113,7 @@ def summary_of(result: dict) -> dict[str, Any]:
     peak = metrics.get("peak_memory_bytes")
     if _finite(peak):
         s["memory/peak_bytes"] = peak
-        s["memory/peak_gib"] = peak / 1024**3
+        s["memory/peak_gib"] = peak / GIB
     for part, value in (metrics.get("memory_breakdown_bytes") or {}).items():
         if _finite(value):
             s[f"memory/breakdown/{part}_bytes"] = value
@@ -123,7 +125,7 @@ def summary_of(result: dict) -> dict[str, Any]:
         epeak = est.get("peak_memory_bytes")
         if _finite(epeak):
             s["estimate/peak_bytes"] = epeak
-            s["estimate/peak_gib"] = epeak / 1024**3
+            s["estimate/peak_gib"] = epeak / GIB
             if _finite(peak) and peak > 0:
                 s["estimate/error"] = epeak / peak - 1.0  # > 0: the estimator over-predicts
         for part, value in (est.get("breakdown_bytes") or {}).items():

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
+from vramsweep.record.status import Status
 from vramsweep.sweeper.design import design_choices
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY, Outcome, user_attrs
 from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
@@ -81,7 +82,7 @@ DUP_STREAK = "vramsweep:dup_streak"
 #: ``constraints:<name>``; it reads both, so the budget constraint shows up once more as ``"0"``).
 DASHBOARD_CONSTRAINTS_KEY = "constraints"
 #: Statuses whose outcome is a property of the config (copied for a duplicate point, not re-run).
-COPYABLE = ("ok", "oom", "unsupported", "infeasible_estimate", "diverged", "pruned")
+COPYABLE = tuple(s.value for s in Status if s is not Status.ERROR)
 
 
 @dataclass
@@ -540,13 +541,13 @@ class Sweep:
 
     def _lost_result(self, spec: TrialSpec, reason: str, retries: int, trial_id: int) -> dict[str, Any]:
         """The result JSON of a lost trial (``meta.retries`` = earlier losses of its point); marks it lost."""
-        from vramsweep.record.result import atomic_write_json
+        from vramsweep.record.result import write_result
         from vramsweep.sweeper.runner import parent_side_result
 
         res = parent_side_result(spec, reason, 0.0)
         res["meta"]["retries"] = retries
         res["meta"]["lost"] = True
-        atomic_write_json(spec.result_path, res)
+        write_result(spec.result_path, res)
         self.storage.set_trial_system_attr(trial_id, LOST, True)
         return res
 
@@ -568,12 +569,12 @@ class Sweep:
         """Record in a retried point's result JSON how many earlier trials of it were lost."""
         if not job.retries or job.duplicate_of is not None:
             return
-        from vramsweep.record.result import atomic_write_json
+        from vramsweep.record.result import write_result
 
         report.result.setdefault("meta", {})["retries"] = job.retries
         path = self.result_path(job.number)
         if path.exists():
-            atomic_write_json(path, report.result)
+            write_result(path, report.result)
 
     # ------------------------------------------------------------------ trials
     def _spec_for(
@@ -669,7 +670,7 @@ class Sweep:
             return job
 
     def _copy_duplicate(self, job: Job) -> RunReport:
-        from vramsweep.record.result import atomic_write_json
+        from vramsweep.record.result import write_result
 
         res = copy.deepcopy(job.source or {})
         res["trial"] = job.number
@@ -678,7 +679,7 @@ class Sweep:
         meta["wall_s"] = 0.0
         meta["design"] = job.design
         meta["optuna"] = dict(meta.get("optuna") or {}) | {"trial_number": job.number}
-        atomic_write_json(self.result_path(job.number), res)
+        write_result(self.result_path(job.number), res)
         return RunReport(res, Outcome.from_dict(meta["optuna"]), 0.0, None)
 
     def _record_duplicate(self, job: Job) -> None:

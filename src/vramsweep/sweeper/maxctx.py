@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-GIB = 1024**3
+from vramsweep.record.units import GIB
 
 
 def _fits(result: dict[str, Any], budget_bytes: int) -> bool | None:
@@ -95,9 +95,9 @@ class _Prober:
         rep = self.runner.run(spec, timeout_s=self.s.get("timeout_s"))
         res = rep.result
         res.setdefault("meta", {})["max_context_probe"] = {"tokens": tokens}
-        from vramsweep.record.result import atomic_write_json
+        from vramsweep.record.result import write_result
 
-        atomic_write_json(spec.result_path, res)
+        write_result(spec.result_path, res)
         self.known[tuple(over)] = res
         fit = _fits(res, self.budget)
         peak = (res.get("metrics") or {}).get("peak_memory_bytes")

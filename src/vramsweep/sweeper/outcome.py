@@ -26,16 +26,18 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from vramsweep.record.result import METRIC_KEYS, STATUSES, empty_metrics, new_result
+from vramsweep.record.feasibility import over_budget_gib, result_budget_gib
+from vramsweep.record.metrics import LOSS_METRICS, METRIC_KEYS, SCALAR_METRICS, empty_metrics
+from vramsweep.record.result import new_result
+from vramsweep.record.schema import SCHEMA_VERSION
+from vramsweep.record.status import STATUSES, Status
 from vramsweep.sweeper.settings import Objective
 
-GIB = float(1 << 30)
 CONSTRAINT_KEY = "vram_over_budget_gib"
 #: Violation used when a trial ran out of memory but no peak was measured (1 MiB over).
 MIN_VIOLATION_GIB = 1.0 / 1024
-LOSS_METRICS = ("train_loss", "eval_loss", "eval_ppl", "initial_eval_loss")
-# Compact metrics stored in Optuna user attrs: every result metric except the breakdown dict.
-ATTR_METRICS = tuple(k for k in METRIC_KEYS if k != "memory_breakdown_bytes")
+# Compact metrics stored in Optuna user attrs: every scalar result metric (not the breakdown dict).
+ATTR_METRICS = SCALAR_METRICS
 
 
 @dataclass
@@ -76,30 +78,18 @@ def metric_value(metrics: dict[str, Any], name: str) -> Any:
     return node
 
 
-def _budget(result: dict[str, Any], fallback: float) -> float:
-    try:
-        b = result["config"]["hardware"]["budget_gib"]
-        return float(b) if b is not None else fallback
-    except (KeyError, TypeError, ValueError):
-        return fallback
-
-
-def _over_budget(peak: Any, budget: float) -> float | None:
-    if budget <= 0 or not _finite(peak):
-        return None
-    return float(peak) / GIB - budget
-
-
 def classify(result: dict[str, Any], objectives: list[Objective], *, budget_gib: float = 0.0) -> Outcome:
-    """Decide the Optuna outcome of a finished trial (``result`` may be modified: NaN loss -> diverged)."""
+    """Decide the Optuna outcome of a finished trial (``result`` may be modified: NaN loss -> diverged).
+
+    Feasibility (budget and peak) is :mod:`vramsweep.record.feasibility`'s one rule."""
     status = result.get("status")
     metrics = result.get("metrics") or {}
-    budget = _budget(result, budget_gib)
-    over = _over_budget(metrics.get("peak_memory_bytes"), budget)
-    if status == "ok":
+    budget = result_budget_gib(result, budget_gib)
+    over = over_budget_gib(metrics.get("peak_memory_bytes"), budget)
+    if status == Status.OK:
         bad_loss = [m for m in LOSS_METRICS if metrics.get(m) is not None and not _finite(metrics.get(m))]
         if bad_loss:
-            result["status"] = "diverged"
+            result["status"] = Status.DIVERGED.value
             result["reason"] = f"{bad_loss[0]} is {metrics.get(bad_loss[0])} (not finite)"
             return Outcome("FAIL", None, None, False, result["reason"])
         values: list[float] = []
@@ -112,7 +102,7 @@ def classify(result: dict[str, Any], objectives: list[Objective], *, budget_gib:
                 note = f"objective {o.metric} is {v} (not finite)"
                 return Outcome("FAIL", None, None, True, note)
             values.append(float(v))
-        if budget > 0 and over is None:
+        if budget is not None and over is None:
             return Outcome(
                 "FAIL",
                 None,
@@ -121,24 +111,24 @@ def classify(result: dict[str, Any], objectives: list[Objective], *, budget_gib:
                 f"peak_memory_bytes not measured: cannot check hardware.budget_gib={budget}",
             )
         return Outcome("COMPLETE", values, over if over is not None else 0.0, False)
-    if status == "pruned":
+    if status == Status.PRUNED:
         return Outcome("PRUNED", None, over, False)
-    if status == "oom":
+    if status == Status.OOM:
         return Outcome("PRUNED", None, max(over or 0.0, MIN_VIOLATION_GIB), False)
-    if status == "infeasible_estimate":
+    if status == Status.INFEASIBLE_ESTIMATE:
         est = (result.get("estimate") or {}).get("peak_memory_bytes")
-        est_over = _over_budget(est, budget)
+        est_over = over_budget_gib(est, budget)
         return Outcome("PRUNED", None, max(est_over or 0.0, MIN_VIOLATION_GIB), False)
-    if status in ("unsupported", "diverged"):
+    if status in (Status.UNSUPPORTED, Status.DIVERGED):
         return Outcome("FAIL", None, None, False)
     return Outcome("FAIL", None, None, True)
 
 
 def normalise_result(result: Any, *, sweep: str, trial: int, overrides: list[str]) -> dict[str, Any]:
-    """Make any trial return value a well-formed result dict (DESIGN.md §5); never raises."""
+    """Make any trial return value a well-formed result dict (docs/CONTRACTS.md); never raises."""
     if not isinstance(result, dict):
         out = new_result(
-            status="error",
+            status=Status.ERROR,
             reason=f"trial function returned {type(result).__name__}, not a dict",
             sweep=sweep,
             trial=trial,
@@ -146,10 +136,10 @@ def normalise_result(result: Any, *, sweep: str, trial: int, overrides: list[str
         )
         return out
     out = dict(result)
-    out.setdefault("schema", 1)
+    out.setdefault("schema", SCHEMA_VERSION)
     if out.get("status") not in STATUSES:
         out["reason"] = f"unknown status {out.get('status')!r}; {out.get('reason') or ''}".strip()
-        out["status"] = "error"
+        out["status"] = Status.ERROR.value
     out.setdefault("reason", None)
     out["sweep"] = sweep
     out["trial"] = trial
@@ -175,17 +165,17 @@ def result_from_exception(
     name = type(exc).__name__
     text = str(exc).strip() or name
     if isinstance(exc, UnsupportedError):
-        status, reason = "unsupported", text
+        status, reason = Status.UNSUPPORTED, text
     elif isinstance(exc, ConfigError):
-        status, reason = "unsupported", f"invalid combination: {text}"
+        status, reason = Status.UNSUPPORTED, f"invalid combination: {text}"
     elif name == "OutOfMemoryError" or isinstance(exc, MemoryError) or "out of memory" in text.lower():
-        status, reason = "oom", f"{name}: {text}"
+        status, reason = Status.OOM, f"{name}: {text}"
     elif isinstance(exc, FloatingPointError):
-        status, reason = "diverged", f"{name}: {text}"
+        status, reason = Status.DIVERGED, f"{name}: {text}"
     else:
         tb = traceback.extract_tb(exc.__traceback__)[-3:]
         where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in reversed(tb))
-        status, reason = "error", f"{name}: {text}" + (f" (at {where})" if where else "")
+        status, reason = Status.ERROR, f"{name}: {text}" + (f" (at {where})" if where else "")
     return new_result(status=status, reason=reason[:2000], sweep=sweep, trial=trial, overrides=overrides)
 
 

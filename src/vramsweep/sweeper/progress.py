@@ -7,7 +7,9 @@ import threading
 import time
 from typing import Any, TextIO
 
-MIB = float(1 << 20)
+from vramsweep.record.feasibility import over_budget_gib, result_budget_gib
+from vramsweep.record.status import Status
+from vramsweep.record.units import MIB
 
 
 def bar(done: int, total: int, width: int = 20) -> str:
@@ -22,23 +24,21 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 def over_budget(result: dict[str, Any], budget_gib: float | None = None) -> bool:
-    """Whether an ``ok`` trial's measured peak exceeds its budget (``hardware.budget_gib`` or ``budget_gib``)."""
+    """Whether an ``ok`` trial's measured peak exceeds its budget (``hardware.budget_gib`` or ``budget_gib``;
+    :mod:`vramsweep.record.feasibility`)."""
     c = ((result.get("meta") or {}).get("optuna") or {}).get("constraint")
     if isinstance(c, int | float) and not isinstance(c, bool):
         return c > 0
-    budget = budget_gib
-    try:
-        budget = float(result["config"]["hardware"]["budget_gib"]) or budget
-    except (KeyError, TypeError, ValueError):
-        pass
-    peak = (result.get("metrics") or {}).get("peak_memory_bytes")
-    return bool(budget) and isinstance(peak, int | float) and peak / float(1 << 30) > float(budget)
+    over = over_budget_gib(
+        (result.get("metrics") or {}).get("peak_memory_bytes"), result_budget_gib(result, budget_gib)
+    )
+    return over is not None and over > 0
 
 
 def status_label(result: dict[str, Any], budget_gib: float | None = None) -> str:
     """The status a person reads: ``over budget`` for an ``ok`` trial whose peak exceeds the budget."""
     status = str(result.get("status"))
-    if status == "ok" and over_budget(result, budget_gib):
+    if status == Status.OK and over_budget(result, budget_gib):
         return "over budget"
     return status
 

@@ -175,6 +175,7 @@ def preflight_result(spec: TrialSpec) -> dict[str, Any] | None:
 
     from vramsweep.config.compose import compose
     from vramsweep.record.result import new_result
+    from vramsweep.record.units import GIB
 
     try:
         from vramsweep.estimate import preflight
@@ -186,14 +187,13 @@ def preflight_result(spec: TrialSpec) -> dict[str, Any] | None:
     fits, est = preflight(cfg)
     if fits:
         return None
-    gib = float(1 << 30)
     res = new_result(
         status="infeasible_estimate",
         sweep=spec.sweep_name,
         trial=spec.number,
         overrides=list(spec.overrides),
         reason=(
-            f"estimated peak {est['peak_memory_bytes'] / gib:.2f} GiB > hardware.budget_gib="
+            f"estimated peak {est['peak_memory_bytes'] / GIB:.2f} GiB > hardware.budget_gib="
             f"{float(cfg.hardware.budget_gib):g} (+10% margin): not run (sweep.preflight=true)"
         ),
         config=OmegaConf.to_container(cfg, resolve=True),
@@ -204,7 +204,7 @@ def preflight_result(spec: TrialSpec) -> dict[str, Any] | None:
 
 def execute(spec: TrialSpec) -> dict[str, Any]:
     """Run the trial function and write the result JSON. Never raises (failures become statuses)."""
-    from vramsweep.record.result import atomic_write_json
+    from vramsweep.record.result import write_result
     from vramsweep.sweeper.outcome import normalise_result, result_from_exception
 
     t0 = time.perf_counter()
@@ -238,7 +238,7 @@ def execute(spec: TrialSpec) -> dict[str, Any]:
     result, _ = finalize(
         result, spec, wall_s=time.perf_counter() - t0, curve=reporter.curve, pruned_at=reporter.pruned_at
     )
-    atomic_write_json(spec.result_path, result)
+    write_result(spec.result_path, result)
     return result
 
 
@@ -375,7 +375,7 @@ def child_main(spec: TrialSpec) -> None:
 
 
 def _write_bad_fork_result(spec: TrialSpec) -> None:
-    from vramsweep.record.result import atomic_write_json, new_result
+    from vramsweep.record.result import new_result, write_result
     from vramsweep.sweeper.outcome import normalise_result
 
     res = normalise_result(
@@ -395,7 +395,7 @@ def _write_bad_fork_result(spec: TrialSpec) -> None:
         overrides=spec.overrides,
     )
     res, _ = finalize(res, spec, wall_s=0.0)
-    atomic_write_json(spec.result_path, res)
+    write_result(spec.result_path, res)
 
 
 def _load_child_result(path: str) -> dict[str, Any] | None:
@@ -411,7 +411,7 @@ def _load_child_result(path: str) -> dict[str, Any] | None:
 
 def parent_side_result(spec: TrialSpec, reason: str, wall_s: float) -> dict[str, Any]:
     """The result the sweeper writes for a trial process that died without one."""
-    from vramsweep.record.result import atomic_write_json, new_result
+    from vramsweep.record.result import new_result, write_result
     from vramsweep.sweeper.outcome import normalise_result
 
     res = normalise_result(
@@ -427,7 +427,7 @@ def parent_side_result(spec: TrialSpec, reason: str, wall_s: float) -> dict[str,
         with open(spec.log_path, errors="replace") as fh:
             fh.seek(max(0, os.path.getsize(spec.log_path) - 4000))
             res["meta"]["log_tail"] = fh.read()[-2000:]
-    atomic_write_json(spec.result_path, res)
+    write_result(spec.result_path, res)
     return res
 
 

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramsweep.record.metrics import OBJECTIVE_METRICS, PRUNABLE_METRICS, is_objective
+from vramsweep.record.metrics import direction as metric_direction
+
 #: Samplers accepted by short name (``hydra.sweeper.sampler=<name>``).
 SAMPLERS = ("tpe", "random", "grid", "nsga2", "gp")
 #: Pruners accepted by short name (``hydra.sweeper.pruner=<name>``).
@@ -25,21 +28,8 @@ PRUNERS = ("median", "sha", "hyperband", "none")
 DESIGNS = ("search", "grid", "ablation", "stacking")  # + "max_context" (sweeper/maxctx.py, its own driver)
 #: Trial isolation modes (``hydra.sweeper.isolation``).
 ISOLATIONS = ("fork", "spawn", "inprocess", "launcher")
-#: Metrics that can be objectives (numeric fields of the result's ``metrics``; dotted paths reach into
-#: ``memory_breakdown_bytes``, e.g. ``memory_breakdown_bytes.activations``).
-OBJECTIVE_METRICS = (
-    "peak_memory_bytes",
-    "tokens_per_s",
-    "step_time_s",
-    "mfu",
-    "train_loss",
-    "initial_eval_loss",
-    "eval_loss",
-    "eval_ppl",
-    "task_score",
-)
-#: Loss-like metrics the trial reports at intermediate evals (pruning works on these only).
-PRUNABLE_METRICS = ("eval_loss", "eval_ppl")
+# Metrics that can be objectives or pruned on: the registry (record/metrics.py) says. Dotted paths reach
+# into map metrics, e.g. ``memory_breakdown_bytes.activations``.
 #: Modules the fork server imports once, so each trial starts warm (missing ones are skipped).
 DEFAULT_PRELOAD = (
     "vramsweep.trial",
@@ -274,13 +264,12 @@ def _as_list(value: Any, what: str) -> list:
 def parse_objectives(raw: Any, direction: Any = None) -> list[Objective]:
     """Normalise objectives (``sweep.objectives`` / ``hydra.sweeper.objectives`` / ``direction``).
 
-    Accepts ``eval_loss``, ``[eval_loss, tokens_per_s]`` (default direction: minimize, except
-    ``tokens_per_s``/``mfu``/``task_score``: maximize), ``[{metric: m, direction: d}]`` and
-    ``{m: d}``. ``direction`` (str or list) overrides the directions in order.
+    Accepts ``eval_loss``, ``[eval_loss, tokens_per_s]`` (default direction: the metric's registered one,
+    :func:`vramsweep.record.metrics.direction`), ``[{metric: m, direction: d}]`` and ``{m: d}``.
+    ``direction`` (str or list) overrides the directions in order.
     """
     from vramsweep.config.compose import ConfigError
 
-    maximize_default = {"tokens_per_s", "mfu", "task_score"}
     items: list[tuple[str, str | None]] = []
     if raw is None:
         items = [("eval_loss", "minimize")]
@@ -314,15 +303,14 @@ def parse_objectives(raw: Any, direction: Any = None) -> list[Objective]:
         items = [(m, str(d)) for (m, _), d in zip(items, dirs)]
     out: list[Objective] = []
     for metric, d in items:
-        root = metric.split(".", 1)[0]
-        if root not in OBJECTIVE_METRICS and root != "memory_breakdown_bytes":
+        if not is_objective(metric):
             raise ConfigError(
                 f"unknown objective metric {metric!r}",
                 key="sweep.objectives",
                 allowed=list(OBJECTIVE_METRICS),
             )
         if d is None:
-            d = "maximize" if metric in maximize_default else "minimize"
+            d = metric_direction(metric)
         d = d.lower()
         if d not in ("minimize", "maximize"):
             raise ConfigError(

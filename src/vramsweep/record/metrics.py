@@ -1,0 +1,148 @@
+"""The metric registry: every field of a result's ``metrics`` object, defined once.
+
+A metric is one :class:`Metric` entry in :data:`METRICS`; adding a metric is one line here (plus the code
+that measures it). Everything else derives from the registry: the keys every result carries
+(:data:`METRIC_KEYS`, null until measured), the metrics a sweep may optimise (:data:`OBJECTIVE_METRICS`) or
+prune on (:data:`PRUNABLE_METRICS`), the losses whose non-finite value means ``diverged``
+(:data:`LOSS_METRICS`), and each metric's better direction (:func:`direction`). The schema prose is in
+docs/CONTRACTS.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Direction = Literal["minimize", "maximize"]
+#: What a metric's value is: a number, a text label, a ``{part: number}`` map (dotted names reach in), or a
+#: list of records (``intermediate_eval``).
+Kind = Literal["number", "text", "map", "list"]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One field of ``result.metrics``."""
+
+    name: str
+    unit: str  # "bytes", "tokens/s", "s", "nats", "fraction", "" (dimensionless / label)
+    direction: Direction | None  # which way is better; None for labels
+    objective: bool = False  # may be a sweep objective (``sweep.objectives``)
+    prunable: bool = False  # reported at intermediate evals: a single objective that the pruner can use
+    loss: bool = False  # a non-finite value means the trial diverged
+    kind: Kind = "number"
+    core: bool = True  # in every result (null until measured); else written only when measured
+    doc: str = ""
+
+
+#: The registry, in the order metrics appear in a result file.
+METRICS: tuple[Metric, ...] = (
+    Metric("peak_memory_bytes", "bytes", "minimize", objective=True, doc="peak device memory of the run"),
+    Metric("memory_kind", "", None, kind="text", doc="what the peak counts: reserved | allocated | tracked"),
+    Metric("memory_breakdown_bytes", "bytes", "minimize", kind="map", doc="peak by category (params, ...)"),
+    Metric("tokens_per_s", "tokens/s", "maximize", objective=True, doc="training throughput, timed steps"),
+    Metric("step_time_s", "s", "minimize", objective=True, doc="mean wall time of a timed step"),
+    Metric("mfu", "fraction", "maximize", objective=True, doc="model FLOPs utilisation"),
+    Metric("train_loss", "nats", "minimize", objective=True, loss=True, doc="mean loss of the last steps"),
+    Metric(
+        "initial_eval_loss", "nats", "minimize", objective=True, loss=True, doc="eval loss before training"
+    ),
+    Metric("eval_loss", "nats", "minimize", objective=True, prunable=True, loss=True, doc="final eval loss"),
+    Metric("eval_ppl", "", "minimize", objective=True, prunable=True, loss=True, doc="exp(eval_loss)"),
+    Metric("task_score", "", "maximize", objective=True, doc="task metric (higher is better)"),
+    # Written only when measured (not in every result):
+    Metric("initial_task_score", "", "maximize", core=False, doc="task_score before training"),
+    Metric("intermediate_eval", "", None, kind="list", core=False, doc="[{step, eval_loss, ...}] per eval"),
+    Metric("measured_steps", "steps", None, core=False, doc="timed steps behind tokens_per_s"),
+    Metric("tokens_trained", "tokens", None, core=False, doc="tokens in the timed steps"),
+    Metric("padding_tokens", "tokens", None, core=False, doc="padding tokens in the timed steps"),
+    Metric("target_tokens", "tokens", None, core=False, doc="loss-bearing tokens in the timed steps"),
+    Metric("state_bytes", "bytes", None, kind="map", core=False, doc="params, grads, optimizer state"),
+    Metric("task_spans", "spans", None, core=False, doc="answer spans behind task_score"),
+    Metric("memory_phase", "", None, kind="text", core=False, doc="CUDA: the phase peak_memory_bytes covers"),
+    Metric(
+        "cuda_max_allocated_bytes", "bytes", "minimize", core=False, doc="torch.cuda.max_memory_allocated"
+    ),
+    Metric("cuda_max_reserved_bytes", "bytes", "minimize", core=False, doc="torch.cuda.max_memory_reserved"),
+    Metric("cuda_fragmentation_bytes", "bytes", "minimize", core=False, doc="reserved - allocated at peak"),
+    Metric(
+        "cuda_trial_peak_reserved_bytes", "bytes", "minimize", core=False, doc="reserved peak, whole trial"
+    ),
+    Metric("nvml_process_peak_bytes", "bytes", "minimize", core=False, doc="NVML per-process peak"),
+    Metric("nvml_device_used_peak_bytes", "bytes", "minimize", core=False, doc="NVML device-used peak"),
+    # Answer quality on held-out facts vs. control text (the `quality` work): accuracy up, NLL down.
+    Metric("fact_token_acc", "fraction", "maximize", objective=True, core=False, doc="fact-token accuracy"),
+    Metric("fact_nll", "nats", "minimize", objective=True, core=False, doc="mean NLL of fact tokens"),
+    Metric("control_token_acc", "fraction", "maximize", objective=True, core=False, doc="control accuracy"),
+    Metric("control_nll", "nats", "minimize", objective=True, core=False, doc="mean NLL of control tokens"),
+)
+
+#: Name -> :class:`Metric`.
+BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}
+#: The metric keys every result carries (null until measured), in file order.
+METRIC_KEYS: tuple[str, ...] = tuple(m.name for m in METRICS if m.core)
+#: Metrics that can be sweep objectives (map metrics are objectives through dotted names only).
+OBJECTIVE_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.objective)
+#: Loss-like metrics the trial reports at intermediate evals (pruning works on these only).
+PRUNABLE_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.prunable)
+#: Losses: a non-finite value turns an ``ok`` trial into ``diverged``.
+LOSS_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.loss)
+#: The core scalar metrics (numbers and labels): what goes into one Optuna user attr each.
+SCALAR_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.core and m.kind in ("number", "text"))
+
+
+def metric(name: str) -> Metric:
+    """The registry entry for ``name``; a dotted name (``memory_breakdown_bytes.activations``) gives its
+    map metric. Raises ``KeyError`` naming the known metrics."""
+    root = name.split(".", 1)[0]
+    m = BY_NAME.get(root)
+    if m is None or ("." in name and m.kind != "map"):
+        raise KeyError(f"unknown metric {name!r} (known: {', '.join(BY_NAME)})")
+    return m
+
+
+def is_objective(name: str) -> bool:
+    """Whether ``name`` may be a sweep objective: an objective metric, or a dotted part of a map metric."""
+    try:
+        m = metric(name)
+    except KeyError:
+        return False
+    return m.objective or (m.kind == "map" and m.direction is not None)
+
+
+def direction(name: str) -> Direction:
+    """Which way ``name`` is better: ``"minimize"`` or ``"maximize"`` (dotted map parts: the map's).
+
+    Raises ``KeyError`` for an unknown metric or a label without a direction.
+    """
+    d = metric(name).direction
+    if d is None:
+        raise KeyError(f"metric {name!r} has no better direction (a label or a count)")
+    return d
+
+
+def higher_is_better(name: str) -> bool:
+    """``direction(name) == "maximize"``."""
+    return direction(name) == "maximize"
+
+
+def empty_metrics() -> dict[str, None]:
+    """Every metric key present, all null (never write a figure that was not measured)."""
+    return {k: None for k in METRIC_KEYS}
+
+
+__all__ = [
+    "BY_NAME",
+    "LOSS_METRICS",
+    "METRICS",
+    "METRIC_KEYS",
+    "OBJECTIVE_METRICS",
+    "PRUNABLE_METRICS",
+    "SCALAR_METRICS",
+    "Direction",
+    "Metric",
+    "direction",
+    "empty_metrics",
+    "higher_is_better",
+    "is_objective",
+    "metric",
+]
