@@ -6,7 +6,7 @@ and entropy from the full logits every step); see ``bench/overhead.py``. Librari
 do well: optimizers by name (torch/bitsandbytes/transformers), schedules (``transformers.get_scheduler``),
 gradient checkpointing (``gradient_checkpointing_enable``), adapters (PEFT) and tracking (W&B).
 
-Failures never raise out of :func:`run_trial`: they become statuses (DESIGN.md §5) with a reason, and
+Failures never raise out of :func:`run_trial`: they become statuses (docs/CONTRACTS.md, Result JSON) with a reason, and
 whatever was measured before the failure is kept.
 """
 

@@ -4,7 +4,7 @@ The analytic activation model (:func:`vramsweep.estimate.analytic.activation_ter
 features: per-layer saved tensors, eager attention probabilities, and logits + loss. On a device whose
 kernels save more or less than the HF/PyTorch CPU code paths (CUDA flash/mem-efficient kernels, fused
 kernels, allocator rounding), one multiplier per feature is fitted by least squares on the measured
-activation bytes of finished trials (result JSONs, DESIGN.md section 5), and stored per device key
+activation bytes of finished trials (result JSONs, docs/CONTRACTS.md), and stored per device key
 (hardware profile name, ``cpu`` on CPU) under ``<results_dir>/calibration/<device_key>.json``.
 :func:`vramsweep.estimate.estimate` picks the file up automatically.
 """
@@ -141,7 +141,7 @@ def calibrate(results: list[dict], *, device_key: str) -> dict[str, Any]:
     """Fit the activation multipliers (``layers``, ``attention``, ``logits``) from trial results.
 
     Args:
-        results: trial result dicts (DESIGN.md section 5); unusable ones (failed, no measurement,
+        results: trial result dicts (docs/CONTRACTS.md, Result JSON); unusable ones (failed, no measurement,
             other device, optimizer-step peak) are skipped.
         device_key: the key the constants are stored under (``cpu`` or a hardware profile name);
             only results of that device are used.

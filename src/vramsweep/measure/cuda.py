@@ -2,7 +2,7 @@
 fragmentation (reserved - allocated), per-phase peaks, and the per-process memory cap that emulates a
 smaller card (``hardware=rtx4080_16gb`` on an 80/141 GB GPU).
 
-Definitions (DESIGN.md §6):
+Definitions (metric names of docs/CONTRACTS.md, Result JSON):
 
 * ``cuda_max_allocated_bytes`` / ``cuda_max_reserved_bytes``: ``torch.cuda.max_memory_allocated`` /
   ``max_memory_reserved`` of the measured phase (``train`` when the trial marks phases, else the whole

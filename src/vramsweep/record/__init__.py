@@ -1,4 +1,4 @@
-"""Recording: atomic result JSON (DESIGN.md §5) and W&B runs."""
+"""Recording: atomic result JSON (docs/CONTRACTS.md, Result JSON) and W&B runs."""
 
 from vramsweep.record.result import (
     SCHEMA_VERSION,

@@ -1,4 +1,4 @@
-"""Trial result JSON (DESIGN.md §5): one file per trial, written atomically (temp + fsync + replace)."""
+"""Trial result JSON (docs/CONTRACTS.md, Result JSON): one file per trial, written atomically (temp + fsync + replace)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Load a sweep's trial results from a sweep folder or an Optuna storage, tolerating partial data.
 
-A sweep folder (docs/CONTRACTS.md) holds ``sweep.json``, ``trials/<NNNN>.json`` (DESIGN.md §5) and usually
+A sweep folder (docs/CONTRACTS.md) holds ``sweep.json``, ``trials/<NNNN>.json`` (result JSON) and usually
 ``study.db``. Result JSONs are the primary record; trials that exist only in the study (still running, or
 killed before their JSON was written) are filled in from the study so a partial or multi-worker sweep
 shows every trial. A storage URL + study name is read the same way from the trials' user attrs
@@ -124,7 +124,7 @@ def _lookup(config: dict, dotted: str) -> tuple[bool, Any]:
 
 @dataclass
 class TrialRecord:
-    """One trial's result (DESIGN.md §5), normalised: every accessor tolerates missing data."""
+    """One trial's result (docs/CONTRACTS.md, Result JSON), normalised: every accessor tolerates missing data."""
 
     number: int
     status: str

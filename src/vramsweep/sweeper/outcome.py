@@ -135,7 +135,7 @@ def classify(result: dict[str, Any], objectives: list[Objective], *, budget_gib:
 
 
 def normalise_result(result: Any, *, sweep: str, trial: int, overrides: list[str]) -> dict[str, Any]:
-    """Make any trial return value a well-formed result dict (DESIGN.md §5); never raises."""
+    """Make any trial return value a well-formed result dict (docs/CONTRACTS.md, Result JSON); never raises."""
     if not isinstance(result, dict):
         out = new_result(
             status="error",
