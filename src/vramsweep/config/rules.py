@@ -92,7 +92,8 @@ def _check_choice(cfg, key, allowed):
         raise ConfigError(f"{key}={v!r} is not a known value", key=key, allowed=allowed)
 
 
-def _rules_values(cfg: DictConfig) -> None:
+def check_values(cfg: DictConfig) -> None:
+    """Value and range rules of each knob on its own (no cross-knob or machine rules)."""
     for group, options in GROUP_OPTIONS.items():
         name = cfg[group].name if group in cfg and "name" in cfg[group] else None
         if name is not None and name not in options and group not in ("hardware",):
@@ -328,7 +329,7 @@ def _rules_machine(cfg: DictConfig) -> None:
         )
 
 
-RULES: tuple[Callable[[DictConfig], None], ...] = (_rules_values, _rules_combinations)
+RULES: tuple[Callable[[DictConfig], None], ...] = (check_values, _rules_combinations)
 
 
 def check_unsloth(cfg: DictConfig) -> None:

@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("overrides", nargs="*", help="e.g. model=qwen3_8b train.dtype=bf16")
     args = p.parse_args(argv)
-    cfg = compose(list(args.overrides), validate_rules=False)
+    cfg = compose(list(args.overrides), rules="none")
     if cfg.model.source != "arch":
         print(
             f"error: model={cfg.model.name} is not architecture-only (model.source={cfg.model.source})",
