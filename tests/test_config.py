@@ -141,3 +141,13 @@ def test_help_lists_groups(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "nf4_dq" in out and "paged_adamw_8bit" in out and "flash_attention_2" in out
+
+
+def test_unsloth_on_a_tiny_vocab_architecture_is_refused_by_the_rules():
+    """A config-only rule (it was raised while writing the weights folder, after the build started)."""
+    from vramsweep.config.rules import check_unsloth
+
+    cfg = compose(["kernels=unsloth", "model=qwen3_8b", "model.vocab_size=200"], rules="none")
+    with pytest.raises(UnsupportedError, match=r"model.vocab_size=200 is too small .*needs >= 261"):
+        check_unsloth(cfg)
+    check_unsloth(compose(["kernels=unsloth", "model=qwen3_8b", "model.vocab_size=261"], rules="none"))
