@@ -1,6 +1,6 @@
 """GPU smoke test driver (called by ``scripts/gpu_smoke.sh``; run that, not this).
 
-Runs ``sweeps/gpu_smoke.yaml`` through the real CLI (``vramsweep train -m sweep=gpu_smoke``) in a child
+Runs ``src/vramsweep/conf/sweep/gpu_smoke.yaml`` through the real CLI (``vramsweep train -m sweep=gpu_smoke``) in a child
 process with a wall-clock budget, reports it (``vramsweep report``), and bundles the results into one
 folder of at most :data:`MAX_FILES` files with a dated markdown summary table for README.
 
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+SWEEP_FILES = ROOT / "src" / "vramsweep" / "conf" / "sweep"  # the packaged sweep files
 SWEEP = "gpu_smoke"
 MAX_FILES = 9
 BUNDLE = (
@@ -611,8 +612,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
 
-    # 2. The ablation sweep (sweeps/gpu_smoke.yaml).
-    dry = DRY_OVERRIDES + dry_design_overrides(ROOT / "sweeps" / f"{SWEEP}.yaml") if args.dry_run else []
+    # 2. The ablation sweep (src/vramsweep/conf/sweep/gpu_smoke.yaml).
+    dry = DRY_OVERRIDES + dry_design_overrides(SWEEP_FILES / f"{SWEEP}.yaml") if args.dry_run else []
     overrides = dry + list(args.overrides) + iso
     sweep_dir = work / "sweeps" / SWEEP
     budget = max(60.0, left(PHASE_CAP_S["long"] + PHASE_CAP_S["profile"]))
@@ -653,9 +654,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 4. torch.profiler on the baseline: where a step's fixed cost goes.
     profile_md = work / "profile.md"
-    baseline = [
-        o for o in _baseline(ROOT / "sweeps" / f"{SWEEP}.yaml") if not o.startswith("context.max_tokens")
-    ]
+    baseline = [o for o in _baseline(SWEEP_FILES / f"{SWEEP}.yaml") if not o.startswith("context.max_tokens")]
     prof_lines = []
     for tokens in PROFILE_TOKENS:
         n = max(128, tokens // divisor)

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Launch: bash scripts/gpu_smoke.sh [--out DIR] [--bundle FILE] [--wheels DIR] [--budget-s 470] [-- overrides]
 #         bash scripts/gpu_smoke.sh --dry-run [--out DIR]     (CPU, embedded tiny model, tiny steps)
-#         bash scripts/gpu_smoke.sh --maxctx [--budget-s 470] (GPU: sweeps/max_context_16gb.yaml instead)
+#         bash scripts/gpu_smoke.sh --maxctx [--budget-s 470] (GPU: src/vramsweep/conf/sweep/max_context_16gb.yaml instead)
 #
 # One-shot GPU smoke test (issues 7, 10); at most 8 minutes on one H200. On a CUDA machine, no network:
 #   1. makes what the image lacks importable, offline: wheels/gpu_bundle.tar.xz from
 #      scripts/fetch_gpu_wheels.sh (extracted once, on PYTHONPATH), else loose wheels in --wheels DIR;
 #   2. writes the random-weights folder kernels=unsloth loads for the Qwen3-8B architecture (once, cached);
-#   3. runs sweeps/gpu_smoke.yaml: a random-init Qwen3-8B architecture under a 16 GiB cap
+#   3. runs src/vramsweep/conf/sweep/gpu_smoke.yaml: a random-init Qwen3-8B architecture under a 16 GiB cap
 #      (hardware=rtx4080_16gb emulated on the larger GPU), ablating quant x attention x kernels (Liger,
 #      Unsloth) x checkpointing x context, trials isolated the sweeper's default way;
 #   4. a long-context probe (nf4_dq + liger + checkpointing at 12,288 and 16,384 tokens) and torch.profiler
@@ -125,7 +125,7 @@ fi
 
 if [ "$MAXCTX" = 1 ]; then
   # Max-context search (issue 11): estimator prediction, then real trials to the boundary, per config of
-  # sweeps/max_context_16gb.yaml, under a wall-clock budget. Probes are kept: a re-run continues where the
+  # src/vramsweep/conf/sweep/max_context_16gb.yaml, under a wall-clock budget. Probes are kept: a re-run continues where the
   # budget stopped it. Grid step 8,192 tokens here (the sweep file's 4,096 takes about twice the probes).
   OUTDIR="${OUT:-$ROOT/results/gpu_maxctx}"
   mkdir -p "$OUTDIR"

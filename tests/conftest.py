@@ -19,6 +19,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The suite composes from the packaged conf only (a developer's own conf dir must not change results).
+os.environ.pop("VRAMSWEEP_CONFIG_DIR", None)
 # Test doubles (tests/fakes.py, ...) are importable by the trial and sweeper processes tests start too.
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):

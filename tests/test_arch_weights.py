@@ -35,7 +35,7 @@ SMALL = [
 
 
 def _cfg(*extra: str):
-    return compose(SMALL + list(extra), validate_rules=False)
+    return compose(SMALL + list(extra), rules="none")
 
 
 @pytest.fixture()
@@ -158,7 +158,7 @@ def test_not_enough_disk_is_unsupported_and_writes_nothing(cache, monkeypatch):
 
 
 def test_qwen3_8b_cost_is_16_4_gb_in_38_shards():
-    plan = aw.plan_bytes(compose(["model=qwen3_8b", "train.dtype=bf16"], validate_rules=False))
+    plan = aw.plan_bytes(compose(["model=qwen3_8b", "train.dtype=bf16"], rules="none"))
     assert plan == {
         "params": 8_190_735_360,
         "bytes": 16_381_470_720,

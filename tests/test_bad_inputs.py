@@ -16,7 +16,6 @@ import pytest
 
 from test_config import BAD as CONFIG_BAD  # the original 33 bad overrides, now also checked for one line
 from vramsweep.cli import main
-from vramsweep.config.compose import conf_dir
 
 FAKE = [
     "hydra.sweeper.trial_fn=fakes:fake_trial",
@@ -350,7 +349,10 @@ def test_bad_input(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, need
     args = [_fill(a, files, tmp_path) for a in argv]
     if verb == "train" and not any(a.startswith("results_dir=") for a in args):
         args.append(f"results_dir={tmp_path / 'res'}")
-    experiments = conf_dir() / "experiment"
+    userconf = tmp_path / "userconf"  # the user's conf dir: pick would write experiment/ there
+    userconf.mkdir()
+    monkeypatch.setenv("VRAMSWEEP_CONFIG_DIR", str(userconf))
+    experiments = userconf / "experiment"
     before, before_conf = _tree(tmp_path), _tree(experiments)
     capsys.readouterr()
     code = main([verb, *args])

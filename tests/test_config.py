@@ -12,7 +12,7 @@ import pytest
 
 from vramsweep.cli import main
 from vramsweep.config import ConfigError, compose
-from vramsweep.config.compose import conf_dir, list_options
+from vramsweep.config.compose import list_options, packaged_conf_dir
 from vramsweep.config.rules import UnsupportedError
 from vramsweep.config.schema import CONFIG_GROUPS, GROUP_OPTIONS
 
@@ -41,16 +41,16 @@ def _all_options():
 def test_every_option_composes(group, option):
     over = [f"{group}={option}"]
     if group == "model" and option == "local":
-        over.append(f"model.path={conf_dir()}")  # any folder; the rules then ask for config.json
+        over.append(f"model.path={packaged_conf_dir()}")  # any folder; the rules then ask for config.json
     if group == "data" and option == "jsonl":
         over.append("data.path=/nonexistent.jsonl")
-    cfg = compose(over, validate_rules=False)
+    cfg = compose(over, rules="none")
     if group in GROUP_OPTIONS:
         assert cfg[group].name == option
 
 
 def test_every_yaml_knob_has_a_comment():
-    for path in conf_dir().glob("*/*.yaml"):
+    for path in packaged_conf_dir().glob("*/*.yaml"):
         text = path.read_text()
         assert text.lstrip().startswith("#"), f"{path} should start with a comment on its memory/speed effect"
 
@@ -127,7 +127,7 @@ def test_unsupported_is_a_config_error_subclass():
         with pytest.raises(ConfigError):
             compose(["kernels=liger"])
         # machine checks can be skipped (estimates, sweep-space validation)
-        cfg = compose(["kernels=liger"], validate_rules=False)
+        cfg = compose(["kernels=liger"], rules="none")
         from vramsweep.config.rules import validate
 
         validate(cfg, machine=False)
@@ -141,3 +141,13 @@ def test_help_lists_groups(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "nf4_dq" in out and "paged_adamw_8bit" in out and "flash_attention_2" in out
+
+
+def test_unsloth_on_a_tiny_vocab_architecture_is_refused_by_the_rules():
+    """A config-only rule (it was raised while writing the weights folder, after the build started)."""
+    from vramsweep.config.rules import check_unsloth
+
+    cfg = compose(["kernels=unsloth", "model=qwen3_8b", "model.vocab_size=200"], rules="none")
+    with pytest.raises(UnsupportedError, match=r"model.vocab_size=200 is too small .*needs >= 261"):
+        check_unsloth(cfg)
+    check_unsloth(compose(["kernels=unsloth", "model=qwen3_8b", "model.vocab_size=261"], rules="none"))

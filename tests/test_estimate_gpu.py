@@ -107,7 +107,7 @@ def test_max_context_lands_between_measured_fit_and_oom():
     """Measured (fixtures): 12,288 tokens ran (14,996 MiB reserved), 16,384 tokens ran out of memory."""
     from vramsweep.config import compose
 
-    res = max_context(compose(MAX_CTX, validate_rules=False), calibration=False)
+    res = max_context(compose(MAX_CTX, rules="none"), calibration=False)
     assert 12_288 <= res["max_tokens"] < 16_384
     assert res["estimate"]["fits"] and res["estimate"]["required_bytes"] <= res["budget_bytes"]
     assert not res["next_estimate"]["fits"]
@@ -134,7 +134,7 @@ def test_max_context_is_shorter_without_fused_loss():
     from vramsweep.config import compose
 
     ov = [o if o != "kernels=liger" else "kernels=none" for o in MAX_CTX]
-    res = max_context(compose(ov, validate_rules=False), calibration=False)
+    res = max_context(compose(ov, rules="none"), calibration=False)
     assert 3_072 <= res["max_tokens"] < 6_144
 
 

@@ -45,7 +45,7 @@ SMALL_ARCH = [
 
 
 def _cfg(*overrides: str):
-    return compose(list(overrides), validate_rules=False)
+    return compose(list(overrides), rules="none")
 
 
 # ================================================================================================ Liger
@@ -200,7 +200,7 @@ from peft import LoraConfig, get_peft_model
 from vramsweep.knobs import kernels
 from vramsweep.knobs.arch import build_arch_model
 from vramsweep.config import compose
-cfg = compose({SMALL_ARCH + [f"model.family={family}", "kernels=liger", "quant=nf4"]!r}, validate_rules=False)
+cfg = compose({SMALL_ARCH + [f"model.family={family}", "kernels=liger", "quant=nf4"]!r}, rules="none")
 print(kernels.apply_liger(cfg))
 model, _ = build_arch_model(cfg, "cpu")
 model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
@@ -638,7 +638,7 @@ def test_smoke_sweep_file_plans_for_gpu_and_dry_run():
     knobs = {o.split("=")[0] for p in gpu.design for o in p.overrides}
     assert sum("kernels=unsloth" in p.overrides for p in gpu.design) == 2  # Unsloth on the 8B architecture
     assert {"quant", "attention", "kernels", "checkpointing", "context.max_tokens"} <= knobs
-    dry = smoke.dry_design_overrides(ROOT / "sweeps" / "gpu_smoke.yaml")
+    dry = smoke.dry_design_overrides(ROOT / "src" / "vramsweep" / "conf" / "sweep" / "gpu_smoke.yaml")
     assert dry[0] == (
         "sweep.baseline=['quant=nf4_dq','attention=sdpa','kernels=none','checkpointing=on','context.max_tokens=128']"
     )

@@ -224,7 +224,7 @@ def test_unsloth_with_tiling_refused():
     from vramsweep.config import compose
     from vramsweep.config.rules import ConfigError, _rules_combinations
 
-    cfg = compose(["kernels=unsloth", "tiling=on"], validate_rules=False)
+    cfg = compose(["kernels=unsloth", "tiling=on"], rules="none")
     with pytest.raises(ConfigError, match="kernels=unsloth"):
         _rules_combinations(cfg)
 

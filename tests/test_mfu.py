@@ -55,7 +55,7 @@ GPU_RUN = [(1461.97, 1024, 0.769), (2351.98, 1024, 1.238), (5491.73, 4096, 3.196
 def test_emulated_profile_uses_the_physical_h200_peak(tps, seq, old):
     cfg = compose(
         ["model=qwen3_8b", "quant=nf4_dq", "hardware=rtx4080_16gb", "checkpointing=on"],
-        validate_rules=False,
+        rules="none",
     )
     total, trainable = 8_190_735_360, 43_646_976  # Qwen3-8B + LoRA r16 all-linear
     notes = {"total_params": total, "trainable_params": trainable}

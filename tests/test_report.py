@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import json
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -415,7 +414,6 @@ def test_all_failed_sweep(tmp_path: Path, capsys) -> None:
     assert all(r["trial"] is None for r in report.tables["best"].rows)
     conf = tmp_path / "conf"
     (conf / "experiment").mkdir(parents=True)
-    (conf / "train.yaml").write_text("defaults: []\n")
     assert run_pick(str(folder), budget_gib=16, conf_dir=str(conf)) == 2
     err = capsys.readouterr().err
     assert "nothing fits 16 GiB" in err and "1 diverged, 1 error, 1 oom" in err
@@ -457,7 +455,6 @@ def test_empty_missing_and_bad_targets(tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "missing.db").exists()  # never creates a storage
     conf = tmp_path / "conf"
     conf.mkdir()
-    (conf / "train.yaml").write_text("defaults: []\n")
     assert run_pick(str(empty), budget_gib=16, conf_dir=str(conf)) == 2
     assert run_pick(str(tmp_path / "nope"), budget_gib=16, conf_dir=str(conf)) == 2
     assert run_pick(str(started), budget_gib=-1, conf_dir=str(conf)) == 2
@@ -526,12 +523,12 @@ def test_rank_ties() -> None:
 
 
 def _conf_copy(tmp_path: Path, monkeypatch) -> Path:
-    root = tmp_path / "repo"
-    shutil.copytree(REPO / "conf", root / "conf", symlinks=True)
-    for p in (root / "conf" / "experiment").glob("*.yaml"):
-        p.unlink()
-    monkeypatch.setenv("VRAMSWEEP_ROOT", str(root))
-    return root / "conf"
+    """A user's project folder: ``./conf`` (not there yet) is the conf dir pick writes and compose reads."""
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    monkeypatch.delenv("VRAMSWEEP_CONFIG_DIR", raising=False)
+    return project / "conf"
 
 
 def test_pick_never_picks_infeasible_and_breaks_ties(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -582,7 +579,7 @@ def test_pick_experiment_composes_to_the_winning_config(tmp_path: Path, monkeypa
     conf = _conf_copy(tmp_path, monkeypatch)
 
     def real(overrides: list[str]) -> dict:
-        return OmegaConf.to_container(compose(overrides, validate_rules=False), resolve=True)
+        return OmegaConf.to_container(compose(overrides, rules="none"), resolve=True)
 
     win = [
         "quant=nf4",
@@ -601,7 +598,7 @@ def test_pick_experiment_composes_to_the_winning_config(tmp_path: Path, monkeypa
         result(1, lose, peak=14.5, tps=900, loss=2.4, config=real(lose)),
     ]
     folder = write_sweep(tmp_path / "sw", res)
-    assert run_pick(str(folder), budget_gib=15, name="prod15", conf_dir=None) == 0  # default conf_dir()
+    assert run_pick(str(folder), budget_gib=15, name="prod15", conf_dir=None) == 0  # default: ./conf
     out = capsys.readouterr()
     assert "train it: vramsweep train +experiment=prod15" in out.out and "warning" not in out.err
     text = (conf / "experiment" / "prod15.yaml").read_text()
@@ -715,8 +712,6 @@ def test_real_tiny_sweep_report_and_pick(tmp_path: Path, monkeypatch) -> None:
     """The demo sweep for real (CPU, tiny model), then report + pick on its folder."""
     pytest.importorskip("vramsweep.sweeper")
     pytest.importorskip("hydra_plugins.vramsweep_sweeper")
-    if not (REPO / "sweeps" / "demo.yaml").is_file():
-        pytest.skip("sweeps/demo.yaml not shipped yet")
     import subprocess
     import sys
 
@@ -743,7 +738,7 @@ def test_real_tiny_sweep_report_and_pick(tmp_path: Path, monkeypatch) -> None:
     assert len(sweep.trials) == 3 and all(t.source == "json" for t in sweep.trials)
     conf = _conf_copy(tmp_path, monkeypatch)
     assert run_pick(str(folder), budget_gib=64, name="real_tiny", conf_dir=str(conf)) == 0
-    cfg = compose(["+experiment=real_tiny"], validate_rules=False)
+    cfg = compose(["+experiment=real_tiny"], rules="none")
     winner = next(t for t in sweep.trials if f"Trial {t.number}**" in (folder / "production.md").read_text())
     for section in ("quant", "adapter", "optimizer", "context", "train"):
         assert dict(cfg[section]) == winner.config[section], section

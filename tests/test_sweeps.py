@@ -1,6 +1,6 @@
 """Every shipped sweep file composes, and every value of its search space / design validates.
 
-Like lightning-hydra-template's ``test_sweeps.py``: each ``sweeps/<name>.yaml`` is planned exactly as
+Like lightning-hydra-template's ``test_sweeps.py``: each ``conf/sweep/<name>.yaml`` (packaged) is planned exactly as
 ``vramsweep train -m sweep=<name>`` would (compose + every choice value composed and range-checked +
 every ablation/stacking point rule-checked), without running trials. ``-m slow`` runs the demo for real.
 """
@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from vramsweep.config.compose import packaged_conf_dir
 from vramsweep.sweeper.engine import plan_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
-SWEEPS = sorted(p.stem for p in (ROOT / "sweeps").glob("*.yaml"))
+SWEEP_DIR = packaged_conf_dir() / "sweep"
+SWEEPS = sorted(p.stem for p in SWEEP_DIR.glob("*.yaml"))
 REQUIRED = {
     "demo",
     "quant",
@@ -32,12 +34,12 @@ REQUIRED = {
 
 def test_the_studies_ship():
     assert REQUIRED <= set(SWEEPS)
-    assert (ROOT / "conf" / "sweep").resolve() == (ROOT / "sweeps").resolve()
+    assert SWEEP_DIR == ROOT / "src" / "vramsweep" / "conf" / "sweep"  # inside the package: it installs
 
 
 @pytest.mark.parametrize("name", SWEEPS)
 def test_sweep_file_composes_and_validates(name):
-    text = (ROOT / "sweeps" / f"{name}.yaml").read_text()
+    text = (SWEEP_DIR / f"{name}.yaml").read_text()
     assert text.startswith("# @package _global_\n")
     assert f"vramsweep train -m sweep={name}" in text.split("defaults:")[0]  # the launch command, up top
     if "design: max_context" in text:  # its own driver: every config composed, rule-checked and predicted

@@ -93,7 +93,7 @@ def test_reporter_prunes_and_keeps_partial_metrics(tmp_path):
 
 def test_unsupported_option_is_recorded_not_raised(tmp_path, monkeypatch):
     monkeypatch.setenv("VRAMSWEEP_FORCE_NO_CUDA", "1")
-    cfg = compose([*FAST, "attention=flash_attention_2"], validate_rules=False)
+    cfg = compose([*FAST, "attention=flash_attention_2"], rules="none")
     res = run_trial(cfg, result_path=tmp_path / "u.json")
     assert res["status"] == "unsupported" and "flash_attention_2" in res["reason"]
     assert res["status"] in STATUSES

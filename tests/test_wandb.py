@@ -35,7 +35,7 @@ def _cfg(tmp_path: Path, extra: list[str] = ()):
 
     return compose(
         ["logger=wandb", f"results_dir={tmp_path / 'results'}", "quant=nf4", "adapter.r=16", *extra],
-        validate_rules=False,
+        rules="none",
     )
 
 

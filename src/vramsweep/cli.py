@@ -122,7 +122,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         check_named_options(overrides)
-        cfg = compose(overrides, validate_rules=True)
+        cfg = compose(overrides, rules="all")
         if not args.cfg:
             preflight(cfg, overrides=overrides)  # before any model is built or any file written
     except ConfigError as exc:
@@ -170,6 +170,7 @@ def cmd_pick(args: argparse.Namespace) -> int:
         prefer=args.prefer,
         headroom_gib=args.headroom_gib,
         name=args.name,
+        conf_dir=args.config_dir,
     )
 
 
@@ -228,8 +229,23 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--min-tokens-per-s", type=float, default=None)
     k.add_argument("--prefer", choices=("quality", "speed"), default="quality")
     k.add_argument("--headroom-gib", type=float, default=0.0)
-    k.add_argument("--name", default=None, help="experiment name (conf/experiment/<name>.yaml)")
+    k.add_argument("--name", default=None, help="experiment name (<conf dir>/experiment/<name>.yaml)")
     k.set_defaults(func=cmd_pick)
+    from vramsweep.config.compose import CONFIG_DIR_ENV
+
+    for sp, what in (
+        (t, "your experiments, sweeps and extra options"),
+        (e, "your experiments and extra options"),
+        (k, "where experiment/<name>.yaml is written (created if missing)"),
+    ):
+        sp.add_argument(
+            "--config-dir",
+            "-cd",
+            metavar="DIR",
+            default=None,
+            help=f"your conf dir, layered over the packaged defaults: {what} "
+            f"(default: ${CONFIG_DIR_ENV}, else ./conf if present)",
+        )
     return p
 
 
@@ -247,6 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    if getattr(args, "config_dir", None) is not None:
+        from vramsweep.config.compose import ConfigError, use_conf_dir
+
+        try:  # exported, so trial processes and workers compose from the same search path
+            args.config_dir = str(use_conf_dir(args.config_dir, create=args.command == "pick"))
+        except (ConfigError, OSError) as exc:
+            return _err(str(exc), args.command)
     return int(args.func(args) or 0)
 
 

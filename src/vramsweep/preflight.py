@@ -109,7 +109,8 @@ def check_jsonl(path: str | os.PathLike, *, key: str = "data.path") -> None:
 
 
 def check_option(group: str, name: str, *, hint: str = "") -> None:
-    """Raise unless ``conf/<group>/<name>.yaml`` exists (names the options; shared with the sweeper)."""
+    """Raise unless ``<group>/<name>.yaml`` is on the config search path (names the options; shared with
+    the sweeper)."""
     opts = [o for o in list_options(group) if not o.startswith("base_")]
     if name not in opts:
         raise ConfigError(
@@ -137,7 +138,10 @@ def named_options(overrides: Iterable[str]) -> list[tuple[str, str]]:
 
 
 def check_named_options(overrides: Iterable[str]) -> None:
-    hints = {"experiment": "write one with vramsweep pick", "sweep": "a file under sweeps/"}
+    hints = {
+        "experiment": "write one with vramsweep pick",
+        "sweep": "a file sweep/<name>.yaml in your conf dir or the packaged conf",
+    }
     for group, name in named_options(overrides):
         check_option(group, name, hint=hints[group])
 

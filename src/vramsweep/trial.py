@@ -69,9 +69,29 @@ def default_result_path(cfg: DictConfig, overrides) -> Path:
     return Path(str(cfg.results_dir)) / "runs" / f"{stamp}_{run_name(overrides)}" / "result.json"
 
 
+def source_revision() -> str | None:
+    """The git commit of the vramsweep source that runs, when it runs from a git checkout of vramsweep
+    (not of whatever repository an installed copy happens to sit in)."""
+    import subprocess
+
+    pkg = Path(__file__).resolve().parent
+    try:
+        top = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel", "HEAD"],
+            cwd=pkg,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.splitlines()
+    except Exception:
+        return None
+    if len(top) != 2 or Path(top[0]).resolve() / "src" / "vramsweep" != pkg:
+        return None
+    return top[1]
+
+
 def collect_meta(cfg: DictConfig) -> dict[str, Any]:
     import platform
-    import subprocess
 
     import torch
 
@@ -97,17 +117,7 @@ def collect_meta(cfg: DictConfig) -> dict[str, Any]:
             versions[mod] = version(dist)
         except PackageNotFoundError:
             continue
-    try:
-        from vramsweep.config.compose import repo_root
-
-        sha = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=repo_root(), capture_output=True, text=True, timeout=5
-            ).stdout.strip()
-            or None
-        )
-    except Exception:
-        sha = None
+    sha = source_revision()
     emulated = None
     if cfg.hardware.device == "cuda" and torch.cuda.is_available():
         device = torch.cuda.get_device_name(torch.cuda.current_device())
@@ -553,9 +563,18 @@ def run_trial(
     return result
 
 
-def run_trial_overrides(overrides: list[str] | tuple[str, ...] = (), **kw: Any) -> dict:
-    """Compose + validate (ConfigError propagates), then :func:`run_trial`."""
-    from vramsweep.config import compose
+def run_trial_overrides(
+    overrides: list[str] | tuple[str, ...] = (), *, cfg: DictConfig | None = None, **kw: Any
+) -> dict:
+    """Compose + validate (ConfigError propagates), then :func:`run_trial`.
 
-    cfg = compose(list(overrides), validate_rules=True)
+    ``cfg``: the config already composed from ``overrides`` (the sweeper's pre-flight composed it): only
+    the rules run, it is not composed again.
+    """
+    from vramsweep.config.compose import check_rules, compose
+
+    if cfg is None:
+        cfg = compose(overrides, rules="all")
+    else:
+        check_rules(cfg, "all")
     return run_trial(cfg, overrides=list(overrides), **kw)

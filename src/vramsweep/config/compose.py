@@ -1,38 +1,139 @@
-"""Compose a trial config from ``conf/`` with Hydra's compose API (no output dirs, no logging)."""
+"""The one way to compose a trial config: Hydra's compose API over the config search path.
+
+Config search path, first match wins (a file in a higher layer replaces the packaged file of the same
+name; options of a group are the union of all layers):
+
+1. the user's conf dir: ``--config-dir DIR`` (``vramsweep train|estimate|pick``, exported to
+   ``VRAMSWEEP_CONFIG_DIR`` so trial processes see it too), else ``$VRAMSWEEP_CONFIG_DIR``, else ``./conf``
+   when the current folder has one. It holds the user's experiments (``experiment/<name>.yaml``, written
+   by ``vramsweep pick``), sweeps (``sweep/<name>.yaml``) and extra group options (``hardware/my_gpu.yaml``).
+2. the packaged defaults, :func:`packaged_conf_dir` (``vramsweep/conf``: ``train.yaml``, every group's
+   options, the shipped sweeps under ``sweep/``).
+
+Every layer that composes (the CLI, the sweeper's planner and validator, trial processes, ``pick``'s
+check of the file it wrote) calls :func:`compose`; ``vramsweep train -m`` (Hydra's own app) gets the same
+search path from the search-path plugin in ``hydra_plugins/vramsweep_sweeper``, which calls
+:func:`layer_user_conf`. :func:`hydra_state` is the one place that saves and restores Hydra's global state.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from vramsweep.config.errors import ConfigError  # noqa: E402,F401 - defined below rules; re-exported
+from vramsweep.config.errors import ConfigError, one_line
+
+CONFIG_DIR_ENV = "VRAMSWEEP_CONFIG_DIR"
+RULES = ("all", "config", "values", "none")
+_PACKAGED = Path(__file__).resolve().parents[1] / "conf"
+# An explicit ``compose(conf_dir=...)`` wins over the environment for the duration of the call.
+_EXPLICIT: contextvars.ContextVar[Path | None] = contextvars.ContextVar("vramsweep_conf_dir", default=None)
 
 
-def repo_root() -> Path:
-    """The project root (holds ``conf/`` and ``sweeps/``); ``VRAMSWEEP_ROOT`` overrides."""
-    env = os.environ.get("VRAMSWEEP_ROOT")
+def packaged_conf_dir() -> Path:
+    """The packaged defaults (``vramsweep/conf``), shipped inside the installed package."""
+    return _PACKAGED
+
+
+def user_conf_dir() -> Path | None:
+    """The user's conf dir: ``$VRAMSWEEP_CONFIG_DIR`` (must exist), else ``./conf`` if present, else None."""
+    explicit = _EXPLICIT.get()
+    if explicit is not None:
+        return explicit
+    env = os.environ.get(CONFIG_DIR_ENV)
     if env:
-        return Path(env).resolve()
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        if (parent / "conf" / "train.yaml").is_file():
-            return parent
-    return Path.cwd()
+        path = Path(env).expanduser().resolve()
+        if not path.is_dir():
+            raise ConfigError(f"{CONFIG_DIR_ENV}={env}: no such folder", key=CONFIG_DIR_ENV)
+        return None if path == _PACKAGED else path
+    local = (Path.cwd() / "conf").resolve()
+    return local if local.is_dir() and local != _PACKAGED else None
 
 
-def conf_dir() -> Path:
-    return repo_root() / "conf"
+def writable_conf_dir() -> Path:
+    """Where ``vramsweep pick`` writes ``experiment/<name>.yaml``: the user's conf dir, else ``./conf``."""
+    return user_conf_dir() or (Path.cwd() / "conf").resolve()
 
 
-def list_options(group: str) -> list[str]:
-    d = conf_dir() / group
-    if not d.is_dir():
-        return []
-    return sorted(p.stem for p in d.glob("*.yaml"))
+def use_conf_dir(path: str | os.PathLike[str], *, create: bool = False) -> Path:
+    """Make ``path`` the user's conf dir for this process and its children (``--config-dir``)."""
+    p = Path(path).expanduser().resolve()
+    if create:
+        p.mkdir(parents=True, exist_ok=True)
+    if not p.is_dir():
+        raise ConfigError(f"--config-dir {path}: no such folder", key="--config-dir")
+    os.environ[CONFIG_DIR_ENV] = str(p)
+    return p
+
+
+def conf_dirs(conf_dir: str | os.PathLike[str] | None = None) -> list[Path]:
+    """The config search path, highest priority first: ``[user conf dir, packaged defaults]``.
+
+    ``conf_dir`` (explicit) replaces :func:`user_conf_dir`.
+    """
+    user = Path(conf_dir).expanduser().resolve() if conf_dir is not None else user_conf_dir()
+    return [user, _PACKAGED] if user is not None and user != _PACKAGED else [_PACKAGED]
+
+
+def list_options(group: str, conf_dir: str | os.PathLike[str] | None = None) -> list[str]:
+    """Options of a config group across the search path (``base_*`` schema names are not files)."""
+    names: set[str] = set()
+    for d in conf_dirs(conf_dir):
+        if (d / group).is_dir():
+            names.update(p.stem for p in (d / group).glob("*.yaml"))
+    return sorted(names)
+
+
+def find_option(group: str, name: str, conf_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """The file ``<group>=<name>`` composes from (the highest layer that has it), or None."""
+    for d in conf_dirs(conf_dir):
+        path = d / group / f"{name}.yaml"
+        if path.is_file():
+            return path
+    return None
+
+
+def layer_user_conf(search_path: Any) -> None:
+    """Put the user's conf dir in front of the packaged defaults in a Hydra ``ConfigSearchPath``.
+
+    Only when the primary config dir is the packaged one (another Hydra app is left alone).
+    """
+    from hydra.core.config_search_path import SearchPathQuery
+
+    main = [e for e in search_path.get_path() if e.provider == "main"]
+    if not main or Path(re.sub(r"^file://", "", main[0].path)).resolve() != _PACKAGED:
+        return
+    user = user_conf_dir()
+    if user is not None:
+        search_path.prepend(
+            provider="vramsweep-user", path=f"file://{user}", anchor=SearchPathQuery(provider="main")
+        )
+
+
+@contextlib.contextmanager
+def hydra_state() -> Iterator[None]:
+    """Run a block with a clean Hydra global state and give the caller's back afterwards.
+
+    Composing clears Hydra's ``GlobalHydra``; inside a running Hydra app (the sweeper, an in-process
+    trial) that state belongs to the app, so it is saved on entry and restored on exit.
+    """
+    from hydra.core.global_hydra import GlobalHydra
+
+    gh = GlobalHydra.instance()
+    saved = gh.hydra
+    gh.clear()
+    try:
+        yield
+    finally:
+        gh.clear()
+        gh.hydra = saved
 
 
 def _schema_fields(dotted: str) -> list[str] | None:
@@ -53,7 +154,8 @@ def _schema_fields(dotted: str) -> list[str] | None:
     return sorted(f.name for f in dataclasses.fields(node))
 
 
-def _translate_hydra_error(exc: Exception) -> ConfigError:
+def translate_hydra_error(exc: Exception) -> ConfigError:
+    """A Hydra/OmegaConf composition error as one :class:`ConfigError` naming the override and options."""
     text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
     cause = exc.__cause__
     cause_line = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
@@ -67,8 +169,6 @@ def _translate_hydra_error(exc: Exception) -> ConfigError:
         return ConfigError(f"unknown option {group}={opt}", key=group, allowed=allowed)
     m = re.search(r"Error parsing override '([^']*)'", text)
     if m:
-        from vramsweep.config.errors import one_line
-
         ov = m.group(1)
         why = one_line(cause_line or text.split(m.group(0), 1)[-1])
         why = re.sub(r"^ValueError while evaluating '[^']*': ", "", why)
@@ -85,12 +185,10 @@ def _translate_hydra_error(exc: Exception) -> ConfigError:
     if m:
         key = m.group(1)
         return ConfigError(f"bad value for {key}={m.group(2)}: {cause_line}", key=key)
-    from vramsweep.config.errors import one_line
-
     return ConfigError(one_line(f"invalid config: {text}" + (f": {cause_line}" if cause_line else "")))
 
 
-def check_deletions(overrides: list[str] | tuple[str, ...]) -> None:
+def check_deletions(overrides: Sequence[str]) -> None:
     """``~quant`` (delete a config group) is refused: every group in the defaults list is required."""
     from vramsweep.config.schema import CONFIG_GROUPS
 
@@ -105,35 +203,71 @@ def check_deletions(overrides: list[str] | tuple[str, ...]) -> None:
                 )
 
 
-def compose(overrides: list[str] | tuple[str, ...] = (), *, validate_rules: bool = True) -> DictConfig:
-    """Compose ``conf/train.yaml`` with ``overrides``; raise :class:`ConfigError` on any bad input.
+def compose(
+    overrides: Sequence[str] = (),
+    *,
+    conf_dir: str | os.PathLike[str] | None = None,
+    rules: str = "all",
+    return_hydra_config: bool = False,
+) -> DictConfig:
+    """Compose ``train.yaml`` with ``overrides``; raise :class:`ConfigError` on any bad input.
 
     Args:
-        overrides: Hydra overrides, e.g. ``["quant=nf4", "adapter.r=64"]``.
-        validate_rules: also run :func:`vramsweep.config.rules.validate` (range and cross-knob rules).
+        overrides: Hydra overrides, e.g. ``["quant=nf4", "adapter.r=64"]`` (``hydra.*`` ones too).
+        conf_dir: the user's conf dir for this call (default :func:`user_conf_dir`), layered over the
+            packaged defaults.
+        rules: which :mod:`vramsweep.config.rules` to run: ``all`` (ranges, cross-knob, this machine),
+            ``config`` (all but the machine's), ``values`` (ranges and values only), ``none``.
+        return_hydra_config: keep the ``hydra`` node (then the config is returned unresolved and
+            ``rules`` must be ``none``).
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
 
     from vramsweep.config.schema import register_configs
 
+    if rules not in RULES:
+        raise ValueError(f"rules={rules!r} (allowed: {', '.join(RULES)})")
+    if return_hydra_config and rules != "none":
+        raise ValueError("return_hydra_config=True composes without rules (rules='none')")
     check_deletions(overrides)
     register_configs()
-    GlobalHydra.instance().clear()
+    explicit = Path(conf_dir).expanduser().resolve() if conf_dir is not None else None
+    token = _EXPLICIT.set(explicit)
     try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-            cfg = hydra_compose(config_name="train", overrides=list(overrides))
-    except Exception as exc:  # hydra raises several exception types for bad overrides
-        raise _translate_hydra_error(exc) from exc
+        with hydra_state():
+            try:
+                with initialize_config_dir(config_dir=str(_PACKAGED), version_base=None):
+                    cfg = hydra_compose(
+                        config_name="train",
+                        overrides=list(overrides),
+                        return_hydra_config=return_hydra_config,
+                    )
+            except ConfigError:
+                raise
+            except Exception as exc:  # hydra raises several exception types for bad overrides
+                raise translate_hydra_error(exc) from exc
     finally:
-        GlobalHydra.instance().clear()
+        _EXPLICIT.reset(token)
+    if return_hydra_config:
+        return cfg
     try:
         OmegaConf.resolve(cfg)
     except Exception as exc:
         raise ConfigError(f"cannot resolve config: {exc}") from exc
-    if validate_rules:
-        from vramsweep.config.rules import validate
-
-        validate(cfg)
+    check_rules(cfg, rules)
     return cfg
+
+
+def check_rules(cfg: DictConfig, rules: str = "all") -> None:
+    """Run the ``rules`` level of :func:`compose` on an already composed ``cfg``."""
+    from vramsweep.config.rules import check_values, validate
+
+    if rules == "all":
+        validate(cfg)
+    elif rules == "config":
+        validate(cfg, machine=False)
+    elif rules == "values":
+        check_values(cfg)
+    elif rules != "none":
+        raise ValueError(f"rules={rules!r} (allowed: {', '.join(RULES)})")

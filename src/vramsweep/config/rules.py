@@ -92,7 +92,8 @@ def _check_choice(cfg, key, allowed):
         raise ConfigError(f"{key}={v!r} is not a known value", key=key, allowed=allowed)
 
 
-def _rules_values(cfg: DictConfig) -> None:
+def check_values(cfg: DictConfig) -> None:
+    """Value and range rules of each knob on its own (no cross-knob or machine rules)."""
     for group, options in GROUP_OPTIONS.items():
         name = cfg[group].name if group in cfg and "name" in cfg[group] else None
         if name is not None and name not in options and group not in ("hardware",):
@@ -329,7 +330,22 @@ def _rules_machine(cfg: DictConfig) -> None:
         )
 
 
-RULES: tuple[Callable[[DictConfig], None], ...] = (_rules_values, _rules_combinations)
+RULES: tuple[Callable[[DictConfig], None], ...] = (check_values, _rules_combinations)
+
+
+#: Smallest ``model.vocab_size`` for the byte-level tokenizer written next to random architecture weights
+#: (5 specials + 256 byte tokens; :mod:`vramsweep.knobs.arch_weights`).
+ARCH_MIN_VOCAB = 261
+
+
+def check_arch_vocab(cfg: DictConfig) -> None:
+    """``model.source=arch`` weights folders (what ``kernels=unsloth`` loads) carry a byte-level tokenizer."""
+    if int(cfg.model.vocab_size) < ARCH_MIN_VOCAB:
+        raise UnsupportedError(
+            f"model.vocab_size={cfg.model.vocab_size} is too small for a byte-level tokenizer "
+            f"(needs >= {ARCH_MIN_VOCAB}) in the weights folder kernels=unsloth loads",
+            key="model.vocab_size",
+        )
 
 
 def check_unsloth(cfg: DictConfig) -> None:
@@ -337,6 +353,8 @@ def check_unsloth(cfg: DictConfig) -> None:
 
     Pure config checks (no import of unsloth): they run before anything is built.
     """
+    if cfg.model.source == "arch":
+        check_arch_vocab(cfg)
     q = cfg.quant
     if q.bits == 4 and not (q.quant_type == "nf4" and q.double_quant):
         raise UnsupportedError(

@@ -223,7 +223,7 @@ class TrialConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     results_dir: str = "results"
     name: Optional[str] = None  # run name; default derived from the overrides
-    sweep: Any = None  # sweep settings when composed with sweep=<name> (see sweeps/)
+    sweep: Any = None  # sweep settings when composed with sweep=<name> (files under conf/sweep/)
 
 
 _SCHEMAS = {

@@ -111,7 +111,7 @@ def run_estimate(overrides: list[str], *, as_json: bool, max_context: bool = Fal
     from vramsweep.estimate.dims import check_model_config
 
     try:
-        cfg = compose(list(overrides), validate_rules=False)
+        cfg = compose(list(overrides), rules="none")
         validate(cfg, machine=False)  # a GPU config is estimated on any machine
         check_fault_env()
         if str(cfg.model.source) == "path":

@@ -42,13 +42,14 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from vramsweep.config.rules import check_arch_vocab
+
 #: Bump when the initialisation, file layout or tokenizer recipe changes (invalidates cached folders).
 RECIPE_VERSION = 1
 #: The tokenizer's target vocabulary (capped by the model's ``vocab_size``) and its training documents.
 TOKENIZER_VOCAB = 1024
 TOKENIZER_DOCS = 8
 TOKENIZER_SEED = 11
-MIN_VOCAB = 261  # 5 specials + 256 byte tokens
 INFO_FILE = "vramsweep_arch_weights.json"
 MARKER = "COMPLETE"
 #: Seconds between progress lines while writing.
@@ -164,14 +165,7 @@ def write_arch_weights(
     t0 = time.perf_counter()
     seed = int(cfg.train.seed)
     vocab = min(TOKENIZER_VOCAB, int(cfg.model.vocab_size))
-    if vocab < MIN_VOCAB:
-        from vramsweep.config.rules import UnsupportedError
-
-        raise UnsupportedError(
-            f"model.vocab_size={cfg.model.vocab_size} is too small for a byte-level tokenizer "
-            f"(needs >= {MIN_VOCAB}) in the weights folder kernels=unsloth loads",
-            key="model.vocab_size",
-        )
+    check_arch_vocab(cfg)
     tokenizer = train_tokenizer(
         pretrain_texts(TOKENIZER_DOCS, TOKENIZER_SEED), vocab_size=vocab, min_frequency=1
     )
@@ -358,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("overrides", nargs="*", help="e.g. model=qwen3_8b train.dtype=bf16")
     args = p.parse_args(argv)
-    cfg = compose(list(args.overrides), validate_rules=False)
+    cfg = compose(list(args.overrides), rules="none")
     if cfg.model.source != "arch":
         print(
             f"error: model={cfg.model.name} is not architecture-only (model.source={cfg.model.source})",

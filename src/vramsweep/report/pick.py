@@ -11,7 +11,9 @@ A missing eval loss / tokens/s ranks last for its key. The winner is written to
 group the trial selected, plus explicit values for every other field that differs from what those
 options compose to (all of ``context.*`` and ``train.*``, and every key the trial overrode, are pinned
 regardless). The file is then composed back and compared with the trial's config. ``production.md``
-(sweep folder) says why it won. ``conf/train.yaml`` has no ``experiment`` slot in its defaults list
+(sweep folder) says why it won. ``<conf>`` is the user's conf dir (``--config-dir``,
+``$VRAMSWEEP_CONFIG_DIR`` or ``./conf``; :mod:`vramsweep.config.compose`), layered over the packaged
+defaults, never the installed package. ``train.yaml`` has no ``experiment`` slot in its defaults list
 (the usual Hydra experiment pattern), so the experiment is appended with ``+experiment=<name>``.
 
 Exit codes of :func:`run_pick`: 0 written; 1 the written experiment did not compose (removed again);
@@ -24,6 +26,7 @@ import datetime as _dt
 import json
 import math
 import re
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +40,7 @@ from vramsweep.report.tables import Column, Table, fmt, gib
 UNPINNED_TOP = ("results_dir", "name", "sweep", "hydra")
 #: Sections pinned in full (knob values with no option file of their own).
 ALWAYS_PIN = ("context", "train")
-TRAIN_COMMAND = "vramsweep train +experiment={name}"
+TRAIN_COMMAND = "vramsweep train {config_dir}+experiment={name}"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]*$")
 PREFER = ("quality", "speed")
 TOP_N = 5
@@ -118,29 +121,24 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
     tree[parts[-1]] = value
 
 
-def compose_in(conf_dir: Path, overrides: list[str]) -> dict[str, Any]:
-    """Compose ``<conf_dir>/train.yaml`` with ``overrides`` (no rules: the trial already passed them).
+def train_command(name: str, conf: Path) -> str:
+    """How to train experiment ``name`` written into ``conf`` (``--config-dir`` unless it is ``./conf``)."""
+    local = (Path.cwd() / "conf").resolve()
+    flag = "" if Path(conf).resolve() == local else f"--config-dir {shlex.quote(str(conf))} "
+    return TRAIN_COMMAND.format(config_dir=flag, name=name)
 
-    Mirrors :func:`vramsweep.config.compose` for an explicit conf folder. Raises ReportError.
-    """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+
+def compose_in(conf_dir: Path, overrides: list[str]) -> dict[str, Any]:
+    """:func:`vramsweep.config.compose` with ``conf_dir`` as the user's conf dir, no rules (the trial
+    already passed them), as a plain dict. Raises ReportError."""
     from omegaconf import OmegaConf
 
-    from vramsweep.config.schema import register_configs
+    from vramsweep.config.compose import ConfigError, compose
 
-    register_configs()
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(conf_dir.resolve()), version_base=None):
-            cfg = hydra_compose(config_name="train", overrides=list(overrides))
-        container = OmegaConf.to_container(cfg, resolve=True)
-    except Exception as exc:
-        text = " ".join(str(exc).split())
-        raise ReportError(f"cannot compose {' '.join(overrides) or 'the defaults'}: {text}") from exc
-    finally:
-        GlobalHydra.instance().clear()
+        container = OmegaConf.to_container(compose(overrides, conf_dir=conf_dir, rules="none"), resolve=True)
+    except ConfigError as exc:
+        raise ReportError(f"cannot compose {' '.join(overrides) or 'the defaults'}: {exc}") from exc
     return container if isinstance(container, dict) else {}
 
 
@@ -165,13 +163,15 @@ def _yaml_scalar(text: str) -> Any:
 
 def build_experiment(trial: TrialRecord, conf_dir: Path) -> ExperimentSpec:
     """Group options + pinned values that make ``+experiment=<name>`` compose to ``trial.config``."""
+    from vramsweep.config.compose import find_option
+
     cfg = trial.config or {}
     overridden = set(trial.override_map)
     if not cfg:
         # No composed config recorded (study-only trial): the overrides are all we know.
         groups, pinned = [], {}
         for k, v in trial.override_map.items():
-            if "." not in k and (conf_dir / k / f"{v}.yaml").is_file():
+            if "." not in k and find_option(k, v, conf_dir) is not None:
                 groups.append((k, v))
             elif "." in k:
                 _set(pinned, k, _yaml_scalar(v))
@@ -181,7 +181,7 @@ def build_experiment(trial: TrialRecord, conf_dir: Path) -> ExperimentSpec:
         if section in UNPINNED_TOP or not isinstance(value, dict):
             continue
         name = value.get("name")
-        if isinstance(name, str) and (conf_dir / section / f"{name}.yaml").is_file():
+        if isinstance(name, str) and find_option(section, name, conf_dir) is not None:
             groups.append((section, name))
     base = flatten(compose_in(conf_dir, [f"{g}={o}" for g, o in groups]))
     grouped = {g for g, _ in groups}
@@ -319,7 +319,7 @@ def production_md(
         f"**Trial {winner.number}** won: {_criterion(prefer)} among {len(ranked)} eligible trial(s) "
         f"({cond}) out of {len(sweep.trials)} ({n_ok} ok).",
         "",
-        f"Experiment: `{exp_path}`; train it with `{TRAIN_COMMAND.format(name=name)}`.",
+        f"Experiment: `{exp_path}`; train it with `{train_command(name, exp_path.parent.parent)}`.",
         "",
         "| measure | value |",
         "|---|---|",
@@ -397,7 +397,7 @@ def run_pick(
     conf_dir: str | None = None,
     study: str | None = None,
 ) -> int:
-    """Pick the best trial that fits ``budget_gib`` and write ``conf/experiment/<name>.yaml`` + ``production.md``.
+    """Pick the best trial that fits ``budget_gib`` and write ``<conf>/experiment/<name>.yaml`` + ``production.md``.
 
     Args:
         target: sweep folder, ``sweep.json``/``study.db``, or Optuna storage URL.
@@ -406,7 +406,9 @@ def run_pick(
         prefer: ``quality`` (lowest eval loss) or ``speed`` (highest tokens/s).
         headroom_gib: keep this much of the budget free.
         name: experiment name (default ``<sweep>_<budget>gib``).
-        conf_dir: config folder to write into (default :func:`vramsweep.config.compose.conf_dir`).
+        conf_dir: the user's conf dir to write ``experiment/<name>.yaml`` into (created if missing; default
+            :func:`vramsweep.config.compose.writable_conf_dir`: ``--config-dir``/``$VRAMSWEEP_CONFIG_DIR``,
+            else ``./conf``), never the installed package.
         study: study name for storage targets holding several studies.
 
     Returns:
@@ -420,16 +422,19 @@ def run_pick(
         name = name[:-5] if name.endswith(".yaml") else name
         if not NAME_RE.match(name):
             return _err(
-                f"--name {name!r} must be letters, digits, '_' or '-' (it becomes conf/experiment/<name>.yaml)"
+                f"--name {name!r} must be letters, digits, '_' or '-' (it becomes experiment/<name>.yaml in the conf dir)"
             )
     if conf_dir is None:
-        from vramsweep.config.compose import conf_dir as default_conf_dir
+        from vramsweep.config.compose import ConfigError, writable_conf_dir
 
-        conf = default_conf_dir()
+        try:
+            conf = writable_conf_dir()
+        except ConfigError as exc:
+            return _err(str(exc))
     else:
-        conf = Path(conf_dir)
-    if not (conf / "train.yaml").is_file():
-        return _err(f"{conf} is not a vramsweep conf folder (no train.yaml)")
+        conf = Path(conf_dir).expanduser().resolve()
+    if conf.exists() and not conf.is_dir():
+        return _err(f"the conf dir {conf} is not a folder")
     try:
         sweep = load_sweep(target, study=study)
     except ReportError as exc:
@@ -467,7 +472,7 @@ def run_pick(
         + ".",
         f"Measured: peak {winner.peak_gib:.4f} GiB, tokens/s {fmt(winner.tokens_per_s, '.1f') or 'n/a'}, "
         f"eval loss {fmt(winner.eval_loss, '.4f') or 'n/a'}.",
-        f"Train it: {TRAIN_COMMAND.format(name=name)}",
+        f"Train it: {train_command(name, conf)}",
     ]
     exp_dir = conf / "experiment"
     exp_path = exp_dir / f"{name}.yaml"
@@ -519,7 +524,7 @@ def run_pick(
         print(f"vramsweep pick: warning: {w}", file=sys.stderr)
     print(f"{'overwrote' if existed else 'wrote'} {exp_path}")
     print(f"wrote {prod_path}")
-    print(f"train it: {TRAIN_COMMAND.format(name=name)}")
+    print(f"train it: {train_command(name, conf)}")
     return 0
 
 

@@ -256,20 +256,16 @@ def _design_label(design: dict[str, Any], overrides: list[str]) -> list[str]:
 
 
 def compose_sweep(args: list[str]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-    """Compose ``conf/train.yaml`` the way ``vramsweep train -m <args>`` would, without running anything.
+    """Compose ``train.yaml`` the way ``vramsweep train -m <args>`` would, without running anything.
 
     Returns:
         ``(hydra.sweeper node, task config, task arguments)`` as plain containers, ready for
         :func:`plan_sweep` (tests and tools use this to check sweep files).
     """
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from vramsweep.config.compose import _translate_hydra_error, conf_dir
-    from vramsweep.config.schema import register_configs
+    from vramsweep.config.compose import compose
     from vramsweep.sweeper.multirun import check_option_names, translate_args
-    from vramsweep.sweeper.runner import preserved_global_hydra
 
     check_option_names(args)
     args = translate_args(args)
@@ -278,16 +274,7 @@ def compose_sweep(args: list[str]) -> tuple[dict[str, Any], dict[str, Any], list
     _, fixed = cli_sweep_params(task_args)
     if not any(a.startswith("hydra/sweeper=") for a in hydra_ovs):
         hydra_ovs = ["hydra/sweeper=vramsweep", *hydra_ovs]
-    register_configs()
-    with preserved_global_hydra():
-        GlobalHydra.instance().clear()
-        try:
-            with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-                cfg = compose(config_name="train", overrides=[*hydra_ovs, *fixed], return_hydra_config=True)
-        except Exception as exc:
-            raise _translate_hydra_error(exc) from exc
-        finally:
-            GlobalHydra.instance().clear()
+    cfg = compose([*hydra_ovs, *fixed], rules="none", return_hydra_config=True)
     sweeper = OmegaConf.to_container(cfg.hydra.sweeper, resolve=True)
     task = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
     return dict(sweeper), dict(OmegaConf.to_container(task, resolve=True)), task_args

@@ -285,7 +285,7 @@ def plan_max_context(
     for conf in configs:
         over = [*fixed, *conf]
         try:
-            cfg = compose(over, validate_rules=False)
+            cfg = compose(over, rules="none")
             # what this machine lacks (CUDA, Liger) shows as an unsupported probe, not a planning error
             validate(cfg, machine=False)
             est = predict(cfg)

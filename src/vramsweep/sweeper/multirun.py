@@ -70,7 +70,11 @@ def check_option_names(args: list[str]) -> None:
         known = list_options(group)
         for n in names:
             if n and n != "null" and n not in known:
-                hint = "" if known else " (none yet: `vramsweep pick` writes conf/experiment/<name>.yaml)"
+                hint = (
+                    ""
+                    if known
+                    else " (none yet: `vramsweep pick` writes experiment/<name>.yaml into your conf dir, ./conf)"
+                )
                 raise ConfigError(f"unknown {group} '{n}'{hint}", key=group, allowed=known or None)
 
 
@@ -127,10 +131,10 @@ def _task(cfg: Any) -> Any:
 
 def _command_line_error(exc: Exception) -> int:
     """Hydra rejected the command line before our sweeper ran: one line, exit 2 (like ``vramsweep train``)."""
-    from vramsweep.config.compose import _translate_hydra_error
+    from vramsweep.config.compose import translate_hydra_error
     from vramsweep.config.errors import error_line
 
-    print(error_line("train", str(_translate_hydra_error(exc))), file=sys.stderr)
+    print(error_line("train", str(translate_hydra_error(exc))), file=sys.stderr)
     return 2
 
 
@@ -145,9 +149,8 @@ def run_multirun(args: list[str], *, flags: list[str] | None = None, multirun: b
         the exit code: 0 done, 1 aborted (failure-rate cap, Ctrl-C) or Hydra error, 2 bad config/space.
     """
     import hydra
-    from hydra.core.global_hydra import GlobalHydra
 
-    from vramsweep.config.compose import ConfigError, conf_dir
+    from vramsweep.config.compose import ConfigError, hydra_state, packaged_conf_dir
     from vramsweep.config.schema import register_configs
 
     try:
@@ -157,8 +160,8 @@ def run_multirun(args: list[str], *, flags: list[str] | None = None, multirun: b
         print(f"error: {exc}", file=sys.stderr)
         return 2
     register_configs()
-    GlobalHydra.instance().clear()
-    main = hydra.main(config_path=str(conf_dir()), config_name="train", version_base=None)(_task)
+    # the user's conf dir goes in front of the packaged one through the search-path plugin
+    main = hydra.main(config_path=str(packaged_conf_dir()), config_name="train", version_base=None)(_task)
     saved = sys.argv
     if flags:
         # Hydra prints (--cfg/--info) in run mode only: the sweep's base config, without its sweep overrides
@@ -177,7 +180,8 @@ def run_multirun(args: list[str], *, flags: list[str] | None = None, multirun: b
     saved_full = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its search path and hints
     try:
-        main()
+        with hydra_state():
+            main()
     except SystemExit as exc:
         code = exc.code
     except Exception as exc:
@@ -190,7 +194,6 @@ def run_multirun(args: list[str], *, flags: list[str] | None = None, multirun: b
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = saved_full
-        GlobalHydra.instance().clear()
     if code is None:
         return 0
     if code == 1 and not SWEEPER_STARTED:

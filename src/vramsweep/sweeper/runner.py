@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +85,16 @@ def resolve_fn(spec: str) -> Callable[..., Any]:
     for part in name.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def takes_cfg(fn: Callable[..., Any]) -> bool:
+    """Whether a trial function accepts an already composed config (``cfg=``) next to its overrides."""
+    import inspect
+
+    try:
+        return "cfg" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class StorageReporter:
@@ -168,12 +178,12 @@ def finalize(
     return result, outcome
 
 
-def preflight_result(spec: TrialSpec) -> dict[str, Any] | None:
+def preflight_result(spec: TrialSpec, cfg: Any) -> dict[str, Any] | None:
     """``sweep.preflight``: a result with status ``infeasible_estimate`` when the memory estimate of the
-    point exceeds ``hardware.budget_gib`` (+10 % margin), else ``None`` (run the trial)."""
+    point (``cfg``, composed from ``spec.overrides``) exceeds ``hardware.budget_gib`` (+10 % margin), else
+    ``None`` (run the trial)."""
     from omegaconf import OmegaConf
 
-    from vramsweep.config.compose import compose
     from vramsweep.record.result import new_result
     from vramsweep.record.units import GIB
 
@@ -181,7 +191,6 @@ def preflight_result(spec: TrialSpec) -> dict[str, Any] | None:
         from vramsweep.estimate import preflight
     except ImportError:
         return None
-    cfg = compose(list(spec.overrides), validate_rules=False)
     if float(cfg.hardware.budget_gib or 0.0) <= 0:
         return None
     fits, est = preflight(cfg)
@@ -210,7 +219,12 @@ def execute(spec: TrialSpec) -> dict[str, Any]:
     t0 = time.perf_counter()
     reporter = StorageReporter(spec)
     try:
-        raw = preflight_result(spec) if spec.preflight else None
+        cfg = raw = None
+        if spec.preflight:
+            from vramsweep.config.compose import compose
+
+            cfg = compose(spec.overrides, rules="none")  # the trial gets this config: composed once
+            raw = preflight_result(spec, cfg)
         if raw is None:
             fn = resolve_fn(spec.trial_fn)
             raw = fn(
@@ -219,6 +233,7 @@ def execute(spec: TrialSpec) -> dict[str, Any]:
                 trial=spec.number,
                 reporter=reporter,
                 design=spec.design,
+                **({"cfg": cfg} if cfg is not None and takes_cfg(fn) else {}),
             )
         result = normalise_result(raw, sweep=spec.sweep_name, trial=spec.number, overrides=spec.overrides)
     except (KeyboardInterrupt, SystemExit) as exc:
@@ -589,22 +604,6 @@ class ProcessRunner(Runner):
         return report_from_json(parent_side_result(spec, reason, wall), wall, exitcode)
 
 
-@contextlib.contextmanager
-def preserved_global_hydra() -> Iterator[None]:
-    """Keep the running Hydra app's global state across code that composes configs itself."""
-    try:
-        from hydra.core.global_hydra import GlobalHydra
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    gh = GlobalHydra.instance()
-    saved = gh.hydra
-    try:
-        yield
-    finally:
-        gh.hydra = saved
-
-
 class InProcessRunner(Runner):
     """Run trials in the sweeper process (``hydra.sweeper.isolation=inprocess``; debugging only)."""
 
@@ -620,7 +619,9 @@ class InProcessRunner(Runner):
     ) -> RunReport:
         Path(spec.result_path).parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        with preserved_global_hydra():
+        from vramsweep.config.compose import hydra_state
+
+        with hydra_state():  # the sweeper's Hydra app state survives the trial's own composes
             result = execute(spec)
         return report_from_json(result, time.perf_counter() - t0, 0)
 

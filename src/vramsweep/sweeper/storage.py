@@ -16,7 +16,7 @@ told from that JSON (no re-run, no duplicate); otherwise it is failed with statu
 higher bound retries a point that ran out (:func:`requeue_lost`).
 
 All of this runs under a storage-wide lock (SQLite: a lock file next to the DB; PostgreSQL:
-``pg_advisory_lock``; MySQL: ``GET_LOCK``), which also removes the create-study race of REFERENCE.md.
+``pg_advisory_lock``; MySQL: ``GET_LOCK``), which also removes the create-study race (two workers creating one study at once).
 """
 
 from __future__ import annotations

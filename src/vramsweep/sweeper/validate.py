@@ -15,30 +15,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from vramsweep.config.compose import ConfigError
+from vramsweep.config.compose import ConfigError, compose
 from vramsweep.sweeper.design import DesignPoint
-from vramsweep.sweeper.runner import preserved_global_hydra
 from vramsweep.sweeper.space import Param, merge_overrides
-
-
-def _compose(overrides: Sequence[str]) -> DictConfig:
-    from vramsweep.config.compose import compose
-
-    with preserved_global_hydra():
-        return compose(list(overrides), validate_rules=False)
-
-
-def _check_values(cfg: DictConfig) -> None:
-    from vramsweep.config.rules import _rules_values  # the range/value rules, without cross-knob ones
-
-    _rules_values(cfg)
 
 
 def compose_base(fixed: Sequence[str]) -> DictConfig:
     """The sweep's base config (fixed overrides only), value-checked."""
     try:
-        cfg = _compose(fixed)
-        _check_values(cfg)
+        cfg = compose(fixed, rules="values")
     except ConfigError as exc:
         raise ConfigError(f"the sweep's fixed overrides are invalid: {exc}", key=exc.key) from exc
     return cfg
@@ -62,8 +47,7 @@ def int_keys(base: DictConfig, keys: Sequence[str]) -> list[str]:
 
 
 def _probe(fixed: Sequence[str], extra: Sequence[str]) -> None:
-    cfg = _compose(merge_overrides(fixed, extra))
-    _check_values(cfg)
+    compose(merge_overrides(fixed, extra), rules="values")
 
 
 def validate_space(fixed: Sequence[str], dims: Sequence[Param]) -> int:
@@ -101,8 +85,6 @@ def validate_space(fixed: Sequence[str], dims: Sequence[Param]) -> int:
 
 def validate_design(fixed: Sequence[str], points: Sequence[DesignPoint], *, combinations: bool = True) -> int:
     """Compose and fully rule-check every point of a fixed design (machine rules excepted)."""
-    from vramsweep.config.rules import validate
-
     seen: set[tuple[str, ...]] = set()
     n = 0
     for p in points:
@@ -112,11 +94,7 @@ def validate_design(fixed: Sequence[str], points: Sequence[DesignPoint], *, comb
         seen.add(overrides)
         try:
             n += 1
-            cfg = _compose(overrides)
-            if combinations:
-                validate(cfg, machine=False)
-            else:
-                _check_values(cfg)
+            compose(overrides, rules="config" if combinations else "values")
         except ConfigError as exc:
             what = p.design.get("role") or (f"step {p.design.get('step')}" if "step" in p.design else "point")
             raise ConfigError(f"design {what} {list(p.overrides)} is invalid: {exc}", key=exc.key) from exc

@@ -72,7 +72,7 @@ if "vramsweep.config" in PRELOADED:
     try:
         from vramsweep.config import compose as _compose
 
-        _compose([], validate_rules=False)
+        _compose([], rules="none")
     except Exception as _exc:
         FAILED["compose"] = f"{type(_exc).__name__}: {_exc}"
     _note_cuda("compose")
