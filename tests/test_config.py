@@ -14,7 +14,7 @@ from vramsweep.cli import main
 from vramsweep.config import ConfigError, compose
 from vramsweep.config.compose import list_options, packaged_conf_dir
 from vramsweep.config.rules import UnsupportedError
-from vramsweep.config.schema import CONFIG_GROUPS, GROUP_OPTIONS
+from vramsweep.config.schema import CONFIG_GROUPS, NAMED_GROUPS
 
 GROUPS = list(CONFIG_GROUPS)
 
@@ -26,9 +26,23 @@ def test_defaults_compose_and_validate():
     assert cfg.adapter.targets == "all-linear"
 
 
-@pytest.mark.parametrize("group", sorted(GROUP_OPTIONS))
-def test_group_options_match_schema(group):
-    assert set(list_options(group)) == set(GROUP_OPTIONS[group])
+def test_options_are_the_option_files_no_hand_list(tmp_path):
+    """A group's options are its YAML files (packaged + the user's conf dir): a new file is a new option
+    for compose, the value rules and the error messages, with no list to edit."""
+    from vramsweep.config.rules import check_values, group_options
+
+    assert group_options("checkpointing") == ("off", "offload", "on")
+    user = tmp_path / "conf"
+    (user / "checkpointing").mkdir(parents=True)
+    (user / "checkpointing" / "offload_lite.yaml").write_text(
+        "# test option\ndefaults: [base_checkpointing, _self_]\nname: offload_lite\nenabled: true\n"
+    )
+    cfg = compose(["checkpointing=offload_lite"], conf_dir=user, rules="none")
+    with pytest.raises(ConfigError) as err:  # not an option without the user's conf dir
+        check_values(cfg)
+    assert err.value.key == "checkpointing" and "offload" in err.value.allowed
+    cfg = compose(["checkpointing=offload_lite"], conf_dir=user, rules="values")
+    assert cfg.checkpointing.name == "offload_lite" and cfg.checkpointing.enabled
 
 
 def _all_options():
@@ -45,7 +59,7 @@ def test_every_option_composes(group, option):
     if group == "data" and option == "jsonl":
         over.append("data.path=/nonexistent.jsonl")
     cfg = compose(over, rules="none")
-    if group in GROUP_OPTIONS:
+    if group in NAMED_GROUPS:
         assert cfg[group].name == option
 
 

@@ -19,7 +19,6 @@ search path from the search-path plugin in ``hydra_plugins/vramsweep_sweeper``, 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -29,75 +28,20 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.config.errors import ConfigError, one_line
+from vramsweep.config.paths import (  # noqa: F401 - re-exported: the search path is part of composing
+    _EXPLICIT,
+    _PACKAGED,
+    CONFIG_DIR_ENV,
+    conf_dirs,
+    find_option,
+    list_options,
+    packaged_conf_dir,
+    use_conf_dir,
+    user_conf_dir,
+    writable_conf_dir,
+)
 
-CONFIG_DIR_ENV = "VRAMSWEEP_CONFIG_DIR"
 RULES = ("all", "config", "values", "none")
-_PACKAGED = Path(__file__).resolve().parents[1] / "conf"
-# An explicit ``compose(conf_dir=...)`` wins over the environment for the duration of the call.
-_EXPLICIT: contextvars.ContextVar[Path | None] = contextvars.ContextVar("vramsweep_conf_dir", default=None)
-
-
-def packaged_conf_dir() -> Path:
-    """The packaged defaults (``vramsweep/conf``), shipped inside the installed package."""
-    return _PACKAGED
-
-
-def user_conf_dir() -> Path | None:
-    """The user's conf dir: ``$VRAMSWEEP_CONFIG_DIR`` (must exist), else ``./conf`` if present, else None."""
-    explicit = _EXPLICIT.get()
-    if explicit is not None:
-        return explicit
-    env = os.environ.get(CONFIG_DIR_ENV)
-    if env:
-        path = Path(env).expanduser().resolve()
-        if not path.is_dir():
-            raise ConfigError(f"{CONFIG_DIR_ENV}={env}: no such folder", key=CONFIG_DIR_ENV)
-        return None if path == _PACKAGED else path
-    local = (Path.cwd() / "conf").resolve()
-    return local if local.is_dir() and local != _PACKAGED else None
-
-
-def writable_conf_dir() -> Path:
-    """Where ``vramsweep pick`` writes ``experiment/<name>.yaml``: the user's conf dir, else ``./conf``."""
-    return user_conf_dir() or (Path.cwd() / "conf").resolve()
-
-
-def use_conf_dir(path: str | os.PathLike[str], *, create: bool = False) -> Path:
-    """Make ``path`` the user's conf dir for this process and its children (``--config-dir``)."""
-    p = Path(path).expanduser().resolve()
-    if create:
-        p.mkdir(parents=True, exist_ok=True)
-    if not p.is_dir():
-        raise ConfigError(f"--config-dir {path}: no such folder", key="--config-dir")
-    os.environ[CONFIG_DIR_ENV] = str(p)
-    return p
-
-
-def conf_dirs(conf_dir: str | os.PathLike[str] | None = None) -> list[Path]:
-    """The config search path, highest priority first: ``[user conf dir, packaged defaults]``.
-
-    ``conf_dir`` (explicit) replaces :func:`user_conf_dir`.
-    """
-    user = Path(conf_dir).expanduser().resolve() if conf_dir is not None else user_conf_dir()
-    return [user, _PACKAGED] if user is not None and user != _PACKAGED else [_PACKAGED]
-
-
-def list_options(group: str, conf_dir: str | os.PathLike[str] | None = None) -> list[str]:
-    """Options of a config group across the search path (``base_*`` schema names are not files)."""
-    names: set[str] = set()
-    for d in conf_dirs(conf_dir):
-        if (d / group).is_dir():
-            names.update(p.stem for p in (d / group).glob("*.yaml"))
-    return sorted(names)
-
-
-def find_option(group: str, name: str, conf_dir: str | os.PathLike[str] | None = None) -> Path | None:
-    """The file ``<group>=<name>`` composes from (the highest layer that has it), or None."""
-    for d in conf_dirs(conf_dir):
-        path = d / group / f"{name}.yaml"
-        if path.is_file():
-            return path
-    return None
 
 
 def layer_user_conf(search_path: Any) -> None:
@@ -247,15 +191,15 @@ def compose(
                 raise
             except Exception as exc:  # hydra raises several exception types for bad overrides
                 raise translate_hydra_error(exc) from exc
+        if return_hydra_config:
+            return cfg
+        try:
+            OmegaConf.resolve(cfg)
+        except Exception as exc:
+            raise ConfigError(f"cannot resolve config: {exc}") from exc
+        check_rules(cfg, rules)  # with the same search path: a user's option files are options
     finally:
         _EXPLICIT.reset(token)
-    if return_hydra_config:
-        return cfg
-    try:
-        OmegaConf.resolve(cfg)
-    except Exception as exc:
-        raise ConfigError(f"cannot resolve config: {exc}") from exc
-    check_rules(cfg, rules)
     return cfg
 
 

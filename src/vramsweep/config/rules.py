@@ -22,11 +22,12 @@ from typing import Any
 from omegaconf import DictConfig
 
 from vramsweep.config.errors import ConfigError
+from vramsweep.config.paths import list_options
 from vramsweep.config.schema import (
     DTYPES,
-    GROUP_OPTIONS,
     MODEL_FAMILIES,
     MODEL_SOURCES,
+    NAMED_GROUPS,
     SCHEDULES,
     TRUNCATIONS,
 )
@@ -92,11 +93,16 @@ def _check_choice(cfg, key, allowed):
         raise ConfigError(f"{key}={v!r} is not a known value", key=key, allowed=allowed)
 
 
+def group_options(group: str) -> tuple[str, ...]:
+    """A group's options: its option files across the config search path."""
+    return tuple(list_options(group))
+
+
 def check_values(cfg: DictConfig) -> None:
     """Value and range rules of each knob on its own (no cross-knob or machine rules)."""
-    for group, options in GROUP_OPTIONS.items():
+    for group in NAMED_GROUPS:
         name = cfg[group].name if group in cfg and "name" in cfg[group] else None
-        if name is not None and name not in options and group not in ("hardware",):
+        if name is not None and name not in (options := group_options(group)):
             raise ConfigError(f"{group}={name} is not a known option", key=group, allowed=options)
     _check_choice(cfg, "model.source", MODEL_SOURCES)
     _check_choice(cfg, "model.family", MODEL_FAMILIES)
@@ -153,7 +159,7 @@ def check_values(cfg: DictConfig) -> None:
                 f"optimizer.betas[{i}]={b} is out of range", key="optimizer.betas", allowed=["[0, 1)"]
             )
     _check_range(cfg, "optimizer.min_8bit_size", 0, 10**9, integer=True)
-    _check_choice(cfg, "attention.implementation", GROUP_OPTIONS["attention"])
+    _check_choice(cfg, "attention.implementation", group_options("attention"))
     _check_range(cfg, "context.max_tokens", 32, 10**7, integer=True)
     _check_choice(cfg, "context.truncation", TRUNCATIONS)
     _check_range(cfg, "context.decay", 0.0, 1.0, lo_open=True)
@@ -199,7 +205,7 @@ def _rules_combinations(cfg: DictConfig) -> None:
         raise ConfigError(
             "checkpointing=offload needs checkpointing.enabled=true (offload is a way to checkpoint)",
             key="checkpointing",
-            allowed=GROUP_OPTIONS["checkpointing"],
+            allowed=group_options("checkpointing"),
         )
     if offload and cfg.checkpointing.use_reentrant:
         raise ConfigError(
@@ -219,7 +225,7 @@ def _rules_combinations(cfg: DictConfig) -> None:
         raise ConfigError(
             "kernels: Liger and Unsloth cannot both be on (Unsloth patches the same modules)",
             key="kernels",
-            allowed=GROUP_OPTIONS["kernels"],
+            allowed=group_options("kernels"),
         )
     if cfg.adapter.method == "full" and cfg.quant.bits != 16:
         raise ConfigError(

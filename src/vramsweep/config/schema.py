@@ -12,27 +12,20 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
-# Allowed option names per group (the YAML files under conf/ must match these exactly).
-GROUP_OPTIONS: dict[str, tuple[str, ...]] = {
-    "quant": ("none", "nf4", "nf4_dq", "fp4", "int8"),
-    "adapter": ("lora", "rslora", "dora", "full"),
-    "optimizer": ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor"),
-    "attention": ("eager", "sdpa", "flash_attention_2"),
-    "kernels": ("none", "liger", "unsloth"),
-    "checkpointing": ("off", "on", "offload"),
-    "tiling": ("off", "loss", "mlp", "on"),
-    "vocab": ("full", "sliced"),
-    "logger": ("wandb", "none"),
-    "hardware": (
-        "cpu",
-        "rtx4080_16gb",
-        "rtx4090_24gb",
-        "t4_16gb",
-        "a100_80gb",
-        "h100_80gb",
-        "h200_141gb",
-    ),
-}
+# Groups whose options are checked by name: an option's ``name`` must be one of the group's option files
+# (``conf/<group>/*.yaml`` across the search path, :func:`vramsweep.config.paths.list_options`). There
+# is no hand-written list of options: a new option file is a new option.
+NAMED_GROUPS: tuple[str, ...] = (
+    "quant",
+    "adapter",
+    "optimizer",
+    "attention",
+    "kernels",
+    "checkpointing",
+    "tiling",
+    "vocab",
+    "logger",
+)
 
 DTYPES = ("fp32", "bf16", "fp16")
 TRUNCATIONS = ("none", "head", "tail", "exp_decay")
