@@ -29,6 +29,7 @@ from typing import Any
 
 from vramsweep.config.compose import ConfigError
 from vramsweep.sweeper.design import design_choices
+from vramsweep.sweeper.isolation import make_runner
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY, Outcome, user_attrs
 from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
     DEFAULT_SEARCH_TRIALS,
@@ -42,7 +43,6 @@ from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
     total_trials,
 )
 from vramsweep.sweeper.progress import Progress, fmt_override, plural, trial_line
-from vramsweep.sweeper.runner import RunReport, TrialSpec, _load_child_result, make_runner
 from vramsweep.sweeper.settings import Settings, resolve_settings
 from vramsweep.sweeper.space import (
     cli_sweep_params,
@@ -71,6 +71,7 @@ from vramsweep.sweeper.storage import (
     top_up,
     trial_counts,
 )
+from vramsweep.sweeper.trialproc import RunReport, TrialSpec, _load_child_result
 
 log = logging.getLogger("vramsweep.sweeper")
 
@@ -267,8 +268,8 @@ def compose_sweep(args: list[str]) -> tuple[dict[str, Any], dict[str, Any], list
 
     from vramsweep.config.compose import _translate_hydra_error, conf_dir
     from vramsweep.config.schema import register_configs
+    from vramsweep.sweeper.isolation import preserved_global_hydra
     from vramsweep.sweeper.multirun import check_option_names, translate_args
-    from vramsweep.sweeper.runner import preserved_global_hydra
 
     check_option_names(args)
     args = translate_args(args)
@@ -541,7 +542,7 @@ class Sweep:
     def _lost_result(self, spec: TrialSpec, reason: str, retries: int, trial_id: int) -> dict[str, Any]:
         """The result JSON of a lost trial (``meta.retries`` = earlier losses of its point); marks it lost."""
         from vramsweep.record.result import atomic_write_json
-        from vramsweep.sweeper.runner import parent_side_result
+        from vramsweep.sweeper.trialproc import parent_side_result
 
         res = parent_side_result(spec, reason, 0.0)
         res["meta"]["retries"] = retries
@@ -895,7 +896,7 @@ class Sweep:
         runs it like a fork-server child: result JSON next to the study, pruning reports through the
         storage. This process keeps the trials' heartbeat while the launcher waits for them.
         """
-        from vramsweep.sweeper.runner import SPEC_ENV, parent_side_result, report_from_json, save_spec
+        from vramsweep.sweeper.trialproc import SPEC_ENV, parent_side_result, report_from_json, save_spec
 
         launcher = self.launcher_factory()
         cfg = getattr(launcher, "config", None)
@@ -1179,7 +1180,7 @@ def run_sweep(
 
 def _fork_how(preload: list[str]) -> str:
     """How the fork server starts trials on this host (CUDA hosts leave out CUDA-initialising modules)."""
-    from vramsweep.sweeper.runner import effective_preload
+    from vramsweep.sweeper.isolation import effective_preload
 
     modules, left_out = effective_preload(preload)
     text = f"fork server (preloads {', '.join(modules) or 'nothing'}"

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.config.compose import ConfigError
 from vramsweep.sweeper.design import DesignPoint
-from vramsweep.sweeper.runner import preserved_global_hydra
+from vramsweep.sweeper.isolation import preserved_global_hydra
 from vramsweep.sweeper.space import Param, merge_overrides
 
 
