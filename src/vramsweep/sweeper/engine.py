@@ -15,7 +15,7 @@ Flow of :func:`run_sweep`:
 4. A summary, and ``results: <sweep folder>``.
 
 :class:`Sweep` is the one object of a sweeper process: it holds the state, the run loop and the summary;
-its study, worker and launcher sides are mixins from those modules.
+its study and worker sides are mixins from those modules; launcher mode is a runner (:mod:`.launch`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 from vramsweep.config.compose import ConfigError
 from vramsweep.sweeper.design import design_choices
 from vramsweep.sweeper.isolation import make_runner
-from vramsweep.sweeper.launch import LauncherMixin
+from vramsweep.sweeper.launch import LauncherRunner
 from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
     DEFAULT_SEARCH_TRIALS,
     IDENTITY,
@@ -53,7 +53,7 @@ from vramsweep.sweeper.workers import WorkerMixin
 log = logging.getLogger("vramsweep.sweeper")
 
 
-class Sweep(StudyMixin, WorkerMixin, LauncherMixin):
+class Sweep(StudyMixin, WorkerMixin):
     """One sweeper process working on a study (other processes/machines may work on it too)."""
 
     def __init__(self, plan: Plan, runner: Any = None, launcher_factory: Any = None):
@@ -63,13 +63,14 @@ class Sweep(StudyMixin, WorkerMixin, LauncherMixin):
         self.trials_dir = self.s.sweep_dir / "trials"
         self.launcher_factory = launcher_factory
         if self.s.isolation == "launcher":
-            if launcher_factory is None:
+            if launcher_factory is None and runner is None:
                 raise ConfigError(
                     "hydra.sweeper.isolation=launcher needs the Hydra sweeper plugin (vramsweep train -m)",
                     key="hydra.sweeper.isolation",
                 )
-            self.runner = make_runner("inprocess", [])  # only for describe(); trials go through the launcher
-            self.runner.name = "launcher"
+            self.runner = runner or LauncherRunner(
+                launcher_factory, self.s.sweep_dir, batch_size=self.s.n_jobs
+            )
         else:
             self.runner = runner or make_runner(self.s.isolation, self.s.preload)
         self.choices = design_choices(plan.design) if plan.design is not None else {}
@@ -111,7 +112,7 @@ class Sweep(StudyMixin, WorkerMixin, LauncherMixin):
         """Run to completion; returns the exit code (0 done, 1 aborted or interrupted)."""
         self.prepare()
         assert self.progress is not None
-        if self._nothing_waiting() and self.s.isolation != "launcher":
+        if self._nothing_waiting():
             self._stop.set()  # no trial to start: no fork server (no torch import), just the summary
             self.summary(0.0)
             return 0
@@ -126,11 +127,6 @@ class Sweep(StudyMixin, WorkerMixin, LauncherMixin):
         try:
             n_threads = max(1, self.s.n_jobs)
             self.progress.say(self.describe())
-            if self.s.isolation == "launcher":
-                self.run_launcher()
-                self._stop.set()
-                self.summary(time.perf_counter() - t0)
-                return 1 if self.abort.is_set() else 0
             self.runner.start()
             started = True
             self.progress.start()
