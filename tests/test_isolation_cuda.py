@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from vramsweep.sweeper import runner as R
+from vramsweep.sweeper import isolation as R
+from vramsweep.sweeper import trialproc as T
 from vramsweep.sweeper.settings import DEFAULT_PRELOAD
 
 TESTS = Path(__file__).resolve().parent
 
 
-def _spec(tmp_path: Path, fn: str, n: int = 0) -> R.TrialSpec:
-    return R.TrialSpec(
+def _spec(tmp_path: Path, fn: str, n: int = 0) -> T.TrialSpec:
+    return T.TrialSpec(
         number=n,
         trial_id=-1,
         slot=n,
@@ -100,8 +101,8 @@ def test_cuda_host_detection_without_touching_cuda(monkeypatch):
 def test_trial_forked_after_cuda_init_fails_with_a_reason(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
-    assert R.forked_after_cuda_init()
+    assert T.forked_after_cuda_init()
     spec = _spec(tmp_path, "vramsweep.sweeper.runner:noop_trial")
-    R._write_bad_fork_result(spec)
+    T._write_bad_fork_result(spec)
     res = json.loads(Path(spec.result_path).read_text())
     assert res["status"] == "error" and "isolation=spawn" in res["reason"]

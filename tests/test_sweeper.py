@@ -377,6 +377,24 @@ def test_launcher_isolation_runs_trials_as_hydra_jobs(tmp_path):
     assert sorted(p.name for p in (tmp_path / "sweeps").iterdir()) == ["l1"]  # no stray default folder
 
 
+def test_a_hydra_launcher_on_the_command_line_means_launcher_mode():
+    """``hydra/launcher=submitit_slurm`` alone hands trials to that launcher; an explicit isolation wins
+    (and says the launcher is not used); Hydra's basic launcher never switches."""
+    from vramsweep.sweeper.launch import BASIC_LAUNCHER, choose_isolation
+
+    slurm = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert choose_isolation("fork", slurm, ["hydra/launcher=submitit_slurm"]) == ("launcher", None)
+    iso, note = choose_isolation(
+        "spawn", slurm, ["hydra/launcher=submitit_slurm", "hydra.sweeper.isolation=spawn"]
+    )
+    assert iso == "spawn" and "SlurmLauncher" in note and "not used" in note
+    assert choose_isolation("fork", BASIC_LAUNCHER, []) == ("fork", None)
+    assert choose_isolation("launcher", BASIC_LAUNCHER, ["hydra.sweeper.isolation=launcher"]) == (
+        "launcher",
+        None,
+    )
+
+
 def test_the_sweeper_process_never_imports_torch(tmp_path):
     """CUDA can only be initialised where torch is imported: trials do it in their own processes."""
     import subprocess

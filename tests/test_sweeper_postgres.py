@@ -15,6 +15,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -65,9 +67,10 @@ def pg_url(tmp_path_factory):
         except KeyError:
             _skip("running as root and there is no 'postgres' user to run the server")
         runas = ["runuser", "-u", "postgres", "--"]
+        # Not under pytest's temp root: pytest resets it to 0700 whenever a pytest session starts (another
+        # test run on the machine), and the server user must traverse it.
+        root = Path(tempfile.mkdtemp(prefix="vramsweep-pg-"))
         os.chown(root, pw.pw_uid, pw.pw_gid)
-        for parent in list(root.parents)[:3]:
-            os.chmod(parent, os.stat(parent).st_mode | 0o011)  # let the server user traverse the temp dirs
     data, port = root / "data", _free_port()
     subprocess.run(
         [
@@ -109,6 +112,7 @@ def pg_url(tmp_path_factory):
         subprocess.run(
             [*runas, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"], capture_output=True
         )
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_four_workers_five_trials_each_make_exactly_twenty(pg_url, tmp_path):
@@ -153,3 +157,59 @@ def test_four_workers_five_trials_each_make_exactly_twenty(pg_url, tmp_path):
     files = sorted((tmp_path / "sweeps" / name / "trials").glob("*.json"))
     assert [int(f.stem) for f in files] == list(range(20))
     assert sum(out.count("/20 trial ") for out, _ in outs) == 20  # each trial reported once
+
+
+def test_submitit_local_jobs_on_postgres_one_job_killed(pg_url, tmp_path):
+    """``hydra/launcher=submitit_local`` alone puts the sweeper in launcher mode: every trial is a real
+    submitit job (its own process, started by submitit), the study lives in PostgreSQL, and a job killed
+    mid-trial (SIGKILL: no result, submitit raises for it) fails that trial only: exactly N trials, the
+    others' results and statuses intact, nothing left RUNNING."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    import optuna
+    from optuna.trial import TrialState
+
+    from vramsweep.sweeper.settings import normalise_storage_url
+
+    name = f"sub-{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ, VRAMSWEEP_FAKE=json.dumps({"faults": {"adapter.r=8": "kill"}}))
+    cmd = [
+        sys.executable,
+        "-m",
+        "vramsweep.sweeper",
+        f"results_dir={tmp_path}",
+        "hydra.sweeper.trial_fn=fakes:fake_trial",
+        "adapter.r=4,8,12,16",
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.timeout_min=5",
+        "hydra.sweeper.n_jobs=4",
+        f"hydra.sweeper.storage={pg_url}",
+        f"hydra.sweeper.study_name={name}",
+    ]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    wall = time.perf_counter() - t0
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    assert "each trial in a Hydra launcher job" in p.stdout + p.stderr
+    study = optuna.load_study(study_name=name, storage=normalise_storage_url(pg_url))
+    trials = sorted(study.trials, key=lambda t: t.number)
+    assert [t.number for t in trials] == [0, 1, 2, 3]
+    by_r = {t.params["adapter.r"]: t for t in trials}
+    assert sorted(by_r) == [4, 8, 12, 16]
+    assert by_r[8].state == TrialState.FAIL and by_r[8].user_attrs["status"] == "error"
+    assert "launcher job" in by_r[8].user_attrs["reason"]
+    assert all(
+        by_r[r].state == TrialState.COMPLETE and by_r[r].user_attrs["status"] == "ok" for r in (4, 12, 16)
+    )
+    sweep_dir = tmp_path / "sweeps" / name
+    res = {int(f.stem): json.loads(f.read_text()) for f in (sweep_dir / "trials").glob("*.json")}
+    assert sorted(res) == [0, 1, 2, 3]
+    for t in trials:
+        assert res[t.number]["status"] == t.user_attrs["status"]
+        if t.state == TrialState.COMPLETE:
+            assert res[t.number]["metrics"]["eval_loss"] == t.values[0]
+    # each trial ran as a submitit job (its own log folder), in this sweep's folder
+    jobs = [d for d in (sweep_dir / ".submitit").iterdir() if d.is_dir() and d.name != "%j"]
+    assert len(jobs) == 4, jobs
+    assert not (tmp_path / "sweeps" / "multirun").exists()
+    print(f"submitit_local sweep of 4 trials: {wall:.1f} s")

@@ -1,5 +1,6 @@
 """The Hydra ``Sweeper`` subclass: hands the composed config and the command line to the engine."""
 
+import sys
 from typing import Any
 
 from hydra.plugins.sweeper import Sweeper
@@ -51,6 +52,17 @@ class VramsweepSweeper(Sweeper):
             if code:
                 raise SystemExit(code)
             return None
+        from vramsweep.sweeper.launch import choose_isolation
+
+        # hydra/launcher=submitit_slurm (or any launcher but the basic one) hands the trials to that launcher
+        isolation, note = choose_isolation(
+            str(sweeper_cfg.get("isolation") or "fork"),
+            OmegaConf.select(self.config, "hydra.launcher._target_"),
+            [str(o) for o in OmegaConf.to_container(self.config.hydra.overrides.hydra, resolve=False)],
+        )
+        sweeper_cfg["isolation"] = isolation
+        if note:
+            print(note, file=sys.stderr)
         task = OmegaConf.masked_copy(self.config, [k for k in self.config.keys() if k != "hydra"])
         task_cfg = OmegaConf.to_container(task, resolve=True)
         code = run_sweep(dict(sweeper_cfg), dict(task_cfg), list(arguments), launcher_factory=self._launcher)

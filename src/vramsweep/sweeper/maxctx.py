@@ -64,7 +64,7 @@ class _Prober:
                 self.known[tuple(res.get("overrides") or [])] = res
 
     def probe(self, overrides: list[str], tokens: int) -> dict[str, Any]:
-        from vramsweep.sweeper.runner import TrialSpec
+        from vramsweep.sweeper.trialproc import TrialSpec
 
         over = [*overrides, f"context.max_tokens={tokens}"]
         if tuple(over) in self.known:
@@ -305,7 +305,7 @@ def run_max_context(
     from vramsweep.config.compose import ConfigError
     from vramsweep.config.errors import error_line
     from vramsweep.record.result import atomic_write_json, atomic_write_text
-    from vramsweep.sweeper.runner import make_runner
+    from vramsweep.sweeper.isolation import make_runner
     from vramsweep.sweeper.settings import DEFAULT_PRELOAD, DEFAULT_TRIAL_FN
 
     def say(text: str) -> None:

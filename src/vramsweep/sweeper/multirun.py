@@ -119,7 +119,7 @@ def _task(cfg: Any) -> Any:
 
     spec_path = os.environ.get("VRAMSWEEP_TRIAL_SPEC")
     if spec_path:
-        from vramsweep.sweeper.runner import execute, load_spec
+        from vramsweep.sweeper.trialproc import execute, load_spec
 
         return execute(load_spec(spec_path)).get("status")
     from omegaconf import OmegaConf

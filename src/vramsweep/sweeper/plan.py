@@ -1,18 +1,28 @@
 """A sweep's plan and identity: the validated settings, fixed overrides, space and points, and what makes two
-runs the same sweep (stored with its study; ad-hoc sweeps are named after it). Below the engine and the
-finished-study fast path, which both build plans."""
+runs the same sweep (stored with its study; ad-hoc sweeps are named after it). :func:`plan_sweep` builds it
+from the composed config and the command line (:func:`compose_sweep`, :func:`plan_from_args`). Below the
+engine and the finished-study fast path, which both build plans."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import re
+import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from vramsweep.sweeper.design import DesignPoint, build_design, design_choices
-from vramsweep.sweeper.settings import Settings
-from vramsweep.sweeper.space import Param, override_key, space_size
+from vramsweep.sweeper.settings import Settings, resolve_settings
+from vramsweep.sweeper.space import (
+    Param,
+    cli_sweep_params,
+    merge_overrides,
+    override_key,
+    parse_params,
+    space_size,
+)
 
 DEFAULT_SEARCH_TRIALS = 20
 
@@ -98,3 +108,166 @@ def total_trials(settings: Settings, design: list[DesignPoint] | None, dims: lis
     if settings.n_trials is not None:
         return int(settings.n_trials)
     return int(min(DEFAULT_SEARCH_TRIALS, space_size(dims)))
+
+
+def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]) -> Plan:
+    """Parse and validate everything; raise ConfigError before anything is written."""
+    from optuna.exceptions import ExperimentalWarning
+
+    from vramsweep.sweeper.validate import compose_base, int_keys, validate_design, validate_space
+
+    warnings.filterwarnings("ignore", category=ExperimentalWarning)  # TPE's `group`, metric names
+
+    cli_params, cli_fixed = cli_sweep_params(arguments)
+    sweep_node = task_cfg.get("sweep") or {}
+    settings = resolve_settings(
+        sweeper_cfg,
+        task_cfg,
+        cli_params=cli_params,
+        sweep_file=sweep_node.get("name") if sweep_node else None,
+    )
+    pinned = {override_key(o) for o in cli_fixed}
+    params = {k: v for k, v in settings.params.items() if k not in pinned}
+    for k in settings.params:
+        if k in pinned:
+            print(
+                f"vramsweep: {k} is fixed on the command line: removed from the search space", file=sys.stderr
+            )
+    settings.params = params
+    # the sweep file's fixed params first, the command line's fixed overrides last (they win)
+    dims0, fixed_params = parse_params(params)
+    fixed = merge_overrides(fixed_params, cli_fixed)
+    base = compose_base(fixed)
+    dims, _ = parse_params(params, int_keys=int_keys(base, [d.key for d in dims0 if d.kind == "interval"]))
+    settings.budget_gib = float(base.hardware.budget_gib or 0.0)
+    base_seed = int(base.train.seed)
+    if dims:
+        validate_space(fixed, dims)
+    design = plan_design(settings, dims, base_seed)
+    n_total = total_trials(settings, design, dims)
+    if design is not None:
+        if settings.design != "grid":  # a grid's values were all probed above; its combinations run as data
+            validate_design(fixed, design)
+        if settings.n_trials is not None and settings.n_trials > len(design):
+            print(
+                f"vramsweep: the {settings.design} design has {len(design)} points; n_trials={settings.n_trials} "
+                f"capped to {len(design)}",
+                file=sys.stderr,
+            )
+    else:
+        size = space_size(dims)
+        if settings.dedup and n_total > size:
+            print(
+                f"vramsweep: the search space has {int(size)} distinct points; n_trials={n_total} capped to "
+                f"{int(size)} (a point is measured once; use hydra.sweeper.dedup=false to re-run points)",
+                file=sys.stderr,
+            )
+            n_total = int(size)
+        from vramsweep.sweeper.samplers import make_sampler
+
+        make_sampler(
+            settings.sampler,
+            seed=settings.seed,
+            n_jobs=settings.n_jobs,
+            n_objectives=len(settings.objectives),
+        )  # fail now on a bad sampler spec
+    from vramsweep.sweeper.samplers import make_pruner
+
+    make_pruner(settings.pruner, active=True)
+    if (
+        settings.pruning_active
+        and _pruner_chosen(settings)
+        and int(base.train.eval_every) == 0
+        and not any(override_key(o) == "train.eval_every" for d in (design or []) for o in d.overrides)
+    ):
+        print(
+            "vramsweep: pruning is on but train.eval_every=0 (no intermediate evals): set train.eval_every",
+            file=sys.stderr,
+        )
+    if settings.isolation == "inprocess" and settings.n_jobs > 1:
+        print("vramsweep: isolation=inprocess runs one trial at a time: n_jobs set to 1", file=sys.stderr)
+        settings.n_jobs = 1
+    plan = Plan(settings, fixed, dims, design, int(n_total), base_seed)
+    plan.wandb = str((task_cfg.get("logger") or {}).get("name")) == "wandb" or "logger=wandb" in fixed
+    name_sweep(plan)
+    return plan
+
+
+def identity_diff(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """What differs between two sweep identities, in override terms."""
+    parts = []
+    for key, what in (("design", "design"), ("objectives", "objectives"), ("trial_fn", "trial function")):
+        if old.get(key) != new.get(key):
+            parts.append(f"{what}: study {old.get(key)} vs this run {new.get(key)}")
+    if old.get("fixed") != new.get("fixed"):
+        o, n = old.get("fixed") or [], new.get("fixed") or []
+        parts.append(
+            f"fixed overrides: study [{' '.join(x for x in o if x not in n)}] vs this run "
+            f"[{' '.join(x for x in n if x not in o)}]"
+        )
+    if old.get("points") != new.get("points"):
+        o = [" ".join(p) for p in old.get("points") or []]
+        n = [" ".join(p) for p in new.get("points") or []]
+        gone, added = [x for x in o if x not in n], [x for x in n if x not in o]
+        parts.append(
+            "design points: "
+            + (f"only in the study: {'; '.join(gone)[:300]}" if gone else "")
+            + ("; " if gone and added else "")
+            + (f"only in this run: {'; '.join(added)[:300]}" if added else "")
+            + ("" if gone or added else "same points, other order")
+        )
+    if old.get("space") != new.get("space"):
+        o, n = old.get("space") or {}, new.get("space") or {}
+        for k in sorted(set(o) | set(n)):
+            if o.get(k) != n.get(k):
+                parts.append(
+                    f"search space {k}: study {_space_text(o.get(k))} vs this run {_space_text(n.get(k))}"
+                )
+    return "; ".join(parts) or "identity differs"
+
+
+def _space_text(d: dict[str, Any] | None) -> str:
+    if not d:
+        return "(absent)"
+    if d.get("kind") in ("choice", "range"):
+        return "{" + ",".join(str(v) for v in d.get("values") or []) + "}"
+    return f"interval({d.get('low')}, {d.get('high')}{', log' if d.get('log') else ''})"
+
+
+def _pruner_chosen(settings: Settings) -> bool:
+    """Whether the user chose the pruner (a warning about it is actionable); the default one on a
+    default search without intermediate evals simply never prunes, which is fine."""
+    from vramsweep.sweeper.settings import SweeperConf
+
+    return settings.pruner != SweeperConf.pruner
+
+
+def compose_sweep(args: list[str]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """Compose ``train.yaml`` the way ``vramsweep train -m <args>`` would, without running anything.
+
+    Returns:
+        ``(hydra.sweeper node, task config, task arguments)`` as plain containers, ready for
+        :func:`plan_sweep` (tests and tools use this to check sweep files).
+    """
+    from omegaconf import OmegaConf
+
+    from vramsweep.config.compose import compose
+    from vramsweep.sweeper.multirun import check_option_names, translate_args
+
+    check_option_names(args)
+    args = translate_args(args)
+    hydra_ovs = [a for a in args if a.lstrip("+").startswith("hydra")]
+    task_args = [a for a in args if a not in hydra_ovs]
+    _, fixed = cli_sweep_params(task_args)
+    if not any(a.startswith("hydra/sweeper=") for a in hydra_ovs):
+        hydra_ovs = ["hydra/sweeper=vramsweep", *hydra_ovs]
+    cfg = compose([*hydra_ovs, *fixed], rules="none", return_hydra_config=True)
+    sweeper = OmegaConf.to_container(cfg.hydra.sweeper, resolve=True)
+    task = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+    return dict(sweeper), dict(OmegaConf.to_container(task, resolve=True)), task_args
+
+
+def plan_from_args(args: list[str]) -> Plan:
+    """:func:`compose_sweep` + :func:`plan_sweep`: the validated plan of ``vramsweep train -m <args>``."""
+    sweeper, task, task_args = compose_sweep(args)
+    return plan_sweep(sweeper, task, task_args)

@@ -68,8 +68,8 @@ class SweeperConf:
             "tag(log, interval(...))" | fixed value}``.
         seed: sampler seed (``null`` = random).
         isolation: ``fork`` (warm fork server, default), ``spawn`` (cold process), ``inprocess`` (debug),
-            ``launcher`` (batches of ``n_jobs`` trials through the Hydra launcher, e.g.
-            ``hydra/launcher=submitit_slurm``: one cluster job per trial).
+            ``launcher`` (each trial a job of the Hydra launcher, ``n_jobs`` in flight; implied by
+            ``hydra/launcher=submitit_slurm`` or any launcher but Hydra's basic one).
         trial_fn: ``module:function`` that runs one trial from overrides (tests inject fakes here).
         preload: modules the fork server imports once.
         max_failure_rate: abort (exit 1) when more than this fraction of finished trials are ``error``

@@ -6,7 +6,7 @@ itself). CUDA must never be initialised here: a process forked after CUDA was in
 the GPU ("Cannot re-initialize CUDA in forked subprocess"), and the server would hold a CUDA context
 (hundreds of MB of device memory) while trials are measured. ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` keeps
 ``torch.cuda.is_available()`` fork-safe; on a CUDA host the runner leaves out the modules known to
-initialise CUDA on import (:data:`vramsweep.sweeper.runner.CUDA_INIT_MODULES`). Whatever happens, this
+initialise CUDA on import (:data:`vramsweep.sweeper.isolation.CUDA_INIT_MODULES`). Whatever happens, this
 module records after each import whether CUDA got initialised and writes its state as JSON to
 ``VRAMSWEEP_ZYGOTE_STATUS``; the runner reads it and refuses to fork trials from a server whose CUDA is
 initialised (it falls back to spawn and says why).
@@ -54,10 +54,11 @@ for _name in [m.strip() for m in os.environ.get("VRAMSWEEP_PRELOAD", "").split("
         FAILED[_name] = f"{type(_exc).__name__}: {_exc}"
     _note_cuda(_name)
 
-# What every trial process uses whatever the trial function: the runner, outcomes, and Optuna's
+# What every trial process uses whatever the trial function: the trial process's code, outcomes, and Optuna's
 # storage (intermediate reports for pruning).
 for _name in (
-    "vramsweep.sweeper.runner",
+    "vramsweep.sweeper.trialproc",
+    "vramsweep.sweeper.runner",  # the overhead probe's no-op trial (imports .isolation)
     "vramsweep.sweeper.outcome",
     "vramsweep.sweeper.samplers",
     "vramsweep.sweeper.storage",

@@ -1,0 +1,301 @@
+"""Trial isolation: one fresh process per trial, forked from a warm fork server.
+
+* ``fork`` (default): ``multiprocessing`` fork server whose zygote has imported torch, transformers,
+  peft and the trial module once, so a trial starts in ~0.1-0.3 s instead of ~6-10 s of imports
+  (``python -m vramsweep.sweeper.runner --overhead`` measures it). The sweeper process never imports
+  torch, so CUDA is never initialised in the parent. On a CUDA host the server leaves out the modules
+  that initialise CUDA on import (:data:`CUDA_INIT_MODULES`: peft imports bitsandbytes, which queries the
+  device's compute capability); the zygote reports whether CUDA got initialised anyway, and the runner
+  then refuses to fork from it and starts trials by spawn instead (:meth:`ProcessRunner.start`). A trial
+  process that finds itself forked after CUDA was initialised fails with a clear reason (never a silent
+  CPU run, never "Cannot re-initialize CUDA").
+* ``spawn``: a cold interpreter per trial (for libraries that dislike fork).
+* ``inprocess``: the trial runs in the sweeper process (debugging; no kill or timeout protection).
+
+What runs inside the trial process (the spec, the result JSON, pruning reports) is :mod:`.trialproc`. A
+child that dies without a result JSON (kill -9, segfault, kernel OOM killer, timeout) gets an ``error``
+result written by the parent, with the signal as the reason.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vramsweep.sweeper.trialproc import (
+    RunReport,
+    TrialSpec,
+    _load_child_result,
+    child_main,
+    execute,
+    parent_side_result,
+    report_from_json,
+)
+
+#: Modules that initialise CUDA when imported on a GPU host (bitsandbytes 0.50 calls
+#: ``torch.cuda.get_device_capability()`` at import; peft imports bitsandbytes when it is installed; Unsloth
+#: and Liger probe the device). A fork server on a CUDA host never preloads them.
+CUDA_INIT_MODULES = ("bitsandbytes", "peft", "unsloth", "unsloth_zoo", "liger_kernel", "trl")
+#: What a CUDA host's fork server preloads instead: the heavy, CUDA-free parts peft would have pulled in
+#: (most of peft's import time), so a trial only pays for peft's own modules and bitsandbytes.
+CUDA_SAFE_EXTRAS = ("transformers.modeling_utils", "transformers.models.auto.modeling_auto", "accelerate")
+
+
+def cuda_host() -> bool:
+    """Whether this machine has an NVIDIA GPU visible to this process, decided without touching CUDA.
+
+    ``VRAMSWEEP_CUDA_HOST=0|1`` overrides (tests); otherwise an NVIDIA driver with at least one GPU
+    (``/proc/driver/nvidia/gpus`` or ``/dev/nvidia0``) and ``CUDA_VISIBLE_DEVICES`` not empty/-1.
+    """
+    forced = os.environ.get("VRAMSWEEP_CUDA_HOST")
+    if forced is not None:
+        return forced.strip().lower() in ("1", "true", "yes")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    with contextlib.suppress(OSError):
+        if gpus.is_dir() and any(gpus.iterdir()):
+            return True
+    return Path("/dev/nvidia0").exists()
+
+
+def effective_preload(preload: list[str], *, cuda: bool | None = None) -> tuple[list[str], list[str]]:
+    """The fork server's preload for this host: ``(modules, left_out)``.
+
+    On a CUDA host the modules of :data:`CUDA_INIT_MODULES` (and their submodules) are left out and the
+    CUDA-free :data:`CUDA_SAFE_EXTRAS` added in their place (when the list asked for one of them).
+    """
+    if not (cuda_host() if cuda is None else cuda):
+        return list(preload), []
+
+    def unsafe(name: str) -> bool:
+        return any(name == m or name.startswith(m + ".") for m in CUDA_INIT_MODULES)
+
+    keep = [m for m in preload if not unsafe(m)]
+    left_out = [m for m in preload if unsafe(m)]
+    if left_out:
+        keep += [m for m in CUDA_SAFE_EXTRAS if m not in keep]
+    return keep, left_out
+
+
+class Runner(abc.ABC):
+    """Base: ``start()`` once, ``run(spec)`` per trial (from any thread), ``stop()`` at the end."""
+
+    name = "base"
+
+    def start(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def stop(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    @abc.abstractmethod
+    def run(
+        self,
+        spec: TrialSpec,
+        *,
+        tick: Callable[[], None] | None = None,
+        tick_s: float = 10.0,
+        timeout_s: float | None = None,
+    ) -> RunReport:
+        """Run one trial to its end and report its outcome."""
+
+    def kill_all(self) -> None:  # noqa: B027 - optional hook
+        """Stop every running trial now (Ctrl-C)."""
+
+
+class ProcessRunner(Runner):
+    """A fresh process per trial, from a warm fork server (``fork``) or a cold interpreter (``spawn``)."""
+
+    def __init__(self, method: str = "forkserver", preload: list[str] | None = None):
+        import multiprocessing
+
+        self.method = method
+        self.name = "fork" if method == "forkserver" else method
+        self.preload = list(preload or [])
+        self.ctx = multiprocessing.get_context(method)
+        self.warmup_s: float | None = None
+        #: what the fork server actually preloaded / left out / its zygote's state, and why a fork server
+        #: was refused (``None`` when it serves trials)
+        self.server_preload: list[str] = []
+        self.left_out: list[str] = []
+        self.zygote: dict[str, Any] = {}
+        self.fallback_reason: str | None = None
+        self._live: set[Any] = set()
+
+    def start(self) -> None:
+        if self.method != "forkserver":
+            return
+        import tempfile
+        from multiprocessing import forkserver
+
+        global _SERVER_PRELOAD, _SERVER_STATE
+        t0 = time.perf_counter()
+        preload, self.left_out = effective_preload(self.preload)
+        if _SERVER_PRELOAD == preload and _forkserver_alive() and _SERVER_STATE is not None:
+            self.warmup_s = 0.0  # a server with the same preload is already warm (several sweeps per process)
+            self.server_preload, self.zygote = list(preload), dict(_SERVER_STATE)
+            return
+        _stop_forkserver()
+        _SERVER_PRELOAD = list(preload)
+        self.server_preload = list(preload)
+        os.environ["VRAMSWEEP_PRELOAD"] = ",".join(preload)
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        fd, status_path = tempfile.mkstemp(prefix="vramsweep-zygote-", suffix=".json")
+        os.close(fd)
+        os.unlink(status_path)
+        os.environ["VRAMSWEEP_ZYGOTE_STATUS"] = status_path
+        try:
+            self.ctx.set_forkserver_preload(["vramsweep.sweeper.zygote"])
+            forkserver.ensure_running()
+            # The server imports the preload list before it accepts its first client: wait for it here, so
+            # trial 0 is not charged for the warm-up.
+            probe = self.ctx.Process(target=_noop, name="vramsweep-warmup")
+            probe.start()
+            probe.join()
+            try:
+                with open(status_path) as fh:
+                    self.zygote = json.load(fh)
+            except (OSError, ValueError):
+                self.zygote = {}
+        finally:
+            os.environ.pop("VRAMSWEEP_ZYGOTE_STATUS", None)
+            with contextlib.suppress(OSError):
+                os.unlink(status_path)
+        _SERVER_STATE = dict(self.zygote)
+        if self.zygote.get("cuda_initialised"):
+            culprit = self.zygote.get("cuda_initialised_by") or "the preload"
+            self.fallback_reason = (
+                f"importing {culprit} in the fork server initialised CUDA; a trial forked from it could not "
+                "use the GPU, so every trial starts in a fresh interpreter (spawn) instead. Remove it from "
+                "hydra.sweeper.preload to get warm starts back"
+            )
+            print(f"vramsweep: warning: {self.fallback_reason}", file=sys.stderr)
+            _stop_forkserver()
+            import multiprocessing
+
+            self.method, self.name = "spawn", "spawn"
+            self.ctx = multiprocessing.get_context("spawn")
+        self.warmup_s = time.perf_counter() - t0
+
+    def stop(self) -> None:
+        """Nothing to do: the fork server stays warm for the next sweep in this process and exits with it."""
+
+    def kill_all(self) -> None:  # noqa: B027 - optional hook
+        for proc in list(self._live):
+            with contextlib.suppress(Exception):
+                proc.kill()
+
+    def run(
+        self,
+        spec: TrialSpec,
+        *,
+        tick: Callable[[], None] | None = None,
+        tick_s: float = 10.0,
+        timeout_s: float | None = None,
+    ) -> RunReport:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(spec.result_path)
+        Path(spec.result_path).parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        proc = self.ctx.Process(target=child_main, args=(spec,), name=f"vramsweep-trial-{spec.number}")
+        proc.start()
+        self._live.add(proc)
+        timed_out = False
+        while True:
+            proc.join(tick_s)
+            if proc.exitcode is not None:
+                break
+            if tick is not None:
+                tick()
+            if timeout_s is not None and time.perf_counter() - t0 > timeout_s:
+                timed_out = True
+                proc.kill()
+                proc.join()
+                break
+        wall = time.perf_counter() - t0
+        exitcode = proc.exitcode
+        self._live.discard(proc)
+        with contextlib.suppress(Exception):
+            proc.close()
+        data = _load_child_result(spec.result_path)
+        if data is not None and not timed_out:
+            return report_from_json(data, wall, exitcode)
+        if timed_out:
+            reason = f"timeout: trial ran longer than hydra.sweeper.timeout_s={timeout_s:g} s and was killed"
+        else:
+            from vramsweep.sweeper.outcome import signal_reason
+
+            reason = signal_reason(exitcode)
+        return report_from_json(parent_side_result(spec, reason, wall), wall, exitcode)
+
+
+class InProcessRunner(Runner):
+    """Run trials in the sweeper process (``hydra.sweeper.isolation=inprocess``; debugging only)."""
+
+    name = "inprocess"
+
+    def run(
+        self,
+        spec: TrialSpec,
+        *,
+        tick: Callable[[], None] | None = None,
+        tick_s: float = 10.0,
+        timeout_s: float | None = None,
+    ) -> RunReport:
+        Path(spec.result_path).parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        from vramsweep.config.compose import hydra_state
+
+        with hydra_state():  # the sweeper's Hydra app state survives the trial's own composes
+            result = execute(spec)
+        return report_from_json(result, time.perf_counter() - t0, 0)
+
+
+def _noop() -> None:
+    """Target of the fork server's warm-up process."""
+
+
+_SERVER_PRELOAD: list[str] | None = None
+_SERVER_STATE: dict[str, Any] | None = None
+
+
+def _forkserver_alive() -> bool:
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if not pid:
+        return False
+    import psutil
+
+    try:  # never waitpid() here: multiprocessing reaps its own server
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _stop_forkserver() -> None:
+    global _SERVER_PRELOAD, _SERVER_STATE
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+    _SERVER_PRELOAD = None
+    _SERVER_STATE = None
+
+
+def make_runner(isolation: str, preload: list[str]) -> Runner:
+    if isolation == "inprocess":
+        return InProcessRunner()
+    if isolation == "spawn":
+        return ProcessRunner("spawn")
+    return ProcessRunner("forkserver", preload)

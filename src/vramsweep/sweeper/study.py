@@ -1,0 +1,542 @@
+"""A sweep's study bookkeeping: the folder and study, slots popped and filled (design point or sampler),
+outcomes told, duplicates of measured points, and trials lost by dead workers (reconciled, retried within
+``hydra.sweeper.retry_stale``). Mixed into :class:`vramsweep.sweeper.engine.Sweep` (uses its attributes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vramsweep.config.compose import ConfigError
+from vramsweep.record.status import Status
+from vramsweep.sweeper.outcome import CONSTRAINT_KEY, Outcome, user_attrs
+from vramsweep.sweeper.plan import IDENTITY, NOT_IDENTITY, identity_diff
+from vramsweep.sweeper.progress import Progress
+from vramsweep.sweeper.space import merge_overrides, override_key, params_to_overrides, space_size, suggest
+from vramsweep.sweeper.storage import (
+    COPY_OF,
+    FINGERPRINT,
+    HEARTBEAT,
+    LOST,
+    OWNER,
+    RETRIES,
+    RETRY_OF,
+    SLOT,
+    is_stale,
+    load_or_create_study,
+    pop_slot,
+    requeue_lost,
+    storage_lock,
+    top_up,
+    trial_counts,
+)
+from vramsweep.sweeper.trialproc import RunReport, TrialSpec, _load_child_result
+
+#: After this many re-proposed points in a row for one slot, the slot gets an unmeasured point at random.
+DEDUP_PATIENCE = 3
+DUP_STREAK = "vramsweep:dup_streak"
+#: System attribute optuna-dashboard reads a trial's constraints from (a list; Optuna 5 itself writes
+#: ``constraints:<name>``; it reads both, so the budget constraint shows up once more as ``"0"``).
+DASHBOARD_CONSTRAINTS_KEY = "constraints"
+#: Statuses whose outcome is a property of the config (copied for a duplicate point, not re-run).
+COPYABLE = tuple(s.value for s in Status if s is not Status.ERROR)
+
+
+@dataclass
+class Job:
+    """A popped trial, ready to run."""
+
+    trial: Any
+    number: int
+    slot: int
+    overrides: list[str]
+    label: list[str]  # what the point changes, for progress lines
+    design: dict[str, Any]
+    retry_of: int | None = None
+    duplicate_of: int | None = None
+    source: dict[str, Any] | None = None
+    dup_streak: int = 0
+    retries: int = 0  # how many earlier trials of this point were lost (dead worker, Ctrl-C)
+
+
+def _point_key(params: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((str(k), repr(v)) for k, v in params.items()))
+
+
+def _design_label(design: dict[str, Any], overrides: list[str]) -> list[str]:
+    """What a design point changes, for progress lines."""
+    rep = [f"(seed repeat {design['repeat']})"] if design.get("repeat") else []
+    if design.get("kind") == "ablation":
+        return (
+            ["(baseline)"] if design.get("role") == "baseline" else list(design.get("change") or [])
+        ) + rep
+    if design.get("kind") == "stacking":
+        return ([f"+{design['added']}"] if design.get("added") else ["(baseline)"]) + rep
+    return list(overrides)
+
+
+class StudyMixin:
+    """The study side of :class:`~vramsweep.sweeper.engine.Sweep`."""
+
+    def result_path(self, number: int) -> Path:
+        return self.trials_dir / f"{number:04d}.json"
+
+    def _slot_attrs(self, k: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        if self.plan.design is None:
+            return {}, {}
+        point = self.plan.design[k]
+        return {"fixed_params": dict(point.params)}, {"design": point.design}
+
+    def stored_identity(self) -> dict[str, Any] | None:
+        """The identity stored with this sweep's study, without creating storage or study (``None``: new)."""
+        from vramsweep.sweeper.storage import make_storage, sqlite_path
+
+        path = sqlite_path(self.s.storage)
+        if path is not None and not path.is_file():
+            return None
+        with storage_lock(self.s.storage, self.s.study_name):  # table creation races other workers
+            try:
+                storage = make_storage(self.s.storage)
+                study_id = storage.get_study_id_from_name(self.s.study_name)
+            except KeyError:
+                return None
+            attrs = storage.get_study_user_attrs(study_id)
+        ident = attrs.get(IDENTITY)
+        if ident is None and FINGERPRINT in attrs:  # a study from before identities: compare what it kept
+            fp = attrs[FINGERPRINT]
+            ident = dict(self.plan.identity) | {
+                "fixed": sorted(o for o in fp.get("fixed") or [] if override_key(o) not in NOT_IDENTITY)
+            }
+            if fp.get("points") is not None:
+                ident["points"] = fp["points"]
+        return ident
+
+    def check_identity(self) -> None:
+        """Resume only the same sweep; else a ConfigError (exit 2) naming both."""
+        old = self.stored_identity()
+        if old is None or old == self.plan.identity:
+            return
+        where = self.s.storage if "@" not in self.s.storage else "<storage URL>"
+        raise ConfigError(
+            f"sweep '{self.s.name}' (study '{self.s.study_name}' in {where}) was started by a different sweep: "
+            f"{identity_diff(old, self.plan.identity)}. A sweep resumes only with the same design, search space "
+            f"and fixed overrides: run the original command to resume it, or give this one its own name "
+            f"(sweep.name=<new> or hydra.sweeper.study_name=<new>), or delete {self.s.sweep_dir}",
+            key="sweep.name",
+        )
+
+    def prepare(self) -> None:
+        """Create the folder, ``sweep.json`` and the study; reconcile stale trials; top up the slots."""
+        import optuna
+
+        from vramsweep.record.result import atomic_write_json
+        from vramsweep.sweeper.samplers import make_pruner, make_sampler
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        self.progress = Progress(self.plan.n_total, enabled=self.s.progress)
+        self.check_identity()  # a different sweep under this name: exit 2 before anything is written
+        self.trials_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(
+            self.s.sweep_dir / "sweep.json",
+            self.s.public_dict()
+            | {
+                "fixed_overrides": self.plan.fixed,
+                "n_total": self.plan.n_total,
+                "design_points": len(self.plan.design) if self.plan.design is not None else None,
+                "sweep_id": self.plan.sweep_id,
+                "identity": self.plan.identity,
+            },
+        )
+        if self.plan.design is None:
+            sampler = make_sampler(
+                self.s.sampler, seed=self.s.seed, n_jobs=self.s.n_jobs, n_objectives=len(self.s.objectives)
+            )
+        else:
+            sampler = optuna.samplers.RandomSampler(seed=self.s.seed)  # every param is fixed per point
+        pruner = make_pruner(self.s.pruner, active=self.s.pruning_active)
+        self.study = load_or_create_study(self.s, sampler, pruner)
+        self.storage = self.study._storage
+        self.admin = optuna.load_study(
+            study_name=self.s.study_name,
+            storage=self.storage,
+            sampler=optuna.samplers.RandomSampler(),
+            pruner=optuna.pruners.NopPruner(),
+        )
+        with storage_lock(self.s.storage, self.s.study_name):
+            if IDENTITY not in self.study.user_attrs:
+                self.study.set_user_attr(IDENTITY, self.plan.identity)
+                self.study.set_user_attr("vramsweep:sweep_id", self.plan.sweep_id)
+                self.study.set_user_attr(
+                    "sweep",
+                    {
+                        "name": self.s.name,
+                        "design": self.s.design,
+                        "objectives": [o.metric for o in self.s.objectives],
+                    },
+                )
+            self.reconcile()
+            self._requeue_lost()
+            added = top_up(self.study, self.plan.n_total, self._slot_attrs)
+        counts = trial_counts(self.study)
+        done = sum(v for k, v in counts.items() if k in ("COMPLETE", "PRUNED", "FAIL"))
+        self.progress.done = done
+        if done or added < self.plan.n_total:
+            self.progress.say(
+                f"vramsweep: resuming study '{self.s.study_name}': {done}/{self.plan.n_total} finished, "
+                f"{counts.get('WAITING', 0)} to run, {counts.get('RUNNING', 0)} running elsewhere"
+            )
+
+    def reconcile(self) -> int:
+        """Fail (and retry once) or tell-from-JSON every stale RUNNING trial. Call under the lock."""
+        from optuna.trial import TrialState
+
+        reaped = 0
+        now = time.time()
+        for t in self.admin.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if t._trial_id in self._running or not is_stale(t, self.s.grace_s, now):
+                continue
+            self._reap(t, now)
+            reaped += 1
+        return reaped
+
+    def _reap(self, t: Any, now: float) -> None:
+        import optuna
+
+        trial = optuna.Trial(self.admin, t._trial_id)
+        data = _load_child_result(str(self.result_path(t.number)))
+        for tmp in self.trials_dir.glob(f".{t.number:04d}.json.*.tmp"):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        if data is not None:
+            outcome = Outcome.from_dict(data["meta"]["optuna"])
+            self._tell(self.admin, trial, data, outcome)
+            self._say(
+                f"vramsweep: trial {t.number:04d} finished while its worker died: told from its result file"
+            )
+            return
+        slot = t.system_attrs.get(SLOT)
+        retries = int(t.system_attrs.get(RETRIES, 0))
+        owner = t.system_attrs.get(OWNER) or {}
+        beat = t.system_attrs.get(HEARTBEAT)
+        age = f"{now - float(beat):.0f} s ago" if beat else "never"
+        will_retry = self._retry_lost(self.admin, t, retries)
+        reason = (
+            f"stale: the worker running this trial died (host {owner.get('host', '?')} pid {owner.get('pid', '?')}, "
+            f"last heartbeat {age}); {self._retry_note(retries, will_retry)}"
+        )
+        spec = self._spec_for(
+            t.number,
+            t._trial_id,
+            int(slot) if slot is not None else -1,
+            list(t.user_attrs.get("overrides") or []),
+            dict(t.user_attrs.get("design") or {}),
+            t.system_attrs.get(RETRY_OF),
+            worker=0,
+        )
+        res = self._lost_result(spec, reason, retries, t._trial_id)
+        self._tell(self.admin, trial, res, Outcome.from_dict(res["meta"]["optuna"]))
+        self._say(
+            f"vramsweep: trial {t.number:04d} was left RUNNING by a dead worker: failed"
+            + (
+                f" and re-enqueued (retry {retries + 1}/{self.s.retry_stale})"
+                if will_retry
+                else "; not retried again"
+            )
+        )
+
+    def _retry_lost(self, study: Any, t: Any, retries: int) -> bool:
+        """Re-enqueue a lost trial's point into its slot when it has retries left; whether it did."""
+        from optuna.trial import TrialState, create_trial
+
+        slot = t.system_attrs.get(SLOT)
+        if slot is None or retries >= self.s.retry_stale:
+            return False
+        study.add_trial(
+            create_trial(
+                state=TrialState.WAITING,
+                system_attrs={
+                    "fixed_params": dict(t.params),
+                    SLOT: slot,
+                    RETRY_OF: t.number,
+                    RETRIES: retries + 1,
+                },
+                user_attrs={
+                    "retry_of": t.number,
+                    "retries": retries + 1,
+                    **({"design": t.user_attrs["design"]} if "design" in t.user_attrs else {}),
+                },
+            )
+        )
+        return True
+
+    def _retry_note(self, retries: int, will_retry: bool) -> str:
+        n = self.s.retry_stale
+        if will_retry:
+            return f"its config is retried ({retries + 1}/{n})"
+        return (
+            f"not retried again: lost {retries + 1} time(s), hydra.sweeper.retry_stale={n}; "
+            "re-run with a higher hydra.sweeper.retry_stale to retry it"
+        )
+
+    def _lost_result(self, spec: TrialSpec, reason: str, retries: int, trial_id: int) -> dict[str, Any]:
+        """The result JSON of a lost trial (``meta.retries`` = earlier losses of its point); marks it lost."""
+        from vramsweep.record.result import write_result
+        from vramsweep.sweeper.trialproc import parent_side_result
+
+        res = parent_side_result(spec, reason, 0.0)
+        res["meta"]["retries"] = retries
+        res["meta"]["lost"] = True
+        write_result(spec.result_path, res)
+        self.storage.set_trial_system_attr(trial_id, LOST, True)
+        return res
+
+    def _requeue_lost(self) -> int:
+        """Slots whose last trial was lost (and not retried: the bound was reached) get a retry when
+        ``retry_stale`` now allows one. Call under the lock."""
+        n = 0
+        for t in requeue_lost(self.admin):
+            retries = int(t.system_attrs.get(RETRIES, 0))
+            if self._retry_lost(self.admin, t, retries):
+                n += 1
+                self._say(
+                    f"vramsweep: trial {t.number:04d}'s point was lost {retries + 1} time(s): "
+                    f"retried again (hydra.sweeper.retry_stale={self.s.retry_stale})"
+                )
+        return n
+
+    def _note_retries(self, job: Job, report: RunReport) -> None:
+        """Record in a retried point's result JSON how many earlier trials of it were lost."""
+        if not job.retries or job.duplicate_of is not None:
+            return
+        from vramsweep.record.result import write_result
+
+        report.result.setdefault("meta", {})["retries"] = job.retries
+        path = self.result_path(job.number)
+        if path.exists():
+            write_result(path, report.result)
+
+    def _spec_for(
+        self,
+        number: int,
+        trial_id: int,
+        slot: int,
+        overrides: list[str],
+        design: dict[str, Any],
+        retry_of: int | None,
+        worker: int,
+    ) -> TrialSpec:
+        env = dict(os.environ)
+        env["VRAMSWEEP_SWEEP_DIR"] = str(self.s.sweep_dir)  # trial W&B runs go to <sweep dir>/wandb
+        if self.s.cuda_devices:
+            env["CUDA_VISIBLE_DEVICES"] = self.s.cuda_devices[worker % len(self.s.cuda_devices)]
+        return TrialSpec(
+            number=number,
+            trial_id=trial_id,
+            slot=slot,
+            overrides=overrides,
+            result_path=str(self.result_path(number)),
+            sweep_name=self.s.name,
+            study_name=self.s.study_name,
+            storage=self.s.storage,
+            objectives=list(self.s.objectives),
+            trial_fn=self.s.trial_fn,
+            design=design,
+            pruner=self.s.pruner,
+            pruning=self.s.pruning_active,
+            budget_gib=self.s.budget_gib,
+            preflight=self.s.preflight,
+            retry_of=retry_of,
+            log_path=None if self.s.isolation == "inprocess" else str(self.trials_dir / f"{number:04d}.log"),
+            parent_pid=os.getpid(),
+            parent_ctime=self.identity.get("ctime"),
+            env=env,
+            cwd=os.getcwd(),
+        )
+
+    def _find_duplicate(self, params: dict[str, Any], number: int) -> tuple[int, dict[str, Any]] | None:
+        from optuna.trial import TrialState
+
+        for t in self.study.get_trials(
+            deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+        ):
+            if t.number == number or t.params != params or t.user_attrs.get("status") not in COPYABLE:
+                continue
+            data = _load_child_result(str(self.result_path(t.number)))
+            if data is None:
+                continue
+            return int(t.user_attrs.get("duplicate_of", t.number)), data
+        return None
+
+    def next_job(self) -> Job | None:
+        """Pop a slot and fill in its config; ``None`` when no slot is waiting."""
+        import optuna
+
+        with self._ask_lock:
+            with storage_lock(self.s.storage, self.s.study_name):
+                trial_id = pop_slot(self.study, self.plan.n_total)
+            if trial_id is None:
+                return None
+            self._running.add(trial_id)
+            self.storage.set_trial_system_attr(trial_id, OWNER, self.identity)
+            self.storage.set_trial_system_attr(trial_id, HEARTBEAT, time.time())
+            trial = optuna.Trial(self.study, trial_id)
+            frozen = self.storage.get_trial(trial_id)
+            slot = int(frozen.system_attrs[SLOT])
+            retry_of = frozen.system_attrs.get(RETRY_OF)
+            retries = int(frozen.system_attrs.get(RETRIES, 0))
+            if self.plan.design is not None:
+                point = self.plan.design[slot]
+                for k in point.params:
+                    trial.suggest_categorical(k, self.choices[k])
+                design = dict(point.design)
+                point_overrides = list(point.overrides)
+                label = _design_label(design, point_overrides)
+            else:
+                params = {d.key: suggest(trial, d) for d in self.plan.dims}
+                point_overrides = params_to_overrides(params, self.plan.dims)
+                label = point_overrides
+                design = {"kind": "search"}
+            overrides = merge_overrides(self.plan.fixed, point_overrides)
+            trial.set_user_attr("overrides", overrides)
+            trial.set_user_attr("design", design)
+            job = Job(trial, trial.number, slot, overrides, label, design, retry_of, retries=retries)
+            job.dup_streak = int(frozen.system_attrs.get(DUP_STREAK, 0))
+            if self.plan.design is None and self.s.dedup and retry_of is None:
+                dup = self._find_duplicate(trial.params, trial.number)
+                if dup is not None:
+                    job.duplicate_of, job.source = dup
+            return job
+
+    def _copy_duplicate(self, job: Job) -> RunReport:
+        from vramsweep.record.result import write_result
+
+        res = copy.deepcopy(job.source or {})
+        res["trial"] = job.number
+        meta = res.setdefault("meta", {})
+        meta["duplicate_of"] = job.duplicate_of
+        meta["wall_s"] = 0.0
+        meta["design"] = job.design
+        meta["optuna"] = dict(meta.get("optuna") or {}) | {"trial_number": job.number}
+        write_result(self.result_path(job.number), res)
+        return RunReport(res, Outcome.from_dict(meta["optuna"]), 0.0, None)
+
+    def _record_duplicate(self, job: Job) -> None:
+        """A re-proposed point: tell the sampler the earlier outcome (so it learns), but do not count it:
+        the slot gets a fresh trial (an unmeasured point at random after DEDUP_PATIENCE copies in a row)."""
+        from optuna.trial import TrialState, create_trial
+
+        report = self._copy_duplicate(job)
+        with self._tell_lock:
+            self.storage.set_trial_system_attr(job.trial._trial_id, COPY_OF, job.duplicate_of)
+            job.trial.set_user_attr("duplicate_of", job.duplicate_of)
+            self._tell(self.study, job.trial, report.result, report.outcome)
+            self._running.discard(job.trial._trial_id)
+        streak = job.dup_streak + 1
+        attrs: dict[str, Any] = {SLOT: job.slot, DUP_STREAK: streak}
+        note = "re-sampled"
+        with storage_lock(self.s.storage, self.s.study_name):
+            if streak >= DEDUP_PATIENCE:
+                point = self._unmeasured_point(job.number)
+                if point is None:
+                    self._say(
+                        f"vramsweep: trial {job.number:04d} repeats trial {job.duplicate_of:04d} and every point of "
+                        "the search space is measured: slot left empty"
+                    )
+                    return
+                attrs["fixed_params"] = point
+                note = "given an unmeasured point at random"
+            self.study.add_trial(create_trial(state=TrialState.WAITING, system_attrs=attrs))
+        self._say(
+            f"vramsweep: trial {job.number:04d} = trial {job.duplicate_of:04d} (re-proposed point: outcome copied, "
+            f"not counted); slot {job.slot} {note}"
+        )
+
+    def _unmeasured_point(self, salt: int) -> dict[str, Any] | None:
+        """A point of the search space no trial has taken yet (``None`` when the space is exhausted)."""
+        import itertools
+        import math
+        import random
+
+        from optuna.trial import TrialState
+
+        taken = set()
+        for t in self.study.get_trials(deepcopy=False):
+            if t.system_attrs.get(COPY_OF) is not None:
+                continue
+            params = t.params or (
+                t.system_attrs.get("fixed_params") if t.state == TrialState.WAITING else None
+            )
+            if params:
+                taken.add(_point_key(params))
+        rng = random.Random(f"{self.s.seed}:{salt}")
+        dims = self.plan.dims
+        size = space_size(dims)
+        if size <= 200_000:
+            axes = [
+                list(d.values) if d.discrete else list(range(int(d.low), int(d.high) + 1))  # type: ignore[arg-type]
+                for d in dims
+            ]
+            free = [
+                c
+                for c in itertools.product(*axes)
+                if _point_key(dict(zip([d.key for d in dims], c))) not in taken
+            ]
+            return dict(zip([d.key for d in dims], rng.choice(free))) if free else None
+        for _ in range(1000):
+            point: dict[str, Any] = {}
+            for d in dims:
+                if d.discrete:
+                    point[d.key] = rng.choice(list(d.values))
+                elif d.integer:
+                    point[d.key] = rng.randint(int(d.low), int(d.high))  # type: ignore[arg-type]
+                elif d.log:
+                    point[d.key] = math.exp(rng.uniform(math.log(d.low), math.log(d.high)))  # type: ignore[arg-type]
+                else:
+                    point[d.key] = rng.uniform(d.low, d.high)  # type: ignore[arg-type]
+            if _point_key(point) not in taken:
+                return point
+        return None
+
+    def _tell(self, study: Any, trial: Any, result: dict[str, Any], outcome: Outcome) -> None:
+        from optuna.exceptions import UpdateFinishedTrialError
+        from optuna.trial import TrialState
+
+        rel = os.path.relpath(self.result_path(trial.number), self.s.sweep_dir)
+        try:
+            for k, v in user_attrs(result, outcome, rel).items():
+                trial.set_user_attr(k, v)
+            if outcome.constraint is not None:
+                trial.set_constraint(CONSTRAINT_KEY, float(outcome.constraint))
+                # optuna-dashboard 0.21 reads the pre-Optuna-5 list attribute `constraints` (feasible: all <= 0)
+                trial.storage.set_trial_system_attr(
+                    trial._trial_id, DASHBOARD_CONSTRAINTS_KEY, [float(outcome.constraint)]
+                )
+            if outcome.state == "COMPLETE":
+                try:
+                    study.tell(trial, list(outcome.values or []))
+                    return
+                except ValueError as exc:  # belt and braces: never crash on a bad value
+                    trial.set_user_attr("objective_error", str(exc))
+                    study.tell(trial, state=TrialState.FAIL)
+                    return
+            study.tell(trial, state=TrialState[outcome.state])
+        except UpdateFinishedTrialError:
+            self._say(
+                f"vramsweep: trial {trial.number:04d} was already finished by another worker "
+                "(judged stale); its result file is kept"
+            )
+
+    def _say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.say(text)
+        else:
+            print(text, file=sys.stderr)
