@@ -342,7 +342,7 @@ def test_sweep_summary_run_table_plots_and_one_folder(tmp_path: Path) -> None:
 
 
 def test_report_wandb_resumes_the_live_summary_run(tmp_path: Path, capsys) -> None:
-    from vramsweep.report.ablation import run_report
+    from vramsweep.report.sweep_report import run_report
     from vramsweep.report.wandb_summary import update_sweep_summary
 
     folder = _ablation_sweep(tmp_path)

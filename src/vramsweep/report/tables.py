@@ -202,10 +202,15 @@ def pareto_front(trials: Iterable[TrialRecord], objectives: list[tuple[str, str]
 
 
 # ---------------------------------------------------------------------------------------------
-# design points (ablation / stacking)
+# design points (ablation / stacking): finished trials grouped per point
 # ---------------------------------------------------------------------------------------------
 @dataclass
-class DesignPoint:
+class PointTrials:
+    """The trials of one design point of the report (an ablation baseline/factor or a stacking step).
+
+    Not :class:`vramsweep.sweeper.design.DesignPoint` (a planned trial); this groups finished results.
+    """
+
     label: str
     change: list[str]
     trials: list[TrialRecord] = field(default_factory=list)
@@ -241,13 +246,13 @@ def _derive_allowed(sweep: SweepData, kind: str) -> bool:
     return design in ("", kind)
 
 
-def ablation_points(sweep: SweepData) -> tuple[DesignPoint, list[DesignPoint]] | None:
+def ablation_rows(sweep: SweepData) -> tuple[PointTrials, list[PointTrials]] | None:
     """Baseline and one-factor points from ``meta.design`` roles, else derived from ``sweep.json``."""
-    baseline = DesignPoint("baseline", [str(o) for o in sweep.settings.get("baseline") or []])
-    factors: dict[tuple[str, ...], DesignPoint] = {}
+    baseline = PointTrials("baseline", [str(o) for o in sweep.settings.get("baseline") or []])
+    factors: dict[tuple[str, ...], PointTrials] = {}
     for change in sweep.settings.get("factors") or []:
         ch = [str(o) for o in (change if isinstance(change, list | tuple) else [change])]
-        factors.setdefault(tuple(ch), DesignPoint(" ".join(ch), ch))
+        factors.setdefault(tuple(ch), PointTrials(" ".join(ch), ch))
     derive = _derive_allowed(sweep, "ablation") and sweep.settings.get("baseline") is not None and factors
     b = override_dict(baseline.change)
     keys = set(b)
@@ -265,7 +270,7 @@ def ablation_points(sweep: SweepData) -> tuple[DesignPoint, list[DesignPoint]] |
                 baseline.trials.append(t)
             else:
                 ch = [str(o) for o in d.get("change") or []]
-                factors.setdefault(tuple(ch), DesignPoint(" ".join(ch) or "(no change)", ch)).trials.append(t)
+                factors.setdefault(tuple(ch), PointTrials(" ".join(ch) or "(no change)", ch)).trials.append(t)
             continue
         if not derive:
             continue
@@ -281,10 +286,10 @@ def ablation_points(sweep: SweepData) -> tuple[DesignPoint, list[DesignPoint]] |
     return baseline, [p for p in factors.values() if p.trials]
 
 
-def stacking_points(sweep: SweepData) -> list[DesignPoint] | None:
+def stacking_rows(sweep: SweepData) -> list[PointTrials] | None:
     """Stacking steps in order (step 0 = baseline) from ``meta.design``, else derived from ``sweep.json``."""
     stack = [str(o) for o in sweep.settings.get("stack") or []]
-    points: dict[int, DesignPoint] = {}
+    points: dict[int, PointTrials] = {}
     derive = _derive_allowed(sweep, "stacking") and bool(stack)
     base = override_dict(sweep.settings.get("baseline") or [])
     expected: list[dict[str, str]] = []
@@ -307,7 +312,7 @@ def stacking_points(sweep: SweepData) -> list[DesignPoint] | None:
             added = d.get("added")
             label = str(added) if added else ("(baseline)" if step == 0 else f"step {step}")
             applied = [str(o) for o in d.get("applied") or []]
-            points.setdefault(step, DesignPoint(label, applied, step=step)).trials.append(t)
+            points.setdefault(step, PointTrials(label, applied, step=step)).trials.append(t)
             continue
         if not derive:
             continue
@@ -315,7 +320,7 @@ def stacking_points(sweep: SweepData) -> list[DesignPoint] | None:
         for step in range(len(expected) - 1, -1, -1):
             if _matches(t, expected[step], keys, changed):
                 label = stack[step - 1] if step > 0 else "(baseline)"
-                points.setdefault(step, DesignPoint(label, stack[:step], step=step)).trials.append(t)
+                points.setdefault(step, PointTrials(label, stack[:step], step=step)).trials.append(t)
                 break
     if not points:
         return None
@@ -380,7 +385,7 @@ def trials_table(sweep: SweepData) -> Table:
     return Table("trials", "Trials", cols, rows, intro=intro)
 
 
-def _point_row(point: DesignPoint, ref: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+def _point_row(point: PointTrials, ref: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
     r = {**extra, **aggregate(point.trials)}
     if ref is not None:
         r["d_peak_gib"] = _delta(r["peak_gib_mean"], ref["peak_gib_mean"])
@@ -393,7 +398,7 @@ def _point_row(point: DesignPoint, ref: dict[str, Any] | None, **extra: Any) -> 
 
 
 def ablation_table(sweep: SweepData) -> Table | None:
-    found = ablation_points(sweep)
+    found = ablation_rows(sweep)
     if found is None:
         return None
     baseline, factors = found
@@ -424,7 +429,7 @@ def ablation_table(sweep: SweepData) -> Table | None:
 
 
 def stacking_table(sweep: SweepData) -> Table | None:
-    points = stacking_points(sweep)
+    points = stacking_rows(sweep)
     if points is None:
         return None
     rows: list[dict[str, Any]] = []
