@@ -24,6 +24,27 @@ METRIC_KEYS = (
     "eval_ppl",
     "task_score",
 )
+#: Metrics where larger is better (every other numeric metric: smaller is better). Read through
+#: ``vramsweep.report.metrics.metric_direction`` and ``sweeper.settings.parse_objectives``.
+MAXIMIZE_METRICS = ("tokens_per_s", "mfu", "task_score")
+#: Metrics that measure the model (not the machine): seed repeats separate their effects from noise.
+QUALITY_METRICS = ("train_loss", "initial_eval_loss", "eval_loss", "eval_ppl", "task_score")
+_MAXIMIZE_SUFFIXES = ("_acc", "_accuracy", "_score")
+_QUALITY_SUFFIXES = ("_acc", "_accuracy", "_score", "_nll", "_loss", "_ppl")
+
+
+def metric_direction(name: str) -> str:
+    """``maximize`` or ``minimize`` for a result metric: :data:`MAXIMIZE_METRICS`, and by name for metrics
+    this list does not know yet (``*_acc``, ``*_accuracy``, ``*_score``: maximize; anything else: minimize)."""
+    root = str(name).split(".", 1)[0]
+    return "maximize" if root in MAXIMIZE_METRICS or root.endswith(_MAXIMIZE_SUFFIXES) else "minimize"
+
+
+def is_quality_metric(name: str) -> bool:
+    """True for a model-quality metric: :data:`QUALITY_METRICS`, and by name for new ones (``*_acc``,
+    ``*_accuracy``, ``*_score``, ``*_nll``, ``*_loss``, ``*_ppl``)."""
+    root = str(name).split(".", 1)[0]
+    return root in QUALITY_METRICS or root.endswith(_QUALITY_SUFFIXES)
 
 
 def empty_metrics() -> dict[str, Any]:
