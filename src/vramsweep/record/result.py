@@ -29,6 +29,8 @@ METRIC_KEYS = (
 MAXIMIZE_METRICS = ("tokens_per_s", "mfu", "task_score")
 #: Metrics that measure the model (not the machine): seed repeats separate their effects from noise.
 QUALITY_METRICS = ("train_loss", "initial_eval_loss", "eval_loss", "eval_ppl", "task_score")
+#: Metrics timed on the machine (disturbed by load: ``meta.timing_conditions``).
+TIMING_METRICS = ("tokens_per_s", "step_time_s", "mfu")
 _MAXIMIZE_SUFFIXES = ("_acc", "_accuracy", "_score")
 _QUALITY_SUFFIXES = ("_acc", "_accuracy", "_score", "_nll", "_loss", "_ppl")
 

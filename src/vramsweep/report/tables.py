@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vramsweep.record.result import is_quality_metric
+from vramsweep.record.result import TIMING_METRICS, is_quality_metric
 from vramsweep.report.load import (
     REPEAT_KEYS,
     SweepData,
@@ -211,8 +211,7 @@ def compared_metrics(sweep: SweepData) -> list[MetricSpec]:
         if name in seen or not any(t.ok and t.metric(name) is not None for t in sweep.trials):
             continue
         seen.add(name)
-        speed = name in ("step_time_s", "mfu")
-        out.append(MetricSpec(name, name, name, ".4f", f"Δ {name}", None, speed=speed))
+        out.append(MetricSpec(name, name, name, ".4f", f"Δ {name}", None, speed=name in TIMING_METRICS))
     return out
 
 
@@ -764,20 +763,85 @@ def metric_text(metric: str, value: float | None) -> str:
     return _METRIC_FORMAT.get(metric, lambda v: f"{v:.6g}")(value)
 
 
+def _noise_text(within: list[str], unknown: list[str], n_other: int) -> str:
+    if n_other == 0:
+        return "only config"
+    if len(unknown) == n_other:
+        return "no repeats: noise unknown"
+    parts = []
+    if within:
+        shown = ", ".join(within[:3]) + (", …" if len(within) > 3 else "")
+        parts.append(f"within noise of {len(within)} of {n_other} other configs ({shown}): not a finding")
+    if unknown:
+        parts.append(f"noise unknown vs {len(unknown)}")
+    if not within:
+        parts.insert(0, f"better than all {n_other - len(unknown)} other configs beyond noise")
+    return "; ".join(parts)
+
+
+def best_config(
+    sweep: SweepData, trials: list[TrialRecord], metric: str, direction: str
+) -> tuple[TrialRecord, dict[str, Any]] | None:
+    """The best config on ``metric`` (by its mean over ok seed repeats; ties: lower trial number), its best
+    trial, and which other configs it is not separated from (t-test of the configs' values, p ≥ 0.05).
+
+    Returns ``(trial, info)`` with ``info`` = ``config``, ``within_noise`` (configs not separated from the
+    best, ``; ``-joined), ``noise_unknown`` (single runs on both sides, ``; ``-joined), ``n_other``,
+    ``noise`` (a sentence); None when no trial has a value.
+    """
+    cands = [t for t in trials if t.metric(metric) is not None]
+    if not cands:
+        return None
+    sign = 1.0 if direction == "minimize" else -1.0
+    groups = sweep.config_groups(cands)
+    values = {label: [t.metric(metric) for t in ts] for label, ts in groups.items()}
+
+    def config_rank(label: str) -> tuple[float, int]:
+        return (sign * statistics.fmean(values[label]), min(t.number for t in groups[label]))  # type: ignore[arg-type]
+
+    label = min(groups, key=config_rank)
+    best = min(groups[label], key=lambda t: (sign * t.metric(metric), t.number))  # type: ignore[operator]
+    within, unknown = [], []
+    for other, vals in values.items():
+        if other == label:
+            continue
+        c = compare(vals, values[label])  # type: ignore[arg-type]
+        if c is None or c.verdict == UNKNOWN:
+            unknown.append(other)
+        elif c.verdict == NOISE:
+            within.append(other)
+    n_other = len(groups) - 1
+    info = {
+        "config": label,
+        "within_noise": "; ".join(within),
+        "noise_unknown": "; ".join(unknown),
+        "n_other": n_other,
+        "noise": _noise_text(within, unknown, n_other),
+    }
+    return best, info
+
+
 def best_table(sweep: SweepData) -> Table:
-    """Best feasible trial per objective (ties: lower trial number) and the feasible Pareto front."""
+    """Best feasible config per objective (by its mean over seed repeats; its best trial shown), whether it
+    is separated from the other configs beyond noise, and the feasible Pareto front."""
     knobs = sweep.varying_knobs()
     feasible = [t for t in sweep.trials if sweep.feasible(t)]
     rows = []
     for metric, direction in sweep.objectives:
-        cands = [t for t in feasible if t.metric(metric) is not None]
-        if not cands:
+        found = best_config(sweep, feasible, metric, direction)
+        if found is None:
             rows.append(
-                {"objective": metric, "direction": direction, "trial": None, "value": None, "knobs": ""}
+                {
+                    "objective": metric,
+                    "direction": direction,
+                    "trial": None,
+                    "value": None,
+                    "knobs": "",
+                    "noise": "",
+                }
             )
             continue
-        sign = 1.0 if direction == "minimize" else -1.0
-        best = min(cands, key=lambda t: (sign * t.metric(metric), t.number))  # type: ignore[operator]
+        best, info = found
         rows.append(
             {
                 "objective": metric,
@@ -785,12 +849,15 @@ def best_table(sweep: SweepData) -> Table:
                 "trial": best.number,
                 "value": best.metric(metric),
                 "knobs": sweep.knob_label(best, knobs),
+                **info,
             }
         )
     front = pareto_front(feasible, sweep.objectives)
     objs = ", ".join(f"{m} {'↓' if d == 'minimize' else '↑'}" for m, d in sweep.objectives)
     intro = (
-        f"Feasible trials only ({len(feasible)} of {len(sweep.trials)}). "
+        f"Feasible trials only ({len(feasible)} of {len(sweep.trials)}). Best = the config with the best mean "
+        "over its seed repeats (its best trial shown); vs other configs: which it beats beyond the "
+        "seed-to-seed noise (t-test, p < 0.05). "
         f"Pareto front over {objs}: " + (", ".join(f"trial {t.number:04d}" for t in front) or "empty") + "."
     )
     return Table(
@@ -802,6 +869,7 @@ def best_table(sweep: SweepData) -> Table:
             Column("trial", lambda r: "" if r["trial"] is None else str(r["trial"])),
             Column("value", lambda r: metric_text(r["objective"], r["value"])),
             Column("knobs", lambda r: r["knobs"], False),
+            Column("vs other configs", lambda r: r["noise"], False),
         ],
         rows,
         intro=intro,
