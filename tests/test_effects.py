@@ -260,4 +260,7 @@ def test_pick_counts_a_loss_within_noise_as_equal_and_takes_the_cheaper(tmp_path
     assert quality["3"] == quality["0"] == "best"
     assert quality["5"].startswith("worse (+0.0995, p 0.0")
     prod = (folder / "production.md").read_text()
-    assert "**Trial 4** won" in prod and "counted as equal" in prod
+    assert "**Trial 4** won" in prod
+    assert (
+        "counted as equal, and it needs 4.0000 GiB less peak memory than the best config's trial 0003" in prod
+    )

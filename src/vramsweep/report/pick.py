@@ -367,10 +367,15 @@ def quality_note(winner: TrialRecord, ranked: list[TrialRecord], tiers: dict[int
     tier = tiers.get(winner.number)
     best = next(t for t in ranked if t.number in tiers and tiers[t.number].verdict == BEST)
     if tier is not None and tier.verdict == EQUAL:
+        wp, bp = winner.peak_gib, best.peak_gib
+        if wp is not None and bp is not None and wp < bp:
+            gain = f"it needs {bp - wp:.4f} GiB less peak memory than"
+        else:
+            gain = f"it is faster ({fmt(winner.tokens_per_s, '.1f')} vs {fmt(best.tokens_per_s, '.1f')} tokens/s) than"
         return (
             f"trial {winner.number:04d}'s eval loss is within seed noise of the best config's "
-            f"(Δ {tier.delta:+.4f}, p {tier.p:.2f}): counted as equal, and it needs less memory or is faster "
-            f"than trial {best.number:04d}"
+            f"(Δ {tier.delta:+.4f}, p {tier.p:.2f}): counted as equal, and {gain} the best config's "
+            f"trial {best.number:04d}"
         )
     if all(tiers[t.number].verdict in (BEST, UNKNOWN_Q) for t in ranked if t.number in tiers) and any(
         tiers[t.number].verdict == UNKNOWN_Q for t in ranked if t.number in tiers
