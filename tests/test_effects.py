@@ -113,6 +113,7 @@ def demo_like(seeds: int = 2) -> list[dict]:
                 design={"kind": "ablation", "role": role, "change": change, "repeat": seed},
             )
             r["metrics"]["fact_token_acc"] = acc[seed]  # a metric this code has never heard of
+            r["metrics"]["initial_fact_token_acc"] = 0.5  # before training: not compared
             load = 5.2 if n == LOADED_TRIAL else 1.4
             r["meta"]["timing_conditions"] = {"cpu_count": 2, "torch_threads": 2, "loadavg": [load, 1.0, 0.8]}
             out.append(r)
@@ -135,6 +136,7 @@ def test_ablation_marks_noise_effects_and_load(tmp_path):
     # nf4 costs fact accuracy beyond noise: Δ -0.205, se sqrt(0.0141²/2 + 0.00707²/2) = 0.0112, p 0.03
     assert rows["quant=nf4"]["Δ fact_token_acc"] == "-0.2050 ± 0.0112 *"
     assert rows["adapter=rslora"]["Δ fact_token_acc"].endswith(" ~")
+    assert "Δ initial_fact_token_acc" not in rows["quant=nf4"]
     # memory is deterministic: constant arms, any difference is real
     assert rows["quant=nf4"]["Δ mem GiB"] == "-0.6000 ± 0.0000 *"
     # rslora's -34 % tokens/s includes a trial measured under load: flagged, not a finding

@@ -193,7 +193,7 @@ BASE_SPECS = (
     MetricSpec("eval_loss", "eval_loss", "eval loss", ".4f", "Δ eval loss"),
 )
 #: Quality metrics not given their own columns unless they are objectives (train loss is not held out,
-#: the initial eval loss is before training, perplexity is exp(eval loss)).
+#: ``initial_*`` metrics are measured before training, perplexity is exp(eval loss)).
 _NOT_COMPARED = ("train_loss", "initial_eval_loss", "eval_ppl")
 
 
@@ -206,7 +206,11 @@ def compared_metrics(sweep: SweepData) -> list[MetricSpec]:
     names = [m for m, _ in sweep.objectives]
     for t in sweep.trials:
         if t.ok:
-            names += [k for k in t.metrics if is_quality_metric(k) and k not in _NOT_COMPARED]
+            names += [
+                k
+                for k in t.metrics
+                if is_quality_metric(k) and k not in _NOT_COMPARED and not k.startswith("initial_")
+            ]
     for name in names:
         if name in seen or not any(t.ok and t.metric(name) is not None for t in sweep.trials):
             continue
