@@ -198,35 +198,46 @@ def test_ablation_table_known_answers(tmp_path: Path, with_meta: bool) -> None:
         "trials": "0,1",
     }
     # nf4: 6.1 - 10.1 = -4.0 GiB = -39.6 %; (850 - 1050) / 1050 = -19.0 %; 2.3 - 2.1 = +0.2
+    # ± Welch standard error sqrt(s1²/n1 + s2²/n2): memory sqrt(0.02/2 + 0.02/2) = 0.1414, t = -28.3, df 2,
+    # p = 0.001 -> * ; tokens/s 70.7 = 6.7 % of 1050, t = -2.83, df 2, p = 0.11 -> ~ ;
+    # eval loss sqrt(0 + 0.02/2) = 0.1, t = 2, df 1, p = 0.30 -> ~ (within the seed-to-seed noise)
     assert rows[1] == {
         "change": "quant=nf4",
         "n ok": "2/2",
         "peak GiB": "6.1000 ± 0.1414",
-        "Δ mem GiB": "-4.0000",
+        "Δ mem GiB": "-4.0000 ± 0.1414 *",
         "Δ mem %": "-39.6",
         "tokens/s": "850.0 ± 70.7",
-        "Δ tok/s %": "-19.0",
+        "Δ tok/s %": "-19.0 ± 6.7 ~",
         "eval loss": "2.3000 ± 0.0000",
-        "Δ eval loss": "+0.2000",
+        "Δ eval loss": "+0.2000 ± 0.1000 ~",
         "trials": "2,3",
     }
     # 8-bit: one repeat ok (no std), one oom: 9.0 - 10.1 = -1.1 GiB = -10.9 %; (1040-1050)/1050 = -1.0 %
+    # one value vs two: Student t with the baseline's variance, se = s·sqrt(1/1 + 1/2), df 1:
+    # memory 0.1414·1.2247 = 0.1732, t = -6.35, p = 0.10 -> ~ ; tokens/s 70.7·1.2247 = 86.6 = 8.2 %
     assert rows[2] == {
         "change": "optimizer=adamw_8bit",
         "n ok": "1/2 (1 oom)",
         "peak GiB": "9.0000",
-        "Δ mem GiB": "-1.1000",
+        "Δ mem GiB": "-1.1000 ± 0.1732 ~",
         "Δ mem %": "-10.9",
         "tokens/s": "1040.0",
-        "Δ tok/s %": "-1.0",
+        "Δ tok/s %": "-1.0 ± 8.2 ~",
         "eval loss": "2.1000",
-        "Δ eval loss": "+0.0000",
+        "Δ eval loss": "+0.0000 ± 0.1732 ~",
         "trials": "4,5",
     }
     raw = report.tables["ablation"].rows[1]
     assert raw["d_peak_gib"] == pytest.approx(-4.0)
     assert raw["peak_gib_std"] == pytest.approx(0.141421356, rel=1e-6)
     assert raw["eval_loss_std"] == pytest.approx(0.0)
+    assert (raw["sig_peak_gib"], raw["sig_tokens_per_s"], raw["sig_eval_loss"]) == (
+        "significant",
+        "noise",
+        "noise",
+    )
+    assert raw["p_eval_loss"] == pytest.approx(0.2952, abs=1e-4) and raw["test_eval_loss"] == "welch"
 
 
 def test_report_writes_md_csv_plots_and_prints_main_table(tmp_path: Path, capsys) -> None:
@@ -369,18 +380,19 @@ def test_stacking_order_and_cumulative_deltas(tmp_path: Path) -> None:
         "optimizer=paged_adamw_8bit",
         "checkpointing=on",
     ]
-    # step 1: 8 - 20 = -12 GiB = -60.0 %, (400 - 500) / 500 = -20.0 %
+    # step 1: 8 - 20 = -12 GiB = -60.0 %, (400 - 500) / 500 = -20.0 %; single runs: noise unknown (?)
     assert (rows[1]["Δ prev GiB"], rows[1]["Δ prev %"], rows[1]["Δ prev tok/s %"]) == (
-        "-12.0000",
+        "-12.0000 ?",
         "-60.0",
-        "-20.0",
+        "-20.0 ?",
     )
     # step 2: 6.8 - 8 = -1.2 GiB = -15.0 %, (380 - 400) / 400 = -5.0 %; vs start: -66.0 %, -24.0 %
     assert (rows[2]["Δ prev GiB"], rows[2]["Δ prev %"], rows[2]["Δ prev tok/s %"]) == (
-        "-1.2000",
+        "-1.2000 ?",
         "-15.0",
-        "-5.0",
+        "-5.0 ?",
     )
+    assert rows[2]["Δ prev eval loss"] == "+0.1000 ?"
     assert (rows[2]["mem vs start %"], rows[2]["tok/s vs start %"]) == ("-66.0", "-24.0")
     # step 3 failed: no numbers, the failure is shown
     assert rows[3]["n ok"] == "0/1 (1 oom)" and rows[3]["peak GiB"] == "" and rows[3]["Δ prev GiB"] == ""

@@ -276,7 +276,9 @@ def test_pruning_reports_through_storage_and_keeps_partial_metrics(tmp_path):
 def test_stacking_design_meta(tmp_path):
     assert sweep(tmp_path, "sweep=memory_stack") == 0
     res = results(tmp_path, "memory_stack")
-    assert [r["meta"]["design"]["step"] for r in res.values()] == [0, 1, 2, 3, 4, 5]
+    # eval_loss is an objective: 3 seed repeats by default, repeat-major
+    assert [r["meta"]["design"]["step"] for r in res.values()] == [0, 1, 2, 3, 4, 5] * 3
+    assert [r["meta"]["design"]["repeat"] for r in res.values()] == [0] * 6 + [1] * 6 + [2] * 6
     last = res[5]
     assert last["meta"]["design"]["added"] == "vocab=sliced"
     assert set(last["meta"]["design"]["applied"]) <= set(last["overrides"])

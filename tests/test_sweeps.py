@@ -81,7 +81,7 @@ def test_demo_sweep_runs_for_real(tmp_path, embedded_model_dir):
     d = tmp_path / "sweeps" / "demo"
     assert (d / "study.db").exists() and json.loads((d / "sweep.json").read_text())["design"] == "ablation"
     res = [json.loads(p.read_text()) for p in sorted((d / "trials").glob("*.json"))]
-    assert len(res) == 6
+    assert len(res) == 6 * 2  # 6 points x 2 seeds (sweep.repeats: 2)
     assert {r["status"] for r in res} <= {"ok", "unsupported"}
     assert res[0]["status"] == "ok" and res[0]["metrics"]["peak_memory_bytes"] > 0
     assert res[0]["meta"]["design"]["role"] == "baseline"

@@ -104,8 +104,8 @@ def test_a_sweep_trial_with_preflight_composes_its_config_once(tmp_path: Path, m
     import hydra
 
     from vramsweep.record.result import new_result
-    from vramsweep.sweeper.trialproc import TrialSpec, execute
     from vramsweep.sweeper.settings import Objective
+    from vramsweep.sweeper.trialproc import TrialSpec, execute
 
     composed: list[list[str]] = []
     real = hydra.compose

@@ -32,6 +32,8 @@ class Metric:
     kind: Kind = "number"
     core: bool = True  # in every result (null until measured); else written only when measured
     doc: str = ""
+    quality: bool = False  # measures the model, not the machine: seed repeats separate effects from noise
+    timing: bool = False  # timed on the machine (disturbed by load: ``meta.timing_conditions``)
 
 
 #: The registry, in the order metrics appear in a result file.
@@ -39,18 +41,57 @@ METRICS: tuple[Metric, ...] = (
     Metric("peak_memory_bytes", "bytes", "minimize", objective=True, doc="peak device memory of the run"),
     Metric("memory_kind", "", None, kind="text", doc="what the peak counts: reserved | allocated | tracked"),
     Metric("memory_breakdown_bytes", "bytes", "minimize", kind="map", doc="peak by category (params, ...)"),
-    Metric("tokens_per_s", "tokens/s", "maximize", objective=True, doc="training throughput, timed steps"),
-    Metric("step_time_s", "s", "minimize", objective=True, doc="mean wall time of a timed step"),
-    Metric("mfu", "fraction", "maximize", objective=True, doc="model FLOPs utilisation"),
-    Metric("train_loss", "nats", "minimize", objective=True, loss=True, doc="mean loss of the last steps"),
     Metric(
-        "initial_eval_loss", "nats", "minimize", objective=True, loss=True, doc="eval loss before training"
+        "tokens_per_s",
+        "tokens/s",
+        "maximize",
+        objective=True,
+        doc="training throughput, timed steps",
+        timing=True,
     ),
-    Metric("eval_loss", "nats", "minimize", objective=True, prunable=True, loss=True, doc="final eval loss"),
-    Metric("eval_ppl", "", "minimize", objective=True, prunable=True, loss=True, doc="exp(eval_loss)"),
-    Metric("task_score", "", "maximize", objective=True, doc="task metric (higher is better)"),
+    Metric("step_time_s", "s", "minimize", objective=True, doc="mean wall time of a timed step", timing=True),
+    Metric("mfu", "fraction", "maximize", objective=True, doc="model FLOPs utilisation", timing=True),
+    Metric(
+        "train_loss",
+        "nats",
+        "minimize",
+        objective=True,
+        loss=True,
+        doc="mean loss of the last steps",
+        quality=True,
+    ),
+    Metric(
+        "initial_eval_loss",
+        "nats",
+        "minimize",
+        objective=True,
+        loss=True,
+        doc="eval loss before training",
+        quality=True,
+    ),
+    Metric(
+        "eval_loss",
+        "nats",
+        "minimize",
+        objective=True,
+        prunable=True,
+        loss=True,
+        doc="final eval loss",
+        quality=True,
+    ),
+    Metric(
+        "eval_ppl",
+        "",
+        "minimize",
+        objective=True,
+        prunable=True,
+        loss=True,
+        doc="exp(eval_loss)",
+        quality=True,
+    ),
+    Metric("task_score", "", "maximize", objective=True, doc="task metric (higher is better)", quality=True),
     # Written only when measured (not in every result):
-    Metric("initial_task_score", "", "maximize", core=False, doc="task_score before training"),
+    Metric("initial_task_score", "", "maximize", core=False, doc="task_score before training", quality=True),
     Metric("intermediate_eval", "", None, kind="list", core=False, doc="[{step, eval_loss, ...}] per eval"),
     Metric("measured_steps", "steps", None, core=False, doc="timed steps behind tokens_per_s"),
     Metric("tokens_trained", "tokens", None, core=False, doc="tokens in the timed steps"),
@@ -70,10 +111,42 @@ METRICS: tuple[Metric, ...] = (
     Metric("nvml_process_peak_bytes", "bytes", "minimize", core=False, doc="NVML per-process peak"),
     Metric("nvml_device_used_peak_bytes", "bytes", "minimize", core=False, doc="NVML device-used peak"),
     # Answer quality on held-out facts vs. control text (the `quality` work): accuracy up, NLL down.
-    Metric("fact_token_acc", "fraction", "maximize", objective=True, core=False, doc="fact-token accuracy"),
-    Metric("fact_nll", "nats", "minimize", objective=True, core=False, doc="mean NLL of fact tokens"),
-    Metric("control_token_acc", "fraction", "maximize", objective=True, core=False, doc="control accuracy"),
-    Metric("control_nll", "nats", "minimize", objective=True, core=False, doc="mean NLL of control tokens"),
+    Metric(
+        "fact_token_acc",
+        "fraction",
+        "maximize",
+        objective=True,
+        core=False,
+        doc="fact-token accuracy",
+        quality=True,
+    ),
+    Metric(
+        "fact_nll",
+        "nats",
+        "minimize",
+        objective=True,
+        core=False,
+        doc="mean NLL of fact tokens",
+        quality=True,
+    ),
+    Metric(
+        "control_token_acc",
+        "fraction",
+        "maximize",
+        objective=True,
+        core=False,
+        doc="control accuracy",
+        quality=True,
+    ),
+    Metric(
+        "control_nll",
+        "nats",
+        "minimize",
+        objective=True,
+        core=False,
+        doc="mean NLL of control tokens",
+        quality=True,
+    ),
 )
 
 #: Name -> :class:`Metric`.
@@ -86,6 +159,15 @@ OBJECTIVE_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.objectiv
 PRUNABLE_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.prunable)
 #: Losses: a non-finite value turns an ``ok`` trial into ``diverged``.
 LOSS_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.loss)
+#: Metrics of the model's quality (seed repeats by default in ablations; significance marks in reports).
+QUALITY_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.quality)
+#: Metrics timed on the machine (a report flags them when measured under load).
+TIMING_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.timing)
+#: Metrics where larger is better.
+MAXIMIZE_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.direction == "maximize")
+#: Metric names outside the registry (a user's trial function) are judged by their suffix.
+_MAXIMIZE_SUFFIXES = ("_acc", "_accuracy", "_score")
+_QUALITY_SUFFIXES = ("_acc", "_accuracy", "_score", "_nll", "_loss", "_ppl")
 #: The core scalar metrics (numbers and labels): what goes into one Optuna user attr each.
 SCALAR_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.core and m.kind in ("number", "text"))
 
@@ -125,6 +207,24 @@ def higher_is_better(name: str) -> bool:
     return direction(name) == "maximize"
 
 
+def metric_direction(name: str) -> Direction:
+    """Like :func:`direction`, for any metric a result may hold: a registered one's direction, else by
+    name (``*_acc``, ``*_accuracy``, ``*_score``: maximize; anything else: minimize)."""
+    try:
+        return direction(name)
+    except KeyError:
+        root = str(name).split(".", 1)[0]
+        return "maximize" if root.endswith(_MAXIMIZE_SUFFIXES) else "minimize"
+
+
+def is_quality_metric(name: str) -> bool:
+    """A model-quality metric: registered with ``quality=True``, or unregistered and named like one
+    (``*_acc``, ``*_accuracy``, ``*_score``, ``*_nll``, ``*_loss``, ``*_ppl``)."""
+    root = str(name).split(".", 1)[0]
+    m = BY_NAME.get(root)
+    return m.quality if m is not None else root.endswith(_QUALITY_SUFFIXES)
+
+
 def empty_metrics() -> dict[str, None]:
     """Every metric key present, all null (never write a figure that was not measured)."""
     return {k: None for k in METRIC_KEYS}
@@ -132,6 +232,11 @@ def empty_metrics() -> dict[str, None]:
 
 __all__ = [
     "BY_NAME",
+    "MAXIMIZE_METRICS",
+    "QUALITY_METRICS",
+    "TIMING_METRICS",
+    "is_quality_metric",
+    "metric_direction",
     "LOSS_METRICS",
     "METRICS",
     "METRIC_KEYS",

@@ -11,7 +11,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vramsweep.record.metrics import METRIC_KEYS, empty_metrics
+from vramsweep.record.metrics import (  # noqa: F401 - re-exported
+    MAXIMIZE_METRICS,
+    METRIC_KEYS,
+    QUALITY_METRICS,
+    TIMING_METRICS,
+    empty_metrics,
+    is_quality_metric,
+    metric_direction,
+)
 from vramsweep.record.schema import SCHEMA_VERSION
 from vramsweep.record.status import STATUSES, parse_status
 

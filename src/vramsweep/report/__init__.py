@@ -5,9 +5,9 @@ CLI entry points (wired into ``vramsweep report`` / ``vramsweep pick``): :func:`
 Library: :func:`load_sweep` -> :class:`SweepData`; :func:`build_report` -> :class:`Report` (tables by name).
 """
 
-from vramsweep.report.ablation import build_report, render_markdown, run_report
 from vramsweep.report.load import ReportError, SweepData, TrialRecord, load_sweep
 from vramsweep.report.pick import run_pick
+from vramsweep.report.sweep_report import build_report, render_markdown, run_report
 from vramsweep.report.tables import Report, Table
 
 __all__ = [

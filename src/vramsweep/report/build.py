@@ -1,5 +1,5 @@
-"""A loaded sweep -> its report (tables + importances): below ``ablation`` (the verb) and ``wandb_summary``,
-which both build one."""
+"""A loaded sweep -> its report (tables + importances): below ``sweep_report`` (the ``report`` verb) and
+``wandb_summary``, which both build one."""
 
 from __future__ import annotations
 

@@ -6,6 +6,10 @@ fixed configs whose ``trial.params`` may be empty, folder-only sweeps have no st
 are the one record every trial has. Numeric knobs become Float/Int distributions, everything else
 categorical. ``optuna.importance.get_param_importances`` (PED-ANOVA by default in Optuna 5, which
 assumes lower is better) gets ``target=`` negated for maximised objectives.
+
+An objective whose differences between configs are within the seed-to-seed noise (one-way ANOVA over the
+configs, p ≥ 0.05) is dropped, and the notes say so: importances of noise would rank knobs that do
+nothing. Timing metrics leave out trials measured under load (``meta.timing_conditions``).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from vramsweep.record.result import TIMING_METRICS
 from vramsweep.report.load import REPEAT_KEYS, SweepData, TrialRecord, display_value, num
+from vramsweep.report.stats import ALPHA, anova_p
 
 MIN_TRIALS = 2
 
@@ -25,6 +31,23 @@ class Importances:
 
     values: dict[str, dict[str, float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    dropped: dict[str, str] = field(default_factory=dict)  # metric -> why (its differences are noise)
+
+
+def noise_verdict(sweep: SweepData, trials: list[TrialRecord], metric: str) -> str | None:
+    """Do the configs differ on ``metric`` beyond the seed-to-seed noise? One-way ANOVA over the configs
+    (seed repeats = the noise): ``dropped, …`` when p ≥ :data:`ALPHA` (the importances would rank noise),
+    ``no repeats: noise unknown …`` when no config has two values, None when the differences are real."""
+    groups = sweep.config_groups(trials)
+    p = anova_p([[t.metric(metric) for t in ts] for ts in groups.values()])  # type: ignore[misc]
+    if p is None:
+        return "no repeats: noise unknown (importances may rank noise)."
+    if p >= ALPHA:
+        return (
+            f"dropped: its differences between {len(groups)} configs are within the seed-to-seed noise "
+            f"(one-way ANOVA p = {p:.2f} ≥ {ALPHA:g}, {len(trials)} trials)."
+        )
+    return None
 
 
 def _distribution(values: list[Any]) -> tuple[Any, bool]:
@@ -58,6 +81,14 @@ def compute_importances(sweep: SweepData) -> Importances:
     knobs = [k for k in sweep.varying_knobs() if k not in REPEAT_KEYS]  # seeds are noise, not knobs
     for metric, direction in sweep.objectives:
         trials: list[TrialRecord] = [t for t in sweep.trials if t.ok and t.metric(metric) is not None]
+        if metric in TIMING_METRICS:
+            loaded = [t.number for t in trials if t.timing_disturbed]
+            if loaded:
+                trials = [t for t in trials if not t.timing_disturbed]
+                out.notes.append(
+                    f"{metric}: {len(loaded)} trial(s) measured under load left out "
+                    f"({', '.join(f'{n:04d}' for n in loaded)})."
+                )
         if len(trials) < MIN_TRIALS:
             out.notes.append(
                 f"{metric}: skipped, {len(trials)} complete trial(s) with a value (need ≥ {MIN_TRIALS})."
@@ -73,6 +104,13 @@ def compute_importances(sweep: SweepData) -> Importances:
         if not dists:
             out.notes.append(f"{metric}: skipped, no knob varies across its {len(trials)} complete trials.")
             continue
+        verdict = noise_verdict(sweep, trials, metric)
+        if verdict is not None:
+            if verdict.startswith("dropped"):
+                out.dropped[metric] = verdict
+                out.notes.append(f"{metric}: {verdict}")
+                continue
+            out.notes.append(f"{metric}: {verdict}")
         study = optuna.create_study(direction=direction)
         for t in trials:
             params = {k: _param(t.knob_value(k), dists[k], numeric[k]) for k in dists}

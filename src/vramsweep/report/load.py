@@ -243,6 +243,35 @@ class TrialRecord:
             return None
         return (est - peak) / peak * 100.0
 
+    @property
+    def timing_disturbed(self) -> str | None:
+        """Why this trial's throughput was measured under load (``meta.timing_conditions``), else None.
+
+        Under load: the 1-minute load average at the trial's start exceeds the CPU count, or at its end
+        exceeds the CPU count plus the trial's own torch threads, or other processes used the GPU.
+        The start figure includes the sweep's previous trial as it decays (up to about one trial's
+        threads), so the rule flags load on top of the sweep itself.
+        """
+        tc = self.meta.get("timing_conditions")
+        if not isinstance(tc, dict):
+            return None
+        why = []
+        cpus = num(tc.get("cpu_count"))
+        threads = num(tc.get("torch_threads")) or 0.0
+        for key, own in (("loadavg", 0.0), ("loadavg_end", threads)):
+            la = tc.get(key)
+            first = num(la[0]) if isinstance(la, list | tuple) and la else None
+            if cpus and first is not None and first - own > cpus:
+                when = "start" if key == "loadavg" else "end"
+                why.append(
+                    f"load average {first:g} at {when} > {cpus:g} CPUs"
+                    + (f" + {own:g} own threads" if own else "")
+                )
+        gpu = num(tc.get("other_gpu_processes"))
+        if gpu:
+            why.append(f"{gpu:g} other GPU process(es)")
+        return "; ".join(why) or None
+
     # -- design and knobs ---------------------------------------------------------------------
     @property
     def design(self) -> dict[str, Any] | None:
@@ -338,6 +367,16 @@ class SweepData:
         candidates = self.candidate_knobs()
         varying = [k for k in candidates if len({norm_value(t.knob_value(k)) for t in self.trials}) > 1]
         return varying or candidates
+
+    def config_groups(self, trials: Iterable[TrialRecord]) -> dict[str, list[TrialRecord]]:
+        """``trials`` grouped by config (the varying knobs' values, seeds ignored): label -> trials, in
+        first-seen order. Seed repeats of one config land in one group, so a group's spread is its noise."""
+        keys = [k for k in self.varying_knobs() if k not in REPEAT_KEYS]
+        out: dict[str, list[TrialRecord]] = {}
+        for t in trials:
+            label = " ".join(f"{k}={display_value(t.knob_value(k))}" for k in keys) or "(one config)"
+            out.setdefault(label, []).append(t)
+        return out
 
     def knob_label(
         self, trial: TrialRecord, keys: list[str] | None = None, *, values_only: bool = False

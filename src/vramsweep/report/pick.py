@@ -4,6 +4,8 @@ Eligible trials: status ``ok``, measured peak ≤ ``budget_gib − headroom_gib`
 ``min_tokens_per_s``. Ranking:
 
 * ``prefer="quality"``: lowest eval loss, then lower peak memory, then higher tokens/s, then lower trial number;
+  an eval loss within the seed-to-seed noise of the best config's counts as equal (configs with seed
+  repeats: t-test p ≥ 0.05, :func:`quality_tiers`), so among those the cheaper, then faster, config wins;
 * ``prefer="speed"``: highest tokens/s, then lower eval loss, then lower peak memory, then lower trial number.
 
 A missing eval loss / tokens/s ranks last for its key. The winner is written to
@@ -27,6 +29,7 @@ import json
 import math
 import re
 import shlex
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +37,7 @@ from typing import Any
 
 from vramsweep.record.result import atomic_write_text
 from vramsweep.report.load import ReportError, SweepData, TrialRecord, load_sweep, safe_url
+from vramsweep.report.stats import NOISE, UNKNOWN, compare
 from vramsweep.report.tables import Column, Table, fmt, gib
 
 #: Top-level config keys never pinned (where results go, run name, the sweep that produced the trial).
@@ -49,15 +53,81 @@ TOP_N = 5
 # ---------------------------------------------------------------------------------------------
 # selection
 # ---------------------------------------------------------------------------------------------
-def rank_key(trial: TrialRecord, prefer: str) -> tuple:
-    """Sort key: smaller is better (see the module docstring for the order)."""
+#: Quality verdicts of :func:`quality_tiers` (a trial's config vs the best config on eval loss).
+BEST, EQUAL, WORSE, UNKNOWN_Q = "best", "equal", "worse", "unknown"
+
+
+@dataclass
+class QualityTier:
+    """A trial's config vs the config with the lowest mean eval loss among the eligible ones."""
+
+    verdict: str  # best | equal (not separated beyond noise) | worse (p < 0.05) | unknown (single runs)
+    delta: float | None = None  # mean eval loss − the best config's mean
+    p: float | None = None
+    rank_loss: float = (
+        math.inf
+    )  # the loss ranked on: the best config's mean for best/equal, else its own mean
+
+    @property
+    def text(self) -> str:
+        if self.verdict == BEST:
+            return "best"
+        if self.verdict == EQUAL:
+            return f"= best ({self.delta:+.4f}, p {self.p:.2f})"
+        if self.verdict == WORSE:
+            return f"worse ({self.delta:+.4f}, p {self.p:.3f})"
+        return "noise unknown" if self.delta is None else f"noise unknown ({self.delta:+.4f})"
+
+
+def quality_tiers(sweep: SweepData, trials: list[TrialRecord]) -> dict[int, QualityTier]:
+    """Per trial: is its config's eval loss separated from the best config's beyond the seed noise?
+
+    Configs are the trials grouped by their knobs (seed repeats together); the best config has the lowest
+    mean eval loss; another config is ``equal`` when the t-test of its values against the best's says
+    p ≥ 0.05 (:func:`vramsweep.report.stats.compare`), ``worse`` when p < 0.05, ``unknown`` with a single
+    run on both sides. Trials without an eval loss get no entry.
+    """
+    cands = [t for t in trials if t.eval_loss is not None]
+    if not cands:
+        return {}
+    groups = sweep.config_groups(cands)
+    values = {label: [t.eval_loss for t in ts] for label, ts in groups.items()}
+    means = {label: statistics.fmean(v) for label, v in values.items()}  # type: ignore[arg-type]
+    best = min(groups, key=lambda g: (means[g], min(t.number for t in groups[g])))
+    out: dict[int, QualityTier] = {}
+    for label, ts in groups.items():
+        if label == best:
+            tier = QualityTier(BEST, 0.0, None, means[best])
+        else:
+            c = compare(values[label], values[best])  # type: ignore[arg-type]
+            if c is None or c.verdict == UNKNOWN:
+                tier = QualityTier(UNKNOWN_Q, c.delta if c else None, None, means[label])
+            elif c.verdict == NOISE:
+                tier = QualityTier(EQUAL, c.delta, c.p, means[best])
+            else:
+                tier = QualityTier(WORSE, c.delta, c.p, means[label])
+        for t in ts:
+            out[t.number] = tier
+    return out
+
+
+def rank_key(trial: TrialRecord, prefer: str, tiers: dict[int, QualityTier] | None = None) -> tuple:
+    """Sort key: smaller is better (see the module docstring for the order).
+
+    With ``tiers`` (:func:`quality_tiers`), ``quality`` ranks on each config's mean eval loss, and every
+    config not separated from the best config beyond noise (``best``/``equal``) on the best config's mean:
+    a loss difference within noise counts as equal, so the cheaper, then faster, config wins. Without seed
+    repeats (single trials per config) this is the plain order by eval loss.
+    """
     inf = math.inf
     loss = trial.eval_loss if trial.eval_loss is not None else inf
     tps = -trial.tokens_per_s if trial.tokens_per_s is not None else inf
     peak = trial.peak_bytes if trial.peak_bytes is not None else inf
     if prefer == "speed":
         return (tps, loss, peak, trial.number)
-    return (loss, peak, tps, trial.number)
+    if tiers is not None and trial.number in tiers:
+        return (tiers[trial.number].rank_loss, peak, tps, loss, trial.number)
+    return (loss, peak, tps, loss, trial.number)
 
 
 def eligible(sweep: SweepData, limit_gib: float, min_tokens_per_s: float | None) -> list[TrialRecord]:
@@ -235,8 +305,16 @@ def verify_experiment(conf_dir: Path, name: str, trial: TrialRecord, spec: Exper
 # ---------------------------------------------------------------------------------------------
 # production.md
 # ---------------------------------------------------------------------------------------------
-def candidates_table(sweep: SweepData, ranked: list[TrialRecord], budget_gib: float, n: int = TOP_N) -> Table:
-    """The top ``n`` ranked trials; headroom = budget − measured peak."""
+def candidates_table(
+    sweep: SweepData,
+    ranked: list[TrialRecord],
+    budget_gib: float,
+    n: int = TOP_N,
+    tiers: dict[int, QualityTier] | None = None,
+) -> Table:
+    """The top ``n`` ranked trials; headroom = budget − measured peak; quality = vs the best config's eval
+    loss (``= best`` within noise)."""
+    tiers = tiers or {}
     knobs = sweep.varying_knobs()
     rows = [
         {
@@ -249,6 +327,8 @@ def candidates_table(sweep: SweepData, ranked: list[TrialRecord], budget_gib: fl
             "eval_loss": t.eval_loss,
             "eval_ppl": t.eval_ppl,
             "task_score": t.task_score,
+            "quality_vs_best": tiers[t.number].text if t.number in tiers else "",
+            "quality_p": tiers[t.number].p if t.number in tiers else None,
         }
         for i, t in enumerate(ranked[:n])
     ]
@@ -263,6 +343,7 @@ def candidates_table(sweep: SweepData, ranked: list[TrialRecord], budget_gib: fl
             Column("headroom GiB", lambda r: gib(r["headroom_gib"])),
             Column("tokens/s", lambda r: fmt(r["tokens_per_s"], ".1f")),
             Column("eval loss", lambda r: fmt(r["eval_loss"], ".4f")),
+            Column("quality vs best", lambda r: r["quality_vs_best"], False),
             Column("ppl", lambda r: fmt(r["eval_ppl"], ".2f")),
             Column("task", lambda r: fmt(r["task_score"], ".3f")),
         ],
@@ -273,7 +354,34 @@ def candidates_table(sweep: SweepData, ranked: list[TrialRecord], budget_gib: fl
 def _criterion(prefer: str) -> str:
     if prefer == "speed":
         return "highest tokens/s (ties: lower eval loss, lower peak memory, lower trial number)"
-    return "lowest eval loss (ties: lower peak memory, higher tokens/s, lower trial number)"
+    return (
+        "lowest eval loss, a loss within seed noise of the best counting as equal "
+        "(ties: lower peak memory, higher tokens/s, lower trial number)"
+    )
+
+
+def quality_note(winner: TrialRecord, ranked: list[TrialRecord], tiers: dict[int, QualityTier]) -> str | None:
+    """Why the winner won on quality, in one sentence (None when noise played no part)."""
+    if not tiers:
+        return None
+    tier = tiers.get(winner.number)
+    best = next(t for t in ranked if t.number in tiers and tiers[t.number].verdict == BEST)
+    if tier is not None and tier.verdict == EQUAL:
+        wp, bp = winner.peak_gib, best.peak_gib
+        if wp is not None and bp is not None and wp < bp:
+            gain = f"it needs {bp - wp:.4f} GiB less peak memory than"
+        else:
+            gain = f"it is faster ({fmt(winner.tokens_per_s, '.1f')} vs {fmt(best.tokens_per_s, '.1f')} tokens/s) than"
+        return (
+            f"trial {winner.number:04d}'s eval loss is within seed noise of the best config's "
+            f"(Δ {tier.delta:+.4f}, p {tier.p:.2f}): counted as equal, and {gain} the best config's "
+            f"trial {best.number:04d}"
+        )
+    if all(tiers[t.number].verdict in (BEST, UNKNOWN_Q) for t in ranked if t.number in tiers) and any(
+        tiers[t.number].verdict == UNKNOWN_Q for t in ranked if t.number in tiers
+    ):
+        return "no seed repeats: noise unknown, eval losses compared as measured"
+    return None
 
 
 def _command(
@@ -302,8 +410,11 @@ def production_md(
     name: str,
     command: str,
     warnings: list[str],
+    tiers: dict[int, QualityTier] | None = None,
 ) -> str:
     """The ``production.md`` text."""
+    tiers = tiers or {}
+    why = quality_note(winner, ranked, tiers) if prefer == "quality" else None
     limit = budget_gib - headroom_gib
     peak = winner.peak_gib or 0.0
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -317,7 +428,7 @@ def production_md(
         f"Chosen by `{command}` on {stamp}.",
         "",
         f"**Trial {winner.number}** won: {_criterion(prefer)} among {len(ranked)} eligible trial(s) "
-        f"({cond}) out of {len(sweep.trials)} ({n_ok} ok).",
+        f"({cond}) out of {len(sweep.trials)} ({n_ok} ok)." + (f" Quality: {why}." if why else ""),
         "",
         f"Experiment: `{exp_path}`; train it with `{train_command(name, exp_path.parent.parent)}`.",
         "",
@@ -335,7 +446,7 @@ def production_md(
         "",
         "## Top candidates",
         "",
-        candidates_table(sweep, ranked, budget_gib).markdown(),
+        candidates_table(sweep, ranked, budget_gib, tiers=tiers).markdown(),
         "",
     ]
     meta = winner.meta or {}
@@ -440,7 +551,9 @@ def run_pick(
     except ReportError as exc:
         return _err(str(exc))
     limit = budget_gib - headroom_gib
-    ranked = sorted(eligible(sweep, limit, min_tokens_per_s), key=lambda t: rank_key(t, prefer))
+    ok = eligible(sweep, limit, min_tokens_per_s)
+    tiers = quality_tiers(sweep, ok)
+    ranked = sorted(ok, key=lambda t: rank_key(t, prefer, tiers))
     if not ranked:
         return _nothing_fits(sweep, budget_gib, headroom_gib, limit, min_tokens_per_s)
 
@@ -509,6 +622,7 @@ def run_pick(
                 name=name,
                 command=command,
                 warnings=warnings,
+                tiers=tiers,
             ),
         )
     except OSError as exc:
@@ -519,7 +633,10 @@ def run_pick(
         f"peak {winner.peak_gib:.4f} GiB (headroom {budget_gib - winner.peak_gib:.4f} GiB), "
         f"{fmt(winner.tokens_per_s, '.1f') or 'n/a'} tokens/s, eval loss {fmt(winner.eval_loss, '.4f') or 'n/a'}"
     )
-    print(candidates_table(sweep, ranked, budget_gib).markdown())
+    why = quality_note(winner, ranked, tiers) if prefer == "quality" else None
+    if why:
+        print(f"quality: {why}")
+    print(candidates_table(sweep, ranked, budget_gib, tiers=tiers).markdown())
     for w in warnings:
         print(f"vramsweep pick: warning: {w}", file=sys.stderr)
     print(f"{'overwrote' if existed else 'wrote'} {exp_path}")

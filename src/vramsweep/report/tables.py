@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vramsweep.record.metrics import TIMING_METRICS, is_quality_metric
 from vramsweep.record.units import GIB
 from vramsweep.report.load import (
     REPEAT_KEYS,
@@ -29,6 +30,7 @@ from vramsweep.report.load import (
     norm_value,
     override_dict,
 )
+from vramsweep.report.stats import NOISE, SIGNIFICANT, UNKNOWN, Comparison, compare
 
 # ---------------------------------------------------------------------------------------------
 # formatting
@@ -144,6 +146,78 @@ _STAT_METRICS: dict[str, Callable[[TrialRecord], float | None]] = {
     "eval_loss": lambda t: t.eval_loss,
     "eval_ppl": lambda t: t.eval_ppl,
 }
+#: Significance marks on Δ cells (see :mod:`vramsweep.report.stats` for the tests).
+MARKS = {SIGNIFICANT: "*", NOISE: "~", UNKNOWN: "?"}
+#: Mark of a throughput delta measured under load (replaces the significance mark: not a finding).
+LOAD_MARK = "!"
+MARK_LEGEND = (
+    "Δ ± standard error of the difference, then a mark: `*` exceeds the seed-to-seed noise (t-test, "
+    "p < 0.05), `~` within noise, `?` noise unknown (a single run on both sides), "
+    f"`{LOAD_MARK}` throughput measured under load (not a finding)."
+)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """A metric compared between design points (memory, speed, and every quality metric measured).
+
+    Attributes:
+        key: raw-row prefix (``peak_gib`` -> ``peak_gib_mean``, ``d_peak_gib``, ``p_peak_gib``, ...).
+        metric: the result metric it comes from (``peak_memory_bytes`` for ``peak_gib``).
+        header: value column header.
+        spec: number format.
+        delta_header: Δ (absolute) column header, or None.
+        pct_header: Δ % column header, or None.
+        speed: a throughput metric (flagged when measured under load).
+    """
+
+    key: str
+    metric: str
+    header: str
+    spec: str
+    delta_header: str | None = None
+    pct_header: str | None = None
+    speed: bool = False
+
+    def value(self, trial: TrialRecord) -> float | None:
+        return trial.peak_gib if self.key == "peak_gib" else trial.metric(self.metric)
+
+    @property
+    def pct_key(self) -> str:
+        """Raw key of the Δ % (``d_peak_pct`` for memory, ``d_<key>_pct`` otherwise)."""
+        return "d_peak_pct" if self.key == "peak_gib" else f"d_{self.key}_pct"
+
+
+BASE_SPECS = (
+    MetricSpec("peak_gib", "peak_memory_bytes", "peak GiB", ".4f", "Δ mem GiB", "Δ mem %"),
+    MetricSpec("tokens_per_s", "tokens_per_s", "tokens/s", ".1f", None, "Δ tok/s %", speed=True),
+    MetricSpec("eval_loss", "eval_loss", "eval loss", ".4f", "Δ eval loss"),
+)
+#: Quality metrics not given their own columns unless they are objectives (train loss is not held out,
+#: ``initial_*`` metrics are measured before training, perplexity is exp(eval loss)).
+_NOT_COMPARED = ("train_loss", "initial_eval_loss", "eval_ppl")
+
+
+def compared_metrics(sweep: SweepData) -> list[MetricSpec]:
+    """Memory, tokens/s, eval loss, then every other objective and every quality metric (by name, see
+    :func:`vramsweep.record.result.is_quality_metric`) that an ok trial measured: new metrics in the
+    results get columns and significance marks without a change here."""
+    out = list(BASE_SPECS)
+    seen = {s.metric for s in out}
+    names = [m for m, _ in sweep.objectives]
+    for t in sweep.trials:
+        if t.ok:
+            names += [
+                k
+                for k in t.metrics
+                if is_quality_metric(k) and k not in _NOT_COMPARED and not k.startswith("initial_")
+            ]
+    for name in names:
+        if name in seen or not any(t.ok and t.metric(name) is not None for t in sweep.trials):
+            continue
+        seen.add(name)
+        out.append(MetricSpec(name, name, name, ".4f", f"Δ {name}", None, speed=name in TIMING_METRICS))
+    return out
 
 
 def mean_std(values: list[float]) -> tuple[float | None, float | None]:
@@ -154,7 +228,12 @@ def mean_std(values: list[float]) -> tuple[float | None, float | None]:
     return mean, (statistics.stdev(values) if len(values) >= 2 else None)
 
 
-def aggregate(trials: list[TrialRecord]) -> dict[str, Any]:
+def ok_values(trials: Iterable[TrialRecord], get: Callable[[TrialRecord], float | None]) -> list[float]:
+    """The measured values of the ``ok`` trials."""
+    return [v for v in (get(t) for t in trials if t.ok) if v is not None]
+
+
+def aggregate(trials: list[TrialRecord], specs: Iterable[MetricSpec] = ()) -> dict[str, Any]:
     """Mean/std of the measured metrics over the ``ok`` trials of one design point."""
     ok = [t for t in trials if t.ok]
     failed = Counter(t.status for t in trials if not t.ok)
@@ -164,9 +243,11 @@ def aggregate(trials: list[TrialRecord]) -> dict[str, Any]:
         "failed": ", ".join(f"{n} {s}" for s, n in sorted(failed.items())),
         "trials": [t.number for t in trials],
     }
-    for key, get in _STAT_METRICS.items():
-        values = [v for v in (get(t) for t in ok) if v is not None]
-        out[f"{key}_mean"], out[f"{key}_std"] = mean_std(values)
+    getters = dict(_STAT_METRICS)
+    for spec in specs:
+        getters.setdefault(spec.key, spec.value)
+    for key, get in getters.items():
+        out[f"{key}_mean"], out[f"{key}_std"] = mean_std(ok_values(ok, get))
     return out
 
 
@@ -203,10 +284,15 @@ def pareto_front(trials: Iterable[TrialRecord], objectives: list[tuple[str, str]
 
 
 # ---------------------------------------------------------------------------------------------
-# design points (ablation / stacking)
+# design points (ablation / stacking): finished trials grouped per point
 # ---------------------------------------------------------------------------------------------
 @dataclass
-class DesignPoint:
+class PointTrials:
+    """The trials of one design point of the report (an ablation baseline/factor or a stacking step).
+
+    Not :class:`vramsweep.sweeper.design.DesignPoint` (a planned trial); this groups finished results.
+    """
+
     label: str
     change: list[str]
     trials: list[TrialRecord] = field(default_factory=list)
@@ -242,13 +328,13 @@ def _derive_allowed(sweep: SweepData, kind: str) -> bool:
     return design in ("", kind)
 
 
-def ablation_points(sweep: SweepData) -> tuple[DesignPoint, list[DesignPoint]] | None:
+def ablation_rows(sweep: SweepData) -> tuple[PointTrials, list[PointTrials]] | None:
     """Baseline and one-factor points from ``meta.design`` roles, else derived from ``sweep.json``."""
-    baseline = DesignPoint("baseline", [str(o) for o in sweep.settings.get("baseline") or []])
-    factors: dict[tuple[str, ...], DesignPoint] = {}
+    baseline = PointTrials("baseline", [str(o) for o in sweep.settings.get("baseline") or []])
+    factors: dict[tuple[str, ...], PointTrials] = {}
     for change in sweep.settings.get("factors") or []:
         ch = [str(o) for o in (change if isinstance(change, list | tuple) else [change])]
-        factors.setdefault(tuple(ch), DesignPoint(" ".join(ch), ch))
+        factors.setdefault(tuple(ch), PointTrials(" ".join(ch), ch))
     derive = _derive_allowed(sweep, "ablation") and sweep.settings.get("baseline") is not None and factors
     b = override_dict(baseline.change)
     keys = set(b)
@@ -266,7 +352,7 @@ def ablation_points(sweep: SweepData) -> tuple[DesignPoint, list[DesignPoint]] |
                 baseline.trials.append(t)
             else:
                 ch = [str(o) for o in d.get("change") or []]
-                factors.setdefault(tuple(ch), DesignPoint(" ".join(ch) or "(no change)", ch)).trials.append(t)
+                factors.setdefault(tuple(ch), PointTrials(" ".join(ch) or "(no change)", ch)).trials.append(t)
             continue
         if not derive:
             continue
@@ -282,10 +368,10 @@ def ablation_points(sweep: SweepData) -> tuple[DesignPoint, list[DesignPoint]] |
     return baseline, [p for p in factors.values() if p.trials]
 
 
-def stacking_points(sweep: SweepData) -> list[DesignPoint] | None:
+def stacking_rows(sweep: SweepData) -> list[PointTrials] | None:
     """Stacking steps in order (step 0 = baseline) from ``meta.design``, else derived from ``sweep.json``."""
     stack = [str(o) for o in sweep.settings.get("stack") or []]
-    points: dict[int, DesignPoint] = {}
+    points: dict[int, PointTrials] = {}
     derive = _derive_allowed(sweep, "stacking") and bool(stack)
     base = override_dict(sweep.settings.get("baseline") or [])
     expected: list[dict[str, str]] = []
@@ -308,7 +394,7 @@ def stacking_points(sweep: SweepData) -> list[DesignPoint] | None:
             added = d.get("added")
             label = str(added) if added else ("(baseline)" if step == 0 else f"step {step}")
             applied = [str(o) for o in d.get("applied") or []]
-            points.setdefault(step, DesignPoint(label, applied, step=step)).trials.append(t)
+            points.setdefault(step, PointTrials(label, applied, step=step)).trials.append(t)
             continue
         if not derive:
             continue
@@ -316,7 +402,7 @@ def stacking_points(sweep: SweepData) -> list[DesignPoint] | None:
         for step in range(len(expected) - 1, -1, -1):
             if _matches(t, expected[step], keys, changed):
                 label = stack[step - 1] if step > 0 else "(baseline)"
-                points.setdefault(step, DesignPoint(label, stack[:step], step=step)).trials.append(t)
+                points.setdefault(step, PointTrials(label, stack[:step], step=step)).trials.append(t)
                 break
     if not points:
         return None
@@ -381,86 +467,187 @@ def trials_table(sweep: SweepData) -> Table:
     return Table("trials", "Trials", cols, rows, intro=intro)
 
 
-def _point_row(point: DesignPoint, ref: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
-    r = {**extra, **aggregate(point.trials)}
-    if ref is not None:
-        r["d_peak_gib"] = _delta(r["peak_gib_mean"], ref["peak_gib_mean"])
-        r["d_peak_pct"] = _pct(r["peak_gib_mean"], ref["peak_gib_mean"])
-        r["d_tokens_per_s_pct"] = _pct(r["tokens_per_s_mean"], ref["tokens_per_s_mean"])
-        r["d_eval_loss"] = _delta(r["eval_loss_mean"], ref["eval_loss_mean"])
-    else:
-        r.update({"d_peak_gib": None, "d_peak_pct": None, "d_tokens_per_s_pct": None, "d_eval_loss": None})
+def _compare_into(
+    r: dict[str, Any], point: PointTrials, ref: PointTrials | None, specs: list[MetricSpec], pfx: str
+) -> None:
+    """Δ, its standard error, p-value and verdict of ``point`` vs ``ref`` for every metric, into row ``r``
+    (keys ``d_<pfx><key>``, ``d_<pfx><key>_pct``, ``se_<pfx><key>``, ``p_<pfx><key>``, ``sig_<pfx><key>``)."""
+    loaded = _loaded(point.trials) + (_loaded(ref.trials) if ref is not None else [])
+    r[f"loaded_{pfx}".rstrip("_")] = "; ".join(f"trial {n}: {why}" for n, why in loaded) or None
+    for spec in specs:
+        a = ok_values(point.trials, spec.value)
+        b = ok_values(ref.trials, spec.value) if ref is not None else []
+        c: Comparison | None = compare(a, b)
+        pct = f"d_{pfx}{spec.pct_key[2:]}"
+        ref_mean = statistics.fmean(b) if b else None
+        r[f"d_{pfx}{spec.key}"] = c.delta if c else None
+        r[pct] = _pct(statistics.fmean(a), ref_mean) if c else None
+        r[f"se_{pfx}{spec.key}"] = c.se if c else None
+        r[f"se_{pfx}{spec.pct_key[2:]}"] = (
+            c.se / abs(ref_mean) * 100.0 if c and c.se is not None and ref_mean else None
+        )
+        r[f"p_{pfx}{spec.key}"] = c.p if c else None
+        r[f"sig_{pfx}{spec.key}"] = c.verdict if c else None
+        r[f"test_{pfx}{spec.key}"] = c.test if c else None
+
+
+def _loaded(trials: list[TrialRecord]) -> list[tuple[int, str]]:
+    return [(t.number, why) for t in trials if t.ok and (why := t.timing_disturbed)]
+
+
+def _mark(r: dict[str, Any], spec: MetricSpec, pfx: str) -> str:
+    verdict = r.get(f"sig_{pfx}{spec.key}")
+    if verdict is None:
+        return ""
+    if spec.speed and r.get(f"loaded_{pfx}".rstrip("_")):
+        return LOAD_MARK
+    return MARKS[verdict]
+
+
+def _delta_cell(spec: MetricSpec, pfx: str, pct: bool) -> Callable[[dict[str, Any]], str]:
+    """Δ (or Δ %) ± its standard error, and the mark on the metric's main Δ column."""
+    key = f"{pfx}{spec.pct_key[2:]}" if pct else f"{pfx}{spec.key}"
+    num_spec = "+.1f" if pct else "+" + spec.spec
+    se_spec = ".1f" if pct else spec.spec
+    marked = pct == (spec.delta_header is None)
+
+    def cell(r: dict[str, Any]) -> str:
+        d = r.get(f"d_{key}")
+        if d is None:
+            return ""
+        text = f"{d:{num_spec}}"
+        se = r.get(f"se_{key}")
+        if se is not None and marked:
+            text += f" ± {se:{se_spec}}"
+        if marked:
+            text += f" {_mark(r, spec, pfx)}"
+        return text
+
+    return cell
+
+
+def _metric_columns(specs: list[MetricSpec], pfx: str, header_pfx: str = "") -> list[Column]:
+    cols = []
+    for spec in specs:
+        cols.append(
+            Column(
+                spec.header,
+                (lambda k, f: lambda r: fmt_pm(r.get(f"{k}_mean"), r.get(f"{k}_std"), f))(
+                    spec.key, spec.spec
+                ),
+            )
+        )
+        if spec.delta_header:
+            cols.append(Column(_hdr(spec.delta_header, header_pfx), _delta_cell(spec, pfx, pct=False)))
+        if spec.pct_header:
+            cols.append(Column(_hdr(spec.pct_header, header_pfx), _delta_cell(spec, pfx, pct=True)))
+    return cols
+
+
+def _hdr(header: str, pfx: str) -> str:
+    """``Δ mem GiB`` -> ``Δ prev GiB``, ``Δ tok/s %`` -> ``Δ prev tok/s %`` (stacking)."""
+    if not pfx:
+        return header
+    rest = header[len("Δ mem ") :] if header.startswith("Δ mem ") else header[len("Δ ") :]
+    return f"Δ {pfx} {rest}"
+
+
+def _noise_notes(rows: list[dict[str, Any]], specs: list[MetricSpec], pfx: str) -> list[str]:
+    """Say so when the noise is unknown everywhere (no repeats): then nothing is marked significant."""
+    verdicts = [r.get(f"sig_{pfx}{s.key}") for r in rows for s in specs]
+    verdicts = [v for v in verdicts if v is not None]
+    notes = []
+    if verdicts and all(v == UNKNOWN for v in verdicts):
+        notes.append(
+            "No repeats: noise unknown. Every Δ is the difference of single runs and none is marked "
+            "significant; run seed repeats (sweep.repeats ≥ 2) to tell effects from noise."
+        )
+    return notes
+
+
+def _load_notes(points: list[PointTrials]) -> list[str]:
+    """Which trials measured their throughput under load (``meta.timing_conditions``), and why."""
+    loaded = sorted({n: why for p in points for n, why in _loaded(p.trials)}.items())
+    if not loaded:
+        return []
+    return [
+        f"Throughput measured under load ({LOAD_MARK}: not a finding): "
+        + "; ".join(f"trial {n} ({why})" for n, why in loaded)
+        + "."
+    ]
+
+
+def _point_row(
+    point: PointTrials, ref: PointTrials | None, specs: list[MetricSpec], pfx: str = "", **extra: Any
+) -> dict[str, Any]:
+    r = {**extra, **aggregate(point.trials, specs)}
+    _compare_into(r, point, ref, specs, pfx)
     return r
 
 
 def ablation_table(sweep: SweepData) -> Table | None:
-    found = ablation_points(sweep)
+    found = ablation_rows(sweep)
     if found is None:
         return None
     baseline, factors = found
-    base_row = _point_row(baseline, None, change="baseline", role="baseline")
-    ref = base_row if baseline.trials else None
+    specs = compared_metrics(sweep)
+    ref = baseline if baseline.trials and any(t.ok for t in baseline.trials) else None
+    base_row = _point_row(baseline, None, specs, change="baseline", role="baseline")
     rows = [base_row] if baseline.trials else []
-    rows += [_point_row(p, ref, change=p.label, role="factor") for p in factors]
-    cols = [
-        Column("change", lambda r: r["change"], False),
-        Column("n ok", _n_cell, False),
-        Column("peak GiB", lambda r: fmt_pm(r["peak_gib_mean"], r["peak_gib_std"], ".4f")),
-        Column("Δ mem GiB", lambda r: fmt(r["d_peak_gib"], "+.4f")),
-        Column("Δ mem %", lambda r: fmt(r["d_peak_pct"], "+.1f")),
-        Column("tokens/s", lambda r: fmt_pm(r["tokens_per_s_mean"], r["tokens_per_s_std"], ".1f")),
-        Column("Δ tok/s %", lambda r: fmt(r["d_tokens_per_s_pct"], "+.1f")),
-        Column("eval loss", lambda r: fmt_pm(r["eval_loss_mean"], r["eval_loss_std"], ".4f")),
-        Column("Δ eval loss", lambda r: fmt(r["d_eval_loss"], "+.4f")),
-        Column("trials", _trials_cell, False),
-    ]
+    rows += [_point_row(p, ref, specs, change=p.label, role="factor") for p in factors]
+    cols = [Column("change", lambda r: r["change"], False), Column("n ok", _n_cell, False)]
+    cols += _metric_columns(specs, "")
+    cols.append(Column("trials", _trials_cell, False))
     b = " ".join(baseline.change) or "(overrides of the baseline trials)"
-    intro = f"Each change applied alone to the baseline `{b}`. Values: mean ± std over ok seed repeats."
+    intro = (
+        f"Each change applied alone to the baseline `{b}`. Values: mean ± std over ok seed repeats. "
+        + MARK_LEGEND
+    )
     notes = []
     if not baseline.trials:
         notes.append("No baseline trial found: Δ columns are empty.")
     elif not base_row["n_ok"]:
         notes.append("Every baseline trial failed: Δ columns are empty.")
+    notes += _noise_notes(rows, specs, "") if ref is not None else []
+    notes += _load_notes([baseline, *factors])
     return Table("ablation", "One-factor ablation", cols, rows, intro=intro, notes=notes)
 
 
 def stacking_table(sweep: SweepData) -> Table | None:
-    points = stacking_points(sweep)
+    points = stacking_rows(sweep)
     if points is None:
         return None
+    specs = compared_metrics(sweep)
     rows: list[dict[str, Any]] = []
     start: dict[str, Any] | None = None
-    prev: dict[str, Any] | None = None
+    prev: PointTrials | None = None
     for p in points:
-        r = _point_row(p, prev, step=p.step, added=p.label, applied=list(p.change))
-        r = {("d_prev" + k[1:] if k.startswith("d_") else k): v for k, v in r.items()}
+        r = _point_row(p, prev, specs, "prev_", step=p.step, added=p.label, applied=list(p.change))
         r["d_start_peak_pct"] = _pct(r["peak_gib_mean"], start["peak_gib_mean"]) if start else None
         r["d_start_tokens_per_s_pct"] = (
             _pct(r["tokens_per_s_mean"], start["tokens_per_s_mean"]) if start else None
         )
         if start is None:
             start = r
-        prev = r
+        prev = p
         rows.append(r)
     cols = [
         Column("step", lambda r: str(r["step"])),
         Column("added", lambda r: r["added"], False),
         Column("n ok", _n_cell, False),
-        Column("peak GiB", lambda r: fmt_pm(r["peak_gib_mean"], r["peak_gib_std"], ".4f")),
-        Column("Δ prev GiB", lambda r: fmt(r["d_prev_peak_gib"], "+.4f")),
-        Column("Δ prev %", lambda r: fmt(r["d_prev_peak_pct"], "+.1f")),
-        Column("tokens/s", lambda r: fmt_pm(r["tokens_per_s_mean"], r["tokens_per_s_std"], ".1f")),
-        Column("Δ prev tok/s %", lambda r: fmt(r["d_prev_tokens_per_s_pct"], "+.1f")),
-        Column("eval loss", lambda r: fmt_pm(r["eval_loss_mean"], r["eval_loss_std"], ".4f")),
+    ]
+    cols += _metric_columns(specs, "prev_", "prev")
+    cols += [
         Column("mem vs start %", lambda r: fmt(r["d_start_peak_pct"], "+.1f")),
         Column("tok/s vs start %", lambda r: fmt(r["d_start_tokens_per_s_pct"], "+.1f")),
         Column("trials", _trials_cell, False),
     ]
     intro = (
         "Optimisations added one at a time, in order; each row is the cumulative config after that step. "
-        "Δ prev compares with the step before (empty when either is unmeasured)."
+        "Δ prev compares with the step before (empty when either is unmeasured). " + MARK_LEGEND
     )
-    return Table("stacking", "Stacking", cols, rows, intro=intro)
+    notes = _noise_notes(rows, specs, "prev_") + _load_notes(points)
+    return Table("stacking", "Stacking", cols, rows, intro=intro, notes=notes)
 
 
 def failures_table(sweep: SweepData) -> Table:
@@ -581,20 +768,85 @@ def metric_text(metric: str, value: float | None) -> str:
     return _METRIC_FORMAT.get(metric, lambda v: f"{v:.6g}")(value)
 
 
+def _noise_text(within: list[str], unknown: list[str], n_other: int) -> str:
+    if n_other == 0:
+        return "only config"
+    if len(unknown) == n_other:
+        return "no repeats: noise unknown"
+    parts = []
+    if within:
+        shown = ", ".join(within[:3]) + (", …" if len(within) > 3 else "")
+        parts.append(f"within noise of {len(within)} of {n_other} other configs ({shown}): not a finding")
+    if unknown:
+        parts.append(f"noise unknown vs {len(unknown)}")
+    if not within:
+        parts.insert(0, f"better than all {n_other - len(unknown)} other configs beyond noise")
+    return "; ".join(parts)
+
+
+def best_config(
+    sweep: SweepData, trials: list[TrialRecord], metric: str, direction: str
+) -> tuple[TrialRecord, dict[str, Any]] | None:
+    """The best config on ``metric`` (by its mean over ok seed repeats; ties: lower trial number), its best
+    trial, and which other configs it is not separated from (t-test of the configs' values, p ≥ 0.05).
+
+    Returns ``(trial, info)`` with ``info`` = ``config``, ``within_noise`` (configs not separated from the
+    best, ``; ``-joined), ``noise_unknown`` (single runs on both sides, ``; ``-joined), ``n_other``,
+    ``noise`` (a sentence); None when no trial has a value.
+    """
+    cands = [t for t in trials if t.metric(metric) is not None]
+    if not cands:
+        return None
+    sign = 1.0 if direction == "minimize" else -1.0
+    groups = sweep.config_groups(cands)
+    values = {label: [t.metric(metric) for t in ts] for label, ts in groups.items()}
+
+    def config_rank(label: str) -> tuple[float, int]:
+        return (sign * statistics.fmean(values[label]), min(t.number for t in groups[label]))  # type: ignore[arg-type]
+
+    label = min(groups, key=config_rank)
+    best = min(groups[label], key=lambda t: (sign * t.metric(metric), t.number))  # type: ignore[operator]
+    within, unknown = [], []
+    for other, vals in values.items():
+        if other == label:
+            continue
+        c = compare(vals, values[label])  # type: ignore[arg-type]
+        if c is None or c.verdict == UNKNOWN:
+            unknown.append(other)
+        elif c.verdict == NOISE:
+            within.append(other)
+    n_other = len(groups) - 1
+    info = {
+        "config": label,
+        "within_noise": "; ".join(within),
+        "noise_unknown": "; ".join(unknown),
+        "n_other": n_other,
+        "noise": _noise_text(within, unknown, n_other),
+    }
+    return best, info
+
+
 def best_table(sweep: SweepData) -> Table:
-    """Best feasible trial per objective (ties: lower trial number) and the feasible Pareto front."""
+    """Best feasible config per objective (by its mean over seed repeats; its best trial shown), whether it
+    is separated from the other configs beyond noise, and the feasible Pareto front."""
     knobs = sweep.varying_knobs()
     feasible = [t for t in sweep.trials if sweep.feasible(t)]
     rows = []
     for metric, direction in sweep.objectives:
-        cands = [t for t in feasible if t.metric(metric) is not None]
-        if not cands:
+        found = best_config(sweep, feasible, metric, direction)
+        if found is None:
             rows.append(
-                {"objective": metric, "direction": direction, "trial": None, "value": None, "knobs": ""}
+                {
+                    "objective": metric,
+                    "direction": direction,
+                    "trial": None,
+                    "value": None,
+                    "knobs": "",
+                    "noise": "",
+                }
             )
             continue
-        sign = 1.0 if direction == "minimize" else -1.0
-        best = min(cands, key=lambda t: (sign * t.metric(metric), t.number))  # type: ignore[operator]
+        best, info = found
         rows.append(
             {
                 "objective": metric,
@@ -602,12 +854,15 @@ def best_table(sweep: SweepData) -> Table:
                 "trial": best.number,
                 "value": best.metric(metric),
                 "knobs": sweep.knob_label(best, knobs),
+                **info,
             }
         )
     front = pareto_front(feasible, sweep.objectives)
     objs = ", ".join(f"{m} {'↓' if d == 'minimize' else '↑'}" for m, d in sweep.objectives)
     intro = (
-        f"Feasible trials only ({len(feasible)} of {len(sweep.trials)}). "
+        f"Feasible trials only ({len(feasible)} of {len(sweep.trials)}). Best = the config with the best mean "
+        "over its seed repeats (its best trial shown); vs other configs: which it beats beyond the "
+        "seed-to-seed noise (t-test, p < 0.05). "
         f"Pareto front over {objs}: " + (", ".join(f"trial {t.number:04d}" for t in front) or "empty") + "."
     )
     return Table(
@@ -619,6 +874,7 @@ def best_table(sweep: SweepData) -> Table:
             Column("trial", lambda r: "" if r["trial"] is None else str(r["trial"])),
             Column("value", lambda r: metric_text(r["objective"], r["value"])),
             Column("knobs", lambda r: r["knobs"], False),
+            Column("vs other configs", lambda r: r["noise"], False),
         ],
         rows,
         intro=intro,

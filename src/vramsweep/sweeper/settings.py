@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.record.metrics import OBJECTIVE_METRICS, PRUNABLE_METRICS, is_objective
-from vramsweep.record.metrics import direction as metric_direction
 
 #: Samplers accepted by short name (``hydra.sweeper.sampler=<name>``).
 SAMPLERS = ("tpe", "random", "grid", "nsga2", "gp")
@@ -30,6 +29,9 @@ DESIGNS = ("search", "grid", "ablation", "stacking")  # + "max_context" (sweeper
 ISOLATIONS = ("fork", "spawn", "inprocess", "launcher")
 # Metrics that can be objectives or pruned on: the registry (record/metrics.py) says. Dotted paths reach
 # into map metrics, e.g. ``memory_breakdown_bytes.activations``.
+#: Seed repeats per design point by default for ablation/stacking designs with a quality objective
+#: (``sweep.repeats`` overrides; see :func:`default_repeats`).
+QUALITY_REPEATS = 3
 #: Modules the fork server imports once, so each trial starts warm (missing ones are skipped).
 DEFAULT_PRELOAD = (
     "vramsweep.trial",
@@ -269,6 +271,7 @@ def parse_objectives(raw: Any, direction: Any = None) -> list[Objective]:
     ``direction`` (str or list) overrides the directions in order.
     """
     from vramsweep.config.compose import ConfigError
+    from vramsweep.record.result import metric_direction
 
     items: list[tuple[str, str | None]] = []
     if raw is None:
@@ -322,6 +325,17 @@ def parse_objectives(raw: Any, direction: Any = None) -> list[Objective]:
     if len({o.metric for o in out}) != len(out):
         raise ConfigError("sweep.objectives names a metric twice", key="sweep.objectives")
     return out
+
+
+def default_repeats(design: str, objectives: list[Objective]) -> int:
+    """``sweep.repeats`` when the sweep file leaves it out: :data:`QUALITY_REPEATS` seeds per point for an
+    ablation/stacking design with a quality objective (eval loss moves by run-to-run noise as much as by
+    many knobs: one seed cannot tell them apart), else 1 (memory is deterministic; speed repeats cost
+    as much as they help on a shared machine, so a sweep asks for them explicitly)."""
+    from vramsweep.record.result import is_quality_metric
+
+    quality = any(is_quality_metric(o.metric) for o in objectives)
+    return QUALITY_REPEATS if design in ("ablation", "stacking") and quality else 1
 
 
 def _check_choice(value: Any, allowed: tuple[str, ...], key: str) -> None:
@@ -454,7 +468,9 @@ def resolve_settings(
     for f in _as_list(sweep.get("factors"), "sweep.factors"):
         factors.append([str(x) for x in _as_list(f, "sweep.factors[]")])
     stack = [str(x) for x in _as_list(sweep.get("stack"), "sweep.stack")]
-    repeats = sweep.get("repeats", 1)
+    repeats = sweep.get("repeats")
+    if repeats is None:
+        repeats = default_repeats(design, objectives)
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ConfigError(
             f"sweep.repeats={repeats!r} must be an integer >= 1", key="sweep.repeats", allowed=["1.."]

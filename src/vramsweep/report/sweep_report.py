@@ -1,4 +1,5 @@
-"""``vramsweep report``: write ``ablation.md`` + ``ablation.csv`` + plots and print the main table.
+"""``vramsweep report`` (the whole report of a sweep): write ``ablation.md`` + ``ablation.csv`` + plots and print
+the main table.
 
 Exit codes of :func:`run_report`: 0 report written; 1 nothing to report (no trial results yet);
 2 bad input (missing folder, not a sweep, unknown study, unwritable output folder).
@@ -144,6 +145,8 @@ def run_report(
     print()
     print(f"## {main.title}")
     print(_terminal_table(main))
+    for n in main.notes:
+        print(f"- {n}")
     best = report.tables["best"]
     front = pareto_front([t for t in sweep.trials if sweep.feasible(t)], sweep.objectives)
     print()
@@ -151,7 +154,7 @@ def run_report(
         if r["trial"] is not None:
             print(
                 f"best {r['objective']} ({r['direction']}): trial {r['trial']:04d} = "
-                f"{best.columns[3].cell(r)}  [{r['knobs']}]"
+                f"{best.columns[3].cell(r)}  [{r['knobs']}]; {r['noise']}"
             )
     objs = ", ".join(f"{m} {'min' if d == 'minimize' else 'max'}" for m, d in sweep.objectives)
     print(
