@@ -256,13 +256,16 @@ def _eval_subset(examples: list, n: int) -> list:
 EVAL_CHUNK = 1024  # positions per fp32 cross-entropy chunk in evaluate(): bounds eval memory at large vocabs
 
 
-def evaluate(model, batches: list[dict], device) -> tuple[float, float | None, int]:
+def evaluate(model, batches: list[dict], device, meter=None) -> tuple[float, float | None, int]:
     """Held-out mean loss over target tokens, and the task score (teacher-forced exact match of the
     fact values the target repeats from earlier sections; None when no spans).
 
     One sequence at a time, cross-entropy in chunks of :data:`EVAL_CHUNK` positions: the logits are
     ``seq x vocab`` (Qwen3: 4096 x 151936 = 1.2 GB in bf16 per sequence), and a batch of 4 upcast to
-    fp32 would take 10 GB, more than the training step it measures on a 16 GB card."""
+    fp32 would take 10 GB, more than the training step it measures on a 16 GB card.
+
+    ``meter`` (a :class:`vramsweep.measure.quality.QualityMeter`) also gets each sequence's per-token NLL and
+    argmax, for the fact/control token metrics."""
     import torch
 
     from vramsweep.longctx.loss import causal_lm_of
@@ -290,19 +293,22 @@ def evaluate(model, batches: list[dict], device) -> tuple[float, float | None, i
                     logits_at = lambda s, e, f=full: f[s:e]  # noqa: E731
                 labels = b["labels"][row, 1:].to(device)
                 n = labels.shape[0]
-                preds = []
+                preds, nlls = [], []
                 for s in range(0, n, EVAL_CHUNK):
                     chunk = labels[s : s + EVAL_CHUNK]
                     logits = logits_at(s, s + chunk.shape[0])
-                    total += float(
+                    nlls.append(
                         torch.nn.functional.cross_entropy(
-                            logits.float(), chunk, ignore_index=-100, reduction="sum"
+                            logits.float(), chunk, ignore_index=-100, reduction="none"
                         )
                     )
+                    total += float(nlls[-1].sum())
                     count += int((chunk != -100).sum())
                     preds.append(logits.argmax(-1))
                     del logits
                 pred = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long, device=ids.device)
+                if meter is not None:
+                    meter.add(torch.cat(nlls) if nlls else pred.float(), pred, labels, b["fact_spans"][row])
                 logits_at = None
                 for start, end in b["fact_spans"][row]:
                     if start < 1 or end > ids.shape[1]:
@@ -667,7 +673,11 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
         m.update(cuda_mon.metrics(m["state_bytes"]))
 
     te = time.perf_counter()
-    final, task, n_spans = evaluate(model, eval_batches, device)
+    from vramsweep.measure.quality import QualityMeter
+
+    quality = QualityMeter()  # fact vs control token accuracy/NLL (measure/quality.py)
+    final, task, n_spans = evaluate(model, eval_batches, device, meter=quality)
+    m.update(quality.metrics())
     eval_s += time.perf_counter() - te
     m["eval_loss"] = final
     m["eval_ppl"] = math.exp(min(final, 50.0))

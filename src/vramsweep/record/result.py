@@ -23,6 +23,10 @@ METRIC_KEYS = (
     "eval_loss",
     "eval_ppl",
     "task_score",
+    "fact_token_acc",
+    "fact_nll",
+    "control_token_acc",
+    "control_nll",
 )
 
 

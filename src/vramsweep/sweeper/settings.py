@@ -37,6 +37,10 @@ OBJECTIVE_METRICS = (
     "eval_loss",
     "eval_ppl",
     "task_score",
+    "fact_token_acc",
+    "fact_nll",
+    "control_token_acc",
+    "control_nll",
 )
 #: Loss-like metrics the trial reports at intermediate evals (pruning works on these only).
 PRUNABLE_METRICS = ("eval_loss", "eval_ppl")
@@ -275,12 +279,12 @@ def parse_objectives(raw: Any, direction: Any = None) -> list[Objective]:
     """Normalise objectives (``sweep.objectives`` / ``hydra.sweeper.objectives`` / ``direction``).
 
     Accepts ``eval_loss``, ``[eval_loss, tokens_per_s]`` (default direction: minimize, except
-    ``tokens_per_s``/``mfu``/``task_score``: maximize), ``[{metric: m, direction: d}]`` and
+    ``tokens_per_s``/``mfu``/``task_score``/``*_token_acc``: maximize), ``[{metric: m, direction: d}]`` and
     ``{m: d}``. ``direction`` (str or list) overrides the directions in order.
     """
     from vramsweep.config.compose import ConfigError
 
-    maximize_default = {"tokens_per_s", "mfu", "task_score"}
+    maximize_default = {"tokens_per_s", "mfu", "task_score", "fact_token_acc", "control_token_acc"}
     items: list[tuple[str, str | None]] = []
     if raw is None:
         items = [("eval_loss", "minimize")]
