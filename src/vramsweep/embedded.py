@@ -1,12 +1,9 @@
 """The embedded default model: a tiny Qwen3-architecture LM + BPE tokenizer, built locally, no network.
 
 Built deterministically (seeded) from the synthetic grant-report corpus: train a byte-level BPE
-tokenizer on whole documents, initialise the model, pre-train it on *condensed* documents
-(:func:`vramsweep.data.synthetic.copy_pretrain_texts`: fact statements and their repeats a few hundred
-tokens apart, so one window holds both and the model learns to copy fact values from earlier in the
-document), all from seed streams separate from the fine-tuning and eval documents. Saved to
-``<cache>/embedded/<key>/`` with a ``COMPLETE`` marker written last. A file lock makes concurrent
-trials/workers wait for one build instead of racing.
+tokenizer, initialise the model, pre-train it briefly on documents from a separate seed stream (never
+the fine-tuning or eval documents), save to ``<cache>/embedded/<key>/`` with a ``COMPLETE`` marker
+written last. A file lock makes concurrent trials/workers wait for one build instead of racing.
 """
 
 from __future__ import annotations
@@ -15,7 +12,6 @@ import fcntl
 import hashlib
 import json
 import math
-import os
 import time
 from pathlib import Path
 
@@ -23,10 +19,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 # Bump when the generator, tokenizer recipe or pre-training recipe changes (invalidates caches).
-RECIPE_VERSION = 3
+RECIPE_VERSION = 2
 PRETRAIN_SEED = 7
-PRETRAIN_LR = 5e-3
-TOKENIZER_DOCS = 64  # whole documents the BPE tokenizer is trained on
+PRETRAIN_LR = 4e-3
 
 
 def _key(mcfg: DictConfig) -> str:
@@ -59,27 +54,13 @@ def ensure_embedded(mcfg: DictConfig, *, progress: bool = True) -> Path:
     return out
 
 
-def _pretrain_rows(tokenizer, texts: list[str], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack whole texts (+ EOS) into rows of ``seq_len`` without splitting one across rows (a copy task
-    needs the statement and the repeat in one row); the rest of a row is EOS with label -100. A text
-    longer than a row keeps its last ``seq_len - 1`` tokens."""
-    eos = int(tokenizer.eos_token_id)
-    rows: list[list[int]] = []
-    row: list[int] = []
+def _pretrain_blocks(tokenizer, texts: list[str], seq_len: int) -> torch.Tensor:
+    ids: list[int] = []
     for t in texts:
-        ids = tokenizer(t, add_special_tokens=False)["input_ids"][-(seq_len - 1) :] + [eos]
-        if len(row) + len(ids) > seq_len:
-            rows.append(row)
-            row = []
-        row = row + ids
-    if row:
-        rows.append(row)
-    x = torch.full((len(rows), seq_len), eos, dtype=torch.long)
-    y = torch.full((len(rows), seq_len), -100, dtype=torch.long)
-    for i, r in enumerate(rows):
-        x[i, : len(r)] = torch.tensor(r)
-        y[i, : len(r)] = torch.tensor(r)
-    return x, y
+        ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
+        ids.append(tokenizer.eos_token_id)
+    n = len(ids) // seq_len
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -97,21 +78,19 @@ def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dic
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from vramsweep.data.synthetic import copy_pretrain_texts, pretrain_texts
+    from vramsweep.data.synthetic import pretrain_texts
     from vramsweep.data.tokenizer import train_tokenizer
     from vramsweep.hfmodel import hf_config
 
     t0 = time.time()
     steps, batch, seq = int(mcfg.pretrain_steps), int(mcfg.pretrain_batch), int(mcfg.pretrain_seq_len)
-    tokenizer = train_tokenizer(
-        pretrain_texts(TOKENIZER_DOCS, PRETRAIN_SEED), vocab_size=int(mcfg.vocab_size), min_frequency=1
-    )
+    n_docs = max(16, math.ceil(steps * batch * seq / 2500))  # ~1 epoch of ~2.5k-token documents
+    texts = pretrain_texts(n_docs, PRETRAIN_SEED)
+    tokenizer = train_tokenizer(texts, vocab_size=int(mcfg.vocab_size), min_frequency=1)
     if len(tokenizer) != int(mcfg.vocab_size):
         # Like real checkpoints, the embedding may have more rows than the tokenizer has tokens; say so.
         print(f"note: the tokenizer has {len(tokenizer)} tokens, the model {mcfg.vocab_size} embedding rows")
-    # Condensed documents average ~450 tokens: enough for one pass over fresh documents.
-    n_docs = max(16, math.ceil(steps * batch * seq / 450))
-    x_all, y_all = _pretrain_rows(tokenizer, copy_pretrain_texts(n_docs, PRETRAIN_SEED), seq)
+    blocks = _pretrain_blocks(tokenizer, texts, seq)
     config = hf_config(mcfg)
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_id = tokenizer.eos_token_id
@@ -124,12 +103,15 @@ def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dic
     sched = get_scheduler(
         "cosine", optimizer=opt, num_warmup_steps=max(1, steps // 20), num_training_steps=steps
     )
+    gen = torch.Generator().manual_seed(PRETRAIN_SEED)
+    order = torch.randperm(blocks.shape[0], generator=gen)
     losses = []
     model.train()
     bar = tqdm(range(steps), desc="pre-training embedded base model (once, cached)", disable=not progress)
     for step in bar:
-        idx = (torch.arange(batch) + step * batch) % x_all.shape[0]
-        loss = model(input_ids=x_all[idx], labels=y_all[idx]).loss
+        idx = order[(torch.arange(batch) + step * batch) % blocks.shape[0]]
+        x = blocks[idx]
+        loss = model(input_ids=x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -147,14 +129,12 @@ def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dic
         "params": int(sum(p.numel() for p in model.parameters())),
         "pretrain_docs": n_docs,
         "pretrain_tokens": int(steps * batch * seq),
-        "pretrain_rows": int(x_all.shape[0]),
+        "pretrain_blocks": int(blocks.shape[0]),
         "tokenizer_tokens": len(tokenizer),
         "loss_first": losses[0],
         "loss_last_10_mean": sum(losses[-10:]) / len(losses[-10:]),
         "weights_sha256": weights_digest(model),
         "build_s": round(time.time() - t0, 1),
-        "threads": torch.get_num_threads(),
-        "load_avg_1m": round(os.getloadavg()[0], 2),
         "torch": torch.__version__,
     }
     (tmp / "vramsweep_embedded.json").write_text(json.dumps(info, indent=2) + "\n")

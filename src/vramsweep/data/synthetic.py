@@ -28,14 +28,12 @@ task score measures when the context is truncated.
 from __future__ import annotations
 
 import random
-import re
 from typing import Any
 
 from vramsweep.data.documents import document_text, format_section, value_occurs
 
 __all__ = [
     "FACT_KEYS",
-    "copy_pretrain_texts",
     "generate_documents",
     "pretrain_texts",
 ]
@@ -811,64 +809,3 @@ def pretrain_texts(n: int, seed: int) -> list[str]:
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     return [document_text(_document(random.Random(f"pretrain:{seed}:{i}"), i, seed)) for i in range(n)]
-
-
-# Sections that state a fact and sections that repeat facts (see the module docstring's section plan).
-STATEMENT_SECTIONS = ("Project summary", "Consortium", "Objectives", "Budget", "Timeline and milestones")
-REPEAT_SECTIONS = ("Financial summary", "Conclusions")
-_UNIT = re.compile(r"(?<=\n)|(?<=[.:] )")  # split after a line break or after ". " / ": "
-
-
-def _cut(section: dict[str, str], rng: random.Random, exponent: float, values: list[str]) -> dict[str, str]:
-    """The section's first ``k`` sentences/lines, ``k`` biased short by ``exponent`` (> 1) but never
-    cutting off the first occurrence of any of ``values`` (the facts the section states)."""
-    units = [u for u in _UNIT.split(section["text"]) if u]
-    need = 1
-    for v in values:
-        pos = section["text"].find(v)
-        if pos >= 0:
-            need = max(need, next(i + 1 for i in range(len(units)) if len("".join(units[: i + 1])) > pos))
-    k = max(need, min(len(units), 1 + int(rng.random() ** exponent * len(units))))
-    return {"heading": section["heading"], "text": "".join(units[:k]).rstrip()}
-
-
-def copy_pretrain_texts(
-    n: int, seed: int, *, p_statement: float = 0.85, p_other: float = 0.1, exponent: float = 4.0
-) -> list[str]:
-    """``n`` condensed documents that put every fact's statement and its repeats a few hundred tokens apart.
-
-    The embedded base model learns to copy a fact value from its earlier statement only when both occur in
-    one pre-training window; whole documents (~2.5k tokens) rarely fit one. Each text here is one
-    pre-training document (stream ``"copy:{seed}:{i}"``, disjoint from :func:`generate_documents` and
-    :func:`pretrain_texts`) with its sections, in order:
-
-    * the fact-repeating sections (financial summary, conclusions): always, whole;
-    * each fact-stating section (summary, consortium, objectives, timeline): with probability
-      ``p_statement``, cut to its first sentences/lines (the statement is the first one); of the budget
-      only the table (its TOTAL row states the budget). A missing statement teaches the model that the value is then unpredictable;
-    * every other section (work packages, risks, ...): with probability ``p_other``, cut the same way, as
-      distractor text of varying length between statement and repeat.
-
-    Sections are rendered with :func:`vramsweep.data.documents.format_section`; a text is ~250-700 tokens.
-    """
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    out = []
-    for i in range(n):
-        rng = random.Random(f"copy:{seed}:{i}")
-        doc = _document(rng, i, seed)
-        kept = []
-        for j, sec in enumerate(doc["sections"]):
-            heading = sec["heading"]
-            stated = [f["value"] for f in doc["facts"] if f["stated_in"] == j]
-            if heading in REPEAT_SECTIONS:
-                kept.append(sec)
-            elif heading in STATEMENT_SECTIONS:
-                if rng.random() < p_statement and heading == "Budget":  # the table, without the prose
-                    kept.append({"heading": heading, "text": sec["text"].split("\n\n")[1]})
-                elif rng.random() < p_statement:
-                    kept.append(_cut(sec, rng, exponent, stated))
-            elif rng.random() < p_other:
-                kept.append(_cut(sec, rng, exponent, stated))
-        out.append(document_text({"sections": kept}))
-    return out
