@@ -472,7 +472,11 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
         m.update(cuda_mon.metrics(m["state_bytes"]))
 
     te = time.perf_counter()
-    final = run_eval()
+    from vramsweep.measure.quality import QualityMeter
+
+    quality = QualityMeter()  # fact vs control token accuracy/NLL (measure/quality.py)
+    final = evaluate(model, evals, device, causal_lm=causal_lm_of, meter=quality)
+    m.update(quality.metrics())
     eval_s += time.perf_counter() - te
     m["eval_loss"], m["eval_ppl"] = final.loss, math.exp(min(final.loss, 50.0))
     m["task_score"], m["task_spans"] = final.task_score, final.task_spans

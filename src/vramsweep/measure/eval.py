@@ -18,13 +18,22 @@ EVAL_CHUNK = 1024  # positions per fp32 cross-entropy chunk in evaluate(): bound
 
 
 def evaluate(
-    model, batches: list[dict], device, *, causal_lm: Callable[[Any], Any] | None = None
+    model,
+    batches: list[dict],
+    device,
+    *,
+    causal_lm: Callable[[Any], Any] | None = None,
+    meter: Any = None,
 ) -> Evaluation:
     """Held-out mean loss over target tokens, and the task score (teacher-forced exact match of the
     fact values the target repeats from earlier sections; None when no spans).
 
     ``causal_lm(model)`` returns the causal LM inside wrappers (PEFT), so the decoder and the LM head can be
-    called separately; without it (or when that fails) the whole model's logits are used.
+    called separately; without it (or when that fails) the whole model's logits are used. ``meter`` (a
+    :class:`vramsweep.measure.quality.QualityMeter`) also gets each sequence's per-token NLL and argmax,
+    for the fact/control token metrics. ``meter`` (a
+    :class:`vramsweep.measure.quality.QualityMeter`) also gets each sequence's per-token NLL and argmax,
+    for the fact/control token metrics.
 
     One sequence at a time, cross-entropy in chunks of :data:`EVAL_CHUNK` positions: the logits are
     ``seq x vocab`` (Qwen3: 4096 x 151936 = 1.2 GB in bf16 per sequence), and a batch of 4 upcast to
@@ -56,19 +65,22 @@ def evaluate(
                     logits_at = lambda s, e, f=full: f[s:e]  # noqa: E731
                 labels = b["labels"][row, 1:].to(device)
                 n = labels.shape[0]
-                preds = []
+                preds, nlls = [], []
                 for s in range(0, n, EVAL_CHUNK):
                     chunk = labels[s : s + EVAL_CHUNK]
                     logits = logits_at(s, s + chunk.shape[0])
-                    total += float(
+                    nlls.append(
                         torch.nn.functional.cross_entropy(
-                            logits.float(), chunk, ignore_index=-100, reduction="sum"
+                            logits.float(), chunk, ignore_index=-100, reduction="none"
                         )
                     )
+                    total += float(nlls[-1].sum())
                     count += int((chunk != -100).sum())
                     preds.append(logits.argmax(-1))
                     del logits
                 pred = torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long, device=ids.device)
+                if meter is not None:
+                    meter.add(torch.cat(nlls) if nlls else pred.float(), pred, labels, b["fact_spans"][row])
                 logits_at = None
                 for start, end in b["fact_spans"][row]:
                     if start < 1 or end > ids.shape[1]:

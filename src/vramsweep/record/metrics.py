@@ -147,6 +147,10 @@ METRICS: tuple[Metric, ...] = (
         doc="mean NLL of control tokens",
         quality=True,
     ),
+    Metric("fact_tokens", "tokens", None, core=False, doc="fact-value tokens behind the fact metrics"),
+    Metric(
+        "control_tokens", "tokens", None, core=False, doc="other target tokens behind the control metrics"
+    ),
 )
 
 #: Name -> :class:`Metric`.
