@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,9 @@ def test_compose_layers_the_user_conf_dir_over_the_packaged_one(tmp_path: Path, 
     user_conf(project / "conf")
     monkeypatch.chdir(project)
     assert compose(["hardware=mine"], rules="none").hardware.budget_gib == 7
+    # the CLI pins ./conf for the trial processes and workers it starts, whatever their working folder
+    assert main(["train", "--cfg", "job", "hardware=mine"]) == 0
+    assert os.environ["VRAMSWEEP_CONFIG_DIR"] == str((project / "conf").resolve())
 
 
 def test_cli_config_dir_for_one_trial_and_for_a_sweep(tmp_path: Path, monkeypatch, capsys) -> None:

@@ -268,11 +268,15 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    if getattr(args, "config_dir", None) is not None and args.command != "pick":  # pick creates it on write
-        from vramsweep.config.compose import ConfigError, use_conf_dir
+    if args.command in ("train", "estimate"):  # (pick creates its --config-dir when it writes)
+        from vramsweep.config.compose import CONFIG_DIR_ENV, ConfigError, use_conf_dir, user_conf_dir
 
-        try:  # exported, so trial processes and workers compose from the same search path
-            args.config_dir = str(use_conf_dir(args.config_dir))
+        # exported, so trial processes and workers compose from the same search path whatever their folder
+        try:
+            if args.config_dir is not None:
+                use_conf_dir(args.config_dir)
+            elif CONFIG_DIR_ENV not in os.environ and (found := user_conf_dir()) is not None:
+                use_conf_dir(found)  # ./conf
         except ConfigError as exc:
             return _err(str(exc), args.command)
     return int(args.func(args) or 0)
