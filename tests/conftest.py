@@ -88,3 +88,11 @@ def embedded_model_dir() -> Path:
 def results_dir(tmp_path: Path) -> Path:
     d = tmp_path / "results"
     return d
+
+
+@pytest.fixture(autouse=True)
+def _no_conf_dir_leaks():
+    """``vramsweep train --config-dir`` (and ``./conf``) export ``VRAMSWEEP_CONFIG_DIR`` for the trial
+    processes; a test that runs the CLI must not leave it to the next test."""
+    yield
+    os.environ.pop("VRAMSWEEP_CONFIG_DIR", None)

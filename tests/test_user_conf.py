@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,9 @@ def test_compose_layers_the_user_conf_dir_over_the_packaged_one(tmp_path: Path, 
     user_conf(project / "conf")
     monkeypatch.chdir(project)
     assert compose(["hardware=mine"], rules="none").hardware.budget_gib == 7
+    # the CLI pins ./conf for the trial processes and workers it starts, whatever their working folder
+    assert main(["train", "--cfg", "job", "hardware=mine"]) == 0
+    assert os.environ["VRAMSWEEP_CONFIG_DIR"] == str((project / "conf").resolve())
 
 
 def test_cli_config_dir_for_one_trial_and_for_a_sweep(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -162,3 +166,20 @@ def test_pick_writes_the_experiment_into_the_users_conf_dir(tmp_path: Path, monk
     assert main(["pick", str(folder), "--budget-gib", "4", "--name", "p2", "--config-dir", str(other)]) == 0
     assert f"train it: vramsweep train --config-dir '{other}' +experiment=p2" in capsys.readouterr().out
     assert (other / "experiment" / "p2.yaml").is_file()
+
+
+def test_a_bad_conf_dir_is_one_line_and_pick_creates_nothing_on_bad_input(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("VRAMSWEEP_CONFIG_DIR", str(tmp_path / "gone"))
+    with pytest.raises(SystemExit) as done:  # the help still lists the (packaged) options
+        main(["train", "--help"])
+    assert done.value.code == 0 and "rtx4080_16gb" in capsys.readouterr().out
+    assert main(["train", "--cfg", "job"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"vramsweep train: error: VRAMSWEEP_CONFIG_DIR={tmp_path / 'gone'}: no such folder"]
+    monkeypatch.delenv("VRAMSWEEP_CONFIG_DIR")
+    new = tmp_path / "new conf"
+    assert main(["pick", str(tmp_path / "no sweep"), "--budget-gib", "4", "--config-dir", str(new)]) == 2
+    assert not new.exists() and not (tmp_path / "conf").exists()

@@ -26,12 +26,17 @@ examples:
 
 
 def _groups_text() -> str:
-    from vramsweep.config.compose import list_options
+    from vramsweep.config.compose import ConfigError, list_options, packaged_conf_dir
     from vramsweep.config.schema import CONFIG_GROUPS
 
+    try:
+        list_options("sweep")
+        where = None
+    except ConfigError:  # a bad $VRAMSWEEP_CONFIG_DIR: the verb says so; the help lists the packaged options
+        where = packaged_conf_dir()
     lines = []
     for g in (*CONFIG_GROUPS, "sweep", "experiment"):
-        opts = list_options(g)
+        opts = list_options(g, where)
         lines.append(f"  {g:<14} {', '.join(opts) if opts else '(none yet)'}")
     return "\n".join(lines)
 
@@ -263,12 +268,16 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    if getattr(args, "config_dir", None) is not None:
-        from vramsweep.config.compose import ConfigError, use_conf_dir
+    if args.command in ("train", "estimate"):  # (pick creates its --config-dir when it writes)
+        from vramsweep.config.compose import CONFIG_DIR_ENV, ConfigError, use_conf_dir, user_conf_dir
 
-        try:  # exported, so trial processes and workers compose from the same search path
-            args.config_dir = str(use_conf_dir(args.config_dir, create=args.command == "pick"))
-        except (ConfigError, OSError) as exc:
+        # exported, so trial processes and workers compose from the same search path whatever their folder
+        try:
+            if args.config_dir is not None:
+                use_conf_dir(args.config_dir)
+            elif CONFIG_DIR_ENV not in os.environ and (found := user_conf_dir()) is not None:
+                use_conf_dir(found)  # ./conf
+        except ConfigError as exc:
             return _err(str(exc), args.command)
     return int(args.func(args) or 0)
 

@@ -55,7 +55,7 @@ def layer_user_conf(search_path: Any) -> None:
     if not main or Path(re.sub(r"^file://", "", main[0].path)).resolve() != _PACKAGED:
         return
     user = user_conf_dir()
-    if user is not None:
+    if user is not None and user.is_dir():
         search_path.prepend(
             provider="vramsweep-user", path=f"file://{user}", anchor=SearchPathQuery(provider="main")
         )

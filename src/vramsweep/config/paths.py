@@ -40,11 +40,9 @@ def writable_conf_dir() -> Path:
     return user_conf_dir() or (Path.cwd() / "conf").resolve()
 
 
-def use_conf_dir(path: str | os.PathLike[str], *, create: bool = False) -> Path:
+def use_conf_dir(path: str | os.PathLike[str]) -> Path:
     """Make ``path`` the user's conf dir for this process and its children (``--config-dir``)."""
     p = Path(path).expanduser().resolve()
-    if create:
-        p.mkdir(parents=True, exist_ok=True)
     if not p.is_dir():
         raise ConfigError(f"--config-dir {path}: no such folder", key="--config-dir")
     os.environ[CONFIG_DIR_ENV] = str(p)
@@ -57,7 +55,8 @@ def conf_dirs(conf_dir: str | os.PathLike[str] | None = None) -> list[Path]:
     ``conf_dir`` (explicit) replaces :func:`user_conf_dir`.
     """
     user = Path(conf_dir).expanduser().resolve() if conf_dir is not None else user_conf_dir()
-    return [user, _PACKAGED] if user is not None and user != _PACKAGED else [_PACKAGED]
+    # an explicit dir that does not exist yet (pick creates it when it writes) adds nothing
+    return [user, _PACKAGED] if user is not None and user != _PACKAGED and user.is_dir() else [_PACKAGED]
 
 
 def list_options(group: str, conf_dir: str | os.PathLike[str] | None = None) -> list[str]:
