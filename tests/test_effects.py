@@ -146,6 +146,8 @@ def test_ablation_marks_noise_effects_and_load(tmp_path):
         "under load" in n and f"trial {LOADED_TRIAL} (load average 5.2 at start > 2 CPUs)" in n
         for n in table.notes
     )
+    trials = report.tables["trials"].rows
+    assert [r["trial"] for r in trials if r["timing_disturbed"]] == [LOADED_TRIAL]
     raw = {r["change"]: r for r in table.rows}
     assert raw["quant=nf4"]["sig_fact_token_acc"] == "significant"
     assert raw["optimizer=adamw_8bit"]["sig_eval_loss"] == "noise"
@@ -160,6 +162,8 @@ def test_best_and_importances_do_not_present_noise_as_findings(tmp_path, capsys)
     # the 8-bit optimizer has the lowest mean eval loss, by 0.0004: tied with every other config
     line = next(ln for ln in out.splitlines() if ln.startswith("best eval_loss"))
     assert "optimizer=adamw_8bit" in line and "within noise of 3 of 3 other configs" in line
+    # the other configs named by what differs from the best one
+    assert "(optimizer=adamw, quant=nf4 optimizer=adamw, adapter=rslora optimizer=adamw)" in line
     assert "not a finding" in line
     best = {
         r["objective"]: r
@@ -266,3 +270,19 @@ def test_pick_counts_a_loss_within_noise_as_equal_and_takes_the_cheaper(tmp_path
     assert (
         "counted as equal, and it needs 4.0000 GiB less peak memory than the best config's trial 0003" in prod
     )
+
+
+def test_every_trial_under_load_is_one_line_and_leaves_no_speed_importances(tmp_path):
+    res = demo_like()
+    for r in res:  # a shared machine: load average 9 on 2 CPUs for the whole sweep
+        r["meta"]["timing_conditions"]["loadavg"] = [9.0, 9.0, 8.0]
+    folder = write_sweep(tmp_path / "sw", res, design="ablation", baseline=BASE, factors=FACTORS)
+    table = build_report(load_sweep(str(folder)), importances=False).tables["ablation"]
+    (note,) = [n for n in table.notes if "under load" in n]
+    assert note.startswith(
+        "Throughput measured under load (!: not a finding): 8 trials (0, 1, 2, 3, 4, 5, 6, 7)"
+    )
+    assert all(r["Δ tok/s %"].endswith(" !") for r in cells(table)[1:])
+    imps = compute_importances(load_sweep(str(folder)))
+    assert "tokens_per_s" not in imps.values
+    assert "tokens_per_s: skipped, 0 complete trial(s) with a value (need ≥ 2)." in imps.notes

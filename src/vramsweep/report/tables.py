@@ -441,6 +441,7 @@ def trials_table(sweep: SweepData) -> Table:
                 "fits": _fits_text(sweep, t),
                 "feasible": sweep.feasible(t),
                 "reason": t.reason,
+                "timing_disturbed": t.timing_disturbed,
                 "overrides": list(t.overrides),
             }
         )
@@ -570,6 +571,11 @@ def _load_notes(points: list[PointTrials]) -> list[str]:
     loaded = sorted({n: why for p in points for n, why in _loaded(p.trials)}.items())
     if not loaded:
         return []
+    if len(loaded) > 3:  # one line, not a paragraph: the reasons per trial are in the trials table/CSV
+        return [
+            f"Throughput measured under load ({LOAD_MARK}: not a finding): {len(loaded)} trials "
+            f"({', '.join(str(n) for n, _ in loaded)}), e.g. trial {loaded[0][0]}: {loaded[0][1]}."
+        ]
     return [
         f"Throughput measured under load ({LOAD_MARK}: not a finding): "
         + "; ".join(f"trial {n} ({why})" for n, why in loaded)
@@ -784,6 +790,13 @@ def _noise_text(within: list[str], unknown: list[str], n_other: int) -> str:
     return "; ".join(parts)
 
 
+def _diff_label(base: str, other: str) -> str:
+    """The ``key=value`` pairs of config label ``other`` that differ from ``base`` (short table cells)."""
+    mine = set(base.split(" "))
+    diff = [kv for kv in other.split(" ") if kv not in mine]
+    return " ".join(diff) or other
+
+
 def best_config(
     sweep: SweepData, trials: list[TrialRecord], metric: str, direction: str
 ) -> tuple[TrialRecord, dict[str, Any]] | None:
@@ -791,7 +804,7 @@ def best_config(
     trial, and which other configs it is not separated from (t-test of the configs' values, p ≥ 0.05).
 
     Returns ``(trial, info)`` with ``info`` = ``config``, ``within_noise`` (configs not separated from the
-    best, ``; ``-joined), ``noise_unknown`` (single runs on both sides, ``; ``-joined), ``n_other``,
+    best, as their differences to it, ``; ``-joined), ``noise_unknown`` (single runs on both sides, ``; ``-joined), ``n_other``,
     ``noise`` (a sentence); None when no trial has a value.
     """
     cands = [t for t in trials if t.metric(metric) is not None]
@@ -811,10 +824,11 @@ def best_config(
         if other == label:
             continue
         c = compare(vals, values[label])  # type: ignore[arg-type]
+        short = _diff_label(label, other)
         if c is None or c.verdict == UNKNOWN:
-            unknown.append(other)
+            unknown.append(short)
         elif c.verdict == NOISE:
-            within.append(other)
+            within.append(short)
     n_other = len(groups) - 1
     info = {
         "config": label,
