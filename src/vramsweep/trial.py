@@ -349,6 +349,7 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
     )
     from vramsweep.measure.eval import evaluate
     from vramsweep.measure.flops import trial_mfu
+    from vramsweep.measure.quality import QualityMeter
     from vramsweep.measure.steps import StepClock
 
     m, meta, t = result["metrics"], result["meta"], cfg.train
@@ -359,8 +360,8 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
     built, batches, evals = _prepare(cfg, result)
     model, device = built.model, built.device
 
-    def run_eval():
-        return evaluate(model, evals, device, causal_lm=causal_lm_of)
+    def run_eval(meter=None):
+        return evaluate(model, evals, device, causal_lm=causal_lm_of, meter=meter)
 
     if cuda_mon is not None:
         cuda_mon.phase("initial_eval")  # the build's peak stays in meta.cuda.phases.setup
@@ -472,10 +473,8 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
         m.update(cuda_mon.metrics(m["state_bytes"]))
 
     te = time.perf_counter()
-    from vramsweep.measure.quality import QualityMeter
-
     quality = QualityMeter()  # fact vs control token accuracy/NLL (measure/quality.py)
-    final = evaluate(model, evals, device, causal_lm=causal_lm_of, meter=quality)
+    final = run_eval(quality)
     m.update(quality.metrics())
     eval_s += time.perf_counter() - te
     m["eval_loss"], m["eval_ppl"] = final.loss, math.exp(min(final.loss, 50.0))
