@@ -27,26 +27,14 @@ def finished_study(
 def _finished_study(
     sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]
 ) -> tuple[Any, Any] | None:
-    from vramsweep.sweeper.plan import IDENTITY, Plan, name_sweep, plan_design, total_trials
-    from vramsweep.sweeper.settings import resolve_settings
+    from vramsweep.sweeper.plan import IDENTITY, Plan, name_sweep, pinned_settings, plan_design, total_trials
     from vramsweep.sweeper.space import (
-        cli_sweep_params,
         merge_overrides,
-        override_key,
         parse_params,
     )
     from vramsweep.sweeper.storage import RETRIES, SLOT, requeue_lost, sqlite_path
 
-    cli_params, cli_fixed = cli_sweep_params(arguments)
-    sweep_node = task_cfg.get("sweep") or {}
-    settings = resolve_settings(
-        sweeper_cfg,
-        task_cfg,
-        cli_params=cli_params,
-        sweep_file=sweep_node.get("name") if sweep_node else None,
-    )
-    pinned = {override_key(o) for o in cli_fixed}
-    settings.params = {k: v for k, v in settings.params.items() if k not in pinned}
+    settings, cli_fixed = pinned_settings(sweeper_cfg, task_cfg, arguments)
     dims, fixed_params = parse_params(settings.params)
     fixed = merge_overrides(fixed_params, cli_fixed)
     base_seed = int((task_cfg.get("train") or {}).get("seed", 0))

@@ -110,14 +110,11 @@ def total_trials(settings: Settings, design: list[DesignPoint] | None, dims: lis
     return int(min(DEFAULT_SEARCH_TRIALS, space_size(dims)))
 
 
-def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]) -> Plan:
-    """Parse and validate everything; raise ConfigError before anything is written."""
-    from optuna.exceptions import ExperimentalWarning
-
-    from vramsweep.sweeper.validate import compose_base, int_keys, validate_design, validate_space
-
-    warnings.filterwarnings("ignore", category=ExperimentalWarning)  # TPE's `group`, metric names
-
+def pinned_settings(
+    sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str], *, say: bool = False
+) -> tuple[Settings, list[str]]:
+    """The sweep's settings with the command line's lists as parameters and its fixed overrides taken out
+    of the search space (they win); returns ``(settings, the command line's fixed overrides)``."""
     cli_params, cli_fixed = cli_sweep_params(arguments)
     sweep_node = task_cfg.get("sweep") or {}
     settings = resolve_settings(
@@ -127,13 +124,27 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
         sweep_file=sweep_node.get("name") if sweep_node else None,
     )
     pinned = {override_key(o) for o in cli_fixed}
-    params = {k: v for k, v in settings.params.items() if k not in pinned}
-    for k in settings.params:
-        if k in pinned:
-            print(
-                f"vramsweep: {k} is fixed on the command line: removed from the search space", file=sys.stderr
-            )
-    settings.params = params
+    if say:
+        for k in settings.params:
+            if k in pinned:
+                print(
+                    f"vramsweep: {k} is fixed on the command line: removed from the search space",
+                    file=sys.stderr,
+                )
+    settings.params = {k: v for k, v in settings.params.items() if k not in pinned}
+    return settings, cli_fixed
+
+
+def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]) -> Plan:
+    """Parse and validate everything; raise ConfigError before anything is written."""
+    from optuna.exceptions import ExperimentalWarning
+
+    from vramsweep.sweeper.validate import compose_base, int_keys, validate_design, validate_space
+
+    warnings.filterwarnings("ignore", category=ExperimentalWarning)  # TPE's `group`, metric names
+
+    settings, cli_fixed = pinned_settings(sweeper_cfg, task_cfg, arguments, say=True)
+    params = settings.params
     # the sweep file's fixed params first, the command line's fixed overrides last (they win)
     dims0, fixed_params = parse_params(params)
     fixed = merge_overrides(fixed_params, cli_fixed)
