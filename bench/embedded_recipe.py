@@ -29,19 +29,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-STATEMENTS = ("Project summary", "Consortium", "Objectives", "Budget", "Timeline and milestones")
 EVAL_SEED = 1234 + 100_003  # the default eval documents (data.seed + the eval offset)
-
-
-def without_statements(doc: dict) -> dict:
-    """``doc`` without its fact-stating sections; the repeats stay and keep their fact spans."""
-    keep = [j for j, s in enumerate(doc["sections"]) if s["heading"] not in STATEMENTS]
-    new = {old: k for k, old in enumerate(keep)}
-    facts = [
-        {**f, "stated_in": 0, "repeated_in": [new[r] for r in f["repeated_in"] if r in new]}
-        for f in doc["facts"]
-    ]
-    return {**doc, "sections": [doc["sections"][j] for j in keep], "facts": facts}
 
 
 def score(model, tok, docs, max_tokens: int = 4096, truncation: str = "none") -> dict:
@@ -94,7 +82,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, get_scheduler
 
     from vramsweep.config import compose
-    from vramsweep.data.synthetic import generate_documents, pretrain_texts
+    from vramsweep.data.synthetic import generate_documents, pretrain_texts, without_statements
     from vramsweep.data.tokenizer import train_tokenizer
     from vramsweep.hfmodel import hf_config
 

@@ -105,21 +105,6 @@ def test_jsonl_fact_spans_are_scored_like_the_synthetic_ones(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ the embedded model
-STATEMENTS = ("Project summary", "Consortium", "Objectives", "Budget", "Timeline and milestones")
-
-
-def _without_statements(doc: dict) -> dict:
-    """``doc`` with every fact-stating section removed (the repeats stay): the facts' first statements are
-    gone from any context, everything else is as in the full document."""
-    keep = [j for j, s in enumerate(doc["sections"]) if s["heading"] not in STATEMENTS]
-    new = {old: k for k, old in enumerate(keep)}
-    facts = [
-        {**f, "stated_in": 0, "repeated_in": [new[r] for r in f["repeated_in"] if r in new]}
-        for f in doc["facts"]
-    ]
-    return {**doc, "sections": [doc["sections"][j] for j in keep], "facts": facts}
-
-
 def _score(model, tokenizer, docs, max_tokens=4096):
     from vramsweep.data.examples import build_examples
     from vramsweep.data_prep import collate_batch
@@ -158,14 +143,14 @@ def test_embedded_model_copies_facts_only_when_their_statement_is_in_context(emb
     accuracy ~0) and for a fact metric that ignored the spans."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vramsweep.data.synthetic import generate_documents
+    from vramsweep.data.synthetic import generate_documents, without_statements
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(embedded_model_dir)
     model = AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.float32)
     docs = generate_documents(6, 1234 + 100_003)  # the default eval documents
     full = _score(model, tok, docs)
-    cut = _score(model, tok, [_without_statements(d) for d in docs])
+    cut = _score(model, tok, [without_statements(d) for d in docs])
     print("full", full, "\nno statements", cut)
     assert full["fact_tokens"] == cut["fact_tokens"] > 50
     assert full["fact_token_acc"] >= 0.6, full

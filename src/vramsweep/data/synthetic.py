@@ -35,7 +35,9 @@ from vramsweep.data.documents import document_text, format_section, value_occurs
 __all__ = [
     "FACT_KEYS",
     "generate_documents",
+    "STATING_SECTIONS",
     "pretrain_texts",
+    "without_statements",
 ]
 
 FIRST_NAMES = (
@@ -809,3 +811,21 @@ def pretrain_texts(n: int, seed: int) -> list[str]:
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     return [document_text(_document(random.Random(f"pretrain:{seed}:{i}"), i, seed)) for i in range(n)]
+
+
+STATING_SECTIONS = ("Project summary", "Consortium", "Objectives", "Budget", "Timeline and milestones")
+
+
+def without_statements(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with every fact-stating section (:data:`STATING_SECTIONS`) removed; the repeats stay.
+
+    The facts' first statements are gone from any context while everything else is as in the full
+    document: the "lost context" control for fact-copying measurements.
+    """
+    keep = [j for j, s in enumerate(doc["sections"]) if s["heading"] not in STATING_SECTIONS]
+    new = {old: k for k, old in enumerate(keep)}
+    facts = [
+        {**f, "stated_in": 0, "repeated_in": [new[r] for r in f["repeated_in"] if r in new]}
+        for f in doc["facts"]
+    ]
+    return {**doc, "sections": [doc["sections"][j] for j in keep], "facts": facts}
