@@ -29,8 +29,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-EVAL_SEED = 1234 + 100_003  # the default eval documents (data.seed + the eval offset)
-
 
 def score(model, tok, docs, max_tokens: int = 4096, truncation: str = "none") -> dict:
     import torch
@@ -84,11 +82,13 @@ def main() -> None:
     from vramsweep.config import compose
     from vramsweep.data.synthetic import generate_documents, pretrain_texts, without_statements
     from vramsweep.data.tokenizer import train_tokenizer
+    from vramsweep.data_prep import EVAL_SEED_OFFSET
     from vramsweep.hfmodel import hf_config
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    mcfg = compose([]).model
+    cfg = compose([])
+    mcfg = cfg.model
     t0 = time.time()
     texts = pretrain_texts(args.steps * args.docs_per_step, 7)
     tok = train_tokenizer(texts[:200], vocab_size=int(mcfg.vocab_size), min_frequency=1)
@@ -135,7 +135,7 @@ def main() -> None:
             print(f"step {step} loss {total:.3f} {time.time() - t0:.0f}s {tokens} tokens", flush=True)
     train_s = time.time() - t0
     model.eval()
-    docs = generate_documents(6, EVAL_SEED)
+    docs = generate_documents(int(cfg.data.num_eval_docs), int(cfg.data.seed) + EVAL_SEED_OFFSET)
     out = {"tag": args.tag, "args": vars(args), "train_s": round(train_s), "tokens": tokens}
     out["full"] = score(model, tok, docs)
     out["nostmt"] = score(model, tok, [without_statements(d) for d in docs])
