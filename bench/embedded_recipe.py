@@ -10,11 +10,17 @@ no network), then scores the base (no fine-tuning) on the 6 default eval documen
 * ``head512``/``tail512``/``exp_decay512``/``head1024``: the truncation ablation's budgets.
 
 Rows are whole documents (one per optimizer step by default, cut at ``--max-len`` tokens), so a fact's
-statement and its repeat ~2k tokens later are in the same sequence; ``--drill`` mixes in random-token
-copy drills (a random segment, then the same segment; loss only on the repeat). One JSON line per run is
-printed and appended to ``--out``. It does not touch the cached embedded model.
+statement and its repeat ~2k tokens later are in the same sequence. Copy drills (a random segment, then the
+same segment; loss only on the repeat) come in three forms: ``--drill-steps N`` short drills first (batches
+of ``--drill-batch`` rows; ``--drill-k 8,16,32,0`` draws each row from a few token ids so one token is
+ambiguous and longer prefixes must match), ``--gap-steps N`` gapped drills (up to ``--gap-max`` tokens of
+document text between the segment and its repeat), and ``--drill-mix W`` a drill batch added to every
+document step with loss weight W. ``--recap``/``--drop``/``--cut``/``--cards`` vary the documents (fact
+recaps, dropped middle sections, random starts, short fact cards). One JSON line per run is printed and
+appended to ``--out``; ``--save`` keeps the model. It does not touch the cached embedded model.
 
-Run:  python bench/embedded_recipe.py --steps 300 --lr 3e-3 [--drill 0.3] [--threads 1] [--out F]
+Run:  python bench/embedded_recipe.py --steps 300 --drill-steps 400 --drill-k 8,16,32,0 --drill-mix 0.3
+      [--threads 1] [--save DIR] [--out F]
 """
 
 from __future__ import annotations
@@ -62,6 +68,76 @@ def score(model, tok, docs, max_tokens: int = 4096, truncation: str = "none") ->
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in got.items()}
 
 
+RECAPS = (
+    "As stated above, {acronym} is coordinated by {prefix} {coordinator}.",
+    "{acronym} is coordinated by {prefix} {coordinator} and starts on {start_date}.",
+    "The project starts on {start_date} and is organised in {num_work_packages} work packages.",
+    "The consortium brings together {partner_count} partners.",
+    "The total budget of EUR {budget_total} is shared among the {partner_count} partners.",
+    "In summary, {acronym} is coordinated by {prefix} {coordinator}, starts on {start_date} "
+    "and is organised in {num_work_packages} work packages.",
+    "Recall that {acronym} has a total budget of EUR {budget_total}.",
+    "The coordinator, {prefix} {coordinator}, leads the {partner_count} partners of {acronym}.",
+)
+
+
+def card_text(i, seed):
+    """A short row: each stating section cut to its fact-stating lines, 0-2 full middle sections, then the
+    financial summary and conclusions (which repeat the facts)."""
+    from vramsweep.data.documents import document_text
+    from vramsweep.data.synthetic import STATING_SECTIONS, _document
+
+    rng = random.Random(f"card:{seed}:{i}")
+    doc = _document(random.Random(f"card-doc:{seed}:{i}"), i, seed)
+    secs = doc["sections"]
+    keep = []
+    coord = next(f["value"] for f in doc["facts"] if f["key"] == "coordinator")
+    summary = secs[0]["text"]
+    keep.append(
+        {"heading": secs[0]["heading"], "text": summary[: summary.index(".", summary.index(coord)) + 1]}
+    )
+    for s in secs[1:3]:
+        keep.append({"heading": s["heading"], "text": s["text"].split("\n")[0]})
+    middle = [s for s in secs[3:-2] if s["heading"] not in STATING_SECTIONS]
+    keep += rng.sample(middle, rng.randint(0, min(2, len(middle))))
+    for s in secs:
+        if s["heading"] == "Budget":
+            keep.append(
+                {"heading": "Budget", "text": [ln for ln in s["text"].split("\n") if "TOTAL" in ln][0]}
+            )
+        if s["heading"] == "Timeline and milestones":
+            keep.append({"heading": s["heading"], "text": s["text"].split(". ")[0] + "."})
+    keep += secs[-2:]
+    return document_text({"sections": keep})
+
+
+def variant_texts(n, seed, recap, drop, cut):
+    import re
+
+    from vramsweep.data.documents import document_text
+    from vramsweep.data.synthetic import STATING_SECTIONS, _document
+
+    out = []
+    for i in range(n):
+        rng = random.Random(f"variant:{seed}:{i}")
+        doc = _document(random.Random(f"pretrain:{seed}:{i}"), i, seed)
+        vals = {f["key"]: f["value"] for f in doc["facts"]}
+        vals["prefix"] = re.search(r"coordinated by (Dr|Prof\.) ", doc["sections"][0]["text"]).group(1)
+        secs = []
+        for j, s in enumerate(doc["sections"]):
+            middle = s["heading"] not in STATING_SECTIONS and j < len(doc["sections"]) - 2
+            if middle and rng.random() < drop:
+                continue
+            text = s["text"]
+            if j > 0 and rng.random() < recap:
+                text = text + "\n" + rng.choice(RECAPS).format(**vals)
+            secs.append({"heading": s["heading"], "text": text})
+        if rng.random() < cut:
+            secs = secs[rng.randint(1, len(secs) - 2) :]
+        out.append(document_text({"sections": secs}))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
@@ -71,7 +147,60 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=3400, help="tokens kept per document row")
     ap.add_argument("--drill", type=float, default=0.0, help="fraction of steps that are copy drills")
     ap.add_argument("--drill-len", type=int, default=2048, help="longest drill row (segment + its copy)")
+    ap.add_argument(
+        "--recap", type=float, default=0.0, help="chance of a fact recap after each later section"
+    )
+    ap.add_argument("--drop", type=float, default=0.0, help="chance of dropping each middle section")
+    ap.add_argument("--cut", type=float, default=0.0, help="chance a row starts at a random section")
+    ap.add_argument("--step-tokens", type=int, default=0, help="pack rows per step up to this many tokens")
+    ap.add_argument("--cards", type=float, default=0.0, help="fraction of rows that are short fact cards")
+    ap.add_argument("--drill-steps", type=int, default=0, help="steps of short copy drills before --steps")
+    ap.add_argument("--drill-lr", type=float, default=1e-3, help="constant learning rate of the drill steps")
+    ap.add_argument("--drill-batch", type=int, default=16, help="rows per short-drill batch")
+    ap.add_argument("--drill-seg", type=int, default=32, help="drill segment length (see --drill-seg-min)")
+    ap.add_argument(
+        "--drill-seg-min",
+        type=int,
+        default=0,
+        help="random short-drill segment lengths from this up to --drill-seg (0: always --drill-seg)",
+    )
+    ap.add_argument(
+        "--drill-mix",
+        type=float,
+        default=0.0,
+        help="add a drill batch (gapped with "
+        "--gap-max, else short) to every document step with this loss weight",
+    )
+    ap.add_argument(
+        "--drill-k",
+        default="0",
+        help="comma list: each drill row draws from k random tokens "
+        "(0: the whole vocabulary); small k forces matching on longer prefixes",
+    )
+    ap.add_argument("--drill-text", type=float, default=0.0, help="fraction of drill rows that are doc spans")
+    ap.add_argument(
+        "--gap-max",
+        type=int,
+        default=0,
+        help="gapped drills: segment, up to this many tokens "
+        "of document text, the segment again (teaches copying from far back)",
+    )
+    ap.add_argument("--gap-batch", type=int, default=2, help="rows per gapped-drill batch")
+    ap.add_argument("--gap-steps", type=int, default=0, help="gapped-drill steps after the short drills")
+    ap.add_argument(
+        "--gap-curriculum",
+        action="store_true",
+        help="gapped drills: the longest gap grows from 64 to --gap-max over --gap-steps",
+    )
+    ap.add_argument(
+        "--gap-tokens",
+        type=int,
+        default=0,
+        help="gapped-drill steps: rows per batch fill this many tokens (0: --gap-batch rows)",
+    )
+    ap.add_argument("--set", action="append", default=[], help="config override, e.g. model.rope_theta=1e8")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--save", default="", help="save the pre-trained model and tokenizer to this folder")
     ap.add_argument("--tag", default="recipe", help="name printed with the result")
     ap.add_argument("--out", default="", help="append the JSON result line to this file")
     args = ap.parse_args()
@@ -87,10 +216,20 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = compose([])
+    cfg = compose(args.set)
     mcfg = cfg.model
     t0 = time.time()
-    texts = pretrain_texts(args.steps * args.docs_per_step, 7)
+    n_docs = args.steps * args.docs_per_step * (4 if args.step_tokens else 1)
+    if args.recap or args.drop or args.cut:
+        texts = variant_texts(n_docs, 7, args.recap, args.drop, args.cut)
+    else:
+        texts = pretrain_texts(n_docs, 7)
+    if args.cards:
+        crng = random.Random(11)
+        texts = [card_text(i, 7) if crng.random() < args.cards else t for i, t in enumerate(texts)]
+        n_extra = int(n_docs * 4 * args.cards)
+        texts += [card_text(n_docs + i, 7) for i in range(n_extra)]
+        crng.shuffle(texts)
     tok = train_tokenizer(texts[:200], vocab_size=int(mcfg.vocab_size), min_frequency=1)
     rows = [
         (tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])[: args.max_len] for t in texts
@@ -104,13 +243,82 @@ def main() -> None:
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    sched = get_scheduler(
-        "cosine", optimizer=opt, num_warmup_steps=args.warmup, num_training_steps=args.steps
-    )
     rng = random.Random(7)
     vocab = len(tok)
     tokens = 0
+    cursor = 0
+    drill_k = [int(k) for k in args.drill_k.split(",")]
+
+    def segment(n):
+        """``n`` random tokens drawn from ``k`` random ids (``k`` from --drill-k; 0: the whole vocabulary)."""
+        k = rng.choice(drill_k)
+        pool = rng.sample(range(4, vocab), k) if k else None
+        return [rng.choice(pool) if pool else rng.randrange(4, vocab) for _ in range(n)]
+
+    def short_drills():
+        seg = rng.randint(args.drill_seg_min, args.drill_seg) if args.drill_seg_min else args.drill_seg
+        rows_ = []
+        for _ in range(args.drill_batch):
+            if rng.random() < args.drill_text:
+                r = rows[rng.randrange(len(rows))]
+                a = rng.randrange(0, len(r) - seg)
+                rows_.append(r[a : a + seg])
+            else:
+                rows_.append(segment(seg))
+        s = torch.tensor(rows_)
+        x = torch.cat([s, s], 1)
+        lab = x.clone()
+        lab[:, :seg] = -100
+        return x, lab
+
+    def gapped_drills(gap_max=None, budget=0):
+        """Rows of segment, filler, segment; with ``budget``, as many rows as fit that many tokens."""
+        xs, labs = [], []
+        gap = rng.randint(0, args.gap_max if gap_max is None else gap_max)
+        n_rows = max(1, budget // (2 * args.drill_seg + gap)) if budget else args.gap_batch
+        for _ in range(n_rows):
+            seg = segment(args.drill_seg)
+            r = rows[rng.randrange(len(rows))]
+            a = rng.randrange(0, max(1, len(r) - gap))
+            fill = r[a : a + gap]
+            fill = fill + [tok.eos_token_id] * (gap - len(fill))
+            xs.append(seg + fill + seg)
+            labs.append([-100] * (len(seg) + gap) + seg)
+        return torch.tensor(xs), torch.tensor(labs)
+
+    def drill_step(x, lab):
+        nonlocal tokens
+        out = model(input_ids=x, labels=lab)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tokens += x.numel()
+        n = int((lab[0] == -100).sum())  # the repeat starts here
+        acc = (out.logits[:, n - 1 : -1].argmax(-1) == x[:, n:]).float().mean()
+        return float(out.loss), float(acc)
+
+    for g in opt.param_groups:
+        g["lr"] = args.drill_lr
+    for step in range(args.drill_steps):
+        loss, acc = drill_step(*short_drills())
+        if step % 25 == 0 or step == args.drill_steps - 1:
+            print(f"drill {step} loss {loss:.3f} copy acc {acc:.3f} {time.time() - t0:.0f}s", flush=True)
+    for step in range(args.gap_steps):
+        grow = args.gap_max * (step + 1) // args.gap_steps if args.gap_curriculum else args.gap_max
+        x, lab = gapped_drills(max(64, grow), args.gap_tokens)
+        loss, acc = drill_step(x, lab)
+        if step % 25 == 0 or step == args.gap_steps - 1:
+            print(
+                f"gapped {step} row {x.shape[1]} loss {loss:.3f} copy acc {acc:.3f} {time.time() - t0:.0f}s"
+            )
+    for g in opt.param_groups:
+        g["lr"] = args.lr
+    sched = get_scheduler(
+        "cosine", optimizer=opt, num_warmup_steps=args.warmup, num_training_steps=args.steps
+    )
     for step in range(args.steps):
+        mix = None
         if args.drill and rng.random() < args.drill:
             half = rng.randint(64, args.drill_len // 2)
             seg = [rng.randrange(4, vocab) for _ in range(half)]
@@ -118,15 +326,27 @@ def main() -> None:
             lab = x.clone()
             lab[0, :half] = -100
             batch = [(x, lab)]
+        elif args.step_tokens:
+            batch = []
+            while sum(x.numel() for x, _ in batch) < args.step_tokens:
+                x = torch.tensor([rows[cursor % len(rows)]])
+                cursor += 1
+                batch.append((x, x))
         else:
             xs = [torch.tensor([rows[step * args.docs_per_step + k]]) for k in range(args.docs_per_step)]
             batch = [(x, x) for x in xs]
+        if args.drill_mix:
+            mix = gapped_drills() if args.gap_max else short_drills()
         total = 0.0
+        ntok = sum(x.numel() for x, _ in batch)
         for x, lab in batch:
-            loss = model(input_ids=x, labels=lab).loss / len(batch)
+            loss = model(input_ids=x, labels=lab).loss * x.numel() / ntok
             loss.backward()
             total += float(loss)
             tokens += x.numel()
+        if mix is not None:
+            (model(input_ids=mix[0], labels=mix[1]).loss * args.drill_mix).backward()
+            tokens += mix[0].numel()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
@@ -135,6 +355,9 @@ def main() -> None:
             print(f"step {step} loss {total:.3f} {time.time() - t0:.0f}s {tokens} tokens", flush=True)
     train_s = time.time() - t0
     model.eval()
+    if args.save:
+        model.save_pretrained(args.save)
+        tok.save_pretrained(args.save)
     docs = generate_documents(int(cfg.data.num_eval_docs), int(cfg.data.seed) + EVAL_SEED_OFFSET)
     out = {"tag": args.tag, "args": vars(args), "train_s": round(train_s), "tokens": tokens}
     out["full"] = score(model, tok, docs)
