@@ -10,6 +10,7 @@ Examples (issue 14; CPU, one thread):
   python bench/copy_drill_probe.py --seg 32 --steps 250               # fixed length: copies, positionally
   python bench/copy_drill_probe.py --seg 8-64 --steps 900             # varied length: the real task
   python bench/copy_drill_probe.py --seg 8-64 --set model.family=llama --steps 400
+  python bench/copy_drill_probe.py --seg 8-64 --rows 256 --steps 5000 --device cuda   # a GPU-sized search
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="config override, e.g. model.family=llama")
     ap.add_argument("--eval-gaps", default="0,32", help="gaps scored at the end (default 0,32)")
     ap.add_argument("--log", type=int, default=25, help="print every N steps")
+    ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
@@ -62,6 +64,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(
         hf_config(cfg.model), dtype=torch.float32, attn_implementation="sdpa"
     )
+    model.to(args.device)
     if args.qk_gain != 1.0:
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -77,7 +80,7 @@ def main() -> None:
         return torch.cat([seg, gap, seg], 1), n_seg + n_gap
 
     def copy_acc(logits: torch.Tensor, x: torch.Tensor, start: int) -> float:
-        return float((logits.detach()[:, start:-1].argmax(-1) == x[:, start + 1 :]).float().mean())
+        return float((logits.detach()[:, start:-1].argmax(-1).cpu() == x[:, start + 1 :]).float().mean())
 
     t0 = time.time()
     model.train()
@@ -85,7 +88,7 @@ def main() -> None:
         x, start = rows(rng.randint(seg_lo, seg_hi), rng.randint(gap_lo, gap_hi))
         labels = x.clone()
         labels[:, :start] = -100
-        out = model(input_ids=x, labels=labels)
+        out = model(input_ids=x.to(args.device), labels=labels.to(args.device))
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -101,7 +104,9 @@ def main() -> None:
     with torch.no_grad():
         for g in (int(v) for v in args.eval_gaps.split(",")):
             x, start = rows(seg_hi, g)
-            result["copy_acc_at_gap"][g] = round(copy_acc(model(input_ids=x).logits, x, start), 3)
+            result["copy_acc_at_gap"][g] = round(
+                copy_acc(model(input_ids=x.to(args.device)).logits, x, start), 3
+            )
     print(json.dumps(result))
 
 

@@ -36,7 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def score(model, tok, docs, max_tokens: int = 4096, truncation: str = "none") -> dict:
+def score(model, tok, docs, max_tokens: int = 4096, truncation: str = "none", device: str = "cpu") -> dict:
     import torch
 
     from vramsweep.data.examples import build_examples
@@ -59,7 +59,7 @@ def score(model, tok, docs, max_tokens: int = 4096, truncation: str = "none") ->
         ev = evaluate(
             model,
             [collate_batch(ex[i : i + 4], tok.pad_token_id) for i in range(0, len(ex), 4)],
-            "cpu",
+            device,
             meter=meter,
         )
     keep = ("fact_token_acc", "fact_nll", "control_token_acc", "control_nll", "fact_tokens")
@@ -199,6 +199,7 @@ def main() -> None:
         help="gapped-drill steps: rows per batch fill this many tokens (0: --gap-batch rows)",
     )
     ap.add_argument("--set", action="append", default=[], help="config override, e.g. model.rope_theta=1e8")
+    ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--save", default="", help="save the pre-trained model and tokenizer to this folder")
     ap.add_argument("--tag", default="recipe", help="name printed with the result")
@@ -242,6 +243,11 @@ def main() -> None:
     )
     torch.manual_seed(7)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model.to(args.device)
+
+    def fwd(x, lab):
+        return model(input_ids=x.to(args.device), labels=lab.to(args.device))
+
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     rng = random.Random(7)
     vocab = len(tok)
@@ -288,14 +294,14 @@ def main() -> None:
 
     def drill_step(x, lab):
         nonlocal tokens
-        out = model(input_ids=x, labels=lab)
+        out = fwd(x, lab)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         tokens += x.numel()
         n = int((lab[0] == -100).sum())  # the repeat starts here
-        acc = (out.logits[:, n - 1 : -1].argmax(-1) == x[:, n:]).float().mean()
+        acc = (out.logits[:, n - 1 : -1].argmax(-1).cpu() == x[:, n:]).float().mean()
         return float(out.loss), float(acc)
 
     for g in opt.param_groups:
@@ -340,12 +346,12 @@ def main() -> None:
         total = 0.0
         ntok = sum(x.numel() for x, _ in batch)
         for x, lab in batch:
-            loss = model(input_ids=x, labels=lab).loss * x.numel() / ntok
+            loss = fwd(x, lab).loss * x.numel() / ntok
             loss.backward()
             total += float(loss)
             tokens += x.numel()
         if mix is not None:
-            (model(input_ids=mix[0], labels=mix[1]).loss * args.drill_mix).backward()
+            (fwd(*mix).loss * args.drill_mix).backward()
             tokens += mix[0].numel()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -360,11 +366,11 @@ def main() -> None:
         tok.save_pretrained(args.save)
     docs = generate_documents(int(cfg.data.num_eval_docs), int(cfg.data.seed) + EVAL_SEED_OFFSET)
     out = {"tag": args.tag, "args": vars(args), "train_s": round(train_s), "tokens": tokens}
-    out["full"] = score(model, tok, docs)
-    out["nostmt"] = score(model, tok, [without_statements(d) for d in docs])
+    out["full"] = score(model, tok, docs, device=args.device)
+    out["nostmt"] = score(model, tok, [without_statements(d) for d in docs], device=args.device)
     for trunc in ("head", "tail", "exp_decay"):
-        out[f"{trunc}512"] = score(model, tok, docs, 512, trunc)
-    out["head1024"] = score(model, tok, docs, 1024, "head")
+        out[f"{trunc}512"] = score(model, tok, docs, 512, trunc, args.device)
+    out["head1024"] = score(model, tok, docs, 1024, "head", args.device)
     line = json.dumps(out)
     print(line, flush=True)
     if args.out:
