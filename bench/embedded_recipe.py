@@ -169,7 +169,7 @@ def main() -> None:
         type=float,
         default=0.0,
         help="add a drill batch (gapped with "
-        "--gap-max, else short) to every document step with this loss weight",
+        "--gap-mix, else short) to every document step with this loss weight",
     )
     ap.add_argument(
         "--drill-k",
@@ -185,6 +185,7 @@ def main() -> None:
         help="gapped drills: segment, up to this many tokens "
         "of document text, the segment again (teaches copying from far back)",
     )
+    ap.add_argument("--gap-mix", action="store_true", help="--drill-mix batches are gapped drills")
     ap.add_argument("--gap-batch", type=int, default=2, help="rows per gapped-drill batch")
     ap.add_argument("--gap-steps", type=int, default=0, help="gapped-drill steps after the short drills")
     ap.add_argument(
@@ -342,7 +343,7 @@ def main() -> None:
             xs = [torch.tensor([rows[step * args.docs_per_step + k]]) for k in range(args.docs_per_step)]
             batch = [(x, x) for x in xs]
         if args.drill_mix:
-            mix = gapped_drills() if args.gap_max else short_drills()
+            mix = gapped_drills() if args.gap_mix else short_drills()
         total = 0.0
         ntok = sum(x.numel() for x, _ in batch)
         for x, lab in batch:
