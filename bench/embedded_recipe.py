@@ -268,7 +268,7 @@ def main() -> None:
         for _ in range(args.drill_batch):
             if rng.random() < args.drill_text:
                 r = rows[rng.randrange(len(rows))]
-                a = rng.randrange(0, len(r) - seg)
+                a = rng.randrange(0, max(1, len(r) - seg))
                 rows_.append(r[a : a + seg])
             else:
                 rows_.append(segment(seg))
@@ -317,7 +317,8 @@ def main() -> None:
         loss, acc = drill_step(x, lab)
         if step % 25 == 0 or step == args.gap_steps - 1:
             print(
-                f"gapped {step} row {x.shape[1]} loss {loss:.3f} copy acc {acc:.3f} {time.time() - t0:.0f}s"
+                f"gapped {step} row {x.shape[1]} loss {loss:.3f} copy acc {acc:.3f} {time.time() - t0:.0f}s",
+                flush=True,
             )
     for g in opt.param_groups:
         g["lr"] = args.lr
@@ -370,8 +371,8 @@ def main() -> None:
     out["full"] = score(model, tok, docs, device=args.device)
     out["nostmt"] = score(model, tok, [without_statements(d) for d in docs], device=args.device)
     for trunc in ("head", "tail", "exp_decay"):
-        out[f"{trunc}512"] = score(model, tok, docs, 512, trunc, args.device)
-    out["head1024"] = score(model, tok, docs, 1024, "head", args.device)
+        out[f"{trunc}512"] = score(model, tok, docs, 512, trunc, device=args.device)
+    out["head1024"] = score(model, tok, docs, 1024, "head", device=args.device)
     line = json.dumps(out)
     print(line, flush=True)
     if args.out:
