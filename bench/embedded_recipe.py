@@ -179,6 +179,9 @@ def main() -> None:
     )
     ap.add_argument("--drill-text", type=float, default=0.0, help="fraction of drill rows that are doc spans")
     ap.add_argument(
+        "--mix-text", type=float, default=None, help="--drill-text for the --drill-mix batches (default: same)"
+    )
+    ap.add_argument(
         "--gap-max",
         type=int,
         default=0,
@@ -198,6 +201,16 @@ def main() -> None:
         type=int,
         default=0,
         help="gapped-drill steps: rows per batch fill this many tokens (0: --gap-batch rows)",
+    )
+    ap.add_argument("--init", default="", help="start from this saved model folder (its tokenizer too)")
+    ap.add_argument("--save-drills", default="", help="also save the model after the drill phases here")
+    ap.add_argument("--doc-offset", type=int, default=0, help="first pre-training document index")
+    ap.add_argument(
+        "--task-rows",
+        type=float,
+        default=0.0,
+        help="chance a document step trains on task-format rows (instructions, a truncated context at a "
+        "random budget and strategy, the next section) instead of the whole document",
     )
     ap.add_argument("--set", action="append", default=[], help="config override, e.g. model.rope_theta=1e8")
     ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
@@ -225,14 +238,19 @@ def main() -> None:
     if args.recap or args.drop or args.cut:
         texts = variant_texts(n_docs, 7, args.recap, args.drop, args.cut)
     else:
-        texts = pretrain_texts(n_docs, 7)
+        texts = pretrain_texts(n_docs + args.doc_offset, 7)[args.doc_offset :]
     if args.cards:
         crng = random.Random(11)
         texts = [card_text(i, 7) if crng.random() < args.cards else t for i, t in enumerate(texts)]
         n_extra = int(n_docs * 4 * args.cards)
         texts += [card_text(n_docs + i, 7) for i in range(n_extra)]
         crng.shuffle(texts)
-    tok = train_tokenizer(texts[:200], vocab_size=int(mcfg.vocab_size), min_frequency=1)
+    if args.init:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.init)
+    else:
+        tok = train_tokenizer(texts[:200], vocab_size=int(mcfg.vocab_size), min_frequency=1)
     rows = [
         (tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])[: args.max_len] for t in texts
     ]
@@ -243,7 +261,12 @@ def main() -> None:
         tok.pad_token_id,
     )
     torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    if args.init:
+        model = AutoModelForCausalLM.from_pretrained(
+            args.init, dtype=torch.float32, attn_implementation="sdpa"
+        )
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     model.to(args.device)
 
     def fwd(x, lab):
@@ -262,11 +285,12 @@ def main() -> None:
         pool = rng.sample(range(4, vocab), k) if k else None
         return [rng.choice(pool) if pool else rng.randrange(4, vocab) for _ in range(n)]
 
-    def short_drills():
+    def short_drills(text=None):
         seg = rng.randint(args.drill_seg_min, args.drill_seg) if args.drill_seg_min else args.drill_seg
+        text = args.drill_text if text is None else text
         rows_ = []
         for _ in range(args.drill_batch):
-            if rng.random() < args.drill_text:
+            if rng.random() < text:
                 r = rows[rng.randrange(len(rows))]
                 a = rng.randrange(0, max(1, len(r) - seg))
                 rows_.append(r[a : a + seg])
@@ -292,6 +316,27 @@ def main() -> None:
             xs.append(seg + fill + seg)
             labs.append([-100] * (len(seg) + gap) + seg)
         return torch.tensor(xs), torch.tensor(labs)
+
+    def task_rows(i):
+        """Task-format rows of pre-training document ``i``: a random strategy and budget, the two
+        fact-repeating targets and one other section (full-sequence LM loss)."""
+        from vramsweep.data.examples import build_examples
+        from vramsweep.data.synthetic import _document
+
+        doc = _document(random.Random(f"pretrain:7:{i}"), i, 7)
+        trunc = rng.choice(("head", "tail", "exp_decay", "none"))
+        budget = rng.choice((256, 384, 512, 768, 1024, 1536, 2048)) if trunc != "none" else 4096
+        ex = build_examples(
+            [doc],
+            tok,
+            max_tokens=budget,
+            truncation=trunc,
+            decay=0.5,
+            min_tokens_per_section=16,
+            instructions="Write the next section of the report.",
+        )
+        pick = ex[-2:] + [ex[rng.randrange(len(ex) - 2)]]
+        return [(torch.tensor([e.input_ids]), torch.tensor([e.input_ids])) for e in pick]
 
     def drill_step(x, lab):
         nonlocal tokens
@@ -320,6 +365,9 @@ def main() -> None:
                 f"gapped {step} row {x.shape[1]} loss {loss:.3f} copy acc {acc:.3f} {time.time() - t0:.0f}s",
                 flush=True,
             )
+    if args.save_drills:
+        model.save_pretrained(args.save_drills)
+        tok.save_pretrained(args.save_drills)
     for g in opt.param_groups:
         g["lr"] = args.lr
     sched = get_scheduler(
@@ -340,11 +388,13 @@ def main() -> None:
                 x = torch.tensor([rows[cursor % len(rows)]])
                 cursor += 1
                 batch.append((x, x))
+        elif args.task_rows and rng.random() < args.task_rows:
+            batch = task_rows(args.doc_offset + step)
         else:
             xs = [torch.tensor([rows[step * args.docs_per_step + k]]) for k in range(args.docs_per_step)]
             batch = [(x, x) for x in xs]
         if args.drill_mix:
-            mix = gapped_drills() if args.gap_mix else short_drills()
+            mix = gapped_drills() if args.gap_mix else short_drills(args.mix_text)
         total = 0.0
         ntok = sum(x.numel() for x, _ in batch)
         for x, lab in batch:

@@ -51,10 +51,12 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     rope_theta: float = 1000000.0
     rms_norm_eps: float = 1e-6
-    # Embedded model only: pre-training budget for the cached base model.
-    pretrain_steps: int = 100
-    pretrain_seq_len: int = 256
-    pretrain_batch: int = 8
+    # Embedded model only: pre-training budget for the base model (recipe: vramsweep.embedded).
+    pretrain_drill_steps: int = 2200  # copy-drill steps before the documents
+    pretrain_steps: int = 300  # document steps
+    pretrain_task_steps: int = 150  # then steps on documents or their task-format rows
+    pretrain_seq_len: int = 3400  # tokens kept per document row
+    pretrain_batch: int = 1  # documents per step
 
 
 @dataclass

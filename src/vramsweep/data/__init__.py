@@ -27,6 +27,7 @@ _EXPORTS = {
     "examples_stats": "examples",
     "span_exact_match": "examples",
     "generate_documents": "synthetic",
+    "pretrain_documents": "synthetic",
     "pretrain_texts": "synthetic",
     "SPECIAL_TOKENS": "tokenizer",
     "train_tokenizer": "tokenizer",

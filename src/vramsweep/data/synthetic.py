@@ -36,6 +36,7 @@ __all__ = [
     "FACT_KEYS",
     "generate_documents",
     "STATING_SECTIONS",
+    "pretrain_documents",
     "pretrain_texts",
     "without_statements",
 ]
@@ -801,16 +802,21 @@ def generate_documents(n: int, seed: int) -> list[dict[str, Any]]:
     return [_document(random.Random(f"doc:{seed}:{i}"), i, seed) for i in range(n)]
 
 
-def pretrain_texts(n: int, seed: int) -> list[str]:
-    """``n`` whole-document plain texts for pre-training the embedded base model.
+def pretrain_documents(n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` documents for pre-training the embedded base model (same schema as :func:`generate_documents`).
 
     Uses a separate seed stream (``"pretrain:{seed}:{i}"``) from :func:`generate_documents`, so pre-training
-    never sees the fine-tuning or evaluation documents. Sections are rendered exactly as the training examples
-    render them (:func:`vramsweep.data.documents.format_section`).
+    never sees the fine-tuning or evaluation documents.
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    return [document_text(_document(random.Random(f"pretrain:{seed}:{i}"), i, seed)) for i in range(n)]
+    return [_document(random.Random(f"pretrain:{seed}:{i}"), i, seed) for i in range(n)]
+
+
+def pretrain_texts(n: int, seed: int) -> list[str]:
+    """The plain texts of :func:`pretrain_documents` ``(n, seed)``: sections rendered exactly as the training
+    examples render them (:func:`vramsweep.data.documents.format_section`)."""
+    return [document_text(d) for d in pretrain_documents(n, seed)]
 
 
 STATING_SECTIONS = ("Project summary", "Consortium", "Objectives", "Budget", "Timeline and milestones")
