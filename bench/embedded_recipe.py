@@ -179,7 +179,10 @@ def main() -> None:
     )
     ap.add_argument("--drill-text", type=float, default=0.0, help="fraction of drill rows that are doc spans")
     ap.add_argument(
-        "--mix-text", type=float, default=None, help="--drill-text for the --drill-mix batches (default: same)"
+        "--mix-text",
+        type=float,
+        default=None,
+        help="--drill-text for the --drill-mix batches (default: same)",
     )
     ap.add_argument(
         "--gap-max",

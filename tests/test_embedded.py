@@ -36,6 +36,8 @@ def test_a_corrupted_or_missing_asset_file_is_refused_with_a_clear_error(tmp_pat
         emb.check_asset(bad)
     assert emb.main(["--check-asset", "--out", str(bad)]) == 1
     assert "error: embedded asset file" in capsys.readouterr().err
+    shutil.copy(emb.ASSET_DIR / "model.safetensors", bad / "model.safetensors")
+    assert emb.check_asset(bad)["key"]
     (bad / "tokenizer.json").unlink()
     with pytest.raises(emb.EmbeddedAssetError, match="tokenizer.json is missing"):
         emb.check_asset(bad)
@@ -72,6 +74,7 @@ _SMALL = [
 ]
 
 
+@pytest.mark.slow  # three small builds, ~1 min: each generates and tokenises the 200 tokenizer documents
 def test_other_dims_build_the_recipe_deterministically(tmp_path, monkeypatch):
     """A config that is not the asset's builds recipe 3 (drills, then documents/task rows); the same config
     builds the same weights bit for bit, and the drill phase is real (dropping it changes the weights)."""

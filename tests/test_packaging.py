@@ -51,6 +51,7 @@ def test_non_editable_install_trains_and_picks_from_another_folder(
     assert not (site / "vramsweep" / "conf" / "experiment").exists()
     assert (site / "vramsweep" / "conf" / "train.yaml").is_file()
     assert (site / "vramsweep" / "conf" / "sweep" / "demo.yaml").is_file()
+    assert (site / "vramsweep" / "assets" / "embedded" / "model.safetensors").is_file()  # the committed base
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VRAMSWEEP_CONFIG_DIR")}
     env |= {"PYTHONPATH": str(site), "WANDB_MODE": "disabled"}
     project = tmp_path / "project"
@@ -83,6 +84,14 @@ def test_non_editable_install_trains_and_picks_from_another_folder(
         check=True,
     ).stdout.split()
     assert all(Path(w).is_relative_to(site) for w in where), where  # not the checkout's editable copy
+    check = subprocess.run(
+        [sys.executable, "-m", "vramsweep.embedded", "--check-asset"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0 and str(site) in check.stdout, (check.stdout, check.stderr)
 
     out = run("train", "--cfg", "job", "hardware=mine")  # a single trial's config, from ./conf
     assert "name: mine" in out and "budget_gib: 7" in out
