@@ -169,8 +169,8 @@ def test_truncation_ablation_separates_strategies_above_seed_noise(tmp_path, emb
     2-3.3k). What each strategy keeps decides which facts the base can copy: tail keeps the newest sections,
     which include the timeline's opening sentence ("The project starts on 19 March 2026"), and the base
     copies the date from there; head keeps the summary, consortium and objectives, whose repeats the base
-    mostly cannot copy (the acronym is tokenised differently at a line start, first names follow "Prof.",
-    counts are repeated in other words), only surnames; exp_decay keeps the *ends* of the older sections,
+    mostly cannot copy (the acronym's first token differs at a line start, first names follow "Prof.",
+    counts are repeated in other words): acronym endings and a surname; exp_decay keeps the *ends* of the older sections,
     while the statements open them. So tail must beat head and exp_decay on fact accuracy by more than twice
     the pooled seed std (and by 3 fact tokens of 95 at least), while the control tokens lose less than a third
     as much in relative terms: lost context, not a worse model. Fails for a base that does not copy (all three
