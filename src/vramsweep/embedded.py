@@ -17,9 +17,10 @@ Recipe 3 (deterministic, seeded, from the project's own generator; never the fin
    a context truncated by a random strategy and budget, the next section), so a cut context is not out of
    distribution (without it, head-truncated rows score control-token accuracy ~0.5 instead of ~0.9).
 
-That takes ~20 minutes on 2 CPU cores (1,522 s measured, partly sharing the cores), so the default ``model=tiny`` base ships as a **committed weights
-file** (``assets/embedded/``: fp16 safetensors, tokenizer, config; sha256 in ``vramsweep_embedded.json``)
-built by this module's own command, bit-for-bit reproducible on the same torch build and thread count::
+That takes 970 s on 2 idle CPU cores (measured; 1,522 s while sharing them), so the default ``model=tiny``
+base ships as a **committed weights file** (``assets/embedded/``: fp16 safetensors, tokenizer, config;
+sha256 in ``vramsweep_embedded.json``) built by this module's own command, bit-for-bit reproducible on the
+same torch build, thread count and CPU type (a second full build gave the same five sha256)::
 
     python -m vramsweep.embedded --write-asset --threads 2      # rebuild it (same sha256)
     python -m vramsweep.embedded --check-asset                  # verify the committed files
