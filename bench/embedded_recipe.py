@@ -321,25 +321,12 @@ def main() -> None:
         return torch.tensor(xs), torch.tensor(labs)
 
     def task_rows(i):
-        """Task-format rows of pre-training document ``i``: a random strategy and budget, the two
-        fact-repeating targets and one other section (full-sequence LM loss)."""
-        from vramsweep.data.examples import build_examples
+        """Task-format rows of pre-training document ``i`` (vramsweep.embedded's recipe step 4)."""
         from vramsweep.data.synthetic import _document
+        from vramsweep.embedded import _task_rows
 
         doc = _document(random.Random(f"pretrain:7:{i}"), i, 7)
-        trunc = rng.choice(("head", "tail", "exp_decay", "none"))
-        budget = rng.choice((256, 384, 512, 768, 1024, 1536, 2048)) if trunc != "none" else 4096
-        ex = build_examples(
-            [doc],
-            tok,
-            max_tokens=budget,
-            truncation=trunc,
-            decay=0.5,
-            min_tokens_per_section=16,
-            instructions="Write the next section of the report.",
-        )
-        pick = ex[-2:] + [ex[rng.randrange(len(ex) - 2)]]
-        return [(torch.tensor([e.input_ids]), torch.tensor([e.input_ids])) for e in pick]
+        return [(x, x) for x in _task_rows(doc, tok, rng, "Write the next section of the report.")]
 
     def drill_step(x, lab):
         nonlocal tokens

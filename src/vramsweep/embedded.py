@@ -141,14 +141,24 @@ def ensure_embedded(mcfg: DictConfig, *, progress: bool = True) -> Path:
     return out
 
 
-def _install_asset(out: Path) -> None:
-    check_asset()
+def _tmp_for(out: Path) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(ASSET_DIR, tmp)
+    return tmp
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move a finished ``tmp`` folder to ``out``; the ``COMPLETE`` marker is written last."""
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     (out / "COMPLETE").write_text("ok\n")
+
+
+def _install_asset(out: Path) -> None:
+    check_asset()
+    tmp = _tmp_for(out)
+    shutil.copytree(ASSET_DIR, tmp)
+    _publish(tmp, out)
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -315,8 +325,7 @@ def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dic
     opt = adamw(TASK_LR)
     losses += doc_phase(task_steps, steps * batch, TASK_LR, TASK_WARMUP, TASK_ROWS, "task rows")
     bar.close()
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = _tmp_for(out)
     model.eval()
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -339,9 +348,7 @@ def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dic
         **log,
     }
     (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    (out / "COMPLETE").write_text("ok\n")
+    _publish(tmp, out)
     return info
 
 
@@ -375,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m vramsweep.embedded",
         description="Build or verify the committed embedded base model (model=tiny, recipe 3).",
     )
-    ap.add_argument("--write-asset", action="store_true", help=f"rebuild {ASSET_DIR} (~15 min on 2 cores)")
+    ap.add_argument("--write-asset", action="store_true", help=f"rebuild {ASSET_DIR} (~16 min on 2 cores)")
     ap.add_argument("--check-asset", action="store_true", help="verify the asset files' sha256")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for --write-asset (default 2)")
     ap.add_argument(
