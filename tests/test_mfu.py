@@ -3,10 +3,19 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from vramsweep.config import compose
-from vramsweep.measure.flops import DEVICE_PEAKS, device_peak, flops_per_token, mfu, trial_mfu
+from vramsweep.measure.flops import (
+    DEVICE_PEAKS,
+    device_peak,
+    embedding_counts,
+    flops_per_token,
+    mfu,
+    trial_mfu,
+)
 
 T = 1e12
 
@@ -26,7 +35,7 @@ T = 1e12
         ("NVIDIA GeForce RTX 4080", "rtx4080", 97.5 * T),
         ("NVIDIA GeForce RTX 4080 SUPER", "rtx4080_super", 104.4 * T),
         ("Tesla T4", "t4", 65 * T),
-        ("NVIDIA A10G", "a10g", 125 * T),
+        ("NVIDIA A10G", "a10g", 70 * T),
     ],
 )
 def test_device_table_by_reported_name(name, key, peak):
@@ -67,13 +76,13 @@ def test_emulated_profile_uses_the_physical_h200_peak(tps, seq, old):
         num_layers=36,
         attn_width=32 * 128,
         mean_seq=seq,
-        recompute=True,
+        embedding_params=151_936 * 4096,  # untied: the input embedding is a lookup
     )
     assert value == pytest.approx(per_token * tps / (989 * T))
     assert 0 < value <= 1
     assert meta["mfu"]["peak_key"] == "h200"
-    # what the old code computed: the same FLOPs over the RTX 4080 peak
-    assert per_token * tps / (97.5 * T) == pytest.approx(old, rel=0.1)
+    # what the old code computed: HFU-like FLOPs (recompute + embedding, ~1.5x) over the RTX 4080 peak
+    assert meta["mfu"]["hfu"] * 989 / 97.5 == pytest.approx(old, rel=0.1)
 
 
 def test_mfu_above_one_is_not_reported():
@@ -84,3 +93,89 @@ def test_mfu_above_one_is_not_reported():
 def test_cpu_mfu_is_null():
     cfg = compose([])
     assert trial_mfu(cfg, {"total_params": 1, "trainable_params": 1}, 100.0, 10, {"device": "cpu"}) is None
+
+
+# Hand computation, Qwen3-8B (hidden 4096, MLP 12288, 36 layers, 32 query / 8 kv heads of 128, vocab
+# 151,936, untied lm_head) + LoRA r16 on every linear of the decoder layers, nf4_dq, checkpointing on.
+H, MLP, L, V, KV = 4096, 12288, 36, 151_936, 1024
+LAYER_LINEAR = 2 * H * H + 2 * H * KV + 3 * H * MLP  # q, o + k, v + gate, up, down = 192,937,984
+LAYER_NORMS = 2 * H + 2 * 128  # input/post-attention RMSNorm + q_norm/k_norm
+LORA = L * 16 * (2 * (H + H) + 2 * (H + KV) + 3 * (H + MLP))  # 43,646,976
+EMB = V * H  # input embedding = lm_head size: 622,329,856
+TOTAL = L * (LAYER_LINEAR + LAYER_NORMS) + 2 * EMB + H + LORA  # every parameter of the PEFT model
+
+
+def _qwen3_8b_cfg(*, checkpointing: bool) -> SimpleNamespace:
+    """What trial_mfu reads of the composed config (conf/model/qwen3_8b.yaml), without composing."""
+    model = SimpleNamespace(
+        num_layers=L, num_heads=32, head_dim=128, vocab_size=V, hidden_size=H, tie_word_embeddings=False
+    )
+    return SimpleNamespace(
+        model=model,
+        hardware=SimpleNamespace(device="cuda"),
+        checkpointing=SimpleNamespace(enabled=checkpointing),
+    )
+
+
+def hand_mfu_flops(s: int) -> float:
+    frozen_matmul = L * LAYER_LINEAR + EMB  # the decoder linears + the lm_head (a matmul); no embedding
+    return 4 * frozen_matmul + 6 * LORA + 12 * L * (32 * 128) * s
+
+
+def hand_recompute_flops(s: int) -> float:
+    return 2 * (L * LAYER_LINEAR + LORA) + 4 * L * (32 * 128) * s  # decoder layers' second forward
+
+
+@pytest.mark.parametrize(
+    ("seq", "mfu_flops", "hfu_flops"),
+    [(1024, 32_346_210_304, 46_929_018_880), (65_536, 146_498_387_968, 199_131_922_432)],
+)
+def test_mfu_is_palm_model_flops_and_hfu_adds_recompute(seq, mfu_flops, hfu_flops):
+    """MFU = model FLOPs (no recompute, no embedding lookup); HFU beside it, with the recompute."""
+    assert TOTAL - LORA == 8_190_735_360 and LORA == 43_646_976
+    assert hand_mfu_flops(seq) == mfu_flops
+    assert hand_mfu_flops(seq) + hand_recompute_flops(seq) == hfu_flops
+    cfg = _qwen3_8b_cfg(checkpointing=True)
+    tps = 1461.97
+    meta = {"device": "NVIDIA H200"}
+    value = trial_mfu(cfg, {"total_params": TOTAL, "trainable_params": LORA}, tps, seq, meta)
+    # norm weights stay in P at 4 FLOPs each: 4 * 308,224 = 1.2 MFLOP/token (4e-5 relative)
+    assert value == pytest.approx(mfu_flops * tps / (989 * T), rel=1e-4)
+    assert meta["mfu"]["hfu"] == pytest.approx(hfu_flops * tps / (989 * T), rel=1e-4)
+    assert meta["mfu"]["hardware_flops_per_token"] / meta["mfu"]["flops_per_token"] == pytest.approx(
+        hfu_flops / mfu_flops, rel=1e-4
+    )
+    assert "PaLM" in meta["mfu"]["convention"]
+
+
+def test_mfu_without_checkpointing_equals_hfu():
+    cfg = _qwen3_8b_cfg(checkpointing=False)
+    meta = {"device": "NVIDIA H200"}
+    value = trial_mfu(cfg, {"total_params": TOTAL, "trainable_params": LORA}, 1000.0, 1024, meta)
+    assert value == pytest.approx(meta["mfu"]["hfu"])
+
+
+def test_tied_embedding_counts_once_as_the_lm_head():
+    """A tied embedding is the lm_head's weight: a matmul, counted once (the lookup is free)."""
+    torch = pytest.importorskip("torch")
+    emb = torch.nn.Embedding(100, 8)
+    head = torch.nn.Linear(8, 100, bias=False)
+    head.weight = emb.weight
+
+    class M(torch.nn.Module):
+        def get_input_embeddings(self):
+            return emb
+
+        def get_output_embeddings(self):
+            return head
+
+    cfg = _qwen3_8b_cfg(checkpointing=False)
+    assert embedding_counts(cfg, M()) == (0, 800)
+    head.weight = torch.nn.Parameter(torch.zeros(100, 8))
+    assert embedding_counts(cfg, M()) == (800, 800)
+
+
+def test_a10g_is_not_an_a10():
+    """NVIDIA's A10G brief: 70 dense bf16 TFLOP/s (the A10 datasheet's 125 is another card)."""
+    assert device_peak("NVIDIA A10G").peak_flops == pytest.approx(70 * T)
+    assert device_peak("NVIDIA A10").peak_flops == pytest.approx(125 * T)

@@ -462,7 +462,7 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
         m["tokens_trained"] = timing.tokens
         m["padding_tokens"] = timing.pad_tokens
         m["target_tokens"] = timing.target_tokens
-        m["mfu"] = trial_mfu(cfg, built.notes, m["tokens_per_s"], timing.mean_seq(), meta)
+        m["mfu"] = trial_mfu(cfg, built.notes, m["tokens_per_s"], timing.mean_seq(), meta, model=model)
     m["state_bytes"] = {
         "params": tensor_bytes(model_state_tensors(model)),
         "grads": grads.bytes,

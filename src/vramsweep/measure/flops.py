@@ -8,7 +8,19 @@ the GPU that actually executed the steps, looked up by the name torch/NVML repor
 Peaks are vendor dense tensor-core rates (no sparsity) for 16-bit inputs with fp32 accumulate, which is
 what PyTorch's bf16/fp16 matmuls use. Sources: NVIDIA H100/H200, A100, L40S, L4, A10 datasheets; Ada
 GeForce whitepaper (RTX 4090/4080 fp32-accumulate rate is half the fp16-accumulate rate); Turing T4
-datasheet (fp16 only: T4 has no bf16 tensor cores).
+datasheet (fp16 only: T4 has no bf16 tensor cores). The AWS A10G is not the A10: its brief gives 70 dense
+bf16 TFLOP/s (the A10's datasheet 125).
+
+FLOP conventions (PaLM, Chowdhery et al. 2022, appendix B):
+
+* **MFU** counts the model FLOPs a training step must do, whatever the implementation: the matmuls of the
+  weights the tokens are computed through, 4 per frozen parameter per token (forward 2 + input gradient 2)
+  and 6 per trained one (+ weight gradient 2), plus attention's 12·L·h·s per token (non-causal, as PaLM).
+  The input embedding is a lookup, not a matmul: it is left out (a tied lm_head is computed through the same
+  weights and counts once; an untied lm_head counts). Norm weights stay in P (≈ 4e-5 of Qwen3-8B's).
+  Activation recompute is not counted.
+* **HFU** adds what gradient checkpointing recomputes: a second forward of the decoder layers (2 per layer
+  parameter, LoRA included, + attention 4·L·h·s; the lm_head is outside the checkpointed layers).
 """
 
 from __future__ import annotations
@@ -45,7 +57,7 @@ DEVICE_PEAKS: tuple[DevicePeak, ...] = (
     DevicePeak("l40s", r"\bL40S\b", 362 * TFLOPS, "L40S"),
     DevicePeak("l40", r"\bL40\b", 181 * TFLOPS, "L40"),
     DevicePeak("l4", r"\bL4\b", 121 * TFLOPS, "L4"),
-    DevicePeak("a10g", r"\bA10G\b", 125 * TFLOPS, "A10G (AWS)"),
+    DevicePeak("a10g", r"\bA10G\b", 70 * TFLOPS, "A10G (AWS g5; NVIDIA's A10G brief, dense bf16)"),
     DevicePeak("a10", r"\bA10\b", 125 * TFLOPS, "A10"),
     DevicePeak("rtx6000_ada", r"RTX 6000 Ada", 364 * TFLOPS, "RTX 6000 Ada"),
     DevicePeak("rtx_a6000", r"RTX A6000", 155 * TFLOPS, "RTX A6000"),
@@ -76,16 +88,30 @@ def flops_per_token(
     num_layers: int,
     attn_width: int,
     mean_seq: float,
-    recompute: bool,
+    embedding_params: int = 0,
 ) -> float:
-    """Training FLOPs per token: forward 2P + input gradients 2P for every weight, + weight gradients 2P
-    for the trainable ones, + a second forward 2P with activation recompute, + attention 12·L·h·s
-    (FlashAttention-2 paper's 6·s·P + 12·L·h·s² per sequence, divided by s)."""
-    frozen = total_params - trainable_params
-    per_token = 4.0 * frozen + 6.0 * trainable_params
-    if recompute:
-        per_token += 2.0 * total_params
-    return per_token + 12.0 * num_layers * attn_width * mean_seq
+    """**Model** FLOPs per trained token (MFU's numerator, PaLM's convention; no recompute).
+
+    Args:
+        total_params: every parameter of the trained model (base + adapter), 4-bit weights unpacked.
+        trainable_params: the parameters that get gradients (6 FLOPs/token each; the rest 4).
+        embedding_params: the input embedding's parameters when it is not shared with the lm_head (a
+            lookup: 0 FLOPs); 0 for tied embeddings.
+        attn_width: heads × head dim (query side).
+        mean_seq: mean tokens per sequence (attention's 12·L·h·s per token).
+    """
+    matmul = total_params - embedding_params
+    frozen = matmul - trainable_params
+    return 4.0 * frozen + 6.0 * trainable_params + 12.0 * num_layers * attn_width * mean_seq
+
+
+def recompute_flops_per_token(
+    *, layer_params: int, num_layers: int, attn_width: int, mean_seq: float
+) -> float:
+    """FLOPs per token that full activation checkpointing adds: a second forward through the decoder
+    layers (2 per layer parameter, adapters included) and their attention (4·L·h·s). HFU counts it; MFU
+    does not."""
+    return 2.0 * layer_params + 4.0 * num_layers * attn_width * mean_seq
 
 
 def mfu(
@@ -112,20 +138,68 @@ def mfu(
     return value, info
 
 
-def trial_mfu(cfg: Any, notes: dict, tokens_per_s: float | None, mean_seq: float, meta: dict) -> float | None:
+def embedding_counts(cfg: Any, model: Any = None) -> tuple[int, int]:
+    """``(input embedding params not shared with the lm_head, lm_head params)`` from the built model when
+    given (vocabulary slicing changes them), else from the config."""
+    if model is not None:
+        try:
+            emb = model.get_input_embeddings().weight
+            head = model.get_output_embeddings()
+            head_w = getattr(head, "weight", None)
+            n_head = int(head_w.numel()) if head_w is not None else 0
+            tied = head_w is not None and (head_w is emb or head_w.data_ptr() == emb.data_ptr())
+            return (0 if tied else int(emb.numel())), n_head
+        except Exception:  # a wrapper without the accessors: fall back to the config
+            pass
+    m = cfg.model
+    per = int(m.vocab_size) * int(m.hidden_size)
+    return (0 if bool(m.tie_word_embeddings) else per), per
+
+
+def trial_mfu(
+    cfg: Any,
+    notes: dict,
+    tokens_per_s: float | None,
+    mean_seq: float,
+    meta: dict,
+    model: Any = None,
+) -> float | None:
     """A trial's MFU against the physical GPU that ran its steps (not the emulated profile's card): the
-    composed config gives the shape, ``notes`` the build's parameter counts, ``meta["device"]`` the card;
-    ``meta["mfu"]`` gets the peak used (or why there is none). Null on CPU."""
+    composed config gives the shape, ``notes`` the build's parameter counts, ``meta["device"]`` the card,
+    ``model`` (optional) the embedding sizes as built. ``meta["mfu"]`` gets the peak used (or why there is
+    none), the convention, and HFU (recompute included) beside MFU. Null on CPU."""
     if cfg.hardware.device != "cuda":
         return None
+    total = int(notes.get("total_params", 0))
+    trainable = int(notes.get("trainable_params", 0))
+    embedding, lm_head = embedding_counts(cfg, model)
+    layers = int(cfg.model.num_layers)
+    width = int(cfg.model.num_heads) * int(cfg.model.head_dim)
     per_token = flops_per_token(
-        total_params=int(notes.get("total_params", 0)),
-        trainable_params=int(notes.get("trainable_params", 0)),
-        num_layers=int(cfg.model.num_layers),
-        attn_width=int(cfg.model.num_heads) * int(cfg.model.head_dim),
+        total_params=total,
+        trainable_params=trainable,
+        num_layers=layers,
+        attn_width=width,
         mean_seq=mean_seq,
-        recompute=bool(cfg.checkpointing.enabled),
+        embedding_params=embedding,
     )
+    recompute = 0.0
+    if bool(cfg.checkpointing.enabled):
+        recompute = recompute_flops_per_token(
+            layer_params=total - embedding - lm_head, num_layers=layers, attn_width=width, mean_seq=mean_seq
+        )
     value, info = mfu(per_token, tokens_per_s, meta.get("device"))
+    info["convention"] = CONVENTION
+    info["hardware_flops_per_token"] = per_token + recompute
+    if info.get("peak_flops") and tokens_per_s:
+        hfu = (per_token + recompute) * float(tokens_per_s) / info["peak_flops"]
+        info["hfu" if hfu <= 1.0 else "hfu_computed_above_1"] = hfu
     meta["mfu"] = info
     return value
+
+
+#: Stated in every trial's ``meta.mfu``.
+CONVENTION = (
+    "PaLM: 4 FLOPs/token per frozen, 6 per trained non-embedding parameter + 12·L·h·s attention; "
+    "recompute only in hfu"
+)
