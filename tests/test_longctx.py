@@ -246,3 +246,112 @@ def test_adapter_dtype_compute_keeps_adapters_in_bf16_and_drops_fp32_input_copie
         peaks[mode] = bd["activations"]
     assert dtypes == {"fp32": {torch.float32}, "compute": {torch.bfloat16}}
     assert peaks["compute"] < 0.8 * peaks["fp32"], peaks
+
+
+# --- issue 24: tiles in every pass; dropout masks the same in forward and recompute
+
+
+def _tiny_longctx(ckpt: str, dropout: float = 0.0):
+    """The tiny model (fp32) with LoRA on the MLP projections, the given checkpointing mode (offload
+    installed as the knob does) and the MLP tiled at 16 positions."""
+    model = _model(f"checkpointing={ckpt}", f"adapter.dropout={dropout}")
+    if ckpt == "offload":
+        enable_offload(model, torch.device("cpu"))
+    assert tile_mlps(model, 16) == 4
+    return model
+
+
+def _record_mlp_inputs(model):
+    """Forward pre-hooks on every decoder MLP's projections: the sequence length of each call."""
+    seen: list[int] = []
+    handles = [
+        m.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[-2]))
+        for n, m in model.named_modules()
+        if n.endswith(("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+    ]
+    return seen, handles
+
+
+@pytest.mark.parametrize("ckpt", ["off", "on", "offload"])
+def test_mlp_tiles_in_forward_recompute_and_eval(ckpt):
+    """Every pass over the MLP sees tiles of <= 16 positions: the training forward (with grad, or the
+    grad-free forward of offloaded checkpointing), the recompute in backward, and evaluation under no_grad
+    (measure.eval.evaluate, as the trial's initial/periodic/final evaluation runs it)."""
+    from vramsweep.longctx.loss import causal_lm_of
+    from vramsweep.measure.eval import evaluate
+
+    model = _tiny_longctx(ckpt)
+    ids, labels = _batch(seq=64, b=1)
+    seen, handles = _record_mlp_inputs(model)
+    loss = model(input_ids=ids, labels=labels).loss
+    n_forward = len(seen)
+    loss.backward()
+    n_train = len(seen)
+    evaluate(
+        model,
+        [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels, "fact_spans": [[]]}],
+        torch.device("cpu"),
+        causal_lm=causal_lm_of,
+    )
+    for h in handles:
+        h.remove()
+    assert n_forward == 4 * 3 * 4  # 4 layers x 3 projections x 4 tiles of 16
+    assert n_train > n_forward  # the backward recomputed (tiled, never a whole sequence)
+    assert len(seen) > n_train  # evaluation ran through the hooks
+    assert set(seen) == {16}, sorted(set(seen))
+
+
+class _Replay(torch.nn.Module):
+    """Dropout replaced by fixed masks (one per call in order), to rebuild the loss a model computed."""
+
+    def __init__(self, masks):
+        super().__init__()
+        self.masks = list(masks)
+
+    def forward(self, x):
+        return x * self.masks.pop(0)
+
+
+@pytest.mark.parametrize("ckpt", ["off", "on", "offload"])
+def test_tiled_gradients_with_dropout_are_those_of_the_computed_loss(ckpt):
+    """With LoRA dropout 0.1 and a tiled MLP, the masks the forward drew are the masks the recompute uses:
+    an untiled, uncheckpointed model that replays the forward's masks (concatenated over the tiles) gives
+    the same loss and gradients. Before the fix, offload's grad-free forward ran the MLP untiled and drew
+    other masks than its tiled recompute (gradients up to ~8 % apart)."""
+    model = _tiny_longctx(ckpt, dropout=0.1)
+    with torch.no_grad():  # non-zero LoRA B: the masks then shape the loss, not only B's gradient
+        g = torch.Generator().manual_seed(7)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    ids, labels = _batch(seq=64, b=1)
+    drops = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0}
+    assert any(".mlp." in n for n in drops)
+    recording = {"on": True}
+    masks: dict[str, list[torch.Tensor]] = {n: [] for n in drops}
+
+    def hook(name):
+        def fn(_m, args, out):
+            if recording["on"]:
+                masks[name].append((out != 0).to(out.dtype) / 0.9)
+
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in drops.items()]
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(123)
+    loss = model(input_ids=ids, labels=labels).loss
+    recording["on"] = False  # only the forward's masks (the recompute's must equal them)
+    loss.backward()
+    got = loss.detach(), _grads(model)
+    for h in handles:
+        h.remove()
+
+    ref_model = _model("checkpointing=off", "adapter.dropout=0.1")
+    ref_model.load_state_dict(model.state_dict())
+    for name in drops:
+        parent, _, leaf = name.rpartition(".")
+        full = torch.cat(masks[name], dim=-2)  # tiles in order -> the whole sequence
+        ref_model.get_submodule(parent)._modules[leaf] = _Replay([full])
+    ref = _run(ref_model, lambda: ref_model(input_ids=ids, labels=labels).loss)
+    _same(ref, got, rtol=1e-4, atol=1e-6)

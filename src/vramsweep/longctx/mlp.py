@@ -8,9 +8,17 @@ included) tile by tile. The SwiGLU intermediates (gate, up, activation, product:
 intermediate x dtype bytes; Qwen3-8B at 65,536 tokens: 6 GiB in bf16) exist for one tile at a time.
 As in DeepSpeed's ``TiledMLP`` (Arctic Long Sequence Training, arXiv 2506.13996).
 
+The block runs in tiles whether or not grad is enabled: under ``no_grad`` (evaluation, and the forward of
+``checkpointing=offload`` or reentrant checkpointing, which run each layer without grad and recompute it
+in backward) it runs tile by tile straight into one preallocated output, so the full intermediate never
+exists in any pass.
+
 Dropout inside the block (LoRA dropout) draws its mask tile by tile (a different, equally distributed
-mask than one draw over the whole sequence), and the backward recompute replays each tile's mask exactly
-(the RNG state is saved per tile). Without dropout, values and gradients equal the untiled block's.
+mask than one draw over the whole sequence). Every pass over a layer — a grad-free forward, the tiled
+autograd forward, the recompute in backward — draws the tiles' masks in the same order from the same RNG
+state, and the backward recompute replays each tile's saved RNG state: the gradients are those of the
+loss that was computed (tests/test_longctx.py replays the forward's masks in an untiled model). Without
+dropout, values and gradients equal the untiled block's.
 """
 
 from __future__ import annotations
@@ -33,15 +41,12 @@ class _TiledForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, tiles: int, x: torch.Tensor, *params: torch.Tensor):
         ctx.fn, ctx.tiles = fn, tiles
-        chunks = x.chunk(tiles, dim=-2)
-        states, outs = [], []
+        states: list[tuple] = []
         with torch.no_grad():
-            for c in chunks:
-                states.append(_rng_state(x.device))
-                outs.append(fn(c))
+            out = _run_tiles(fn, tiles, x, states)
         ctx.states = states
         ctx.save_for_backward(x)
-        return torch.cat(outs, dim=-2)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -67,11 +72,34 @@ class _TiledForward(torch.autograd.Function):
         return (None, None, x_grad, *([None] * (len(ctx.needs_input_grad) - 3)))
 
 
+def _run_tiles(fn, tiles: int, x: torch.Tensor, states: list[tuple] | None = None) -> torch.Tensor:
+    """``fn`` over ``tiles`` sequence tiles of ``x``, written into one preallocated output (no list of tile
+    outputs and no concatenation: the output exists once). ``states`` collects each tile's RNG state."""
+    out = None
+    start = 0
+    for c in x.chunk(tiles, dim=-2):
+        if states is not None:
+            states.append(_rng_state(x.device))
+        o = fn(c)
+        if out is None:
+            out = o.new_empty((*o.shape[:-2], x.shape[-2], o.shape[-1]))
+        size = c.shape[-2]
+        out[..., start : start + size, :] = o
+        start += size
+        del o
+    return out
+
+
 def tiled_call(fn, params: list[torch.Tensor], tile_tokens: int, x: torch.Tensor) -> torch.Tensor:
-    """``fn(x)`` over sequence tiles of at most ``tile_tokens`` positions (plain call when one tile or no grad)."""
+    """``fn(x)`` over sequence tiles of at most ``tile_tokens`` positions, in every pass: with grad through
+    :class:`_TiledForward` (recomputed tile by tile in backward), without grad (evaluation, the grad-free
+    forward of offloaded or reentrant checkpointing) tile by tile into one output. A plain call only when
+    the sequence fits in one tile."""
     tiles = -(-x.shape[-2] // tile_tokens)
-    if tiles <= 1 or not torch.is_grad_enabled():
+    if tiles <= 1:
         return fn(x)
+    if not torch.is_grad_enabled():
+        return _run_tiles(fn, tiles, x)
     return _TiledForward.apply(fn, tiles, x, *params)
 
 

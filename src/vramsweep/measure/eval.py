@@ -31,9 +31,8 @@ def evaluate(
     ``causal_lm(model)`` returns the causal LM inside wrappers (PEFT), so the decoder and the LM head can be
     called separately; without it (or when that fails) the whole model's logits are used. ``meter`` (a
     :class:`vramsweep.measure.quality.QualityMeter`) also gets each sequence's per-token NLL and argmax,
-    for the fact/control token metrics. ``meter`` (a
-    :class:`vramsweep.measure.quality.QualityMeter`) also gets each sequence's per-token NLL and argmax,
-    for the fact/control token metrics.
+    for the fact/control token metrics. The model runs under ``no_grad``; a tiled MLP
+    (``tiling.mlp_tile_tokens``) still runs tile by tile there.
 
     One sequence at a time, cross-entropy in chunks of :data:`EVAL_CHUNK` positions: the logits are
     ``seq x vocab`` (Qwen3: 4096 x 151936 = 1.2 GB in bf16 per sequence), and a batch of 4 upcast to
