@@ -68,6 +68,8 @@ PLATFORMS = [
 BNB_KEEP_CUDA = "cuda130"
 MANIFEST = "BUNDLE.json"
 BUNDLE_FILE = "gpu_bundle.tar.xz"
+#: The project root (the working tree a device run carries).
+ROOT = Path(__file__).resolve().parents[1]
 
 
 #: Files dropped from the bundle, per distribution (glob patterns on the wheel path), on top of test suites.
@@ -245,13 +247,11 @@ def build(args: argparse.Namespace) -> int:
         tar.add(site, arcname="gpu_bundle")
     size = tmp.stat().st_size
     unpacked = sum(p.stat().st_size for p in site.rglob("*") if p.is_file())
-    limit = int(args.max_mib * 2**20)
-    if size > limit:
+    ok, text = carry_check(ROOT, size, args.max_mib)
+    print(f"gpu_bundle: {text}")
+    if not ok:
         tmp.unlink()
-        print(
-            f"gpu_bundle: {size / 2**20:.1f} MiB > --max-mib {args.max_mib}: not written (see {log})",
-            file=sys.stderr,
-        )
+        print(f"gpu_bundle: not written (see {log})", file=sys.stderr)
         return 1
     tmp.replace(out)
     if not args.keep_work:
@@ -267,6 +267,43 @@ def build(args: argparse.Namespace) -> int:
         f"gpu_bundle: wrote {out} ({size / 2**20:.1f} MiB packed, {unpacked / 2**20:.1f} MiB unpacked) in {time.time() - t0:.0f} s"
     )
     return 0
+
+
+def tree_bytes(root: Path) -> int:
+    """Bytes of what a device run carries of the working tree: tracked files plus untracked files git
+    does not ignore (``git ls-files --cached --others --exclude-standard``); ignored paths travel only
+    when named (the bundle)."""
+    out = subprocess.run(
+        ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    total = 0
+    for name in {n for n in out.split("\0") if n}:
+        path = root / name
+        if path.is_file() and not path.is_symlink():
+            total += path.stat().st_size
+    return total
+
+
+def carry_check(root: Path, bundle_bytes: int, max_mib: float = 64.0) -> tuple[bool, str]:
+    """Whether the working tree + the bundle fit what a device run carries (``max_mib`` in all)."""
+    tree = tree_bytes(root)
+    total = tree + bundle_bytes
+    verdict = "fits" if total <= max_mib * 2**20 else "does NOT fit"
+    return total <= max_mib * 2**20, (
+        f"carried: tree {tree / 2**20:.1f} MiB + bundle {bundle_bytes / 2**20:.1f} MiB = "
+        f"{total / 2**20:.1f} MiB: {verdict} in {max_mib:g} MiB"
+    )
+
+
+def check(args: argparse.Namespace) -> int:
+    """``check``: the tree + an existing bundle against the carry limit (exit 1 when over)."""
+    bundle = Path(args.bundle)
+    size = bundle.stat().st_size if bundle.is_file() else 0
+    ok, text = carry_check(ROOT, size, args.max_mib)
+    print(f"gpu_bundle: {text}" + ("" if bundle.is_file() else f" (no bundle at {bundle})"))
+    return 0 if ok else 1
 
 
 def bundle_requirements(folder: Path) -> dict[str, list[tuple[str, str]]]:
@@ -347,8 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("activate")
     a.add_argument("dir")
     a.add_argument("--force", nargs="*", default=[], help="distributions to take from the bundle anyway")
+    c = sub.add_parser("check", help="the tree + the bundle against the device run's carry limit")
+    c.add_argument("--bundle", default=str(ROOT / "wheels" / BUNDLE_FILE))
+    c.add_argument("--max-mib", type=float, default=64.0)
     args = p.parse_args(argv)
-    return build(args) if args.cmd == "build" else activate(args)
+    return {"build": build, "activate": activate, "check": check}[args.cmd](args)
 
 
 if __name__ == "__main__":

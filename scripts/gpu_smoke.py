@@ -23,7 +23,7 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP_FILES = ROOT / "src" / "vramsweep" / "conf" / "sweep"  # the packaged sweep files
@@ -40,20 +40,121 @@ BUNDLE = (
     "smoke.log",
     "profile.md",
 )
-#: The long-context probe: a second, 2-trial sweep (Qwen3-8B nf4_dq + Liger + checkpointing, 16 GiB cap).
+#: The long-context probe: a second sweep of one point no GPU has run: the long-context stack (offloaded
+#: checkpoints, tiled MLP + chunked loss, Liger, 16-bit adapters) at 16,384 tokens, where nf4_dq + liger +
+#: checkpointing=on went OOM on 2026-12-01 (its 12,288 fit: proven, left out).
 LONG_SWEEP = "gpu_smoke_long"
 LONG_BASELINE = [
     "quant=nf4_dq",
     "attention=sdpa",
     "kernels=liger",
-    "checkpointing=on",
-    "context.max_tokens=12288",
+    "checkpointing=offload",
+    "tiling=mlp",
+    "adapter.dtype=compute",
+    "context.max_tokens=16384",
 ]
-LONG_FACTORS = [["context.max_tokens=16384"]]
-#: The profiler pass: the smoke baseline at these lengths (2 warm-up + 2 profiled steps each).
+LONG_FACTORS: list[list[str]] = []
+#: The step-time pass (bench/step_time.py): the smoke baseline at these lengths, host vs device per step.
+STEP_TIME_TOKENS = (1024, 4096)
+#: Extra overrides of the step-time pass: the sweep file's short trials (GPU) / the dry run's tiny data.
+STEP_TIME_GPU = ["train.micro_batch=1", "train.warmup_steps=1", "train.measure_warmup_steps=2"]
+STEP_TIME_DRY = [
+    "train.warmup_steps=0",
+    "train.measure_warmup_steps=1",
+    "data.num_docs=4",
+    "data.num_eval_docs=1",
+]
+#: The profiler pass (scripts/gpu_profile.py) runs only in the time the plan's phases leave unused.
 PROFILE_TOKENS = (1024, 4096)
-#: Seconds of the --budget-s each phase may take at most (the sweep gets what the others leave).
-PHASE_CAP_S = {"weights": 150.0, "long": 75.0, "profile": 90.0}
+
+# ------------------------------------------------------------------------------------------ time plan
+#: The smoke's wall-clock budget on a GPU: one device call (<= 600 s) inside a 15-minute loan with ~1 min
+#: of start-up, leaving ~6 minutes for a second, shorter call.
+DEFAULT_BUDGET_S = 470.0
+#: Seconds per sweep trial, slot to slot, measured on 2026-12-01 (10 spawn trials, H200, Qwen3-8B
+#: nf4_dq, <= 4,096 tokens; tests/fixtures/gpu_2026-12-01/smoke_timing.json): first start to last finish
+#: 185.4 s = 18.5 s per trial (slowest slot 27.8 s, int8).
+MEASURED_TRIAL_S = 18.5
+#: The plan's margin over the measured per-trial time (the unproven knobs may be slower).
+TRIAL_MARGIN = 1.5
+#: What the plan gives each sweep point: >= MEASURED_TRIAL_S x TRIAL_MARGIN (tested against the fixture).
+TRIAL_S = 30.0
+#: CLI start, study creation and the first trial's interpreter (2026-12-01: 22.9 s from the sweep's stamp
+#: to trial 0's start, 6-7 s of it that trial's spawn).
+SWEEP_STARTUP_S = 25.0
+
+
+class Phase(NamedTuple):
+    """One step of the smoke and the most wall-clock seconds it may take."""
+
+    name: str
+    cap_s: float
+    what: str
+
+
+def design_points(sweep_file: Path) -> list[tuple[str, list[str]]]:
+    """``(change, overrides)`` per design point of an ablation sweep file, in run order (baseline first)."""
+    import yaml
+
+    sweep = (yaml.safe_load(sweep_file.read_text()) or {}).get("sweep") or {}
+    points = [("(baseline)", [str(o) for o in sweep.get("baseline") or []])]
+    points += [(" ".join(map(str, f)), [str(o) for o in f]) for f in sweep.get("factors") or []]
+    return points
+
+
+def unproven_first(points: list[tuple[str, list[str]]]) -> bool:
+    """True when every factor touching an unproven knob (Unsloth, offload, tiling) runs before the others."""
+    flags = [any(k in change for k in UNPROVEN) for change, _ in points[1:]]
+    return flags == sorted(flags, reverse=True)
+
+
+#: Knobs no GPU has run yet (2026-12-01 showed the rest): the smoke runs them first.
+UNPROVEN = ("kernels=unsloth", "checkpointing=offload", "tiling=")
+
+
+def plan(n_points: int, *, n_long: int = 1 + len(LONG_FACTORS), scale: float = 1.0) -> list[Phase]:
+    """The smoke's phases and their caps (``scale`` = budget / :data:`DEFAULT_BUDGET_S`). A phase is
+    stopped at its cap; a sweep point it did not reach is reported "not run"."""
+    phases = [
+        Phase("env", 40, "versions, device, driver (a throwaway process: no CUDA context kept)"),
+        Phase(
+            "weights",
+            90,
+            "Unsloth's random-weights folder (Qwen3-8B: 16.4 GB, 8 threads); else its points not run",
+        ),
+        Phase(
+            "sweep",
+            SWEEP_STARTUP_S + n_points * TRIAL_S,
+            f"{SWEEP}: {n_points} points x {TRIAL_S:.0f} s + {SWEEP_STARTUP_S:.0f} s start-up, unproven first",
+        ),
+        Phase(
+            "long", n_long * 50, f"{LONG_SWEEP}: {n_long} point(s) x 50 s (offload + tiling at 16,384 tokens)"
+        ),
+        Phase(
+            "step_time", 60, "bench/step_time.py: baseline at 1,024 vs 4,096 tokens, host vs device per step"
+        ),
+        Phase("report", 20, "vramsweep report + summary + bundle"),
+    ]
+    return [Phase(p.name, p.cap_s * scale, p.what) for p in phases]
+
+
+def render_plan(phases: list[Phase], budget_s: float, points: list[tuple[str, list[str]]]) -> str:
+    """The plan as printed before anything runs: each phase's cap, their sum against the budget, the points."""
+    lines = [f"gpu_smoke: plan (budget {budget_s:.0f} s)"]
+    t = 0.0
+    for p in phases:
+        lines.append(f"  {t:5.0f} s +{p.cap_s:5.0f} s  {p.name:<9} {p.what}")
+        t += p.cap_s
+    lines.append(
+        f"  total {t:.0f} s <= {budget_s:.0f} s"
+        if t <= budget_s
+        else f"  total {t:.0f} s > {budget_s:.0f} s!"
+    )
+    lines.append("  sweep points, in run order: " + "; ".join(c for c, _ in points))
+    lines.append("  then, in the time left unused: torch.profiler on the baseline (profile.md)")
+    return "\n".join(lines)
+
+
 #: Harmless noise filtered out of what the user sees (the trial logs keep it): Liger 0.8.5 with Triton 3.6
 #: probes its Ascend (NPU) backend on import and reports the failed import of triton's ``tanh``.
 HARMLESS = (
@@ -61,6 +162,8 @@ HARMLESS = (
 )
 #: Statuses that are results (the smoke test passes with them); ``error`` is a failure.
 RESULT_STATUSES = ("ok", "oom", "unsupported", "infeasible_estimate", "pruned", "diverged")
+#: A design point the smoke's time plan did not reach (or could not prepare): not a failure of what ran.
+NOT_RUN = "not run"
 #: The dry run: same sweep file, CPU, embedded tiny model, tiny steps.
 DRY_OVERRIDES = [
     "model=tiny",
@@ -146,15 +249,18 @@ def probe_environment() -> dict[str, Any]:
     return env
 
 
-def environment(python: str) -> dict[str, Any]:
-    """:func:`probe_environment` in a child process (JSON on stdout)."""
-    proc = subprocess.run(
-        [python, str(Path(__file__).resolve()), "--probe-env"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=os.environ.copy(),
-    )
+def environment(python: str, timeout_s: float = 300.0) -> dict[str, Any]:
+    """:func:`probe_environment` in a child process (JSON on stdout), stopped after ``timeout_s``."""
+    try:
+        proc = subprocess.run(
+            [python, str(Path(__file__).resolve()), "--probe-env"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=os.environ.copy(),
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"the environment probe took more than its {timeout_s:.0f} s cap"}
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
@@ -495,36 +601,74 @@ def bundle(
     return written
 
 
-def verdict(trials: list[dict[str, Any]], expected: int | None, sweep_rc: int) -> tuple[bool, str]:
-    """Pass when the sweep finished every point, no trial ended in ``error`` and the baseline trained."""
-    errors = [r for r in trials if r.get("status") not in RESULT_STATUSES]
-    baseline = [r for r in trials if ((r.get("meta") or {}).get("design") or {}).get("role") == "baseline"]
+def cut_by_time(result: dict[str, Any]) -> bool:
+    """A trial the smoke's time cap interrupted (the sweeper closes it ``interrupted (Ctrl-C)``)."""
+    return str(result.get("reason") or "").startswith("interrupted")
+
+
+def not_run_rows(
+    points: list[tuple[str, list[str]]], trials: list[dict[str, Any]], why: dict[str, str], default: str
+) -> list[dict[str, Any]]:
+    """Summary rows for the design points no trial result covers: status :data:`NOT_RUN`, with why."""
+    done = {_change(r) for r in trials if not cut_by_time(r)}
+    rows = []
+    for change, _ in points:
+        if change in done:
+            continue
+        row = dict.fromkeys(summary_rows([{}])[0])
+        row.update(trial=None, change=change, status=NOT_RUN, reason=why.get(change, default))
+        rows.append(row)
+    return rows
+
+
+def verdict(
+    trials: list[dict[str, Any]],
+    expected: int | None,
+    sweep_rc: int,
+    *,
+    timed_out: bool = False,
+    not_run: list[str] | tuple[str, ...] = (),
+) -> tuple[bool, str]:
+    """Pass when no trial that ran ended in ``error`` and the baseline trained. Points the time plan cut
+    (``timed_out``) or could not prepare (``not_run``) are reported as not run, not as failures; a sweep
+    that stopped on its own with points missing is a failure."""
+    ran = [r for r in trials if not cut_by_time(r)]
+    errors = [r for r in ran if r.get("status") not in RESULT_STATUSES]
+    baseline = [r for r in ran if ((r.get("meta") or {}).get("design") or {}).get("role") == "baseline"]
     problems = []
-    if sweep_rc != 0:
+    if sweep_rc != 0 and not timed_out:
         problems.append(f"the sweep exited {sweep_rc}")
-    if expected is not None and len(trials) < expected:
-        problems.append(f"{len(trials)}/{expected} trials finished")
+    missing = (expected or 0) - len(ran)
+    if missing > 0 and not timed_out:
+        problems.append(f"{len(ran)}/{expected} trials finished")
     if errors:
         problems.append("error in trial(s) " + ", ".join(str(r.get("trial")) for r in errors))
     if not baseline or baseline[0].get("status") != "ok":
         problems.append(
-            f"the baseline did not train (status {baseline[0].get('status') if baseline else 'missing'})"
+            f"the baseline did not train (status {baseline[0].get('status') if baseline else 'not run'})"
         )
-    return (not problems), ("; ".join(problems) or "every trial recorded a result and the baseline trained")
+    if problems:
+        return False, "; ".join(problems)
+    why = "every trial that ran recorded a result and the baseline trained"
+    cut = max(missing, 0) if timed_out else 0
+    if cut or not_run:
+        why += f"; not run: {cut + len(not_run)} point(s)" + (" (time cap)" if cut else "")
+    return True, why
 
 
 # ----------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpu_smoke", description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, embedded tiny model, tiny steps")
+    p.add_argument("--plan", action="store_true", help="print the time plan and exit")
     p.add_argument("--out", help="result folder (default: $OUT, else results/gpu_smoke[_dry])")
     p.add_argument("--work", help="sweep working folder (default: results/.gpu_smoke_work/<stamp>)")
     p.add_argument(
         "--budget-s",
         type=float,
         default=None,
-        help="wall-clock budget of the whole smoke (default 470 s: weights folder, sweep, long-context "
-        "probe, profiler; 1800 s for --dry-run on busy CPUs)",
+        help=f"wall-clock budget of the whole smoke (default {DEFAULT_BUDGET_S:.0f} s; 1800 s for --dry-run "
+        "on busy CPUs); every phase cap scales with it",
     )
     p.add_argument(
         "--isolation",
@@ -541,7 +685,20 @@ def main(argv: list[str] | None = None) -> int:
 
     python = sys.executable
     if args.budget_s is None:
-        args.budget_s = 1800.0 if args.dry_run else 470.0
+        args.budget_s = 1800.0 if args.dry_run else DEFAULT_BUDGET_S
+    divisor = DRY_CONTEXT_DIVISOR if args.dry_run else 1
+    points = [
+        (
+            " ".join(_scale_override(o, divisor) for o in ovs) if c != "(baseline)" else c,
+            [_scale_override(o, divisor) for o in ovs],
+        )
+        for c, ovs in design_points(SWEEP_FILES / f"{SWEEP}.yaml")
+    ]
+    scale = args.budget_s / DEFAULT_BUDGET_S
+    phases = {ph.name: ph for ph in plan(len(points), scale=scale)}
+    print(render_plan(list(phases.values()), args.budget_s, points), flush=True)
+    if args.plan:
+        return 0
     when = datetime.now(UTC)
     stamp = when.strftime("%Y%m%d-%H%M%S")
     default_out = ROOT / "results" / ("gpu_smoke_dry" if args.dry_run else "gpu_smoke")
@@ -550,8 +707,16 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     log = work / "smoke.log"
     t0 = time.perf_counter()
+    deadline = t0 + args.budget_s
 
-    env = environment(python)
+    def left(reserve: float = 0.0) -> float:
+        return deadline - time.perf_counter() - reserve
+
+    def cap(name: str, *later: str) -> float:
+        """A phase's cap, never past what the later phases' caps leave of the budget."""
+        return max(0.0, min(phases[name].cap_s, left(sum(phases[n].cap_s for n in later))))
+
+    env = environment(python, phases["env"].cap_s)
     if "error" in env:
         print(f"gpu_smoke: cannot import torch with {python}:\n{env['error']}", file=sys.stderr)
         return 1
@@ -571,19 +736,15 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    deadline = t0 + args.budget_s
-
-    def left(reserve: float = 0.0) -> float:
-        return deadline - time.perf_counter() - reserve
-
-    divisor = DRY_CONTEXT_DIVISOR if args.dry_run else 1
     base_model = (
         ["model=tiny", "hardware=cpu"] if args.dry_run else ["model=qwen3_8b", "hardware=rtx4080_16gb"]
     )
     iso = [f"hydra.sweeper.isolation={args.isolation}"] if args.isolation else []
     notes: list[str] = []
+    why_not_run: dict[str, str] = {}
 
-    # 1. Unsloth's weights folder for the Qwen3-8B architecture: written once, outside the trials' timeouts.
+    # 1. Unsloth's weights folder for the Qwen3-8B architecture: written once, outside the trials' timeouts,
+    #    within its cap; when it is not there in time, the Unsloth points are not run (never an error).
     weights = None
     unsloth_ok = str((env.get("versions") or {}).get("unsloth") or "").split(":")[0] not in (
         "",
@@ -591,16 +752,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.dry_run or unsloth_ok:  # the dry run writes a tiny architecture's folder (same code path)
         cmd = [python, "-m", "vramsweep.knobs.arch_weights", "--workers", str(min(8, os.cpu_count() or 1))]
+        wcap = cap("weights", "sweep", "long", "step_time", "report")
         print(
-            "gpu_smoke: Unsloth weights folder for qwen3_8b (written once into VRAMSWEEP_CACHE)", flush=True
+            f"gpu_smoke: Unsloth weights folder for qwen3_8b (once, into VRAMSWEEP_CACHE; cap {wcap:.0f} s)",
+            flush=True,
         )
         arch = DRY_ARCH if args.dry_run else base_model
-        wrc, wto, text = run_logged(cmd + arch, min(PHASE_CAP_S["weights"], left(200)), log, tee=True)
+        wrc, wto, text = run_logged(cmd + arch, wcap, log, tee=True)
         weights = next((json.loads(x) for x in reversed(text.splitlines()) if x.startswith("{")), None)
         if weights is None:
-            notes.append(
-                f"Unsloth weights folder: not written (exit {wrc}{', timed out' if wto else ''}; smoke.log)"
+            reason = (
+                f"Unsloth weights folder not written within its {wcap:.0f} s cap"
+                if wto
+                else f"Unsloth weights folder not written (exit {wrc}; smoke.log)"
             )
+            notes.append(reason)
+            for change, ovs in points:
+                if "kernels=unsloth" in ovs:
+                    why_not_run[change] = reason
     if weights is not None:
         notes.append(
             f"Unsloth weights folder (random {'tiny Qwen3 test architecture' if args.dry_run else 'Qwen3-8B'}, "
@@ -612,27 +781,29 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
 
-    # 2. The ablation sweep (src/vramsweep/conf/sweep/gpu_smoke.yaml).
-    dry = DRY_OVERRIDES + dry_design_overrides(SWEEP_FILES / f"{SWEEP}.yaml") if args.dry_run else []
-    overrides = dry + list(args.overrides) + iso
+    # 2. The ablation sweep (src/vramsweep/conf/sweep/gpu_smoke.yaml), unproven points first, within its cap.
+    run_points = [pt for pt in points if pt[0] not in why_not_run]
+    design = [
+        f"sweep.baseline={_quote(run_points[0][1])}",
+        "sweep.factors=[" + ",".join(_quote(ovs) for _, ovs in run_points[1:]) + "]",
+    ]
+    overrides = (DRY_OVERRIDES if args.dry_run else []) + design + list(args.overrides) + iso
     sweep_dir = work / "sweeps" / SWEEP
-    budget = max(60.0, left(PHASE_CAP_S["long"] + PHASE_CAP_S["profile"]))
-    print(f"gpu_smoke: sweep {SWEEP} -> {sweep_dir} (budget {budget:.0f} s, log {log})", flush=True)
+    budget = cap("sweep", "long", "step_time", "report")
+    print(f"gpu_smoke: sweep {SWEEP} -> {sweep_dir} (cap {budget:.0f} s, log {log})", flush=True)
     rc, timed_out = run_sweep(python, work, overrides, budget, log)
     trials = load_trials(sweep_dir)
-    report_dir = work / "report"
-    report_rc = run_report(python, sweep_dir, report_dir, log) if trials else 1
     expected = None
     try:
         expected = int(json.loads((sweep_dir / "sweep.json").read_text()).get("n_total"))
     except (OSError, ValueError, TypeError):
         pass
 
-    # 3. Long-context probe: nf4_dq + Liger + checkpointing at 12,288 and 16,384 tokens under the cap.
+    # 3. Long-context probe: the long-context stack at 16,384 tokens under the cap.
     long_trials: list[dict[str, Any]] = []
     long_rc, long_to = 0, False
-    budget = min(PHASE_CAP_S["long"], left(PHASE_CAP_S["profile"]))
-    if budget > 20:
+    budget = cap("long", "step_time", "report")
+    if budget > 20 * scale:
         long_ov = (DRY_OVERRIDES if args.dry_run else []) + [
             f"sweep.name={LONG_SWEEP}",
             "sweep.baseline=" + _quote([_scale_override(o, divisor) for o in LONG_BASELINE]),
@@ -644,23 +815,55 @@ def main(argv: list[str] | None = None) -> int:
             *iso,
         ]
         print(
-            f"gpu_smoke: long-context probe -> {work / 'sweeps' / LONG_SWEEP} (budget {budget:.0f} s)",
+            f"gpu_smoke: long-context probe -> {work / 'sweeps' / LONG_SWEEP} (cap {budget:.0f} s)",
             flush=True,
         )
         long_rc, long_to = run_sweep(python, work, long_ov, budget, log)
         long_trials = load_trials(work / "sweeps" / LONG_SWEEP)
     else:
-        notes.append("long-context probe: skipped (time budget spent)")
+        notes.append("long-context probe: not run (time budget spent)")
 
-    # 4. torch.profiler on the baseline: where a step's fixed cost goes.
+    # 4. Step time at two lengths, host vs device per step (bench/step_time.py): the fixed per-step cost.
+    baseline = [o for o in points[0][1] if not o.startswith("context.max_tokens")]
+    budget = cap("step_time", "report")
+    short, long_n = (max(128, n // divisor) for n in STEP_TIME_TOKENS)
+    if budget > 15 * scale:
+        cmd = [
+            python,
+            str(ROOT / "bench" / "step_time.py"),
+            "--short",
+            str(short),
+            "--long",
+            str(long_n),
+            "--rounds",
+            "1",
+            "--steps",
+            "3" if args.dry_run else "6",
+            *base_model,
+            *baseline,
+            *(STEP_TIME_DRY if args.dry_run else STEP_TIME_GPU),
+        ]
+        src, sto, text = run_logged(cmd, budget, log)
+        ratio = [x for x in text.splitlines() if x.startswith(("median step time", "host vs device"))]
+        notes.append(
+            "Step time (bench/step_time.py, baseline): "
+            + (
+                "; ".join(ratio)
+                if ratio
+                else f"not finished (exit {src}{', cut at its cap' if sto else ''}; smoke.log)"
+            )
+        )
+    else:
+        notes.append("step-time pass: not run (time budget spent)")
+
+    # 5. torch.profiler on the baseline, only in what the plan left unused (the report keeps its cap).
     profile_md = work / "profile.md"
-    baseline = [o for o in _baseline(SWEEP_FILES / f"{SWEEP}.yaml") if not o.startswith("context.max_tokens")]
     prof_lines = []
     for tokens in PROFILE_TOKENS:
         n = max(128, tokens // divisor)
-        budget = min(PHASE_CAP_S["profile"] / len(PROFILE_TOKENS), left()) if not args.dry_run else left()
-        if budget < 15:
-            prof_lines.append(f"{n} tokens: skipped (time budget spent)")
+        budget = min(60 * scale, left(phases["report"].cap_s))
+        if budget < 30 * scale:
+            prof_lines.append(f"{n} tokens: not run (no time left in the plan)")
             continue
         cmd = [python, str(ROOT / "scripts" / "gpu_profile.py"), "--tokens", str(n), "--out", str(profile_md)]
         prc, pto, text = run_logged(cmd + ["--", *base_model, *baseline], budget, log)
@@ -676,8 +879,16 @@ def main(argv: list[str] | None = None) -> int:
             "Profiler (baseline, 2 profiled steps): " + "; ".join(prof_lines) + " (tables: profile.md)"
         )
 
+    # 6. Report, summary, bundle.
+    report_dir = work / "report"
+    report_rc = run_report(python, sweep_dir, report_dir, log) if trials else 1
     command = "bash scripts/gpu_smoke.sh" + (" --dry-run" if args.dry_run else "")
     rows = summary_rows(trials)
+    cut_reason = f"cut at the sweep's {phases['sweep'].cap_s:.0f} s cap"
+    for row, r in zip(rows, trials, strict=True):
+        if cut_by_time(r):
+            row.update(status=NOT_RUN, reason=cut_reason)
+    rows += not_run_rows(points, trials, why_not_run, cut_reason)
     md = render_summary(
         rows, env, trials, dry=args.dry_run, command=command, when=when, sweep_rc=rc, timed_out=timed_out
     )
@@ -685,15 +896,15 @@ def main(argv: list[str] | None = None) -> int:
     if long_rows:
         md += (
             "\n"
-            + render_table(long_rows, title="Long-context probe (nf4_dq + liger + checkpointing)")
-            + (
-                f"Long-context sweep exit code {long_rc}{' (stopped at the time budget)' if long_to else ''}.\n"
+            + render_table(
+                long_rows, title="Long-context probe (liger + offload + tiling=mlp + 16-bit adapters)"
             )
+            + (f"Long-context sweep exit code {long_rc}{' (stopped at its cap)' if long_to else ''}.\n")
         )
     if notes:
         md += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
-    ok, why = verdict(trials, expected, rc)
-    long_errors = [r for r in long_trials if r.get("status") not in RESULT_STATUSES]
+    ok, why = verdict(trials, expected, rc, timed_out=timed_out, not_run=list(why_not_run))
+    long_errors = [r for r in long_trials if r.get("status") not in RESULT_STATUSES and not cut_by_time(r)]
     if long_errors:
         ok, why = (
             False,
@@ -717,15 +928,6 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     print(f"gpu_smoke: wrote {len(files)} file(s) to {out}: {', '.join(f.name for f in files)}")
     return 0 if ok else 1
-
-
-def _baseline(sweep_file: Path) -> list[str]:
-    import yaml
-
-    return [
-        str(o)
-        for o in ((yaml.safe_load(sweep_file.read_text()) or {}).get("sweep") or {}).get("baseline") or []
-    ]
 
 
 def profile_summary(prof: dict[str, Any]) -> str:

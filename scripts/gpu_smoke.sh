@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # Launch: bash scripts/gpu_smoke.sh [--out DIR] [--bundle FILE] [--wheels DIR] [--budget-s 470] [-- overrides]
 #         bash scripts/gpu_smoke.sh --dry-run [--out DIR]     (CPU, embedded tiny model, tiny steps)
+#         bash scripts/gpu_smoke.sh --plan [--dry-run]        (print the time plan only)
 #         bash scripts/gpu_smoke.sh --maxctx [--budget-s 470] (GPU: src/vramsweep/conf/sweep/max_context_16gb.yaml instead)
 #
-# One-shot GPU smoke test (issues 7, 10); at most 8 minutes on one H200. On a CUDA machine, no network:
+# One-shot GPU smoke test (issues 7, 10, 25); 470 s on one H200 by a plan whose phase caps sum to <= the
+# budget (printed first; a phase stops at its cap, a point it did not reach is "not run"). No network:
 #   1. makes what the image lacks importable, offline: wheels/gpu_bundle.tar.xz from
 #      scripts/fetch_gpu_wheels.sh (extracted once, on PYTHONPATH), else loose wheels in --wheels DIR;
-#   2. writes the random-weights folder kernels=unsloth loads for the Qwen3-8B architecture (once, cached);
+#   2. writes the random-weights folder kernels=unsloth loads for the Qwen3-8B architecture (once, cached,
+#      8 threads, within its cap; else the Unsloth points are "not run");
 #   3. runs src/vramsweep/conf/sweep/gpu_smoke.yaml: a random-init Qwen3-8B architecture under a 16 GiB cap
-#      (hardware=rtx4080_16gb emulated on the larger GPU), ablating quant x attention x kernels (Liger,
-#      Unsloth) x checkpointing x context, trials isolated the sweeper's default way;
-#   4. a long-context probe (nf4_dq + liger + checkpointing at 12,288 and 16,384 tokens) and torch.profiler
-#      on the baseline at 1,024 and 4,096 tokens (top ops by self CPU / CUDA time, GPU-idle fraction);
+#      (hardware=rtx4080_16gb emulated on the larger GPU), the unproven knobs first (Unsloth on the
+#      architecture folder, checkpointing=offload, tiling), trials isolated the sweeper's default way;
+#   4. a long-context probe (liger + offload + tiling=mlp + 16-bit adapters at 16,384 tokens), the step time
+#      at 1,024 vs 4,096 tokens with host vs device time (bench/step_time.py), and torch.profiler on the
+#      baseline only in the time the plan left unused;
 #   5. writes one folder of at most 9 files: summary.md (dated tables for README), summary.csv,
 #      ablation.md, pareto.png, memory_breakdown.png, trials.jsonl (every trial result), sweep.json,
 #      smoke.log, profile.md; and prints the dated markdown summary.
@@ -25,6 +29,7 @@ ROOT="$(cd "$HERE/.." && pwd)"
 cd "$ROOT"
 
 DRY=0
+PLAN=0
 MAXCTX=0
 MAXCTX_BUDGET=470
 WHEELS="${VRAMSWEEP_WHEELS:-$ROOT/wheels}"
@@ -33,7 +38,8 @@ ARGS=()
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --plan) PLAN=1 ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   esac
 done
 # --wheels/--bundle are consumed here (the install happens before Python runs); the rest goes to gpu_smoke.py.
@@ -46,6 +52,11 @@ while [ $# -gt 0 ]; do
     *) ARGS+=("$1"); shift ;;
   esac
 done
+
+if [ "$PLAN" = 1 ]; then   # the plan needs no GPU, bundle or venv beyond PyYAML
+  if [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"; else PY="${PYTHON:-python3}"; fi
+  exec "$PY" "$HERE/gpu_smoke.py" "${ARGS[@]+"${ARGS[@]}"}"
+fi
 
 # Interpreter: $PYTHON if set; else, for the dry run, the project venv (or python3); for a GPU run the
 # first of .venv/bin/python and python3 whose torch sees CUDA (a `make install` venv on a CPU-only wheel

@@ -634,17 +634,17 @@ def test_smoke_sweep_file_plans_for_gpu_and_dry_run():
 
     smoke = _smoke_module()
     gpu = plan_from_args(["sweep=gpu_smoke"])
-    assert gpu.settings.design == "ablation" and gpu.n_total == 12 and gpu.settings.budget_gib == 15.0
+    assert gpu.settings.design == "ablation" and gpu.n_total == 6 and gpu.settings.budget_gib == 15.0
     knobs = {o.split("=")[0] for p in gpu.design for o in p.overrides}
     assert sum("kernels=unsloth" in p.overrides for p in gpu.design) == 2  # Unsloth on the 8B architecture
-    assert {"quant", "attention", "kernels", "checkpointing", "context.max_tokens"} <= knobs
+    assert {"quant", "attention", "kernels", "checkpointing", "tiling", "context.max_tokens"} <= knobs
     dry = smoke.dry_design_overrides(ROOT / "src" / "vramsweep" / "conf" / "sweep" / "gpu_smoke.yaml")
     assert dry[0] == (
         "sweep.baseline=['quant=nf4_dq','attention=sdpa','kernels=none','checkpointing=on','context.max_tokens=128']"
     )
-    assert dry[1].startswith("sweep.factors=[['quant=nf4'],") and dry[1].endswith(
-        ",['context.max_tokens=512'],['context.max_tokens=512','kernels=liger'],['kernels=unsloth'],"
-        "['context.max_tokens=512','kernels=unsloth']]"
+    assert dry[1] == (
+        "sweep.factors=[['kernels=unsloth'],['checkpointing=offload'],['tiling=on'],"
+        "['context.max_tokens=512','kernels=unsloth'],['context.max_tokens=512']]"
     )  # the same design, contexts / 8: the dry run plans and runs it (test_gpu_smoke_dry_run, slow)
 
 
@@ -708,7 +708,10 @@ def test_smoke_summary_and_bundle(tmp_path):
     )
     assert "| 0 | (baseline) | ok | 9.00 | 8.00 | 1.00 | 9.50 | 2500 | 0.41 | 0.210 |  |" in md
     assert "| 1 | quant=none | oom | – |" in md and "out of memory / tried" in md
-    assert smoke.verdict(trials, 2, 0) == (True, "every trial recorded a result and the baseline trained")
+    assert smoke.verdict(trials, 2, 0) == (
+        True,
+        "every trial that ran recorded a result and the baseline trained",
+    )
     assert smoke.verdict(trials + [{"trial": 2, "status": "error"}], 3, 0)[0] is False
     (tmp_path / "sweep").mkdir()
     log = tmp_path / "log"
@@ -773,21 +776,21 @@ def test_gpu_smoke_dry_run(tmp_path):
     status = {
         " ".join((t["meta"].get("design") or {}).get("change") or ["(baseline)"]): t["status"] for t in main
     }
-    assert len(main) == 12 and status["(baseline)"] == "ok"
-    assert status["attention=flash_attention_2"] == status["kernels=liger"] == "unsupported"  # no CUDA here
-    assert status["quant=nf4"] == status["checkpointing=off"] == "ok"
+    assert len(main) == 6 and status["(baseline)"] == "ok"
+    assert status["checkpointing=offload"] == status["tiling=on"] == "ok"
     assert status["kernels=unsloth"] in ("unsupported", "ok")  # ok where `make unsloth` installed it
     contexts = [[o for o in t["overrides"] if o.startswith("context.max_tokens=")][-1] for t in long]
-    assert contexts == ["context.max_tokens=1536", "context.max_tokens=2048"]  # 12,288 / 16,384 over 8
+    assert contexts == ["context.max_tokens=2048"]  # 16,384 over 8 (liger: unsupported without CUDA)
     md = (out / "summary.md").read_text()
     assert md.startswith("### GPU smoke — DRY RUN on CPU (") and "Verdict: PASS" in md
-    assert "Long-context probe" in md and "Profiler (baseline, 2 profiled steps): 128 tokens:" in md
+    assert "Long-context probe" in md and "Step time (bench/step_time.py, baseline): median step time" in md
+    assert "Profiler (baseline, 2 profiled steps): 128 tokens:" in md
     assert (
         "Unsloth weights folder (random tiny Qwen3 test architecture, bf16): 0.001 GB on disk in 4 shards"
         in md
     )
     prof = (out / "profile.md").read_text()
-    assert prof.count("Top ops by self CPU time") == 2 and "aten::" in prof
+    assert prof.count("Top ops by self CPU time") >= 1 and "aten::" in prof  # in the time left unused
 
 
 # ================================================================================================== GPU

@@ -160,3 +160,117 @@ def test_bundle_activation_lets_the_image_copy_win(tmp_path, capsys):
     capsys.readouterr()
     assert b.main(["activate", str(site)]) == 0
     assert (site / "pytest").is_dir() and "not_in_image_pkg needs <1.0" in capsys.readouterr().out
+
+
+# ============================================================== issue 25: a smoke that fits its budget
+TIMING = ROOT / "tests" / "fixtures" / "gpu_2026-12-01" / "smoke_timing.json"
+SWEEP_FILE = ROOT / "src" / "vramsweep" / "conf" / "sweep" / "gpu_smoke.yaml"
+
+
+def _measured_trial_s() -> float:
+    """Seconds per trial of the 2026-12-01 smoke (spawn isolation): first start to last finish / trials."""
+    from datetime import datetime
+
+    data = json.loads(TIMING.read_text())
+    starts = [datetime.fromisoformat(t["started"]) for t in data["trials"] if t["started"]]
+    ends = [datetime.fromisoformat(t["finished"]) for t in data["trials"] if t["finished"]]
+    return (max(ends) - min(starts)).total_seconds() / len(data["trials"])
+
+
+def test_smoke_plan_fits_its_budget_by_construction(smoke):
+    """Per-trial time measured on 2026-12-01 x a margin x the sweep's points + every phase cap <= budget."""
+    per_trial = _measured_trial_s()
+    assert per_trial == pytest.approx(smoke.MEASURED_TRIAL_S, abs=0.1)  # 185.4 s / 10 trials
+    assert smoke.TRIAL_MARGIN >= 1.5 and smoke.TRIAL_S >= per_trial * smoke.TRIAL_MARGIN
+    points = smoke.design_points(SWEEP_FILE)
+    phases = smoke.plan(len(points))
+    sweep = next(p for p in phases if p.name == "sweep")
+    assert sweep.cap_s >= len(points) * per_trial * smoke.TRIAL_MARGIN + smoke.SWEEP_STARTUP_S
+    assert sum(p.cap_s for p in phases) <= smoke.DEFAULT_BUDGET_S
+    assert [p.name for p in phases] == ["env", "weights", "sweep", "long", "step_time", "report"]
+    # a budget other than the default scales every cap with it
+    assert sum(p.cap_s for p in smoke.plan(len(points), scale=1800 / 470)) <= 1800
+    # the 2026-12-01 design (12 points) would not have fit: what the old smoke cut
+    assert 12 * per_trial * smoke.TRIAL_MARGIN + sum(p.cap_s for p in phases if p.name != "sweep") > 470
+
+
+def test_smoke_runs_the_unproven_knobs_first(smoke):
+    points = smoke.design_points(SWEEP_FILE)
+    assert points[0][0] == "(baseline)"
+    assert [c for c, _ in points[1:4]] == ["kernels=unsloth", "checkpointing=offload", "tiling=on"]
+    assert smoke.unproven_first(points)
+    assert not smoke.unproven_first([points[0], ("quant=nf4", []), ("kernels=unsloth", [])])
+
+
+def test_smoke_plan_prints_caps_summing_within_budget(tmp_path):
+    import subprocess
+
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_smoke.sh"), "--plan"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "total 465 s <= 470 s" in proc.stdout
+    assert "sweep points, in run order: (baseline); kernels=unsloth; checkpointing=offload; tiling=on" in (
+        proc.stdout
+    )
+
+
+def _trial(n, status, change=None, reason=None):
+    design = {"role": "baseline"} if change is None else {"role": "factor", "change": change}
+    return {"trial": n, "status": status, "reason": reason, "overrides": [], "meta": {"design": design}}
+
+
+def test_a_cut_trial_is_not_run_not_a_failure(smoke):
+    """The sweep stopped at its cap after 3 of 6 points (one interrupted): PASS, the rest "not run"."""
+    trials = [
+        _trial(0, "ok"),
+        _trial(1, "ok", ["kernels=unsloth"]),
+        _trial(2, "error", ["checkpointing=offload"], "interrupted (Ctrl-C); re-run to resume"),
+    ]
+    ok, why = smoke.verdict(trials, 6, 1, timed_out=True)
+    assert ok, why
+    assert "not run: 4 point(s) (time cap)" in why
+    points = smoke.design_points(SWEEP_FILE)
+    rows = smoke.not_run_rows(points, trials, {}, "cut at the sweep's cap")
+    assert [r["change"] for r in rows] == [
+        "checkpointing=offload",
+        "tiling=on",
+        "context.max_tokens=4096 kernels=unsloth",
+        "context.max_tokens=4096",
+    ]
+    assert {r["status"] for r in rows} == {"not run"}
+    # what ran still counts: an error there fails, and a sweep that stopped by itself short of points fails
+    assert not smoke.verdict([*trials, _trial(3, "error", ["tiling=on"], "boom")], 6, 1, timed_out=True)[0]
+    assert not smoke.verdict(trials[:2], 6, 0)[0]
+
+
+def test_unsloth_points_not_run_when_the_weights_folder_is_not_written(smoke):
+    trials = [_trial(0, "ok"), _trial(1, "ok", ["checkpointing=offload"])]
+    why = {"kernels=unsloth": "Unsloth weights folder not written within its 90 s cap"}
+    ok, text = smoke.verdict(trials, 2, 0, not_run=list(why))
+    assert ok and "not run: 1 point(s)" in text
+    rows = smoke.not_run_rows(smoke.design_points(SWEEP_FILE)[:3], trials, why, "cut")
+    assert [(r["change"], r["status"], r["reason"]) for r in rows] == [
+        ("kernels=unsloth", "not run", why["kernels=unsloth"])
+    ]
+
+
+def test_carry_check_counts_the_tree_and_the_bundle(tmp_path):
+    """What a device run carries: tracked + untracked-not-ignored files + the bundle, <= 64 MiB in all."""
+    import subprocess
+
+    bundle = _load("gpu_bundle")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / ".gitignore").write_text("wheels/\n")
+    (repo / "tracked.bin").write_bytes(b"x" * 3 * 2**20)
+    subprocess.run(["git", "-C", str(repo), "add", "."], check=True)
+    (repo / "untracked.bin").write_bytes(b"y" * 2 * 2**20)  # travels too (not ignored)
+    (repo / "wheels").mkdir()
+    (repo / "wheels" / "big.bin").write_bytes(b"z" * 9 * 2**20)  # ignored: not counted as tree
+    tree = bundle.tree_bytes(repo)
+    assert 5 * 2**20 <= tree < 5 * 2**20 + 100
+    assert bundle.carry_check(repo, 58 * 2**20, 64.0)[0] is True
+    ok, text = bundle.carry_check(repo, 60 * 2**20, 64.0)  # 60 MiB alone would have passed the old check
+    assert not ok and "tree 5.0 MiB + bundle 60.0 MiB" in text
