@@ -83,6 +83,7 @@ class AdapterConfig:
     dtype: str = (
         "fp32"  # adapter weights: fp32 (PEFT's autocast) | compute (train.dtype: no fp32 input copies)
     )
+    fp32_master: bool = True  # dtype=compute: the optimizer steps fp32 master copies (no lost small updates)
 
 
 @dataclass

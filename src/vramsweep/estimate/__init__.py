@@ -165,6 +165,7 @@ def knobs_from_cfg(cfg: DictConfig, *, seq_len: int | None = None) -> Knobs:
         budget=budget,
         allocator=device == "cuda",
         adapter_bytes=c if str(a.get("dtype", "fp32")) == "compute" else 4,
+        fp32_master=method == "lora" and a.get("dtype") == "compute" and bool(a.get("fp32_master", True)),
         **registry.estimate_fields(cfg),  # knobs registered with estimate hooks (vramsweep.knobs.registry)
     )
 

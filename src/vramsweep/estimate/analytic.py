@@ -120,6 +120,7 @@ class Knobs:
     loss_chunk: int = 0  # tiling.loss_chunk_tokens: our chunked linear cross-entropy (0 = HF loss)
     mlp_tile: int = 0  # tiling.mlp_tile_tokens: sequence-tiled MLP (0 = untiled)
     adapter_bytes: int = 4  # adapter.dtype: fp32 (PEFT autocast, 4) or compute (= c)
+    fp32_master: bool = False  # adapter.fp32_master with 16-bit adapters: the optimizer steps fp32 copies
 
     @property
     def tokens(self) -> int:
@@ -232,13 +233,17 @@ def logical_param_count(k: Knobs) -> int:
 
 
 def optimizer_state_bytes(k: Knobs, trainable: list[TensorSpec]) -> int:
-    """Bytes of ``optimizer.state`` after the first step (distinct storages)."""
+    """Bytes of ``optimizer.state`` after the first step (distinct storages). With ``fp32_master`` a 16-bit
+    trainable tensor is stepped as an fp32 copy that the state holds (``knobs.optim.Fp32Master``): +4 bytes
+    per element, and the state is sized by the fp32 copy."""
     total = 0
     any_8bit = False
     for t in trainable:
         n, each = t.numel, 0
+        master = k.fp32_master and t.elem_bytes < 4
         if k.optimizer == "torch_adamw":
-            each = 2 * n * t.elem_bytes + 4  # exp_avg, exp_avg_sq (param dtype) + fp32 step tensor
+            # exp_avg, exp_avg_sq (in the dtype of the tensor stepped) + fp32 step
+            each = 2 * n * (4 if master else t.elem_bytes) + 4
         elif k.optimizer in ("bnb_adamw8bit", "bnb_paged_adamw8bit"):
             if n < k.min_8bit_size:
                 each = 2 * n * 4
@@ -256,7 +261,7 @@ def optimizer_state_bytes(k: Knobs, trainable: list[TensorSpec]) -> int:
             each += 4  # RMS (0-d fp32 tensor)
         else:  # pragma: no cover - rules reject unknown impls
             raise ValueError(f"unknown optimizer.impl={k.optimizer}")
-        total += int(each) * t.count
+        total += (int(each) + (4 * n if master else 0)) * t.count
     if any_8bit:
         total += 2 * BNB_QMAP_ENTRIES * 4
     return total
@@ -287,19 +292,25 @@ def optimizer_step_workspace(k: Knobs, trainable: list[TensorSpec]) -> int:
     torch AdamW: single-tensor path on CPU (``denom`` = sqrt / bias-correction: two param-sized
     temporaries at once); on CUDA the foreach path materialises ``sqrt(exp_avg_sq)`` for every param
     at once. Adafactor: ~3 fp32 param-sized temporaries (``grad**2``, the factored approximation, the
-    update). bitsandbytes: fused kernels (no tracked temporaries).
+    update). bitsandbytes: fused kernels (no tracked temporaries). ``fp32_master``: the step runs on the fp32
+    copies, and their fp32 grads replace the 16-bit grads while it runs (+(4 - elem_bytes) per element).
     """
     if not trainable:
         return 0
-    largest = max(t.numel * t.elem_bytes for t in trainable)
+
+    def elem(t: TensorSpec) -> int:
+        return 4 if k.fp32_master and t.elem_bytes < 4 else t.elem_bytes
+
+    master_grads = sum((elem(t) - t.elem_bytes) * t.numel * t.count for t in trainable)
+    largest = max(t.numel * elem(t) for t in trainable)
     largest_n = max(t.numel for t in trainable)
     if k.optimizer == "torch_adamw":
         if k.device == "cuda":
-            return int(sum(t.numel * t.elem_bytes * t.count for t in trainable))
-        return int(2 * largest)
+            return int(sum(t.numel * elem(t) * t.count for t in trainable)) + master_grads
+        return int(2 * largest) + master_grads
     if k.optimizer == "adafactor":
-        return int(3 * 4 * largest_n)
-    return 0
+        return int(3 * 4 * largest_n) + master_grads
+    return master_grads
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,4 +1,13 @@
-"""Optimizers by name (torch, bitsandbytes, transformers) and the LR schedule (transformers)."""
+"""Optimizers by name (torch, bitsandbytes, transformers) and the LR schedule (transformers).
+
+``adapter.dtype=compute`` + ``adapter.fp32_master=true`` (the default): the optimizer steps fp32 master
+copies of the 16-bit adapter weights (:class:`Fp32Master`), so updates smaller than half a bf16 ulp of a
+weight are not rounded away; the model keeps computing with (and saving activations in) the 16-bit
+weights. Cost: 4 bytes/param for the master copy, and the optimizer state is then fp32 like the masters
+(torch AdamW: 8 instead of 2 x 2 bytes/param). bitsandbytes' optimizers keep no master copy of their own:
+their CPU kernels step a 16-bit param in fp32 and round it back to nearest
+(``bitsandbytes/backends/cpu/ops.py``: ``p.data.copy_(p_fp32)``), so they get the same wrapper.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +22,11 @@ def build_optimizer(cfg: DictConfig, params: list[torch.nn.Parameter]) -> tuple[
     falls back to ordinary (non-paged) state, which the notes record.
     """
     o = cfg.optimizer
+    master = Fp32Master(params) if wants_fp32_master(cfg) else None
+    if master is not None and master.pairs:
+        params = master.optimizer_params()
+    else:
+        master = None
     lr = float(cfg.train.lr)
     betas = (float(o.betas[0]), float(o.betas[1]))
     notes: dict = {"optimizer_class": None, "paged": False}
@@ -50,8 +64,85 @@ def build_optimizer(cfg: DictConfig, params: list[torch.nn.Parameter]) -> tuple[
                 notes["paged_fallback"] = (
                     "CPU: bitsandbytes keeps paged-optimizer state as ordinary (non-paged) tensors"
                 )
+    if master is not None:
+        notes["fp32_master"] = master.attach(opt)
     notes["optimizer_class"] = f"{type(opt).__module__}.{type(opt).__name__}"
     return opt, notes
+
+
+def wants_fp32_master(cfg: DictConfig) -> bool:
+    """LoRA adapters in a 16-bit compute dtype (``adapter.dtype=compute``) with ``adapter.fp32_master``."""
+    a = cfg.adapter
+    return (
+        str(a.method) == "lora"
+        and str(a.get("dtype", "fp32")) == "compute"
+        and bool(a.get("fp32_master", True))
+        and str(cfg.train.dtype) != "fp32"
+    )
+
+
+class Fp32Master:
+    """fp32 master copies of 16-bit trainable params, kept by the optimizer.
+
+    The inner optimizer is built on the fp32 copies (so its state is fp32 too). A step pre-hook moves each
+    16-bit gradient into its master's ``.grad`` as fp32 (freeing the 16-bit one: they never coexist for
+    the whole model); a post-hook rounds the masters back into the 16-bit params (round to nearest) and
+    drops the fp32 grads. After the first step each master is also referenced from its optimizer state
+    (``state[master]["fp32_master"]``), so memory accounting that reads ``optimizer.state`` counts it as
+    optimizer state. Works for any ``torch.optim.Optimizer`` subclass (torch, bitsandbytes, transformers)
+    because torch runs step hooks for all of them; the LR scheduler sees the inner optimizer unchanged.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = list(params)
+        self.pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._master_of: dict[int, torch.Tensor] = {}
+        for p in self.params:
+            if p.is_floating_point() and p.element_size() < 4:
+                m = p.detach().float().requires_grad_(True)  # a leaf, as optimizers require
+                self.pairs.append((p, m))
+                self._master_of[id(p)] = m
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        """The params to build the optimizer on: the fp32 master in place of each 16-bit param."""
+        return [self._master_of.get(id(p), p) for p in self.params]
+
+    def attach(self, opt: torch.optim.Optimizer) -> dict:
+        opt.register_step_pre_hook(self._pre)
+        opt.register_step_post_hook(self._post)
+        opt.fp32_master = self  # type: ignore[attr-defined]
+        inner_zero_grad = opt.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:  # the 16-bit grads too (a step frees them anyway)
+            inner_zero_grad(set_to_none)
+            for p, _ in self.pairs:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.zero_()
+
+        opt.zero_grad = zero_grad  # type: ignore[method-assign]
+        return {
+            "params": len(self.pairs),
+            "bytes": int(sum(m.numel() * 4 for _, m in self.pairs)),
+            "dtype": str(self.pairs[0][0].dtype).replace("torch.", ""),
+        }
+
+    @torch.no_grad()
+    def _pre(self, opt, args, kwargs) -> None:
+        for p, m in self.pairs:
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+
+    @torch.no_grad()
+    def _post(self, opt, args, kwargs) -> None:
+        for p, m in self.pairs:
+            p.copy_(m)  # round to nearest: the master keeps what the 16-bit weight cannot hold
+            m.grad = None
+            st = opt.state.get(m)
+            if st and "fp32_master" not in st:  # after the optimizer initialised its own state
+                st["fp32_master"] = m
 
 
 def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer):
