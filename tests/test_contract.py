@@ -32,7 +32,16 @@ FIXTURES = Path(__file__).parent / "fixtures" / "result_json"
 
 
 def test_status_is_a_str_enum_and_json_keeps_the_strings():
-    assert STATUSES == ("ok", "oom", "unsupported", "diverged", "error", "infeasible_estimate", "pruned")
+    assert STATUSES == (
+        "ok",
+        "oom",
+        "host_oom",
+        "unsupported",
+        "diverged",
+        "error",
+        "infeasible_estimate",
+        "pruned",
+    )
     assert Status.OK == "ok" and Status("oom") is Status.OOM
     assert json.dumps({"status": Status.INFEASIBLE_ESTIMATE}) == '{"status": "infeasible_estimate"}'
     assert new_result(status=Status.PRUNED)["status"] == "pruned"

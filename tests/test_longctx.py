@@ -355,3 +355,94 @@ def test_tiled_gradients_with_dropout_are_those_of_the_computed_loss(ckpt):
         ref_model.get_submodule(parent)._modules[leaf] = _Replay([full])
     ref = _run(ref_model, lambda: ref_model(input_ids=ids, labels=labels).loss)
     _same(ref, got, rtol=1e-4, atol=1e-6)
+
+
+# --- issue 24: host memory of checkpointing=offload (exact-size pool, host_oom status)
+
+
+def test_offload_host_pool_is_exact_size_and_reused():
+    """The layer inputs of a pass live in one pool of exactly layers x tokens x hidden x dtype bytes (no
+    power-of-two rounding per layer); it grows for a longer pass, is reused by a shorter one, and a pass
+    whose backward never ran does not leak into the next."""
+    model = _model("checkpointing=on", "adapter.dropout=0.0")
+    enable_offload(model, torch.device("cpu"))
+    mgr = model._vramsweep_offload
+    hidden = model.get_base_model().config.hidden_size
+    for seq, expect_seq in ((48, 48), (80, 80), (32, 80)):
+        ids, labels = _batch(seq=seq, b=2)
+        _run(model, lambda ids=ids, labels=labels: model(input_ids=ids, labels=labels).loss)
+        assert mgr.pool_bytes == 4 * 2 * expect_seq * hidden * 4  # 4 layers x b x s x h x fp32
+        assert mgr.peak_host_bytes <= mgr.pool_bytes and not mgr.slots
+    ids, labels = _batch(seq=80, b=2)
+    _ = model(input_ids=ids, labels=labels).loss  # forward only: its copies are never consumed
+    ref = _run(model, lambda: model(input_ids=ids, labels=labels).loss)
+    assert mgr.pool_bytes == 4 * 2 * 80 * hidden * 4 and not mgr.slots
+    plain = _model("checkpointing=on", "adapter.dropout=0.0")
+    plain.load_state_dict(model.state_dict())
+    _same(_run(plain, lambda: plain(input_ids=ids, labels=labels).loss), ref)
+    with torch.no_grad():  # no backward will come: nothing is offloaded
+        model(input_ids=ids, labels=labels)
+    assert not mgr.slots
+
+
+def test_pinned_allocation_failure_is_a_host_oom(tmp_path, monkeypatch):
+    """A pool that cannot be allocated/page-locked ends the trial with status host_oom and a reason naming
+    the bytes, not oom (device memory) and not error."""
+    from conftest import FAST
+    from vramsweep.config import compose
+    from vramsweep.longctx import offload
+    from vramsweep.trial import run_trial
+
+    def fail(self, nbytes):
+        raise offload.HostMemoryError(
+            f"host memory for checkpointing=offload: {nbytes / 2**30:.2f} GiB of pinned memory could not be "
+            "page-locked (simulated)"
+        )
+
+    monkeypatch.setattr(offload.HostPool, "reserve", fail)
+    ov = [*FAST, "checkpointing=offload", f"results_dir={tmp_path}"]
+    res = run_trial(compose(ov), overrides=ov, result_path=tmp_path / "r.json")
+    assert res["status"] == "host_oom", res["reason"]
+    assert "pinned memory" in res["reason"] and "GiB" in res["reason"]
+    assert "traceback" not in res["meta"]
+
+
+def test_trial_records_the_host_pool(tmp_path):
+    from conftest import FAST
+    from vramsweep.config import compose
+    from vramsweep.trial import run_trial
+
+    ov = [*FAST, "checkpointing=offload", "context.max_tokens=128", f"results_dir={tmp_path}"]
+    res = run_trial(compose(ov), overrides=ov)
+    assert res["status"] == "ok", res["reason"]
+    host = res["meta"]["host_memory"]
+    assert host["pinned"] is False and host["pool_bytes"] >= host["peak_offloaded_bytes"] > 0
+
+
+def test_pool_pins_exactly_with_cuda_host_register(monkeypatch):
+    """On CUDA the pool is page-locked in place with cudaHostRegister for its exact size (the caching host
+    allocator would round each block up to a power of two); a failed registration is a HostMemoryError."""
+    from vramsweep.longctx import offload
+
+    calls = []
+
+    class FakeCudart:
+        def __init__(self, code):
+            self.code = code
+
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(size)
+            return self.code
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(-1)
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(0))
+    pool = offload.HostPool(pin=True)
+    pool.reserve(3 * 681_000_000 // 1000)
+    assert calls == [3 * 681_000] and pool.nbytes == 3 * 681_000
+    pool.release()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(2))  # cudaErrorMemoryAllocation
+    with pytest.raises(offload.HostMemoryError, match="could not be page-locked"):
+        offload.HostPool(pin=True).reserve(1000)

@@ -29,8 +29,16 @@ from omegaconf import DictConfig, OmegaConf
 from vramsweep.config.compose import ConfigError
 from vramsweep.loop import Callback, Diverged, Pruned
 from vramsweep.record.result import new_result, write_result
+from vramsweep.record.status import Status
 
 Reporter = Callable[[int, float], bool]
+
+
+def _is_host_oom(exc: BaseException) -> bool:
+    """Host (pinned) memory for offloaded activations ran out: not a device OOM."""
+    from vramsweep.longctx.offload import HostMemoryError
+
+    return isinstance(exc, HostMemoryError)
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -463,6 +471,15 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
         m["padding_tokens"] = timing.pad_tokens
         m["target_tokens"] = timing.target_tokens
         m["mfu"] = trial_mfu(cfg, built.notes, m["tokens_per_s"], timing.mean_seq(), meta, model=model)
+    offload = getattr(model, "_vramsweep_offload", None)
+    if offload is not None:  # checkpointing=offload: the host side of the memory (longctx/offload.py)
+        meta["host_memory"] = {
+            "pool_bytes": offload.pool_bytes,
+            "peak_offloaded_bytes": offload.peak_host_bytes,
+            "pinned": offload.cuda,
+            "definition": "pool_bytes: the exact-size host pool for the layer inputs (page-locked with "
+            "cudaHostRegister on CUDA); peak_offloaded_bytes: the most layer-input bytes held at once",
+        }
     m["state_bytes"] = {
         "params": tensor_bytes(model_state_tensors(model)),
         "grads": grads.bytes,
@@ -538,7 +555,9 @@ def run_trial(
     except BaseException as exc:  # noqa: BLE001 - failures are data
         if isinstance(exc, KeyboardInterrupt):
             raise
-        if _is_oom(exc):
+        if _is_host_oom(exc):
+            status, reason = Status.HOST_OOM.value, f"{type(exc).__name__}: {str(exc).splitlines()[0][:500]}"
+        elif _is_oom(exc):
             status, reason, oom = "oom", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}", True
         else:
             status, reason = "error", f"{type(exc).__name__}: {str(exc)[:500]}"

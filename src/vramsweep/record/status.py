@@ -15,6 +15,7 @@ class Status(StrEnum):
 
     OK = "ok"  # ran to the end; measured
     OOM = "oom"  # ran out of device memory
+    HOST_OOM = "host_oom"  # ran out of host memory (pinned memory for offloaded activations)
     UNSUPPORTED = "unsupported"  # a valid config this machine/library set cannot run
     DIVERGED = "diverged"  # a loss became NaN/inf
     ERROR = "error"  # anything else (a bug, a crash, a lost worker)

@@ -119,7 +119,11 @@ def classify(result: dict[str, Any], objectives: list[Objective], *, budget_gib:
         est = (result.get("estimate") or {}).get("peak_memory_bytes")
         est_over = over_budget_gib(est, budget)
         return Outcome("PRUNED", None, max(est_over or 0.0, MIN_VIOLATION_GIB), False)
-    if status in (Status.UNSUPPORTED, Status.DIVERGED):
+    if status in (
+        Status.UNSUPPORTED,
+        Status.DIVERGED,
+        Status.HOST_OOM,
+    ):  # HOST_OOM: not a device-budget point
         return Outcome("FAIL", None, None, False)
     return Outcome("FAIL", None, None, True)
 
@@ -168,6 +172,8 @@ def result_from_exception(
         status, reason = Status.UNSUPPORTED, text
     elif isinstance(exc, ConfigError):
         status, reason = Status.UNSUPPORTED, f"invalid combination: {text}"
+    elif name == "HostMemoryError":
+        status, reason = Status.HOST_OOM, f"{name}: {text}"
     elif name == "OutOfMemoryError" or isinstance(exc, MemoryError) or "out of memory" in text.lower():
         status, reason = Status.OOM, f"{name}: {text}"
     elif isinstance(exc, FloatingPointError):
