@@ -45,22 +45,85 @@ def tests_on_path(monkeypatch):
     R._stop_forkserver()
 
 
-def test_fork_server_is_refused_when_a_preload_initialises_cuda(tmp_path, monkeypatch, tests_on_path):
-    # Not flagged as a CUDA host, so the module filter does not catch it: the zygote's own report must.
-    monkeypatch.setenv("VRAMSWEEP_CUDA_HOST", "0")
+@pytest.mark.parametrize(("mode", "cuda_host"), [("bad_fork", "0"), ("driver", "1")])
+def test_fork_server_is_refused_when_a_fork_cannot_use_cuda(
+    tmp_path, monkeypatch, tests_on_path, mode, cuda_host
+):
+    """Poisoning that ``torch.cuda.is_initialized()`` never shows (issue 25.3): a device count without NVML
+    (torch's bad-fork flag), or a library touching the driver (only a real ``torch.cuda.init()`` in a
+    forked child fails). The warm-up child probes for real; the runner falls back to spawn with the
+    reason, and the trial that uses the GPU runs ok instead of ending in ``error``."""
+    monkeypatch.setenv("VRAMSWEEP_SIM_POISON", mode)
+    monkeypatch.setenv("VRAMSWEEP_CUDA_HOST", cuda_host)
     runner = R.ProcessRunner("forkserver", ["torch", "_cuda_init_sim"])
     runner.start()
     try:
         rep = runner.run(_spec(tmp_path, "_cuda_init_sim:trial"), tick_s=0.05)
     finally:
         runner.stop()
-    assert runner.zygote.get("cuda_initialised") is True
-    assert runner.zygote.get("cuda_initialised_by") == "_cuda_init_sim"
     assert rep.result["status"] == "ok", rep.result.get("reason")
-    # The trial imported the module itself: it was not forked from the CUDA-initialised server.
+    assert runner.zygote.get("cuda_initialised") is False  # the old check saw nothing
+    assert runner.fork_probe["usable"] is False
+    # The trial imported the module itself: it was not forked from the poisoned server.
     assert rep.result["meta"]["imported_in"] == rep.result["meta"]["pid"]
-    assert runner.name == "spawn"
-    assert "_cuda_init_sim" in (runner.fallback_reason or "") and "spawn" in runner.fallback_reason
+    assert runner.name == "spawn" and "spawn" in (runner.fallback_reason or "")
+    expected = "bad fork" if mode == "bad_fork" else "torch.cuda.init() failed"
+    assert expected in runner.fallback_reason
+
+
+def test_fork_server_serves_when_the_probe_passes(tmp_path, monkeypatch, tests_on_path):
+    """The probe does not cost the warm start where forks are fine (CPU host, nothing poisoned)."""
+    monkeypatch.setenv("VRAMSWEEP_CUDA_HOST", "0")
+    runner = R.ProcessRunner("forkserver", ["torch"])
+    runner.start()
+    runner.stop()
+    assert runner.name == "fork" and runner.fallback_reason is None
+    assert runner.fork_probe == {**runner.fork_probe, "usable": True, "bad_fork": False, "cuda_init": None}
+
+
+def test_unusable_reasons():
+    assert R.fork_unusable_reason({}, {"usable": True, "bad_fork": False, "cuda_init": "ok"}, []) is None
+    why = R.fork_unusable_reason({}, {"usable": False, "cuda_init": "RuntimeError: x"}, ["torchao"])
+    assert "torch.cuda.init() failed" in why and "pulled in torchao" in why
+    assert "died" in R.fork_unusable_reason({}, {"usable": False, "exitcode": -11}, [])
+    assert "initialised CUDA" in R.fork_unusable_reason({"cuda_initialised": True}, {"usable": True}, [])
+
+
+def test_cuda_host_preload_keeps_torchao_and_friends_out():
+    """The GPU bundle makes torchao importable; transformers' torchao quantizer then imports it."""
+    assert {"torchao", "cut_cross_entropy", "xformers", "flash_attn"} <= set(R.CUDA_INIT_MODULES)
+    assert R.effective_preload(["torch", "torchao.quantization"], cuda=True)[1] == ["torchao.quantization"]
+
+
+@pytest.mark.gpu
+def test_real_cuda_poisoning_falls_back_to_spawn(tmp_path, monkeypatch, tests_on_path):
+    """On a CUDA host: a preload that counts devices without NVML poisons forks for real."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.setenv("VRAMSWEEP_CUDA_HOST", "1")
+    runner = R.ProcessRunner("forkserver", ["torch", "_cuda_poison_real"])
+    runner.start()
+    try:
+        rep = runner.run(_spec(tmp_path, "_cuda_poison_real:trial"), tick_s=0.05)
+    finally:
+        runner.stop()
+    assert runner.name == "spawn", runner.fork_probe
+    assert rep.result["status"] == "ok", rep.result.get("reason")
+
+
+@pytest.mark.gpu
+def test_real_cuda_host_default_preload_forks_usable(tmp_path, monkeypatch, tests_on_path):
+    """On a CUDA host, with whatever the image + bundle make importable: the default preload's forks can
+    initialise CUDA (else the runner says which module the preload pulled in)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    runner = R.ProcessRunner("forkserver", list(DEFAULT_PRELOAD))
+    runner.start()
+    runner.stop()
+    assert runner.fork_probe.get("cuda_init") == "ok", (runner.fallback_reason, runner.pulled_in)
+    assert runner.name == "fork", runner.fallback_reason
 
 
 def test_cuda_host_preload_leaves_out_modules_that_initialise_cuda():

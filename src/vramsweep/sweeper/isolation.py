@@ -36,13 +36,26 @@ from vramsweep.sweeper.trialproc import (
     child_main,
     execute,
     parent_side_result,
+    probe_fork_to,
     report_from_json,
 )
 
 #: Modules that initialise CUDA when imported on a GPU host (bitsandbytes 0.50 calls
 #: ``torch.cuda.get_device_capability()`` at import; peft imports bitsandbytes when it is installed; Unsloth
 #: and Liger probe the device). A fork server on a CUDA host never preloads them.
-CUDA_INIT_MODULES = ("bitsandbytes", "peft", "unsloth", "unsloth_zoo", "liger_kernel", "trl")
+CUDA_INIT_MODULES = (
+    "bitsandbytes",
+    "peft",
+    "unsloth",
+    "unsloth_zoo",
+    "liger_kernel",
+    "trl",
+    "torchao",  # in the GPU bundle: transformers' torchao quantizer imports it when it is importable
+    "cut_cross_entropy",
+    "xformers",
+    "flash_attn",
+    "deepspeed",
+)
 #: What a CUDA host's fork server preloads instead: the heavy, CUDA-free parts peft would have pulled in
 #: (most of peft's import time), so a trial only pays for peft's own modules and bitsandbytes.
 CUDA_SAFE_EXTRAS = ("transformers.modeling_utils", "transformers.models.auto.modeling_auto", "accelerate")
@@ -129,6 +142,10 @@ class ProcessRunner(Runner):
         self.left_out: list[str] = []
         self.zygote: dict[str, Any] = {}
         self.fallback_reason: str | None = None
+        #: the warm-up child's report (:func:`.trialproc.probe_fork`) and the CUDA-initialising modules the
+        #: preload pulled in anyway (e.g. torchao through transformers.modeling_utils)
+        self.fork_probe: dict[str, Any] = {}
+        self.pulled_in: list[str] = []
         self._live: set[Any] = set()
 
     def start(self) -> None:
@@ -153,30 +170,32 @@ class ProcessRunner(Runner):
         os.close(fd)
         os.unlink(status_path)
         os.environ["VRAMSWEEP_ZYGOTE_STATUS"] = status_path
+        probe_path = status_path + ".probe"
+        cuda = cuda_host()
         try:
             self.ctx.set_forkserver_preload(["vramsweep.sweeper.zygote"])
             forkserver.ensure_running()
             # The server imports the preload list before it accepts its first client: wait for it here, so
-            # trial 0 is not charged for the warm-up.
-            probe = self.ctx.Process(target=_noop, name="vramsweep-warmup")
+            # trial 0 is not charged for the warm-up. The warm-up child probes whether a fork can use CUDA.
+            probe = self.ctx.Process(target=probe_fork_to, args=(probe_path, cuda), name="vramsweep-warmup")
             probe.start()
             probe.join()
-            try:
-                with open(status_path) as fh:
-                    self.zygote = json.load(fh)
-            except (OSError, ValueError):
-                self.zygote = {}
+            self.zygote = _read_json(status_path)
+            self.fork_probe = _read_json(probe_path) or {"usable": False, "exitcode": probe.exitcode}
         finally:
             os.environ.pop("VRAMSWEEP_ZYGOTE_STATUS", None)
-            with contextlib.suppress(OSError):
-                os.unlink(status_path)
+            for path in (status_path, probe_path):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        self.pulled_in = sorted(
+            set(self.zygote.get("top_level_modules") or []) & set(CUDA_INIT_MODULES) - set(preload)
+        )
         _SERVER_STATE = dict(self.zygote)
-        if self.zygote.get("cuda_initialised"):
-            culprit = self.zygote.get("cuda_initialised_by") or "the preload"
+        reason = fork_unusable_reason(self.zygote, self.fork_probe, self.pulled_in)
+        if reason is not None:
             self.fallback_reason = (
-                f"importing {culprit} in the fork server initialised CUDA; a trial forked from it could not "
-                "use the GPU, so every trial starts in a fresh interpreter (spawn) instead. Remove it from "
-                "hydra.sweeper.preload to get warm starts back"
+                f"{reason}; a trial forked from the fork server could not use the GPU, so every trial starts "
+                "in a fresh interpreter (spawn) instead"
             )
             print(f"vramsweep: warning: {self.fallback_reason}", file=sys.stderr)
             _stop_forkserver()
@@ -260,8 +279,32 @@ class InProcessRunner(Runner):
         return report_from_json(result, time.perf_counter() - t0, 0)
 
 
-def _noop() -> None:
-    """Target of the fork server's warm-up process."""
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {}
+
+
+def fork_unusable_reason(zygote: dict, probe: dict, pulled_in: list[str]) -> str | None:
+    """Why a process forked from this server cannot use CUDA, or None when it can."""
+    hint = f" (the preload pulled in {', '.join(pulled_in)})" if pulled_in else ""
+    if zygote.get("cuda_initialised"):
+        culprit = zygote.get("cuda_initialised_by") or "the preload"
+        return f"importing {culprit} in the fork server initialised CUDA{hint}"
+    if probe.get("bad_fork"):
+        return (
+            "a process forked from the fork server is a bad fork for torch: the preload touched CUDA without "
+            f"initialising it (e.g. a device count without NVML){hint}"
+        )
+    if probe.get("cuda_init") not in (None, "ok"):
+        return (
+            f"torch.cuda.init() failed in a process forked from the fork server: {probe['cuda_init']}{hint}"
+        )
+    if not probe.get("usable", False):
+        return f"the fork server's warm-up child died before reporting (exit code {probe.get('exitcode')})"
+    return None
 
 
 _SERVER_PRELOAD: list[str] | None = None

@@ -287,6 +287,40 @@ def forked_after_cuda_init() -> bool:
         return False
 
 
+def probe_fork(cuda: bool) -> dict[str, Any]:
+    """Whether this (forked) process can use CUDA, tested for real rather than inferred from the parent.
+
+    A parent can poison its forks without ``torch.cuda.is_initialized()`` ever saying so: a device-count
+    query without NVML (``cudaGetDeviceCount`` marks the fork bad), or Triton / another library touching
+    the driver. So the child asks torch whether it is a bad fork and, on a CUDA host, initialises CUDA
+    itself (``torch.cuda.init()``), which fails in a fork of a process that held the driver.
+    """
+    out: dict[str, Any] = {"pid": os.getpid(), "bad_fork": forked_after_cuda_init(), "cuda_init": None}
+    if cuda:
+        try:
+            import torch
+
+            torch.cuda.init()
+            out["cuda_init"] = "ok"
+        except Exception as exc:
+            text = str(exc).splitlines()[0] if str(exc) else ""
+            if (
+                "not compiled with CUDA" in text
+            ):  # a CPU-only torch on a host flagged as CUDA: nothing to test
+                out["cuda_init"], out["note"] = None, text
+            else:
+                out["cuda_init"] = f"{type(exc).__name__}: {text}"
+    out["usable"] = not out["bad_fork"] and out["cuda_init"] in (None, "ok")
+    return out
+
+
+def probe_fork_to(path: str, cuda: bool) -> None:
+    """Target of the fork server's warm-up process: :func:`probe_fork`, written as JSON to ``path``."""
+    with open(path + ".tmp", "w") as fh:
+        json.dump(probe_fork(cuda), fh)
+    os.replace(path + ".tmp", path)
+
+
 def save_spec(spec: TrialSpec, path: str) -> None:
     """Write a spec as JSON (launcher isolation: the job finds it through ``VRAMSWEEP_TRIAL_SPEC``)."""
     import dataclasses
