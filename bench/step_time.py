@@ -8,6 +8,9 @@ step(short) / step(long). For compute-bound steps the ratio approaches short/lon
 4,096); a ratio near 1 means a fixed per-step cost dominates. On CUDA, ``host_bound: true`` (the host
 barely waited for the GPU) says that cost is Python/dispatch/launch overhead, not GPU work.
 
+Each run also prints host vs device per step (:func:`host_device_split`): the host's own seconds
+(issuing work + the loop's bookkeeping) against the seconds it waited for the device.
+
 Goal on a GPU (issue: H200, Qwen3-8B nf4_dq + LoRA + checkpointing: 0.70 s at 1,024 vs 0.75 s at 4,096):
 step(1,024) <= 0.35 x step(4,096).
 
@@ -28,6 +31,32 @@ import sys
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def host_device_split(phases: dict | None) -> dict | None:
+    """Host vs device per step from ``meta.step_phases_s``: ``host_s`` = the host's own work (issuing
+    h2d/forward/backward/optimizer + the loop's ``other``), ``wait_s`` = the host waiting for the device
+    (``sync_wait``; on CUDA, the device time not hidden behind the host's issuing), ``host_share`` =
+    host_s / step. A host share near 1 on CUDA = a host-bound step (Python/launch overhead sets the time)."""
+    if not phases or not phases.get("step"):
+        return None
+    host = sum(float(phases.get(k) or 0.0) for k in ("h2d", "forward", "backward", "optimizer", "other"))
+    step = float(phases["step"])
+    return {
+        "host_s": host,
+        "wait_s": float(phases.get("sync_wait") or 0.0),
+        "step_s": step,
+        "host_share": host / step,
+    }
+
+
+def _split_text(split: dict | None) -> str:
+    if split is None:
+        return "host vs device: n/a"
+    return (
+        f"host {split['host_s']:.4f} s + device wait {split['wait_s']:.4f} s of {split['step_s']:.4f} s/step "
+        f"(host {split['host_share']:.0%})"
+    )
 
 
 def one(overrides: list[str]) -> dict:
@@ -76,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             ph = res.get("phases") or {}
             print(
                 f"round {r} tokens {n:>6}: {res['status']} step {res.get('step_time_s', float('nan')):.4f} s, "
-                f"{res.get('tokens_per_s', float('nan')):,.0f} tok/s; phases "
+                f"{res.get('tokens_per_s', float('nan')):,.0f} tok/s; {_split_text(host_device_split(ph))}; "
+                "phases "
                 + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in ph.items())
             )
     ok = [all(x["status"] == "ok" for x in runs[n]) for n in runs]
@@ -85,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     short = statistics.median(x["step_time_s"] for x in runs[args.short])
     long = statistics.median(x["step_time_s"] for x in runs[args.long])
+    for n in (args.short, args.long):
+        print(f"host vs device, {n} tokens: {_split_text(host_device_split(runs[n][-1].get('phases')))}")
     print(
         f"device: {runs[args.long][0]['device']}\n"
         f"median step time: {args.short} tokens {short:.4f} s, {args.long} tokens {long:.4f} s; "
