@@ -246,13 +246,7 @@ def _rules_combinations(cfg: DictConfig) -> None:
         )
     if cfg.model.source == "embedded" and cfg.model.name != "tiny":
         pass  # other embedded sizes are allowed (custom dims)
-    if cfg.context.max_tokens > cfg.model.max_position_embeddings and cfg.model.source != "path":
-        raise ConfigError(
-            f"context.max_tokens={cfg.context.max_tokens} is longer than the model's positions "
-            f"(model.max_position_embeddings={cfg.model.max_position_embeddings})",
-            key="context.max_tokens",
-            allowed=[f"32..{cfg.model.max_position_embeddings}"],
-        )
+    # context.max_tokens against the model's positions: _rules_rope (after model.path is checked)
     if cfg.vocab.mode != "full" and cfg.model.source == "arch":
         raise ConfigError(
             "vocab=sliced needs a tokenizer and corpus: it works with the embedded model or model.path, not "
@@ -336,7 +330,74 @@ def _rules_machine(cfg: DictConfig) -> None:
         )
 
 
-RULES: tuple[Callable[[DictConfig], None], ...] = (check_values, _rules_combinations)
+def _rules_rope(cfg: DictConfig) -> None:
+    """``rope`` values, and ``context.max_tokens`` within the positions: the model's own, or original x factor
+    with rope scaling (:mod:`vramsweep.config.rope`)."""
+    from vramsweep.config.rope import ROPE_TYPES, needed_factor, plan
+
+    _check_choice(cfg, "rope.type", ROPE_TYPES)
+    r = cfg.rope
+    scaled = r.type != "none"
+    if not scaled and (float(r.factor) != 1.0 or r.original_max_position_embeddings is not None):
+        raise ConfigError(
+            f"rope.factor={r.factor} / rope.original_max_position_embeddings="
+            f"{r.original_max_position_embeddings} have no effect with rope=none",
+            key="rope",
+            allowed=[o for o in group_options("rope") if o != "none"],
+        )
+    if scaled:
+        _check_range(cfg, "rope.factor", 1.0, 1024.0)
+        if r.original_max_position_embeddings is not None:
+            _check_range(cfg, "rope.original_max_position_embeddings", 32, 10**7, integer=True)
+    if scaled and cfg.kernels.unsloth:
+        raise UnsupportedError(
+            f"kernels=unsloth sets RoPE scaling itself from its max_seq_length: rope={r.name} cannot be applied",
+            key="rope",
+            allowed=["none"],
+        )
+    p = plan(cfg)
+    native = p["native_positions"]
+    where = (
+        f"{cfg.model.path}/config.json max_position_embeddings={native}"
+        if cfg.model.source == "path"
+        else f"model.max_position_embeddings={native}"
+    )
+    if scaled and p["existing"] is not None:
+        raise ConfigError(
+            f"rope={r.name}: model.path's config.json already scales RoPE ({p['existing']}); keep it with rope=none "
+            "or remove it from config.json",
+            key="rope",
+            allowed=["none"],
+        )
+    if native is None:
+        return  # unreadable config.json: the loader names the file
+    orig = int(p["original_max_position_embeddings"])
+    if scaled and orig > native:
+        raise ConfigError(
+            f"rope.original_max_position_embeddings={orig} is longer than the model's positions ({where})",
+            key="rope.original_max_position_embeddings",
+            allowed=[f"32..{native}", "null (= the model's positions)"],
+        )
+    tokens = int(cfg.context.max_tokens)
+    if tokens <= int(p["positions"]):
+        return
+    k = needed_factor(tokens, orig)
+    if not scaled:
+        raise ConfigError(
+            f"context.max_tokens={tokens} is longer than the model's positions ({where}); a fine-tune beyond "
+            f"them needs RoPE scaling: rope=yarn rope.factor={k} (or a shorter context.max_tokens)",
+            key="context.max_tokens",
+            allowed=[f"32..{p['positions']}", f"rope=yarn rope.factor={k}"],
+        )
+    raise ConfigError(
+        f"context.max_tokens={tokens} is longer than rope={r.name}'s positions ({orig} x rope.factor={r.factor} "
+        f"= {p['positions']}); raise it: rope.factor={k}",
+        key="context.max_tokens",
+        allowed=[f"32..{p['positions']}", f"rope.factor={k}"],
+    )
+
+
+RULES: tuple[Callable[[DictConfig], None], ...] = (check_values, _rules_combinations, _rules_rope)
 
 
 #: Smallest ``model.vocab_size`` for the byte-level tokenizer written next to random architecture weights

@@ -25,6 +25,7 @@ NAMED_GROUPS: tuple[str, ...] = (
     "tiling",
     "vocab",
     "logger",
+    "rope",
 )
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -138,6 +139,14 @@ class ContextConfig:
 
 
 @dataclass
+class RopeConfig:
+    name: str = "none"
+    type: str = "none"  # none | yarn | linear | dynamic (transformers' rope_parameters["rope_type"])
+    factor: float = 1.0  # positions = original_max_position_embeddings x factor (no memory change)
+    original_max_position_embeddings: Optional[int] = None  # None = the model's positions
+
+
+@dataclass
 class VocabConfig:
     name: str = "full"
     mode: str = "full"  # full | corpus | top_k
@@ -212,6 +221,7 @@ class TrialConfig:
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     tiling: TilingConfig = field(default_factory=TilingConfig)
     context: ContextConfig = field(default_factory=ContextConfig)
+    rope: RopeConfig = field(default_factory=RopeConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)
     data: DataConfig = field(default_factory=DataConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
@@ -232,6 +242,7 @@ _SCHEMAS = {
     "checkpointing": CheckpointingConfig,
     "tiling": TilingConfig,
     "context": ContextConfig,
+    "rope": RopeConfig,
     "vocab": VocabConfig,
     "data": DataConfig,
     "hardware": HardwareConfig,

@@ -16,8 +16,6 @@ Public API::
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -261,14 +259,9 @@ def max_context(
     if budget is None:
         raise ValueError("hardware.budget_gib=0 means no budget: choose a hardware profile with a budget")
     if hi is None:
-        hi = int(cfg.model.get("max_position_embeddings") or 0) if cfg.model.source != "path" else 0
-        if cfg.model.source == "path":
-            try:
-                with open(Path(str(cfg.model.path)) / "config.json") as fh:
-                    raw = json.load(fh)
-                hi = int((raw.get("text_config") or raw).get("max_position_embeddings") or 0)
-            except (OSError, ValueError, TypeError, AttributeError):
-                hi = 0
+        from vramsweep.config.rope import plan as rope_plan
+
+        hi = int(rope_plan(cfg)["positions"] or 0)  # the model's positions, x rope.factor with rope scaling
         hi = hi if hi > 0 else 1 << 20
     hi = max(1, int(hi))
 

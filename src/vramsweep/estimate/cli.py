@@ -91,7 +91,7 @@ def format_max_context(res: dict[str, Any], title: str = "") -> str:
         )
     else:
         lines.append(
-            f"  (the search stops at {res['upper_bound']:,} tokens: the model's max_position_embeddings)"
+            f"  (the search stops at {res['upper_bound']:,} tokens: the model's positions x rope.factor)"
         )
     lines.append("  every micro-batch is taken to be max_tokens long (train.micro_batch sequences per step)")
     return "\n".join(lines)

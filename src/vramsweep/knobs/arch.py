@@ -37,7 +37,7 @@ def _device(device: torch.device | str) -> torch.device:
 
 
 def meta_skeleton(cfg: DictConfig) -> torch.nn.Module:
-    """The model for ``cfg.model`` on the meta device (no storage), with ``cfg.attention`` set.
+    """The model for ``cfg.model`` on the meta device (no storage), with ``cfg.attention`` and ``cfg.rope`` set.
 
     Liger class patches applied before this call take effect (the modules are instantiated here).
     """
@@ -45,10 +45,14 @@ def meta_skeleton(cfg: DictConfig) -> torch.nn.Module:
 
     from vramsweep.hfmodel import hf_config
     from vramsweep.knobs.common import torch_dtype
+    from vramsweep.knobs.rope import apply_rope
 
+    config = hf_config(cfg.model)
+    if "rope" in cfg:
+        apply_rope(config, cfg)  # rope scaling is part of the architecture the skeleton is built from
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            hf_config(cfg.model),
+            config,
             dtype=torch_dtype(cfg.train.dtype),
             attn_implementation=str(cfg.attention.implementation),
         )

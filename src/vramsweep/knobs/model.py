@@ -5,6 +5,7 @@ Every knob changes what is built (and :attr:`Built.notes` records what was appli
 * ``quant``: a ``BitsAndBytesConfig`` passed to ``from_pretrained`` -> ``bnb.nn.Linear4bit`` /
   ``Linear8bitLt`` layers (lm_head and embeddings stay in the compute dtype).
 * ``attention``: ``attn_implementation``.
+* ``rope``: ``rope_parameters`` on the config the model is built from (``knobs/rope.py``).
 * ``kernels``: Liger patches before loading, or Unsloth's ``FastLanguageModel`` (see ``kernels.py``).
 * ``checkpointing``: ``gradient_checkpointing_enable`` (non-reentrant by default).
 * ``adapter``: PEFT ``LoraConfig`` (``use_rslora``, ``use_dora``) or every weight trainable (full).
@@ -111,11 +112,22 @@ def build_model(
             load_kw["quantization_config"] = qconf
         if device.type == "cuda":
             load_kw["device_map"] = {"": torch.cuda.current_device()}
+        if cfg.get("rope") is not None and cfg.rope.type != "none":
+            # rope scaling: the checkpoint's config with rope_parameters set
+            from transformers import AutoConfig
+
+            from vramsweep.knobs.rope import apply_rope
+
+            load_kw["config"] = AutoConfig.from_pretrained(str(path))
+            apply_rope(load_kw["config"], cfg)
         model = AutoModelForCausalLM.from_pretrained(str(path), **load_kw)
     if device.type == "cuda" and qconf is None and path is not None:
         model.to(device)
     model.config.use_cache = False
     notes["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+    from vramsweep.knobs.rope import built_notes as rope_built_notes
+
+    notes["rope"] = rope_built_notes(model, cfg)
     notes["quantised_layers"] = count_quantised_layers(model)
 
     id_map = None
