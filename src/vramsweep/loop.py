@@ -32,7 +32,7 @@ class Pruned(RuntimeError):
 
 
 class Callback:
-    """Hooks the loop calls, in list order; every method is optional."""
+    """Hooks the loop calls, in list order; every method is optional (one not overridden is not called)."""
 
     def on_step_start(self, step: int) -> None:
         """Before the step's first micro-batch."""
@@ -51,8 +51,30 @@ class Callback:
         """A context entered around ``optimizer.step()``, or None."""
         return None
 
-    def on_step_end(self, step: int, loss: float) -> None:
-        """After the step, with its (finite) loss; may raise :class:`Pruned` or :class:`Diverged`."""
+    def on_step_end(self, step: int) -> None:
+        """After the step's work is issued (the weights are those after ``step + 1`` updates); its loss
+        may not be read yet. May raise :class:`Pruned` or :class:`Diverged` (periodic evaluation)."""
+
+    def on_loss(self, step: int, loss: float) -> None:
+        """With the step's finite loss, once read: after the next step's work is issued (before that
+        step's :meth:`on_step_end`); the last step's at the end of :func:`fit`. May raise."""
+
+
+_HOOKS = (
+    "on_step_start",
+    "step_context",
+    "on_micro_batch",
+    "on_grads",
+    "optimizer_context",
+    "on_step_end",
+    "on_loss",
+)
+
+
+def _hooks(callbacks: Sequence[Callback], name: str) -> list[Callable]:
+    """The bound ``name`` methods of the callbacks that override it (no per-step calls to no-ops)."""
+    base = getattr(Callback, name)
+    return [getattr(cb, name) for cb in callbacks if getattr(type(cb), name, base) is not base]
 
 
 @dataclass
@@ -87,26 +109,97 @@ def _enter(stack: contextlib.ExitStack, contexts: Sequence[AbstractContextManage
             stack.enter_context(cm)
 
 
+class _PendingLoss:
+    """A step's loss on its way to the host. On CUDA: a non-blocking copy into a page-locked host scalar
+    and an event recorded after it, so reading it (:meth:`value`, once the next step is issued) waits for
+    that step's kernels only and never drains the device queue. Elsewhere the copy is complete when queued.
+    The host scalar has the device loss's dtype, so the value read is exact. Two slots alternate: step
+    k's copy is queued while step k-1's is still unread."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.slots: list[tuple[Any, Any] | None] = [None, None]
+        self.pending: tuple[int, Any, Any] | None = None  # (step, host scalar, event | None)
+
+    def queue(self, step: int, total: Any) -> None:
+        import torch
+
+        slot = self.slots[step % 2]
+        if slot is None or slot[0].dtype != total.dtype or slot[0].shape != total.shape:
+            buf = torch.empty_like(total, device="cpu", pin_memory=self.cuda)
+            slot = self.slots[step % 2] = (buf, torch.cuda.Event() if self.cuda else None)
+        buf, event = slot
+        buf.copy_(total, non_blocking=self.cuda)
+        if event is not None:
+            event.record()
+        self.pending = (step, buf, event)
+
+    def take(self) -> tuple[int, float] | None:
+        """(step, loss) of the queued copy, waiting for it if needed; None when nothing is queued."""
+        if self.pending is None:
+            return None
+        step, buf, event = self.pending
+        self.pending = None
+        if event is not None:
+            event.synchronize()
+        return step, float(buf)
+
+
 def fit(loop: Loop, callbacks: Sequence[Callback] = ()) -> list[float]:
-    """Run the optimizer steps; returns the per-step losses. One host sync per optimizer step (the loss,
-    summed on the device over the micro-batches); every phase is timed on ``loop.clock`` while it runs."""
+    """Run the optimizer steps; returns the per-step losses (each the exact value of the step's loss,
+    summed on the device over its micro-batches).
+
+    The loop adds no host sync inside a step, and reads each step's loss one step late: step k's loss is
+    copied to the host without blocking (:class:`_PendingLoss`) and read after step k+1's work is issued,
+    so the host never waits for an empty device queue between steps (``sync_wait`` is the wait for step
+    k to finish while step k+1 is queued). Hence :meth:`Callback.on_loss` for step k comes after step
+    k+1's work is issued (just before its :meth:`Callback.on_step_end`), and a non-finite loss still
+    ends the trial with :class:`Diverged` naming its step, but at most one step later (step k+1 has run
+    by then; a NaN at the last step is caught at the end). Every phase is timed on ``loop.clock``."""
     import torch
 
     clock, ga = loop.clock, loop.grad_accum
-    non_blocking = getattr(loop.device, "type", str(loop.device)) == "cuda"
+    cuda = getattr(loop.device, "type", str(loop.device)) == "cuda"
+    hooks = {name: _hooks(callbacks, name) for name in _HOOKS}
+    on_step_start, step_context, on_micro_batch = (
+        hooks["on_step_start"],
+        hooks["step_context"],
+        hooks["on_micro_batch"],
+    )
+    on_grads, optimizer_context, on_step_end = (
+        hooks["on_grads"],
+        hooks["optimizer_context"],
+        hooks["on_step_end"],
+    )
+    on_loss = hooks["on_loss"]
+    pending = _PendingLoss(cuda)
     losses: list[float] = []
+
+    def read() -> None:
+        """Read the queued loss (if any): record it, or end the trial when it is not finite."""
+        with clock.phase("sync_wait"):
+            got = pending.take()
+        if got is None:
+            return
+        step, loss = got
+        if not math.isfinite(loss):
+            raise Diverged(f"train loss is {loss} at optimizer step {step}")
+        losses.append(loss)
+        for fn in on_loss:
+            fn(step, loss)
+
     for step in range(loop.steps):
-        for cb in callbacks:
-            cb.on_step_start(step)
+        for fn in on_step_start:
+            fn(step)
         with contextlib.ExitStack() as stack:
-            _enter(stack, [cb.step_context(step) for cb in callbacks])
+            _enter(stack, [fn(step) for fn in step_context])
             total = None
             for k in range(ga):
                 batch = loop.batches[step * ga + k]
-                for cb in callbacks:
-                    cb.on_micro_batch(step, batch)
+                for fn in on_micro_batch:
+                    fn(step, batch)
                 with clock.phase("h2d"):
-                    ids, mask, labels = to_device(batch, loop.device, non_blocking)
+                    ids, mask, labels = to_device(batch, loop.device, cuda)
                 with clock.phase("forward"):
                     # Keep only the loss: holding the output would pin the logits through backward.
                     loss = loop.loss_fn(ids, mask, labels) / ga
@@ -114,24 +207,28 @@ def fit(loop: Loop, callbacks: Sequence[Callback] = ()) -> list[float]:
                     loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()
                 del loss
-            for cb in callbacks:
-                cb.on_grads(step)
+            for fn in on_grads:
+                fn(step)
             with clock.phase("optimizer"):
-                if loop.max_grad_norm > 0:
+                if loop.max_grad_norm > 0:  # no host read: the clip factor stays on the device
                     torch.nn.utils.clip_grad_norm_(loop.params, loop.max_grad_norm)
                 with contextlib.ExitStack() as opt_stack:
-                    _enter(opt_stack, [cb.optimizer_context(step) for cb in callbacks])
+                    _enter(opt_stack, [fn(step) for fn in optimizer_context])
                     loop.optimizer.step()
                 loop.scheduler.step()
                 loop.optimizer.zero_grad(set_to_none=True)
-            # After the step's kernels are queued (a diverged step's loss is NaN before or after the update).
-            with clock.phase("sync_wait"):
-                step_loss = float(total)
-        if not math.isfinite(step_loss):
-            raise Diverged(f"train loss is {step_loss} at optimizer step {step}")
-        losses.append(step_loss)
-        for cb in callbacks:
-            cb.on_step_end(step, step_loss)
+        # Step k-1's loss is read now that step k is queued, then step k's is queued (a diverged step's
+        # loss is NaN before or after the update).
+        read()
+        pending.queue(step, total)
+        del total
+        try:
+            for fn in on_step_end:
+                fn(step)
+        except Pruned:
+            read()  # the evaluation synchronised anyway: a NaN loss of this step is a divergence first
+            raise
+    read()
     return losses
 
 
@@ -167,8 +264,8 @@ class Timing(Callback):
         self.target_tokens += batch["n_targets"]
         self.rows += int(batch["input_ids"].shape[0])
 
-    def on_step_end(self, step: int, loss: float) -> None:
-        self.step_s = time.perf_counter() - self._t_step
+    def on_step_end(self, step: int) -> None:
+        self.step_s = time.perf_counter() - self._t_step  # the host's seconds for the step
 
     def train_seconds(self) -> float | None:
         """Seconds of training in the window so far (evaluation excluded); None before it starts."""
@@ -213,16 +310,17 @@ class Every(Callback):
     def __init__(self, n: int, last: int, fn: Callable[[int], None]):
         self.n, self.last, self.fn = n, last, fn
 
-    def on_step_end(self, step: int, loss: float) -> None:
+    def on_step_end(self, step: int) -> None:
         if self.n and (step + 1) % self.n == 0 and step + 1 < self.last:
             self.fn(step + 1)
 
 
-class OnStepEnd(Callback):
-    """Calls ``fn(step, loss)`` after each step (progress line, per-step logging, running metrics)."""
+class OnLoss(Callback):
+    """Calls ``fn(step, loss)`` with each step's loss, once read (progress line, per-step logging, running
+    metrics): one step late, see :func:`fit`."""
 
     def __init__(self, fn: Callable[[int, float], None]):
         self.fn = fn
 
-    def on_step_end(self, step: int, loss: float) -> None:
+    def on_loss(self, step: int, loss: float) -> None:
         self.fn(step, loss)

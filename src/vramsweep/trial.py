@@ -347,7 +347,7 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
     from vramsweep.knobs import build_optimizer, build_scheduler
     from vramsweep.knobs.registry import loss_fn
     from vramsweep.longctx.loss import causal_lm_of
-    from vramsweep.loop import CpuMemoryTracking, Every, Loop, OnStepEnd, Timing, fit
+    from vramsweep.loop import CpuMemoryTracking, Every, Loop, OnLoss, Timing, fit
     from vramsweep.measure import TensorMemoryTracker
     from vramsweep.measure.cpu import (
         close_tracker,
@@ -449,7 +449,7 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
                 timing,
                 faults,
                 grads,
-                OnStepEnd(after_step),
+                OnLoss(after_step),
                 Every(int(t.eval_every), steps, periodic_eval),
             ],
         )

@@ -24,9 +24,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int):
         n = hidden.shape[0]
-        valid = labels != IGNORE_INDEX
-        n_valid = int(valid.sum())
-        denom = max(n_valid, 1)
+        # The number of target tokens stays on the device (no host sync in forward): clamped to 1, as
+        # an all-ignored batch has a zero loss and zero gradients.
+        denom = (labels != IGNORE_INDEX).sum().clamp_min(1).to(torch.float32)
         need_h = hidden.requires_grad
         need_w = weight.requires_grad
         grad_h = torch.empty_like(hidden) if need_h else None
