@@ -46,7 +46,7 @@ def test_status_is_a_str_enum_and_json_keeps_the_strings():
     assert json.dumps({"status": Status.INFEASIBLE_ESTIMATE}) == '{"status": "infeasible_estimate"}'
     assert new_result(status=Status.PRUNED)["status"] == "pruned"
     assert type(new_result(status=Status.PRUNED)["status"]) is str  # a plain string in the dict
-    with pytest.raises(ValueError, match=r"status='done' \(allowed: ok, oom, unsupported"):
+    with pytest.raises(ValueError, match=r"status='done' \(allowed: ok, oom, host_oom, unsupported"):
         new_result(status="done")
 
 

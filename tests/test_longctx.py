@@ -446,3 +446,19 @@ def test_pool_pins_exactly_with_cuda_host_register(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(2))  # cudaErrorMemoryAllocation
     with pytest.raises(offload.HostMemoryError, match="could not be page-locked"):
         offload.HostPool(pin=True).reserve(1000)
+
+
+@pytest.mark.parametrize("tiling", ["loss", "on"])
+def test_liger_fused_loss_with_tiled_loss_refused(tiling):
+    """One owner of the loss: kernels=liger (fused linear cross-entropy) with a chunked-loss tiling is
+    refused naming the alternatives; tiling=mlp, or Liger without its fused loss, are accepted."""
+    from vramsweep.config import ConfigError, compose
+
+    with pytest.raises(ConfigError) as err:
+        compose(["kernels=liger", f"tiling={tiling}"], rules="config")
+    assert err.value.key == "tiling" and "kernels=liger tiling=mlp" in str(err.value)
+    compose(["kernels=liger", "tiling=mlp"], rules="config")
+    compose(
+        ["kernels=liger", "kernels.liger_fused_linear_cross_entropy=false", f"tiling={tiling}"],
+        rules="config",
+    )

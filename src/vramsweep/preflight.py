@@ -16,7 +16,10 @@ Checks:
 * ``model.path``'s ``config.json`` is readable JSON with the dimensions the estimator needs;
 * named config options exist: ``sweep=<name>`` (the group is optional, so Hydra would silently ignore a
   typo) and ``+experiment=<name>`` (:func:`check_option`, shared with the sweeper);
-* ``VRAMSWEEP_FAULT`` (the fault-injection test hook) has one of the forms the trial understands.
+* ``VRAMSWEEP_FAULT`` (the fault-injection test hook) has one of the forms the trial understands;
+* host memory: the pinned pool of ``checkpointing=offload`` (the estimator's ``host_bytes``) fits in the
+  RAM this machine has available (:func:`check_host_memory`; the trial itself checks again and records
+  ``host_oom`` without building anything).
 """
 
 from __future__ import annotations
@@ -157,6 +160,39 @@ def check_inputs(cfg: Any) -> None:
         check_model_config(str(cfg.model.path))
 
 
+def available_host_bytes() -> int:
+    """RAM available for new allocations without swapping (``MemAvailable``)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_host_memory(cfg: Any, available: int | None = None) -> None:
+    """Raise when the host memory the config needs beside the device (the page-locked pool of
+    ``checkpointing=offload``: layers x tokens x hidden x dtype) exceeds the RAM available here; the error
+    names both figures and the longest context that would fit."""
+    from vramsweep.estimate import estimate
+    from vramsweep.record.units import GIB
+
+    if str(cfg.hardware.device) != "cuda":
+        return
+    need = int(estimate(cfg, calibration=False).get("host_bytes") or 0)
+    if need <= 0:
+        return
+    have = available_host_bytes() if available is None else int(available)
+    if need <= have:
+        return
+    tokens = int(cfg.context.max_tokens)
+    fits = max(0, tokens * have // need)
+    raise ConfigError(
+        f"checkpointing=offload needs {need / GIB:.2f} GiB of pinned host memory for the layer inputs at "
+        f"context.max_tokens={tokens} x train.micro_batch={int(cfg.train.micro_batch)}, but this machine has "
+        f"{have / GIB:.2f} GiB of RAM available",
+        key="checkpointing",
+        allowed=[f"context.max_tokens<={fits}", "checkpointing=on", "a machine with more RAM"],
+    )
+
+
 def preflight(
     cfg: Any,
     *,
@@ -173,6 +209,7 @@ def preflight(
     check_writable(where, key=key)
     check_disk(where, n_trials, key=key)
     check_inputs(cfg)
+    check_host_memory(cfg)
 
 
 #: Overrides whose value is an input file or folder (checked for every value a sweep can take).

@@ -41,6 +41,16 @@ def _is_host_oom(exc: BaseException) -> bool:
     return isinstance(exc, HostMemoryError)
 
 
+def _check_host_memory(cfg: DictConfig) -> None:
+    from vramsweep.longctx.offload import HostMemoryError
+    from vramsweep.preflight import check_host_memory
+
+    try:
+        check_host_memory(cfg)
+    except ConfigError as exc:
+        raise HostMemoryError(f"not run: {exc}") from None
+
+
 def _is_oom(exc: BaseException) -> bool:
     import torch
 
@@ -534,6 +544,7 @@ def run_trial(
     logger = None
     status, reason, oom = "ok", None, False
     try:
+        _check_host_memory(cfg)  # before anything is built: a pool that cannot fit is host_oom, not run
         validate(cfg)
         from vramsweep.report.wandb_run import start_logger
 

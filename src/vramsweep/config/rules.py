@@ -221,6 +221,23 @@ def _rules_combinations(cfg: DictConfig) -> None:
             key="tiling",
             allowed=["off"],
         )
+    if (
+        int(cfg.tiling.loss_chunk_tokens) > 0
+        and cfg.kernels.liger
+        and bool(cfg.kernels.get("liger_fused_linear_cross_entropy", True))
+    ):
+        # one owner of the loss: our chunked loss would bypass Liger's fused linear cross-entropy while the
+        # build notes and the estimate say FLCE runs
+        raise ConfigError(
+            f"tiling={cfg.tiling.name} (chunked loss, tiling.loss_chunk_tokens={int(cfg.tiling.loss_chunk_tokens)}) "
+            "cannot be combined with kernels=liger's fused linear cross-entropy: both replace the loss",
+            key="tiling",
+            allowed=[
+                "kernels=liger tiling=mlp (Liger's fused loss + the tiled MLP)",
+                "kernels=liger kernels.liger_fused_linear_cross_entropy=false tiling=on",
+                "kernels=none tiling=on",
+            ],
+        )
     if cfg.kernels.liger and cfg.kernels.unsloth:
         raise ConfigError(
             "kernels: Liger and Unsloth cannot both be on (Unsloth patches the same modules)",

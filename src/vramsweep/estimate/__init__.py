@@ -193,7 +193,9 @@ def estimate(
         reserve: the moment of the peak, summing to it); ``budget_bytes``/``fits`` (``required_bytes`` <=
         budget; None without a budget); ``assumptions``; ``components_bytes`` (steady sizes: params,
         grads, optimizer state, activation peak; ``allocated_peak``, the ``reserve_*`` terms and
-        ``cuda_context``); ``peak_phase``; ``calibration`` (constants used or None).
+        ``cuda_context``); ``peak_phase``; ``calibration`` (constants used or None); ``host_bytes`` /
+        ``host_breakdown_bytes`` (host memory beside the device: the pinned pool of
+        ``checkpointing=offload``); ``extrapolated_terms`` (CUDA terms no GPU run has checked yet).
     """
     knobs = knobs_from_cfg(cfg, seq_len=seq_len)
     calib_used: dict | None = None
@@ -214,6 +216,15 @@ def estimate(
         )
     if calib_used:
         notes.append(f"activation constants calibrated for {device_key_for(cfg)}: {calib_used}")
+    if est.host:
+        notes.append(
+            "host memory: "
+            + ", ".join(f"{name} {v / GIB:.2f} GiB" for name, v in est.host.items())
+            + " (checkpointing=offload: one exact-size page-locked pool of layers x tokens x hidden x dtype; "
+            "checked against the available RAM before a trial runs)"
+        )
+    if est.extrapolated:
+        notes.append("extrapolated (no GPU measurement yet): " + "; ".join(est.extrapolated))
     return {
         "peak_memory_bytes": int(est.peak),
         "required_bytes": int(est.required),
@@ -226,6 +237,9 @@ def estimate(
         "peak_phase": est.peak_phase,
         "seq_len": knobs.seq_len,
         "calibration": calib_used,
+        "host_bytes": int(sum(est.host.values())),
+        "host_breakdown_bytes": dict(est.host),
+        "extrapolated_terms": list(est.extrapolated),
     }
 
 

@@ -404,10 +404,14 @@ def _linear(
     return x_rg or full or lora
 
 
-def _layer_saved(k: Knobs, in_rg: bool, int8: bool = True, mlp: bool | None = None) -> _Saved:
+def _layer_saved(
+    k: Knobs, in_rg: bool, int8: bool = True, mlp: bool | None = None, upto_attention: bool = False
+) -> _Saved:
     """Tensors one decoder layer keeps for backward (``int8=False``: without the LLM.int8 inputs, which
     a checkpointed recompute does not re-create: backward uses the original nodes' ``ctx.A``).
-    ``mlp=False`` (default when ``tiling.mlp_tile_tokens`` > 0): the tiled MLP keeps only its input."""
+    ``mlp=False`` (default when ``tiling.mlp_tile_tokens`` > 0): the tiled MLP keeps only its input.
+    ``upto_attention``: only what is saved up to the attention output, i.e. what is still alive when the
+    layer's backward reaches its attention (the o_proj, norm and MLP tensors after it are freed by then)."""
     if mlp is None:
         mlp = k.mlp_tile <= 0
     d, c = k.dims, k.c
@@ -437,6 +441,8 @@ def _layer_saved(k: Knobs, in_rg: bool, int8: bool = True, mlp: bool | None = No
             s.add("v", c * kv_heads * hd)
             s.add("attn_out", c * H * hd)
             s.add("lse", 4 * H)
+    if upto_attention:
+        return s
     o_in = "attn_out" if k.attention != "eager" else "attn_out_t"
     _linear(s, k, "o_proj", o_in, *shapes["o_proj"], att_rg, int8)
     ln2 = _norm(s, k, "ln2", "x2", d.hidden_size, 1, True, full)
@@ -491,6 +497,23 @@ def eager_bytes_per_token(k: Knobs) -> float:
     return k.dims.num_heads * k.seq_len * per_elem
 
 
+def attention_backward_bytes_per_token(k: Knobs) -> float:
+    """Transient workspace of SDPA's flash (FlashAttention-2 ``mha_bwd``) / memory-efficient backward on
+    CUDA, per token, while one layer's attention runs backward: ``dq`` (heads x head_dim, compute dtype)
+    and its fp32 accumulator ``dq_accum``; ``dk``/``dv`` for every *query* head before GQA reduces them to
+    the kv heads (``dk_expanded``/``dv_expanded``) plus the reduced ``dk``/``dv``; ``softmax_d`` (fp32 per
+    head). Qwen3-8B (32 heads, 8 kv heads, head_dim 128, bf16): 45,184 B per token (2.8 GiB at 65,536
+    tokens). Allocation sizes from the kernel source; not yet measured on a GPU (``extrapolated_terms``).
+    CPU (PyTorch's CPU flash kernel) and eager attention: 0 (eager's score gradients are in its terms)."""
+    if k.device != "cuda" or k.attention not in ("sdpa", "flash_attention_2"):
+        return 0.0
+    d, c = k.dims, k.c
+    q = d.num_heads * d.head_dim
+    kv = d.num_kv_heads * d.head_dim
+    expanded = 2 * q * c if d.num_kv_heads != d.num_heads else 0
+    return float(q * (4 + c) + expanded + 2 * kv * c + 4 * d.num_heads)
+
+
 @dataclass
 class ActivationTerms:
     """Per-step activation features (bytes) the calibration scales, and the phase peaks."""
@@ -537,13 +560,17 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
         stored += L * _int8_inputs(k)
         layers_tok = stored
         attn_all = 0.0
-        one_layer = _layer_saved(k, in_rg=True, int8=False).total + per_layer_attn
+        saved_one = _layer_saved(k, in_rg=True, int8=False)
+        prefetch = 0.0
         if k.offload and k.device == "cuda":
-            one_layer += 2 * c * d.hidden_size  # the recomputed layer's input + the prefetched next one
+            # the prefetched input of the next layer to recompute, and the recomputed layer's own input
+            # unless its first norm saves that very tensor (key "x": Liger's RMSNorm, or fp32 compute)
+            prefetch = c * d.hidden_size * (1 if "x" in saved_one.items else 2)
+        one_layer = saved_one.total + per_layer_attn + prefetch
     else:
         layers_tok = first + (L - 1) * rest
         attn_all = L * per_layer_attn
-        one_layer = 0.0
+        one_layer = prefetch = 0.0
 
     # fixed: cos/sin (b, s, head_dim) in the dtype, batch int64 tensors, final norm (+ lm_head input)
     fixed_tok = 2 * c * d.head_dim + BATCH_INT_BYTES_PER_TOKEN
@@ -647,6 +674,13 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
             ),
             default=0,
         )
+    # SDPA's flash / memory-efficient backward (CUDA): a transient workspace while one layer's attention
+    # runs backward; the MLP's recompute and the dequantised weights are gone by then (the MLP comes first
+    # in a layer's backward), so the layer holds the larger of the two
+    attn_ws = attention_backward_bytes_per_token(k) * T
+    # the recomputed layer at its attention backward: the MLP's saved tensors are freed by then
+    at_attn = _layer_saved(k, in_rg=True, int8=False, upto_attention=True).total + per_layer_attn + prefetch
+    layer_bwd = max(one_layer * T + dequant + mlp_transient, at_attn * T + attn_ws)
     if k.checkpointing:
         # backward of one recomputed layer: its saved tensors + the gradients in flight (residual stream,
         # SwiGLU branches; fp32 LoRA branches in a 16-bit model double them) + DoRA's weight-norm pass,
@@ -656,12 +690,11 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
         # buffer until the embedding's backward adds to it (it only becomes ``.grad`` at the very end)
         tied_grad = k.vocab * d.hidden_size * c if (full and d.tie_word_embeddings) else 0.0
         phases["recompute"] = (
-            fixed
-            + layers
-            + ((one_layer + grad_flow) * T + dora_transient + dequant + mlp_transient) * f_layers
-            + kept_logits
-            + tied_grad
+            fixed + layers + (grad_flow * T + layer_bwd + dora_transient) * f_layers + kept_logits + tied_grad
         )
+    elif attn_ws > 0:
+        # the first attention backward (last layer): every layer's saved tensors + the kernel's workspace
+        phases["attn_backward"] = fixed + layers + attention + (grad_flow * T + attn_ws) * f_layers
     if k.mlp_tile > 0 and not k.checkpointing:
         # backward of a layer's tiled MLP: every layer's saved tensors + one tile's recompute + gradients in
         # flight (the intermediate-width ones for one tile only)
@@ -673,9 +706,9 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
     # one layer's backward working set: with checkpointing the recomputed layer's saved tensors + the
     # gradients in flight; without, one layer's saved tensors (freed layer by layer in backward)
     if k.checkpointing:
-        working = (one_layer + grad_flow) * T + dequant + mlp_transient
+        working = grad_flow * T + layer_bwd
     else:
-        working = rest * T + per_layer_attn * T
+        working = rest * T + per_layer_attn * T + attn_ws
     # HF cross-entropy: the compute-dtype logits (and, for eager attention, the last layer's score
     # buffers) are freed at the end of the forward; their blocks are only reused after the loss peak
     loss_transient = 0.0
@@ -747,6 +780,52 @@ class Estimate:
     phases: dict[str, int]
     peak_phase: str
     features: dict[str, float]  # calibration features (bytes at scale 1)
+    host: dict[str, int] = field(default_factory=dict)  # host-memory terms (offloaded layer inputs)
+    extrapolated: list[str] = field(default_factory=list)  # terms used beyond what a GPU run measured
+
+
+def host_bytes(k: Knobs) -> dict[str, int]:
+    """Host memory the step needs beside the device: the offloaded layer inputs of one pass.
+
+    ``checkpointing=offload`` (CUDA): one exact-size pool, page-locked (``vramsweep.longctx.offload``):
+    layers x tokens x hidden x c. Unsloth's offloaded checkpointing keeps the same inputs in host memory
+    (its own buffers). On a CPU device the "host" copies are in the memory the peak already counts."""
+    d = k.dims
+    inputs = d.num_layers * k.tokens * d.hidden_size * k.c
+    if k.device == "cuda" and k.checkpointing and k.offload:
+        return {"pinned_layer_inputs": int(inputs)}
+    if k.device == "cuda" and k.checkpointing and k.unsloth:
+        return {"unsloth_offloaded_layer_inputs": int(inputs)}
+    return {}
+
+
+#: The longest sequence of a trial that ran on a GPU and was compared with the estimate (2026-12-01, H200
+#: capped at 15 GiB: Qwen3-8B nf4_dq + Liger + checkpointing at 12,288 tokens; tests/test_estimate_gpu.py).
+GPU_MEASURED_MAX_TOKENS = 12_288
+
+
+def extrapolated_terms(k: Knobs, acts: ActivationTerms | None = None) -> list[str]:
+    """The terms of a CUDA estimate that no GPU measurement has checked yet (empty on CPU, where every
+    term is compared with the tensor tracker in tests/test_estimate.py)."""
+    if k.device != "cuda":
+        return []
+    out: list[str] = []
+    if k.tokens > GPU_MEASURED_MAX_TOKENS:
+        out.append(
+            f"every per-token term and the allocator reserve (LAYER_CYCLE_IDLE, SMALL_POOL_SLACK fitted at "
+            f"<= {GPU_MEASURED_MAX_TOKENS:,} tokens): {k.tokens:,} tokens"
+        )
+    if attention_backward_bytes_per_token(k) > 0:
+        out.append("attention backward workspace (FlashAttention-2 mha_bwd allocations, from its source)")
+    if k.offload:
+        out.append("checkpointing=offload: the prefetched input on the device and the pinned host pool")
+    if k.mlp_tile > 0:
+        out.append("tiling.mlp_tile_tokens: one tile's recompute")
+    if k.loss_chunk > 0:
+        out.append("tiling.loss_chunk_tokens: the chunked loss")
+    if k.adapter_bytes != 4:
+        out.append("adapter.dtype=compute (16-bit adapters, fp32 masters in the optimizer)")
+    return out
 
 
 def estimate_knobs(k: Knobs, calib: dict | None = None) -> Estimate:
@@ -825,4 +904,6 @@ def estimate_knobs(k: Knobs, calib: dict | None = None) -> Estimate:
             "logits": no_calib.logits,
             "fixed": no_calib.fixed,
         },
+        host=host_bytes(k),
+        extrapolated=extrapolated_terms(k, acts),
     )

@@ -48,6 +48,12 @@ def format_table(est: dict[str, Any], title: str = "") -> str:
         )
     else:
         lines.append("budget: none (hardware.budget_gib=0)")
+    if est.get("host_bytes"):
+        lines.append(
+            f"host memory: {est['host_bytes'] / GIB:.3f} GiB beside the device ("
+            + ", ".join(f"{n} {v / GIB:.3f} GiB" for n, v in (est.get("host_breakdown_bytes") or {}).items())
+            + ")"
+        )
     comp = est.get("components_bytes") or {}
     if comp:
         lines.append(
