@@ -11,8 +11,8 @@ what the peak is made of.
 from __future__ import annotations
 
 from vramsweep.config import compose
-from vramsweep.estimate import estimate, knobs_from_cfg, max_context
 from vramsweep.estimate import analytic as A
+from vramsweep.estimate import estimate, knobs_from_cfg, max_context
 from vramsweep.record.units import GIB
 
 BASE = [
@@ -51,7 +51,9 @@ def _cfg(knobs: str, tokens: int | None = None):
 
 
 def main() -> None:
-    print("| knobs | predicted max tokens | required at max (GiB) | host pinned at max (GiB) | required at 65,536 (GiB) |")
+    print(
+        "| knobs | predicted max tokens | required at max (GiB) | host pinned at max (GiB) | required at 65,536 (GiB) |"
+    )
     print("|---|---|---|---|---|")
     for knobs in ROWS:
         res = max_context(_cfg(knobs), calibration=False)
@@ -70,12 +72,16 @@ def main() -> None:
     at_attn = A._layer_saved(k, in_rg=True, int8=False, upto_attention=True).total
     prefetch = c * h  # the prefetched next input (the layer's own input is its saved "x")
     ws = A.attention_backward_bytes_per_token(k)
-    print(f"\n`{full}` at {TARGET:,} tokens: required {est['required_bytes'] / GIB:.2f} GiB, "
-          f"reserved peak {est['peak_memory_bytes'] / GIB:.2f} GiB, host {est['host_bytes'] / GIB:.2f} GiB")
+    print(
+        f"\n`{full}` at {TARGET:,} tokens: required {est['required_bytes'] / GIB:.2f} GiB, "
+        f"reserved peak {est['peak_memory_bytes'] / GIB:.2f} GiB, host {est['host_bytes'] / GIB:.2f} GiB"
+    )
     for name, v in est["breakdown_bytes"].items():
         print(f"  {name:<12} {v / GIB:6.2f} GiB")
     print("  activations at the peak (the recomputed layer's attention backward):")
-    print(f"    layer tensors up to its attention output   {at_attn * T / GIB:6.2f} GiB ({at_attn:,.0f} B/token)")
+    print(
+        f"    layer tensors up to its attention output   {at_attn * T / GIB:6.2f} GiB ({at_attn:,.0f} B/token)"
+    )
     print(f"    attention backward workspace (FA2 mha_bwd) {ws * T / GIB:6.2f} GiB ({ws:,.0f} B/token)")
     print(f"    prefetched next layer input                 {prefetch * T / GIB:6.2f} GiB")
     print("  extrapolated:", "; ".join(est["extrapolated_terms"]))
