@@ -2,7 +2,8 @@
 
 :class:`StepClock` times the phases of the *timed* steps with ``perf_counter`` (a few hundred ns each):
 ``h2d`` (host->device copies), ``forward``, ``backward``, ``optimizer`` (clip + step + schedule + zero),
-``sync_wait`` (the one ``.item()`` per optimizer step: the host waiting for the device) and ``other``
+``sync_wait`` (reading the previous step's loss once this step is issued: the host waiting for the
+device; see ``vramsweep.loop.fit``) and ``other``
 (everything else in the loop: bookkeeping, logging, progress). On CUDA the first four are the time the
 host spends *issuing* work (Python, dispatch, kernel launches), not GPU time: when ``sync_wait`` is
 near zero the device waited for the host (a host-bound step: Python/launch overhead dominates, so
