@@ -111,8 +111,8 @@ def _enter(stack: contextlib.ExitStack, contexts: Sequence[AbstractContextManage
 
 class _PendingLoss:
     """A step's loss on its way to the host. On CUDA: a non-blocking copy into a page-locked host scalar
-    and an event recorded after it, so reading it (:meth:`value`, once the next step is issued) waits for
-    that step's kernels only and never drains the device queue. Elsewhere the copy is complete when queued.
+    and an event recorded after it, so reading it (:meth:`take`, once the next step is issued) waits for
+    that step's kernels only and never drains the device queue. Elsewhere the loss is kept as is.
     The host scalar has the device loss's dtype, so the value read is exact. Two slots alternate: step
     k's copy is queued while step k-1's is still unread."""
 
@@ -122,6 +122,9 @@ class _PendingLoss:
         self.pending: tuple[int, Any, Any] | None = None  # (step, host scalar, event | None)
 
     def queue(self, step: int, total: Any) -> None:
+        if not self.cuda:  # already on the host: nothing to copy (no extra op per step)
+            self.pending = (step, total, None)
+            return
         import torch
 
         slot = self.slots[step % 2]
