@@ -212,6 +212,9 @@ def check_rules(cfg: DictConfig, rules: str = "all") -> None:
     elif rules == "config":
         validate(cfg, machine=False)
     elif rules == "values":
+        from vramsweep.config.modules import check_module_names
+
         check_values(cfg)
+        check_module_names(cfg)  # adapter.targets / quant.skip_modules against the model (validate does too)
     elif rules != "none":
         raise ValueError(f"rules={rules!r} (allowed: {', '.join(RULES)})")

@@ -487,6 +487,14 @@ def check_fault_env(environ: dict[str, str] | None = None) -> None:
         )
 
 
+def _rules_module_names(cfg: DictConfig) -> None:
+    """Values that name model modules (``adapter.targets``, ``quant.skip_modules``) against the modules
+    the architecture has (:mod:`vramsweep.config.modules`)."""
+    from vramsweep.config.modules import check_module_names
+
+    check_module_names(cfg)
+
+
 def validate(cfg: DictConfig, *, machine: bool = True) -> None:
     """Run every rule; raise the first :class:`ConfigError` (or :class:`UnsupportedError`).
 
@@ -496,5 +504,6 @@ def validate(cfg: DictConfig, *, machine: bool = True) -> None:
     """
     for rule in RULES:
         rule(cfg)
+    _rules_module_names(cfg)
     if machine:
         _rules_machine(cfg)
