@@ -102,7 +102,7 @@ BAD = [
     (["model.num_kv_heads=3"], "model.num_kv_heads", "2"),
     (["train.measure_warmup_steps=30"], "train.measure_warmup_steps", "0..29"),
     (["hardware=rtx4080_16gb"], "hardware", "cpu"),
-    (["optimizer.betas=[0.9,1.5]"], "optimizer.betas", "[0, 1)"),
+    (["optimizer.kwargs.betas=[0.9,1.5]"], "optimizer.kwargs.betas", "[0, 1)"),
     (["vocab=sliced", "model=qwen3_8b"], "vocab", "full"),
     (["data=jsonl", "data.path=/nonexistent.jsonl"], "data.path", ".jsonl"),
     (["train.dtype=true"], "train.dtype", "bf16"),

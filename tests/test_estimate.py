@@ -107,7 +107,7 @@ def test_state_bytes_match_real_tensors_for_every_cpu_knob_combination(results_d
     opt_cfgs = {o: _cfg(SMALL + [f"optimizer={o}"], results_dir).optimizer for o in OPTIMIZERS}
     # bitsandbytes' own default: tensors under 4096 elements (small LoRA matrices) keep fp32 state
     opt_cfgs["adamw_8bit/min4096"] = _cfg(
-        SMALL + ["optimizer=adamw_8bit", "optimizer.min_8bit_size=4096"], results_dir
+        SMALL + ["optimizer=adamw_8bit", "optimizer.kwargs.min_8bit_size=4096"], results_dir
     ).optimizer
     ids = torch.randint(3, 512, (1, 24), generator=torch.Generator().manual_seed(0))
     worst = {"params": (0.0, ""), "grads": (0.0, ""), "optimizer": (0.0, "")}

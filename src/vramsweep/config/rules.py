@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from omegaconf import DictConfig
@@ -30,14 +30,6 @@ from vramsweep.config.schema import (
     NAMED_GROUPS,
     SCHEDULES,
     TRUNCATIONS,
-)
-
-OPTIMIZER_IMPLS = (
-    "torch_adamw",
-    "bnb_adamw8bit",
-    "bnb_paged_adamw8bit",
-    "bnb_paged_adamw32bit",
-    "adafactor",
 )
 
 
@@ -144,21 +136,7 @@ def check_values(cfg: DictConfig) -> None:
             key="adapter.targets",
             allowed=["all-linear", "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"],
         )
-    _check_choice(cfg, "optimizer.impl", OPTIMIZER_IMPLS)
-    _check_range(cfg, "optimizer.weight_decay", 0.0, 1.0)
-    _check_range(cfg, "optimizer.eps", 0.0, 1.0, lo_open=True)
-    if len(cfg.optimizer.betas) != 2:
-        raise ConfigError(
-            f"optimizer.betas={list(cfg.optimizer.betas)} needs two values",
-            key="optimizer.betas",
-            allowed=["[b1, b2] in [0, 1)"],
-        )
-    for i, b in enumerate(cfg.optimizer.betas):
-        if not (0.0 <= float(b) < 1.0):
-            raise ConfigError(
-                f"optimizer.betas[{i}]={b} is out of range", key="optimizer.betas", allowed=["[0, 1)"]
-            )
-    _check_range(cfg, "optimizer.min_8bit_size", 0, 10**9, integer=True)
+    _rules_optimizer(cfg)
     _check_choice(cfg, "attention.implementation", group_options("attention"))
     _check_range(cfg, "context.max_tokens", 32, 10**7, integer=True)
     _check_choice(cfg, "context.truncation", TRUNCATIONS)
@@ -197,6 +175,68 @@ def check_values(cfg: DictConfig) -> None:
     _check_choice(cfg, "adapter.dtype", ("fp32", "compute"))
     _check_range(cfg, "tiling.loss_chunk_tokens", 0, 10**7, integer=True)
     _check_range(cfg, "tiling.mlp_tile_tokens", 0, 10**7, integer=True)
+
+
+TARGET_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+
+
+def _target_package(target: str) -> str:
+    return str(target).split(".", 1)[0]
+
+
+def optimizer_targets() -> dict[str, str]:
+    """``{option: _target_}`` of every optimizer option file (the options are the files: no other list)."""
+    from omegaconf import OmegaConf
+
+    from vramsweep.config.paths import find_option
+
+    out = {}
+    for name in group_options("optimizer"):
+        path = find_option("optimizer", name)
+        out[name] = str(OmegaConf.load(path).get("_target_", "")) if path else ""
+    return out
+
+
+def _rules_optimizer(cfg: DictConfig) -> None:
+    """``optimizer``: a class path, the ranges of the common constructor keywords where the option passes
+    them (``optimizer.kwargs.*``; a keyword the class does not take fails at build, naming it), and the
+    state spec the estimator reads."""
+    o = cfg.optimizer
+    target = o["_target_"]
+    if not TARGET_RE.match(str(target)):
+        raise ConfigError(
+            f"optimizer._target_={target!r} must name a class (package.module.Class)",
+            key="optimizer._target_",
+            allowed=sorted(set(optimizer_targets().values())),
+        )
+    kw = o.kwargs
+    if "weight_decay" in kw:
+        _check_range(cfg, "optimizer.kwargs.weight_decay", 0.0, 1.0)
+    if "eps" in kw and not isinstance(kw.eps, Sequence):  # Adafactor's eps is a pair
+        _check_range(cfg, "optimizer.kwargs.eps", 0.0, 1.0, lo_open=True)
+    if "betas" in kw:
+        if not isinstance(kw.betas, Sequence) or len(kw.betas) != 2:
+            raise ConfigError(
+                f"optimizer.kwargs.betas={kw.betas} needs two values",
+                key="optimizer.kwargs.betas",
+                allowed=["[b1, b2] in [0, 1)"],
+            )
+        for i, b in enumerate(kw.betas):
+            if not (0.0 <= float(b) < 1.0):
+                raise ConfigError(
+                    f"optimizer.kwargs.betas[{i}]={b} is out of range",
+                    key="optimizer.kwargs.betas",
+                    allowed=["[0, 1)"],
+                )
+    if "min_8bit_size" in kw:
+        _check_range(cfg, "optimizer.kwargs.min_8bit_size", 0, 10**9, integer=True)
+    _check_range(cfg, "optimizer.state.moments", 0, 16, integer=True)
+    _check_choice(cfg, "optimizer.state.bytes", (0, 1, 2, 4, 8))
+    _check_range(cfg, "optimizer.state.block", 1, 10**9, integer=True)
+    _check_range(cfg, "optimizer.state.qmap", 0, 10**6, integer=True)
+    _check_range(cfg, "optimizer.state.min_8bit_size", 0, 10**9, integer=True)
+    _check_range(cfg, "optimizer.state.scalar_bytes", 0, 1024, integer=True)
+    _check_range(cfg, "optimizer.state.temporaries", 0, 64)
 
 
 def _rules_combinations(cfg: DictConfig) -> None:
@@ -339,11 +379,16 @@ def _rules_machine(cfg: DictConfig) -> None:
             )
     if cfg.quant.bits != 16 and not _module_available("bitsandbytes"):
         raise UnsupportedError(f"quant={cfg.quant.name} needs bitsandbytes", key="quant", allowed=["none"])
-    if cfg.optimizer.impl.startswith("bnb_") and not _module_available("bitsandbytes"):
+    package = _target_package(cfg.optimizer["_target_"])
+    if not _module_available(package):
         raise UnsupportedError(
-            f"optimizer={cfg.optimizer.name} needs bitsandbytes",
+            f"optimizer={cfg.optimizer.name} needs {package} ({cfg.optimizer['_target_']})",
             key="optimizer",
-            allowed=["adamw", "adafactor"],
+            allowed=[
+                name
+                for name, target in optimizer_targets().items()
+                if _module_available(_target_package(target))
+            ],
         )
 
 

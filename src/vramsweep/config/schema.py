@@ -88,15 +88,32 @@ class AdapterConfig:
 
 
 @dataclass
+class OptimizerStateConfig:
+    """What ``optimizer.state`` holds per trainable tensor of n elements: the estimator counts memory from it
+    (:func:`vramsweep.estimate.analytic.optimizer_state_bytes`), nothing else knows an optimizer by name."""
+
+    moments: int = 2  # param-sized state tensors per trainable tensor (AdamW: exp_avg + exp_avg_sq; Lion: 1)
+    bytes: int = 0  # per state element: 0 = as the tensor stepped (torch), 4 = fp32, 1 = 8-bit blockwise
+    block: int = 256  # 8-bit: one fp32 absmax per block of this many elements, per moment
+    qmap: int = 256  # 8-bit: fp32 entries of the quantisation map per moment, shared by all tensors
+    min_8bit_size: int = 4096  # 8-bit: fp32 state below this many elements (the class's default; kwargs win)
+    factored: bool = False  # each moment of a >=2-D tensor is a row + a column vector (Adafactor)
+    scalar_bytes: int = 0  # 0-d tensors per trainable tensor (torch's fp32 step: 4; Adafactor's RMS: 4)
+    paged: bool = False  # state of tensors >= 1e5 elements in CUDA unified memory (bitsandbytes paged)
+    temporaries: float = 0.0  # param-sized temporaries of step() on the largest tensor (torch AdamW: 2)
+    foreach_cuda: bool = False  # CUDA: step() makes one temporary for every tensor at once (torch foreach)
+
+
+@dataclass
 class OptimizerConfig:
+    """An optimizer is declared, not coded: ``_target_`` names the class, ``kwargs`` its constructor keywords
+    besides the params and ``lr`` (``train.lr``; override one with ``optimizer.kwargs.weight_decay=0.1``),
+    ``state`` what it keeps (the estimator's memory model)."""
+
     name: str = "adamw"
-    impl: str = (
-        "torch_adamw"  # torch_adamw | bnb_adamw8bit | bnb_paged_adamw8bit | bnb_paged_adamw32bit | adafactor
-    )
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    min_8bit_size: int = 0  # bnb keeps tensors smaller than this in 32-bit state (bnb default 4096)
+    _target_: str = "torch.optim.AdamW"  # the optimizer class, imported at build
+    kwargs: dict[str, Any] = field(default_factory=dict)  # constructor keywords (not params, lr)
+    state: OptimizerStateConfig = field(default_factory=OptimizerStateConfig)
 
 
 @dataclass

@@ -16,11 +16,20 @@ Public API::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from vramsweep.estimate.analytic import DTYPE_BYTES, Estimate, Knobs, estimate_knobs, resolve_targets
+from vramsweep.config.paths import find_option
+from vramsweep.estimate.analytic import (
+    DTYPE_BYTES,
+    Estimate,
+    Knobs,
+    OptimizerState,
+    estimate_knobs,
+    resolve_targets,
+)
 from vramsweep.estimate.calibration import (
     calibrate,
     calibration_path,
@@ -115,6 +124,7 @@ def knobs_from_cfg(cfg: DictConfig, *, seq_len: int | None = None) -> Knobs:
             "checkpointing the layer inputs are offloaded to host memory"
         )
     budget = budget_bytes(cfg)
+    opt_state = optimizer_state(cfg.optimizer)
     if device == "cuda":
         notes.append(
             "CUDA: the peak is the caching allocator's reserved memory (what the budget and the emulated cap "
@@ -122,7 +132,7 @@ def knobs_from_cfg(cfg: DictConfig, *, seq_len: int | None = None) -> Knobs:
             f"small-pool holes); the CUDA context (hardware.overhead_bytes={int(cfg.hardware.overhead_bytes)}) "
             "lives outside the allocator and is not counted against the budget"
         )
-        if str(cfg.optimizer.impl).startswith("bnb_paged"):
+        if opt_state.paged:
             notes.append("paged optimizer state is counted on the device (it only pages out under pressure)")
     if method == "lora" and cfg.quant.bits == 16 and c == 2:
         notes.append(
@@ -143,8 +153,8 @@ def knobs_from_cfg(cfg: DictConfig, *, seq_len: int | None = None) -> Knobs:
         dropout=float(a.dropout),
         dora=bool(a.use_dora),
         targets=targets,
-        optimizer=str(cfg.optimizer.impl),
-        min_8bit_size=int(cfg.optimizer.min_8bit_size),
+        optimizer=str(cfg.optimizer.name),
+        opt=opt_state,
         attention=str(cfg.attention.implementation),
         liger=liger,
         liger_flce=flce,
@@ -166,6 +176,28 @@ def knobs_from_cfg(cfg: DictConfig, *, seq_len: int | None = None) -> Knobs:
         fp32_master=method == "lora" and a.get("dtype") == "compute" and bool(a.get("fp32_master", True)),
         **registry.estimate_fields(cfg),  # knobs registered with estimate hooks (vramsweep.knobs.registry)
     )
+
+
+def optimizer_state(o: DictConfig) -> OptimizerState:
+    """The optimizer's state spec (``optimizer.state``, declared in its option file), with the 8-bit
+    threshold the class is given (``optimizer.kwargs.min_8bit_size``; else the spec's, the class default).
+
+    A result written before optimizers were declarative (``optimizer.impl``, no ``state``) takes the spec
+    of the option file of the same name and its own ``min_8bit_size``."""
+    if "state" in o:
+        state, kwargs = o.state, o.get("kwargs") or {}
+    else:
+        path = find_option("optimizer", str(o.name))
+        if path is None:
+            raise ValueError(f"optimizer={o.name}: no state spec and no file conf/optimizer/{o.name}.yaml")
+        declared = OmegaConf.load(path)
+        state, kwargs = declared.state, dict(declared.get("kwargs") or {})
+        if "min_8bit_size" in kwargs and "min_8bit_size" in o:
+            kwargs["min_8bit_size"] = o.min_8bit_size
+    spec = OptimizerState.from_mapping(state)
+    if "min_8bit_size" in kwargs:
+        spec = dataclasses.replace(spec, min_8bit_size=int(kwargs["min_8bit_size"]))
+    return spec
 
 
 def budget_bytes(cfg: DictConfig) -> int | None:

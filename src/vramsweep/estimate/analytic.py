@@ -79,6 +79,50 @@ class TensorSpec:
         return int(math.ceil(self.numel * self.elem_bytes)) * self.count
 
 
+@dataclass(frozen=True)
+class OptimizerState:
+    """What an optimizer keeps per trainable tensor of n elements (``conf/optimizer/<name>.yaml``
+    ``state:``; schema :class:`vramsweep.config.schema.OptimizerStateConfig` documents each field).
+
+    Per tensor: ``moments`` state tensors of n elements (``factored``: rows + cols for a >=2-D tensor) at
+    ``bytes`` each (0 = the dtype of the tensor stepped) + ``scalar_bytes``. 8-bit (``bytes=1``):
+    + one fp32 absmax per ``block`` per moment, fp32 state below ``min_8bit_size`` elements, and
+    ``moments`` x ``qmap`` fp32 map entries shared by all tensors (bitsandbytes ``Optimizer1State`` /
+    ``Optimizer2State.init_state``).
+    """
+
+    moments: int = 2
+    bytes: int = 0
+    block: int = 256
+    qmap: int = 256
+    min_8bit_size: int = 4096
+    factored: bool = False
+    scalar_bytes: int = 0
+    paged: bool = False
+    temporaries: float = 0.0
+    foreach_cuda: bool = False
+
+    @classmethod
+    def from_mapping(cls, m) -> OptimizerState:
+        """From the config's ``optimizer.state`` (any mapping; missing keys take the defaults)."""
+        f = cls.__dataclass_fields__
+        return cls(**{k: type(f[k].default)(m[k]) for k in f if k in m and m[k] is not None})
+
+    def eight_bit(self, n: int) -> bool:
+        return self.bytes == 1 and n >= self.min_8bit_size
+
+    def elem_bytes(self, n: int, stepped_bytes: float) -> float:
+        """Bytes per state element of a tensor of n elements stepped in ``stepped_bytes``."""
+        if self.bytes == 1:
+            return 1 if self.eight_bit(n) else 4
+        return self.bytes or stepped_bytes
+
+    def moment_numel(self, shape: tuple[int, ...]) -> int:
+        if self.factored and len(shape) >= 2:
+            return math.prod(shape[:-1]) + shape[-1]
+        return math.prod(shape)
+
+
 @dataclass
 class Knobs:
     """The config values the memory model depends on (resolved once from the composed config)."""
@@ -96,8 +140,8 @@ class Knobs:
     dropout: float
     dora: bool
     targets: frozenset[str]
-    optimizer: str
-    min_8bit_size: int
+    optimizer: str  # optimizer.name (messages); its memory comes from ``opt``
+    opt: OptimizerState  # optimizer.state: what the optimizer keeps per trainable tensor
     attention: str
     liger: bool
     liger_flce: bool  # Liger fused linear cross-entropy (kernels.liger_fused_linear_cross_entropy)
@@ -232,38 +276,31 @@ def logical_param_count(k: Knobs) -> int:
 # optimizer state
 
 
+def _stepped_bytes(k: Knobs, t: TensorSpec) -> float:
+    """Bytes per element of the tensor the optimizer steps: the fp32 master of a 16-bit one with
+    ``fp32_master`` (``knobs.optim.Fp32Master``), else the tensor itself."""
+    return 4 if k.fp32_master and t.elem_bytes < 4 else t.elem_bytes
+
+
 def optimizer_state_bytes(k: Knobs, trainable: list[TensorSpec]) -> int:
-    """Bytes of ``optimizer.state`` after the first step (distinct storages). With ``fp32_master`` a 16-bit
-    trainable tensor is stepped as an fp32 copy that the state holds (``knobs.optim.Fp32Master``): +4 bytes
-    per element, and the state is sized by the fp32 copy."""
+    """Bytes of ``optimizer.state`` after the first step (distinct storages), from the option's state spec
+    (:class:`OptimizerState`). With ``fp32_master`` a 16-bit trainable tensor is stepped as an fp32 copy
+    that the state holds (``knobs.optim.Fp32Master``): +4 bytes per element, and the state is sized by the
+    fp32 copy."""
+    s = k.opt
     total = 0
     any_8bit = False
     for t in trainable:
-        n, each = t.numel, 0
-        master = k.fp32_master and t.elem_bytes < 4
-        if k.optimizer == "torch_adamw":
-            # exp_avg, exp_avg_sq (in the dtype of the tensor stepped) + fp32 step
-            each = 2 * n * (4 if master else t.elem_bytes) + 4
-        elif k.optimizer in ("bnb_adamw8bit", "bnb_paged_adamw8bit"):
-            if n < k.min_8bit_size:
-                each = 2 * n * 4
-            else:
-                any_8bit = True
-                each = 2 * n + 2 * 4 * (-(-n // BNB_OPTIM_BLOCKSIZE))
-        elif k.optimizer == "bnb_paged_adamw32bit":
-            each = 2 * n * 4
-        elif k.optimizer == "adafactor":
-            if len(t.shape) >= 2:
-                rows = math.prod(t.shape[:-1])
-                each = 4 * (rows + t.shape[-1])
-            else:
-                each = 4 * n
-            each += 4  # RMS (0-d fp32 tensor)
-        else:  # pragma: no cover - rules reject unknown impls
-            raise ValueError(f"unknown optimizer.impl={k.optimizer}")
-        total += (int(each) + (4 * n if master else 0)) * t.count
+        n = t.numel
+        stepped = _stepped_bytes(k, t)
+        each = s.moments * s.moment_numel(t.shape) * s.elem_bytes(n, stepped) + s.scalar_bytes
+        if s.eight_bit(n):
+            any_8bit = True
+            each += s.moments * 4 * (-(-n // s.block))  # fp32 absmax per block, per moment
+        master = 4 * n if stepped != t.elem_bytes else 0
+        total += (int(each) + master) * t.count
     if any_8bit:
-        total += 2 * BNB_QMAP_ENTRIES * 4
+        total += s.moments * s.qmap * 4  # qmap1 (signed) [+ qmap2 (unsigned)], shared by every tensor
     return total
 
 
@@ -271,46 +308,42 @@ BNB_PAGED_MIN_NUMEL = 100_000  # bitsandbytes pages state buffers of params with
 
 
 def paged_state_bytes(k: Knobs, trainable: list[TensorSpec]) -> int:
-    """Optimizer state that bitsandbytes puts in CUDA unified memory (``get_state_buffer``: paged
+    """Optimizer state that bitsandbytes puts in CUDA unified memory (``get_state_buffer``: ``state.paged``
     optimizers, CUDA, params with >= 1e5 elements; the absmax stay ordinary tensors). The estimate
     counts it on the device; ``torch.cuda.max_memory_allocated`` does not see it."""
-    if k.device != "cuda" or not k.optimizer.startswith("bnb_paged"):
+    s = k.opt
+    if k.device != "cuda" or not s.paged:
         return 0
     total = 0
     for t in trainable:
         n = t.numel
         if n < BNB_PAGED_MIN_NUMEL:
             continue
-        eight_bit = k.optimizer == "bnb_paged_adamw8bit" and n >= k.min_8bit_size
-        total += (2 * n if eight_bit else 8 * n) * t.count
+        total += int(s.moments * s.moment_numel(t.shape) * s.elem_bytes(n, _stepped_bytes(k, t))) * t.count
     return total
 
 
 def optimizer_step_workspace(k: Knobs, trainable: list[TensorSpec]) -> int:
-    """Temporaries of ``optimizer.step()`` (tracker category ``other``).
+    """Temporaries of ``optimizer.step()`` (tracker category ``other``), from the state spec.
 
-    torch AdamW: single-tensor path on CPU (``denom`` = sqrt / bias-correction: two param-sized
-    temporaries at once); on CUDA the foreach path materialises ``sqrt(exp_avg_sq)`` for every param
-    at once. Adafactor: ~3 fp32 param-sized temporaries (``grad**2``, the factored approximation, the
-    update). bitsandbytes: fused kernels (no tracked temporaries). ``fp32_master``: the step runs on the fp32
+    ``state.temporaries`` param-sized temporaries of the largest tensor in the state's dtype (torch AdamW's
+    single-tensor CPU path: ``denom`` = sqrt / bias-correction, two at once; Adafactor: ~3 fp32 ones,
+    ``grad**2``, the factored approximation, the update); ``state.foreach_cuda``: on CUDA one temporary
+    for every tensor at once instead (torch's foreach path materialises ``sqrt(exp_avg_sq)``).
+    bitsandbytes: fused kernels (no tracked temporaries). ``fp32_master``: the step runs on the fp32
     copies, and their fp32 grads replace the 16-bit grads while it runs (+(4 - elem_bytes) per element).
     """
     if not trainable:
         return 0
+    s = k.opt
 
-    def elem(t: TensorSpec) -> int:
-        return 4 if k.fp32_master and t.elem_bytes < 4 else t.elem_bytes
+    def elem(t: TensorSpec) -> float:
+        return s.elem_bytes(t.numel, _stepped_bytes(k, t))
 
-    master_grads = sum((elem(t) - t.elem_bytes) * t.numel * t.count for t in trainable)
-    largest = max(t.numel * elem(t) for t in trainable)
-    largest_n = max(t.numel for t in trainable)
-    if k.optimizer == "torch_adamw":
-        if k.device == "cuda":
-            return int(sum(t.numel * elem(t) * t.count for t in trainable)) + master_grads
-        return int(2 * largest) + master_grads
-    if k.optimizer == "adafactor":
-        return int(3 * 4 * largest_n) + master_grads
-    return master_grads
+    master_grads = sum((_stepped_bytes(k, t) - t.elem_bytes) * t.numel * t.count for t in trainable)
+    if s.foreach_cuda and k.device == "cuda":
+        return int(sum(t.numel * elem(t) * t.count for t in trainable) + master_grads)
+    return int(s.temporaries * max(t.numel * elem(t) for t in trainable) + master_grads)
 
 
 # --------------------------------------------------------------------------------------------------

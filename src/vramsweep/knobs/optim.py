@@ -1,4 +1,9 @@
-"""Optimizers by name (torch, bitsandbytes, transformers) and the LR schedule (transformers).
+"""Optimizers from their option file (``_target_`` + ``kwargs``) and the LR schedule (transformers).
+
+An optimizer is declared in ``conf/optimizer/<name>.yaml``: ``_target_`` names the class (torch,
+bitsandbytes, transformers or any importable one), ``kwargs`` its constructor keywords besides the params
+and ``lr`` (``train.lr``), ``state`` what it keeps (read by the estimator). There is no branch per
+optimizer here: an option whose class takes no ``eps`` (Lion) simply lists none.
 
 ``adapter.dtype=compute`` + ``adapter.fp32_master=true`` (the default): the optimizer steps fp32 master
 copies of the 16-bit adapter weights (:class:`Fp32Master`), so updates smaller than half a bf16 ulp of a
@@ -11,62 +16,77 @@ their CPU kernels step a 16-bit param in fp32 and round it back to nearest
 
 from __future__ import annotations
 
+import importlib
+import inspect
+from typing import Any
+
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+
+from vramsweep.config.errors import ConfigError
+
+
+def optimizer_class(target: str) -> type:
+    """The class named by ``optimizer._target_`` (``package.module.Class``)."""
+    module, _, name = str(target).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name) if module else None
+    except (ImportError, AttributeError):
+        cls = None
+    if not isinstance(cls, type):
+        raise ConfigError(
+            f"optimizer._target_={target!r} is not an importable class",
+            key="optimizer._target_",
+            allowed=["<package.module.Class>, e.g. torch.optim.AdamW"],
+        )
+    return cls
+
+
+def optimizer_kwargs(cfg: DictConfig, cls: type) -> dict[str, Any]:
+    """``optimizer.kwargs`` resolved (lists become tuples: betas, Adafactor's eps), checked against the
+    constructor's signature so that a keyword the class does not take names the option."""
+    o = cfg.optimizer
+    kwargs = OmegaConf.to_container(o.kwargs, resolve=True) or {}
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+    sig = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values()):
+        takes = [n for n in sig if n not in ("self", "params")]
+        for k in kwargs:
+            if k not in sig or k in ("self", "params", "lr"):
+                raise ConfigError(
+                    f"optimizer={o.name}: {cls.__name__} takes no keyword {k!r} (optimizer.kwargs.{k})",
+                    key=f"optimizer.kwargs.{k}",
+                    allowed=[n for n in takes if n != "lr"],
+                )
+    return kwargs
 
 
 def build_optimizer(cfg: DictConfig, params: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer, dict]:
-    """Return the optimizer named by ``cfg.optimizer.impl`` and notes for ``meta``.
+    """The optimizer declared by ``cfg.optimizer`` (``_target_(params, lr=train.lr, **kwargs)``) and notes
+    for ``meta``.
 
-    The paged bitsandbytes optimizers keep their state in CUDA unified memory; on CPU bitsandbytes
-    falls back to ordinary (non-paged) state, which the notes record.
+    The paged bitsandbytes optimizers (``state.paged``) keep their state in CUDA unified memory; on CPU
+    bitsandbytes falls back to ordinary (non-paged) state, which the notes record.
     """
     o = cfg.optimizer
+    cls = optimizer_class(o["_target_"])
+    kwargs = optimizer_kwargs(cfg, cls)
     master = Fp32Master(params) if wants_fp32_master(cfg) else None
     if master is not None and master.pairs:
         params = master.optimizer_params()
     else:
         master = None
-    lr = float(cfg.train.lr)
-    betas = (float(o.betas[0]), float(o.betas[1]))
-    notes: dict = {"optimizer_class": None, "paged": False}
-    if o.impl == "torch_adamw":
-        opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
-    elif o.impl == "adafactor":
-        from transformers.optimization import Adafactor
-
-        opt = Adafactor(
-            params,
-            lr=lr,
-            eps=(1e-30, 1e-3),
-            beta1=None,
-            weight_decay=o.weight_decay,
-            scale_parameter=False,
-            relative_step=False,
-            warmup_init=False,
-        )
-    else:
-        import bitsandbytes as bnb
-
-        cls = {
-            "bnb_adamw8bit": bnb.optim.AdamW8bit,
-            "bnb_paged_adamw8bit": bnb.optim.PagedAdamW8bit,
-            "bnb_paged_adamw32bit": bnb.optim.PagedAdamW32bit,
-        }[o.impl]
-        kwargs = dict(lr=lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
-        if o.impl != "bnb_paged_adamw32bit":
-            kwargs["min_8bit_size"] = int(o.min_8bit_size)
-        opt = cls(params, **kwargs)
-        if "paged" in o.impl:
-            on_cuda = any(p.is_cuda for p in params)
-            notes["paged"] = on_cuda
-            if not on_cuda:
-                notes["paged_fallback"] = (
-                    "CPU: bitsandbytes keeps paged-optimizer state as ordinary (non-paged) tensors"
-                )
+    opt = cls(params, lr=float(cfg.train.lr), **kwargs)
+    notes: dict = {"optimizer_class": f"{type(opt).__module__}.{type(opt).__name__}", "paged": False}
+    if bool(o.state.paged):
+        on_cuda = any(p.is_cuda for p in params)
+        notes["paged"] = on_cuda
+        if not on_cuda:
+            notes["paged_fallback"] = (
+                "CPU: bitsandbytes keeps paged-optimizer state as ordinary (non-paged) tensors"
+            )
     if master is not None:
         notes["fp32_master"] = master.attach(opt)
-    notes["optimizer_class"] = f"{type(opt).__module__}.{type(opt).__name__}"
     return opt, notes
 
 
