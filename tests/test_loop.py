@@ -200,3 +200,55 @@ def test_chunked_loss_reads_nothing_on_the_host(ignored):
             hidden.detach() @ weight.detach().t(), labels, ignore_index=-100
         )
         assert out.item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+# --- the causal fast path of an unpadded batch (vramsweep.knobs.attention)
+
+
+def _tiny(*over):
+    from vramsweep.config import compose
+    from vramsweep.knobs import build_model
+
+    built = build_model(compose(["train.dtype=fp32", *over]))
+    built.model.train()
+    return built.model, compose(["train.dtype=fp32", *over])
+
+
+@pytest.mark.parametrize("tiling", ["off", "loss"])
+def test_unpadded_batch_skips_the_packed_sequence_host_read(monkeypatch, tiling):
+    """transformers' mask building reads the position ids on the host (find_packed_sequence_indices: a
+    device sync per forward on CUDA) when no mask is passed; the training loss of an unpadded batch on SDPA
+    passes the causal mask mapping instead: no such read, and the same loss and gradients."""
+    import transformers.masking_utils as mu
+
+    from vramsweep.knobs.registry import loss_fn
+
+    model, cfg = _tiny("attention=sdpa", f"tiling={tiling}")
+    ids = torch.randint(3, 3000, (2, 48), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    calls = []
+    real = mu.find_packed_sequence_indices
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ref = model(input_ids=ids, attention_mask=None, labels=labels).loss
+    assert calls  # transformers' own path reads the positions
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    calls.clear()
+    fn = loss_fn(cfg, model)
+    got = fn(ids, None, labels)
+    got.backward()
+    assert calls == []
+    assert got.item() == pytest.approx(ref.item(), rel=1e-6)
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_no_fast_path_for_eager_attention():
+    from vramsweep.knobs.attention import causal_mask_mapping
+
+    model, _ = _tiny("attention=eager")
+    assert causal_mask_mapping(model) is None
+    model, _ = _tiny("attention=sdpa")
+    assert causal_mask_mapping(model) == {"full_attention": None}

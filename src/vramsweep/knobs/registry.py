@@ -72,13 +72,22 @@ def apply_build(cfg: Any, model: Any, device: Any) -> dict[str, Any]:
 
 def loss_fn(cfg: Any, model: Any) -> Callable[..., Any]:
     """The training loss ``fn(input_ids, attention_mask, labels) -> mean loss over target tokens``:
-    the active knob's, or the model's own."""
+    the active knob's, or the model's own; an unpadded batch (``attention_mask=None``) goes through
+    :func:`vramsweep.knobs.attention.with_causal_fast_path`."""
+    from vramsweep.knobs.attention import with_causal_fast_path
+
     owners = [h for h in active(cfg) if h.loss is not None]
     if len(owners) > 1:
         raise ValueError(f"knobs {[h.name for h in owners]} each replace the training loss: choose one")
     if owners:
-        return owners[0].loss(cfg, model)
-    return lambda ids, mask, labels: model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        fn = owners[0].loss(cfg, model)
+    else:
+
+        def fn(ids, mask, labels):
+            return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    # an unpadded batch on SDPA/FlashAttention-2: the causal mask mapping, not None (no host read)
+    return with_causal_fast_path(fn, model, cfg)
 
 
 def estimate_fields(cfg: Any) -> dict[str, Any]:

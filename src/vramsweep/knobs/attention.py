@@ -1,0 +1,52 @@
+"""Attention backends: what the training step passes as the attention mask of an unpadded batch.
+
+For an unpadded batch the loop passes no mask, and transformers (5.x ``masking_utils``) then looks for
+packed sequences in the position ids (``find_packed_sequence_indices``: a ``.all()`` read on the host, i.e.
+a device sync at the start of every forward on CUDA; with a 2-D mask, SDPA's mask check reads it too).
+For SDPA and FlashAttention-2 the causal mask of an unpadded batch is "no mask, causal": transformers'
+decoders accept a precomputed mask per layer type, so :func:`causal_mask_mapping` hands them
+``{"full_attention": None}`` and the forward runs without the host read — same kernels, same values
+(tests/test_loop.py). Eager attention needs a materialised causal mask (no fast path there), and models
+with sliding-window layers keep transformers' own masks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FAST_PATH_IMPLEMENTATIONS = ("sdpa", "flash_attention_2")
+
+
+def causal_mask_mapping(model: Any) -> dict[str, None] | None:
+    """``{"full_attention": None}`` when every decoder layer of ``model`` (a HF causal LM, or a PEFT
+    wrapper of one) is full causal attention on SDPA / FlashAttention-2; otherwise None (use the model's
+    own mask building)."""
+    get = getattr(model, "get_base_model", None)
+    lm = get() if callable(get) else model
+    config = getattr(lm, "config", None)
+    if config is None:
+        return None
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in FAST_PATH_IMPLEMENTATIONS:
+        return None
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    if any(t != "full_attention" for t in layer_types):
+        return None
+    return {"full_attention": None}
+
+
+def with_causal_fast_path(fn, model: Any, cfg: Any = None):
+    """Wrap a loss ``fn(ids, mask, labels)`` so an unpadded batch (``mask is None``) passes the causal
+    mask mapping instead of None (no host read in the forward); unchanged when the model has no fast path
+    or Unsloth runs the model (its own forward builds its masks)."""
+    if cfg is not None and bool(cfg.get("kernels", {}).get("unsloth", False)):
+        return fn
+    mapping = causal_mask_mapping(model)
+    if mapping is None:
+        return fn
+
+    def loss(ids, mask, labels):
+        return fn(ids, mapping if mask is None else mask, labels)
+
+    loss.fast_path = True  # for tests and notes
+    return loss
