@@ -81,10 +81,11 @@ def _key(mcfg: DictConfig) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def embedded_dir(mcfg: DictConfig) -> Path:
+def embedded_dir(mcfg: DictConfig, root: Path | None = None) -> Path:
+    """``<cache>/embedded/<name>-<key>`` (``root``: the cache folder, default created if missing)."""
     from vramsweep.hfmodel import cache_root
 
-    return cache_root() / "embedded" / f"{mcfg.name}-{_key(mcfg)}"
+    return (cache_root() if root is None else root) / "embedded" / f"{mcfg.name}-{_key(mcfg)}"
 
 
 def _sha256(path: Path) -> str:

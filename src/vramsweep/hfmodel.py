@@ -8,11 +8,18 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+CACHE_ENV = "VRAMSWEEP_CACHE"
+
+
+def cache_path() -> Path:
+    """Where the cache is (``$VRAMSWEEP_CACHE`` or ``~/.cache/vramsweep``), without creating it."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "vramsweep"
+
 
 def cache_root() -> Path:
     """Local cache for built artefacts (embedded model, arch weights): ``VRAMSWEEP_CACHE`` or ~/.cache."""
-    env = os.environ.get("VRAMSWEEP_CACHE")
-    root = Path(env) if env else Path.home() / ".cache" / "vramsweep"
+    root = cache_path()
     root.mkdir(parents=True, exist_ok=True)
     return root
 

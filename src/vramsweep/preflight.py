@@ -208,7 +208,9 @@ def preflight(
     where = results_dir if results_dir is not None else str(cfg.results_dir)
     check_writable(where, key=key)
     check_disk(where, n_trials, key=key)
+    check_cache(cfg)
     check_inputs(cfg)
+    check_data(cfg)
     check_host_memory(cfg)
 
 
@@ -299,3 +301,317 @@ def preflight_sweep(plan: Any, task_cfg: dict[str, Any], arguments: Iterable[str
             check_jsonl(value, key=key)
         else:
             check_model_config(value, key=key)
+    check_sweep_data(plan, cfg)  # after the input files parse: what the data step would fail on
+
+
+# --- what the data step and the cache would fail on (issue 29.1, 29.6) ---------------------------------
+
+
+class _Tokens:
+    """What the data step needs of the trial's tokenizer, loaded without transformers when the folder has
+    ``tokenizer.json`` (the Rust tokenizer a ``PreTrainedTokenizerFast`` wraps: the same ids for
+    ``add_special_tokens=False``; the EOS/BOS/SEP roles from ``tokenizer_config.json`` /
+    ``special_tokens_map.json``), else through ``AutoTokenizer`` like the trial."""
+
+    def __init__(self, folder: Path):
+        import json
+
+        self.folder = folder
+        self._fast = None
+        self._auto = None
+        if (folder / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer
+
+            self._fast = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            spec: dict[str, Any] = {}
+            for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+                if (folder / name).is_file():
+                    spec.update(json.loads((folder / name).read_text(encoding="utf-8")))
+            ids = {}
+            for role in ("eos", "bos", "sep"):
+                tok = spec.get(f"{role}_token")
+                tok = tok.get("content") if isinstance(tok, dict) else tok
+                ids[role] = self._fast.token_to_id(tok) if isinstance(tok, str) else None
+            self.eos_id, self.bos_id, self.sep_id = ids["eos"], ids["bos"], ids["sep"]
+        if self._fast is None:
+            from transformers import AutoTokenizer
+
+            self._auto = AutoTokenizer.from_pretrained(str(folder))
+            self.eos_id = getattr(self._auto, "eos_token_id", None)
+            self.bos_id = getattr(self._auto, "bos_token_id", None)
+            self.sep_id = getattr(self._auto, "sep_token_id", None)
+
+    def lengths(self, texts: list[str]) -> list[int]:
+        if not texts:
+            return []
+        if self._fast is not None:
+            return [len(e.ids) for e in self._fast.encode_batch(texts, add_special_tokens=False)]
+        return [len(ids) for ids in self._auto(texts, add_special_tokens=False)["input_ids"]]
+
+    def fixed_tokens(self, instructions: str) -> int:
+        """Tokens of every example besides context and target: ``[bos] instructions [sep] .. [sep]``
+        (:func:`vramsweep.data.examples.build_examples`)."""
+        sep = 1 if self.sep_id is not None else self.lengths(["\n\n"])[0]
+        return (1 if self.bos_id is not None else 0) + self.lengths([instructions])[0] + 2 * sep
+
+
+def _trial_tokenizer_dir(cfg: Any) -> Path | None:
+    """The folder the trial loads its tokenizer from (:func:`vramsweep.knobs.model.model_source`), found
+    without creating anything; None when the trial has no tokenizer (random tokens) or the embedded model
+    would first be built for these dims (its tokenizer does not exist yet)."""
+    src = str(cfg.model.source)
+    if src == "path":
+        folder = Path(str(cfg.model.path))
+    elif src == "embedded":
+        from vramsweep.embedded import ASSET_DIR, _key, asset_info, embedded_dir
+        from vramsweep.hfmodel import cache_path
+
+        folder = embedded_dir(cfg.model, root=cache_path())
+        if not (folder / "COMPLETE").exists():
+            info = asset_info()
+            if info is None or info.get("key") != _key(cfg.model):
+                return None
+            folder = ASSET_DIR  # ensure_embedded copies it as it is
+    else:
+        return None
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    return folder
+
+
+def _single_section_error(
+    docs: list[dict], key: str, what: str, allowed: list[str], role: str = ""
+) -> ConfigError:
+    n = len(docs)
+    return ConfigError(
+        f"{what}: no document has 2 or more sections ({n} document{'s' if n != 1 else ''}{' ' + role if role else ''}, "
+        f"{'each ' if n != 1 else ''}with one): every "
+        "example predicts a section from the sections before it, so there would be no example",
+        key=key,
+        allowed=allowed,
+    )
+
+
+def check_data(cfg: Any) -> None:
+    """What the data step (:func:`vramsweep.data_prep.build_trial_data`) would raise on, found before the
+    model is built: too few documents for a held-out split, train or eval documents that give no example
+    (a single section each), ``context.max_tokens`` that leaves no room for a target, and with
+    ``context.truncation=none`` any example longer than ``context.max_tokens`` (tokenised and counted with
+    the trial's own tokenizer: section by section, as the data step does)."""
+    if str(cfg.data.source) == "random":
+        return
+    folder = _trial_tokenizer_dir(cfg)
+    if folder is None and str(cfg.model.source) != "embedded":
+        return  # no tokenizer: the trial trains on random tokens of exactly context.max_tokens
+    from vramsweep.data.documents import format_section
+    from vramsweep.data_prep import load_documents
+
+    d = cfg.data
+    jsonl = str(d.source) == "jsonl"
+    try:
+        train, held_out = load_documents(cfg)
+    except FileNotFoundError as exc:  # check_inputs names a missing file first; kept for direct calls
+        raise ConfigError(f"data.path: {exc}", key="data.path") from None
+    except (OSError, ValueError) as exc:
+        msg = str(exc)
+        if "need at least 2 documents" in msg:
+            raise ConfigError(
+                msg, key="data.path", allowed=["a data.path with >= 2 documents", "data.eval_path=<jsonl>"]
+            ) from None
+        raise ConfigError(f"data.path: {msg}", key="data.path") from None
+    sections_allowed = ["documents with >= 2 sections ({heading, text} objects)"]
+    if not any(len(doc["sections"]) >= 2 for doc in train):
+        what = f"data.path={d.path}" if jsonl else f"data=synthetic (data.num_docs={d.num_docs})"
+        role = "for training" if jsonl and not d.eval_path else ""
+        raise _single_section_error(
+            train, "data.path" if jsonl else "data.num_docs", what, sections_allowed, role
+        )
+    if not any(len(doc["sections"]) >= 2 for doc in held_out):
+        if jsonl and d.eval_path:
+            raise _single_section_error(
+                held_out, "data.eval_path", f"data.eval_path={d.eval_path}", sections_allowed
+            )
+        if jsonl:
+            n = len(held_out)
+            raise ConfigError(
+                f"data.path={d.path}: the last {n} document{'s' if n != 1 else ''}, held out for eval (data.eval_path "
+                f"is unset), {'have a single section each' if n != 1 else 'has a single section'}: the eval would "
+                "have no example",
+                key="data.eval_path",
+                allowed=["data.eval_path=<jsonl of documents with >= 2 sections>", *sections_allowed],
+            )
+        raise _single_section_error(
+            held_out, "data.num_eval_docs", "data=synthetic eval documents", sections_allowed
+        )
+    if folder is None:
+        return  # the embedded model is built for these dims first: its tokenizer does not exist yet
+    try:
+        tok = _Tokens(folder)
+    except Exception as exc:  # noqa: BLE001 - an unreadable tokenizer fails the trial the same way
+        raise ConfigError(
+            f"model: cannot load the tokenizer in {folder}: {type(exc).__name__}: {str(exc)[:300]}",
+            key="model.path" if str(cfg.model.source) == "path" else "model",
+        ) from None
+    if tok.eos_id is None:
+        raise ConfigError(
+            f"model.path={cfg.model.path}: the tokenizer has no eos_token (every target ends with EOS)",
+            key="model.path",
+            allowed=["a tokenizer_config.json with eos_token"],
+        )
+    max_tokens = int(cfg.context.max_tokens)
+    fixed = tok.fixed_tokens(str(d.instructions))
+    if max_tokens - fixed < 1:
+        raise ConfigError(
+            f"context.max_tokens={max_tokens} leaves no room for a target: data.instructions and the separators "
+            f"alone take {fixed} tokens",
+            key="context.max_tokens",
+            allowed=[f">= {fixed + 1}", "a shorter data.instructions"],
+        )
+    if str(cfg.context.truncation) != "none":
+        return
+    docs = [doc for doc in [*train, *held_out] if len(doc["sections"]) >= 2]
+    lengths = tok.lengths([format_section(s) for doc in docs for s in doc["sections"]])
+    worst, over, total, pos = (0, "", 0), 0, 0, 0
+    for doc in docs:
+        n = len(doc["sections"])
+        lens, pos = lengths[pos : pos + n], pos + n
+        for i in range(1, n):
+            need = fixed + sum(lens[:i]) + lens[i] + 1  # prompt + whole context + target + EOS
+            total += 1
+            if need > max_tokens:
+                over += 1
+                if need > worst[0]:
+                    worst = (need, str(doc.get("id", "")), i)
+    if over:
+        need, doc_id, i = worst
+        raise ConfigError(
+            f"context.truncation=none: {over} of {total} examples are longer than context.max_tokens={max_tokens} "
+            f"(the longest, document {doc_id!r} section {i}, needs {need} tokens) and none cuts nothing",
+            key="context.truncation",
+            allowed=["head", "tail", "exp_decay", f"context.max_tokens>={need}"],
+        )
+
+
+def _cache_bytes_needed(cfg: Any) -> int:
+    """Bytes the embedded model adds to the cache: the committed asset's files, or (built for other dims)
+    its fp16 weights from the model's dimensions."""
+    from vramsweep.embedded import ASSET_DIR, _key, asset_info
+
+    info = asset_info()
+    if info is not None and info.get("key") == _key(cfg.model):
+        return sum(p.stat().st_size for p in ASSET_DIR.iterdir() if p.is_file())
+    m = cfg.model
+    h, i, n, v = int(m.hidden_size), int(m.intermediate_size), int(m.num_layers), int(m.vocab_size)
+    return 2 * (v * h * 2 + n * (4 * h * h + 3 * h * i))
+
+
+def check_cache(cfg: Any) -> None:
+    """The artefact cache (``$VRAMSWEEP_CACHE``, default ``~/.cache/vramsweep``) where the trial uses it:
+    a folder (not a file, nor under one), and, when the trial will write there (the embedded model is not
+    cached yet; architecture weights for ``kernels=unsloth``), writable with room for what it writes.
+    Names the variable and the path; creates nothing."""
+    from vramsweep.hfmodel import CACHE_ENV, cache_path
+
+    src = str(cfg.model.source)
+    if not (src == "embedded" or (src == "arch" and bool(cfg.kernels.get("unsloth")))):
+        return
+    root = cache_path()
+    label = (
+        f"{CACHE_ENV}={root}" if os.environ.get(CACHE_ENV) else f"the cache folder {root} ({CACHE_ENV} unset)"
+    )
+    allowed = [f"{CACHE_ENV}=<a writable folder with free space>"]
+    where = _existing_ancestor(root)
+    if not where.is_dir():
+        raise ConfigError(f"{label}: {where} is a file, not a folder", key=CACHE_ENV, allowed=allowed)
+    if src == "embedded":
+        from vramsweep.embedded import embedded_dir
+
+        if (embedded_dir(cfg.model, root=root) / "COMPLETE").exists():
+            return  # read only
+        need = MIN_FREE_BYTES + _cache_bytes_needed(cfg)
+    else:
+        need = MIN_FREE_BYTES  # knobs.arch_weights checks the size of what it writes itself
+    check_writable(root, key=CACHE_ENV, label=label)
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return
+    if free < need:
+        raise ConfigError(
+            f"{label}: only {free / 2**20:.0f} MiB free on {where}, the model cache needs {need / 2**20:.0f} MiB",
+            key=CACHE_ENV,
+            allowed=allowed,
+        )
+
+
+#: Plain keys whose value changes what :func:`check_data` finds (a sweep's space or design may vary them).
+_DATA_KEYS = (
+    "context.truncation",
+    "context.max_tokens",
+    "data.path",
+    "data.eval_path",
+    "data.num_docs",
+    "data.num_eval_docs",
+    "data.seed",
+    "data.instructions",
+)
+
+
+def _data_variants(plan: Any) -> list[dict[str, Any]]:
+    """The data-relevant settings (:data:`_DATA_KEYS`) the sweep's trials run with, on top of its fixed
+    ones: each design point's; for a search space the worst case of the dimensions that can only make it
+    worse (``truncation=none`` if it can occur, the shortest ``context.max_tokens``) with each value of the
+    others (``data.path`` ...). ``[{}]`` when nothing data-relevant varies."""
+    from omegaconf import OmegaConf
+
+    def parse(text: str) -> Any:
+        return OmegaConf.create({"v": text.strip("'\"")}).v
+
+    design = getattr(plan, "design", None)
+    if design:
+        out = []
+        for point in design:
+            over = {}
+            for ov in point.overrides:
+                key, sep, value = ov.lstrip("+").partition("=")
+                if sep and key in _DATA_KEYS:
+                    over[key] = parse(value)
+            out.append(over)
+        return out
+    worst: dict[str, Any] = {}
+    each: list[dict[str, Any]] = []
+    for d in getattr(plan, "dims", None) or []:
+        if d.key not in _DATA_KEYS:
+            continue
+        if d.key == "context.truncation":
+            values = [str(v) for v in d.values]
+            worst[d.key] = "none" if "none" in values else values[0]
+        elif d.key == "context.max_tokens":
+            worst[d.key] = int(min(d.values) if d.discrete and d.values else d.low)
+        elif d.discrete:
+            each.extend({d.key: v} for v in d.values)
+    return [{**o, **worst} for o in each] or [worst]
+
+
+def check_sweep_data(plan: Any, cfg: Any) -> None:
+    """:func:`check_cache` and :func:`check_data` for the sweep's base config and every data-relevant
+    setting its trials can take (:func:`_data_variants`); the error says which setting."""
+    from omegaconf import OmegaConf
+
+    check_cache(cfg)
+    seen: set[str] = set()
+    for over in _data_variants(plan):
+        tag = repr(sorted(over.items()))
+        if tag in seen:
+            continue
+        seen.add(tag)
+        variant = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+        for key, value in over.items():
+            OmegaConf.update(variant, key, value, merge=False)
+        try:
+            check_data(variant)
+        except ConfigError as exc:
+            if not over:
+                raise
+            where = " ".join(f"{k}={v}" for k, v in over.items())
+            raise ConfigError(f"in the sweep's trials with {where}: {exc}", key=exc.key) from None

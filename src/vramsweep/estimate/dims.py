@@ -100,6 +100,53 @@ def model_dims(cfg: DictConfig) -> ModelDims:
     )
 
 
+#: ``config.json`` fields that are sizes: a positive integer each (the bounds of the ``model.*`` rules).
+DIM_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+MAX_DIM = 10**7
+
+
+def _check_dims(data: dict[str, Any], cfg_file: Path, key: str) -> None:
+    """Every size in a ``config.json`` is a whole number in ``[1, MAX_DIM]`` and the heads divide evenly:
+    the same checks as the ``model.*`` values of the other sources (a zero or negative size would give an
+    estimate with negative bytes and a model that cannot be built)."""
+    from vramsweep.config.compose import ConfigError
+
+    inner = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+    where = f"{key}: {cfg_file}" + (": text_config" if inner is not data else "")
+    for name in DIM_FIELDS:
+        if name not in inner or (inner[name] is None and name in ("num_key_value_heads", "head_dim")):
+            continue  # a missing required size is named by the loader below
+        v = inner[name]
+        whole = isinstance(v, int) or (isinstance(v, float) and v.is_integer())
+        if isinstance(v, bool) or not whole:
+            raise ConfigError(
+                f"{where}: bad dimension value {name}={v!r} (must be a whole number)",
+                key=key,
+                allowed=[f"{name} in 1..{MAX_DIM}"],
+            )
+        if not 1 <= v <= MAX_DIM:
+            raise ConfigError(
+                f"{where}: {name}={v!r} is out of range [1, {MAX_DIM}]",
+                key=key,
+                allowed=[f"{name} in 1..{MAX_DIM}"],
+            )
+    heads, kv = inner.get("num_attention_heads"), inner.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        raise ConfigError(
+            f"{where}: num_key_value_heads={kv} must divide num_attention_heads={heads}",
+            key=key,
+            allowed=[f"num_key_value_heads in {[d for d in range(1, heads + 1) if heads % d == 0][:12]}"],
+        )
+
+
 def check_model_config(path: str | os.PathLike, *, key: str = "model.path") -> None:
     """Raise unless ``<path>/config.json`` is readable JSON with the model's dimensions."""
 
@@ -121,6 +168,7 @@ def check_model_config(path: str | os.PathLike, *, key: str = "model.path") -> N
         raise ConfigError(
             f"{key}: {cfg_file}: expected a JSON object, got {type(data).__name__}", key=key
         ) from None
+    _check_dims(data, cfg_file, key)
     try:
         _from_hf_json(data)
     except KeyError as exc:
