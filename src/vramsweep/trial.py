@@ -566,7 +566,11 @@ def run_trial(
     except BaseException as exc:  # noqa: BLE001 - failures are data
         if isinstance(exc, KeyboardInterrupt):
             raise
-        if _is_host_oom(exc):
+        from vramsweep.record.diskfull import disk_full_reason
+
+        if (full := disk_full_reason(exc)) is not None:
+            status, reason = Status.ERROR.value, full  # one line, no traceback: the disk, not the config
+        elif _is_host_oom(exc):
             status, reason = Status.HOST_OOM.value, f"{type(exc).__name__}: {str(exc).splitlines()[0][:500]}"
         elif _is_oom(exc):
             status, reason, oom = "oom", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}", True
@@ -591,8 +595,18 @@ def run_trial(
     if logger is not None:
         logger.finish(result)
     if result_path is not None:
-        write_result(result_path, result)
-        result["meta"]["result_path"] = str(result_path)
+        try:
+            write_result(result_path, result)
+            result["meta"]["result_path"] = str(result_path)
+        except OSError as exc:
+            from vramsweep.record.diskfull import disk_full_reason
+
+            full = disk_full_reason(exc, result_path)
+            if full is None:
+                raise
+            # the measurement is lost with the file; the caller gets the status and the one-line reason
+            result["status"], result["reason"] = Status.ERROR.value, full
+            result["meta"]["result_path"] = None
     return result
 
 

@@ -138,6 +138,14 @@ class Sweep(StudyMixin, WorkerMixin):
                 try:
                     self.worker(i)
                 except BaseException as exc:  # a bug, not a trial failure: stop the sweep, say why
+                    from vramsweep.preflight import sqlite_path
+                    from vramsweep.record.diskfull import disk_full_reason
+
+                    full = disk_full_reason(exc, sqlite_path(self.s.storage) or self.s.sweep_dir)
+                    if full is not None:  # the study or a result could not be written: one line, no traceback
+                        self.abort_reason = full
+                        self.abort.set()
+                        return
                     self.abort_reason = f"internal error in worker {i}: {type(exc).__name__}: {exc}"
                     self.abort.set()
                     raise

@@ -203,7 +203,6 @@ def preflight_result(spec: TrialSpec, cfg: Any) -> dict[str, Any] | None:
 
 def execute(spec: TrialSpec) -> dict[str, Any]:
     """Run the trial function and write the result JSON. Never raises (failures become statuses)."""
-    from vramsweep.record.result import write_result
     from vramsweep.sweeper.outcome import normalise_result, result_from_exception
 
     t0 = time.perf_counter()
@@ -243,7 +242,23 @@ def execute(spec: TrialSpec) -> dict[str, Any]:
     result, _ = finalize(
         result, spec, wall_s=time.perf_counter() - t0, curve=reporter.curve, pruned_at=reporter.pruned_at
     )
-    write_result(spec.result_path, result)
+    return _write_or_disk_full(result, spec)
+
+
+def _write_or_disk_full(result: dict[str, Any], spec: TrialSpec) -> dict[str, Any]:
+    """Write the result JSON; on a full disk the trial ends ``error`` with the one-line reason
+    ``no space left on device: <path>`` (told to Optuna by the sweeper; the JSON cannot be written)."""
+    from vramsweep.record.diskfull import disk_full_reason
+    from vramsweep.record.result import write_result
+
+    try:
+        write_result(spec.result_path, result)
+    except OSError as exc:
+        full = disk_full_reason(exc, spec.result_path)
+        if full is None:
+            raise
+        result["status"], result["reason"] = "error", full
+        result, _ = finalize(result, spec, wall_s=float(result["meta"].get("wall_s") or 0.0))
     return result
 
 
@@ -404,7 +419,7 @@ def _load_child_result(path: str) -> dict[str, Any] | None:
 
 def parent_side_result(spec: TrialSpec, reason: str, wall_s: float) -> dict[str, Any]:
     """The result the sweeper writes for a trial process that died without one."""
-    from vramsweep.record.result import new_result, write_result
+    from vramsweep.record.result import new_result
     from vramsweep.sweeper.outcome import normalise_result
 
     res = normalise_result(
@@ -420,8 +435,7 @@ def parent_side_result(spec: TrialSpec, reason: str, wall_s: float) -> dict[str,
         with open(spec.log_path, errors="replace") as fh:
             fh.seek(max(0, os.path.getsize(spec.log_path) - 4000))
             res["meta"]["log_tail"] = fh.read()[-2000:]
-    write_result(spec.result_path, res)
-    return res
+    return _write_or_disk_full(res, spec)  # a child that died on a full disk: this write says so
 
 
 def report_from_json(result: dict[str, Any], wall_s: float, exitcode: int | None) -> RunReport:

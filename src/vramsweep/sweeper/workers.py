@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+from vramsweep.record.diskfull import NO_SPACE
 from vramsweep.sweeper.outcome import Outcome
 from vramsweep.sweeper.progress import trial_line
 from vramsweep.sweeper.storage import HEARTBEAT, storage_lock, trial_counts
@@ -43,6 +44,13 @@ class WorkerMixin:
                     running=running,
                     best=best,
                 )
+            if str(report.result.get("reason") or "").startswith(NO_SPACE) and not self.abort.is_set():
+                # a full disk: every later trial would train and then fail to record its result
+                self.abort_reason = (
+                    f"{report.result['reason']} (trial {job.number:04d}): the sweep stops, later trials "
+                    "could not be recorded either"
+                )
+                self.abort.set()
             if (
                 self.finished >= self.s.min_trials_for_failure_rate
                 and self.failures / self.finished > self.s.max_failure_rate
