@@ -187,3 +187,29 @@ def test_quant_state_tensors_are_counted_as_params():
     _, built = _build("quant=nf4_dq")
     w = next(m.weight for m in built.model.modules() if type(m).__name__ == "Linear4bit")
     assert len(list(_quant_state_tensors(w))) >= 4  # absmax, code, nested absmax, nested code (+offset)
+
+
+@pytest.mark.parametrize("adapter_dtype", ["fp32", "compute"])
+def test_lion_8bit_keeps_one_8bit_moment_counted_exactly_by_the_estimator(adapter_dtype):
+    """optimizer=lion_8bit builds bitsandbytes' Lion8bit from its option file alone: one uint8 momentum + one
+    fp32 absmax per 256 elements + one shared 256-entry qmap (Optimizer1State), no second moment, about
+    half of AdamW8bit's state; the estimator's optimizer bytes equal the real state bytes exactly (with
+    adapter.dtype=compute: fp32 masters and state sized by them)."""
+    from vramsweep.estimate import estimate
+
+    cfg, built = _build("optimizer=lion_8bit", f"adapter.dtype={adapter_dtype}")
+    before = [p.detach().clone() for p in built.model.parameters() if p.requires_grad]
+    opt, notes, params = _one_step(built, cfg)
+    assert notes["optimizer_class"] == "bitsandbytes.optim.lion.Lion8bit"
+    assert ("fp32_master" in notes) == (adapter_dtype == "compute")
+    stepped = [p for g in opt.param_groups for p in g["params"]]
+    for p in stepped:
+        st = opt.state[p]
+        assert "state2" not in st and st["state1"].dtype == torch.uint8 and st["state1"].shape == p.shape
+        assert st["absmax1"].numel() == -(-p.numel() // 256) and st["qmap1"].numel() == 256
+    assert any(not torch.equal(b, p) for b, p in zip(before, params))  # it stepped
+    real = tensor_bytes(optimizer_state_tensors(opt))
+    assert estimate(cfg, calibration=False)["components_bytes"]["optimizer"] == real
+    n = sum(p.numel() for p in params)
+    masters = 4 * n if adapter_dtype == "compute" else 0
+    assert n <= real - masters <= 1.02 * n + 1024  # ~1 byte/param (+ absmax, qmap): half of adamw_8bit
