@@ -78,7 +78,7 @@ MEASURED_TRIAL_S = 18.5
 #: The plan's margin over the measured per-trial time (the unproven knobs may be slower).
 TRIAL_MARGIN = 1.5
 #: What the plan gives each sweep point: >= MEASURED_TRIAL_S x TRIAL_MARGIN (tested against the fixture).
-TRIAL_S = 30.0
+TRIAL_S = 28.0
 #: CLI start, study creation and the first trial's interpreter (2026-12-01: 22.9 s from the sweep's stamp
 #: to trial 0's start, 6-7 s of it that trial's spawn).
 SWEEP_STARTUP_S = 25.0
@@ -118,8 +118,14 @@ def plan(n_points: int, *, n_long: int = 1 + len(LONG_FACTORS), scale: float = 1
     phases = [
         Phase("env", 40, "versions, device, driver (a throwaway process: no CUDA context kept)"),
         Phase(
+            "exact",
+            25,
+            "scripts/gpu_longctx_check.py: tiny NF4 Qwen3, on vs offload vs offload+tiling gradients, tiles in "
+            "every pass, pinned exact pool",
+        ),
+        Phase(
             "weights",
-            90,
+            80,
             "Unsloth's random-weights folder (Qwen3-8B: 16.4 GB, 8 threads); else its points not run",
         ),
         Phase(
@@ -742,6 +748,27 @@ def main(argv: list[str] | None = None) -> int:
     iso = [f"hydra.sweeper.isolation={args.isolation}"] if args.isolation else []
     notes: list[str] = []
     why_not_run: dict[str, str] = {}
+
+    # 0. Long-context exactness on the device (unproven on a GPU): seconds, before anything long.
+    ecap = cap("exact", "weights", "sweep", "long", "step_time", "report")
+    cmd = [
+        python,
+        str(ROOT / "scripts" / "gpu_longctx_check.py"),
+        "--device",
+        "cpu" if args.dry_run else "cuda",
+    ]
+    if args.dry_run:
+        cmd += ["--tokens", "64", "--tile", "16"]
+    print(f"gpu_smoke: long-context exactness (cap {ecap:.0f} s)", flush=True)
+    erc, eto, text = run_logged(cmd, ecap, log, tee=True)
+    verdict_line = next((x for x in reversed(text.splitlines()) if x.startswith("verdict:")), None)
+    notes.append(
+        "Long-context exactness (scripts/gpu_longctx_check.py): "
+        + (
+            verdict_line
+            or f"not finished (exit {erc}{', cut at its cap: not run' if eto else ''}; smoke.log)"
+        )
+    )
 
     # 1. Unsloth's weights folder for the Qwen3-8B architecture: written once, outside the trials' timeouts,
     #    within its cap; when it is not there in time, the Unsloth points are not run (never an error).

@@ -187,7 +187,7 @@ def test_smoke_plan_fits_its_budget_by_construction(smoke):
     sweep = next(p for p in phases if p.name == "sweep")
     assert sweep.cap_s >= len(points) * per_trial * smoke.TRIAL_MARGIN + smoke.SWEEP_STARTUP_S
     assert sum(p.cap_s for p in phases) <= smoke.DEFAULT_BUDGET_S
-    assert [p.name for p in phases] == ["env", "weights", "sweep", "long", "step_time", "report"]
+    assert [p.name for p in phases] == ["env", "exact", "weights", "sweep", "long", "step_time", "report"]
     # a budget other than the default scales every cap with it
     assert sum(p.cap_s for p in smoke.plan(len(points), scale=1800 / 470)) <= 1800
     # the 2026-12-01 design (12 points) would not have fit: what the old smoke cut
@@ -209,7 +209,7 @@ def test_smoke_plan_prints_caps_summing_within_budget(tmp_path):
         ["bash", str(ROOT / "scripts" / "gpu_smoke.sh"), "--plan"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
-    assert "total 465 s <= 470 s" in proc.stdout
+    assert "total 468 s <= 470 s" in proc.stdout
     assert "sweep points, in run order: (baseline); kernels=unsloth; checkpointing=offload; tiling=on" in (
         proc.stdout
     )
@@ -274,3 +274,30 @@ def test_carry_check_counts_the_tree_and_the_bundle(tmp_path):
     assert bundle.carry_check(repo, 58 * 2**20, 64.0)[0] is True
     ok, text = bundle.carry_check(repo, 60 * 2**20, 64.0)  # 60 MiB alone would have passed the old check
     assert not ok and "tree 5.0 MiB + bundle 60.0 MiB" in text
+
+
+@pytest.mark.slow
+def test_longctx_exactness_check_runs_on_cpu():
+    """scripts/gpu_longctx_check.py (the smoke's "exact" phase) passes on CPU: offload == on and
+    offload+tiling == on+tiling with LoRA dropout on NF4 layers, tiles in every pass, an exact host pool."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "gpu_longctx_check.py"),
+            "--device",
+            "cpu",
+            "--tokens",
+            "64",
+            "--tile",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "verdict: PASS" in proc.stdout
+    assert proc.stdout.count('"ok": true') == 7
