@@ -318,6 +318,74 @@ CASES += [
     for ov, _key, hint in CONFIG_BAD
 ]
 
+# --- issue 29.2: every hydra.sweeper.* setting out of type or range (SETTING_RULES), before anything runs
+SWEEPER_BAD: list[tuple[str, str]] = [
+    ("timeout_s=-5", "hydra.sweeper.timeout_s=-5.0 is out of range (allowed: a number >= 1"),
+    ("timeout_s=0", "hydra.sweeper.timeout_s=0.0 is out of range"),
+    ("timeout_s=0.5", "hydra.sweeper.timeout_s=0.5 is out of range"),
+    ("timeout_s=inf", "hydra.sweeper.timeout_s=inf is not finite"),
+    ("timeout_s=nan", "hydra.sweeper.timeout_s=nan is not finite"),
+    ("timeout_s=soon", "hydra.sweeper.timeout_s=soon"),
+    ("n_jobs=100000", "hydra.sweeper.n_jobs=100000 is out of range (allowed: an integer in 1..256)"),
+    ("n_jobs=257", "hydra.sweeper.n_jobs=257 is out of range"),
+    ("n_jobs=0", "hydra.sweeper.n_jobs=0 is out of range"),
+    ("n_jobs=-1", "hydra.sweeper.n_jobs=-1 is out of range"),
+    ("n_jobs=abc", "hydra.sweeper.n_jobs=abc"),
+    ("n_jobs=2.5", "hydra.sweeper.n_jobs=2.5"),
+    ("n_trials=-1", "hydra.sweeper.n_trials=-1 is out of range"),
+    ("n_trials=1000000", "hydra.sweeper.n_trials=1000000 is out of range (allowed: an integer in 0..10,000"),
+    ("seed=-1", "hydra.sweeper.seed=-1 is out of range"),
+    ("seed=5000000000", "hydra.sweeper.seed=5000000000 is out of range"),
+    (
+        "max_failure_rate=1.5",
+        "hydra.sweeper.max_failure_rate=1.5 is out of range (allowed: a number in [0, 1])",
+    ),
+    ("max_failure_rate=-0.1", "hydra.sweeper.max_failure_rate=-0.1 is out of range"),
+    ("max_failure_rate=nan", "hydra.sweeper.max_failure_rate=nan is not finite"),
+    ("min_trials_for_failure_rate=0", "hydra.sweeper.min_trials_for_failure_rate=0 is out of range"),
+    ("heartbeat_s=0", "hydra.sweeper.heartbeat_s=0.0 is out of range (allowed: a number in (0, 3600])"),
+    ("heartbeat_s=-1", "hydra.sweeper.heartbeat_s=-1.0 is out of range"),
+    ("heartbeat_s=7200", "hydra.sweeper.heartbeat_s=7200.0 is out of range"),
+    ("grace_s=0", "hydra.sweeper.grace_s=0.0 is out of range"),
+    ("grace_s=5", "hydra.sweeper.grace_s=5 must be at least 2 x hydra.sweeper.heartbeat_s=10"),
+    ("grace_s=inf", "hydra.sweeper.grace_s=inf is not finite"),
+    ("retry_stale=-1", "hydra.sweeper.retry_stale=-1 is out of range (allowed: an integer in 0..100)"),
+    ("retry_stale=1000", "hydra.sweeper.retry_stale=1000 is out of range"),
+    ("isolation=thread", "hydra.sweeper.isolation='thread' is not known (allowed: fork, spawn, inprocess"),
+    ("trial_fn=nocolon", "hydra.sweeper.trial_fn='nocolon' must be 'module:function'"),
+    ("trial_fn=a:b:c", "hydra.sweeper.trial_fn='a:b:c' must be 'module:function'"),
+    ("sampler={name:annealing}", "hydra.sweeper.sampler.name='annealing' is not known (allowed: tpe, random"),
+    ("sampler=[tpe]", "hydra.sweeper.sampler=['tpe'] must be a name or a dict"),
+    ("pruner=null", "hydra.sweeper.pruner=null cannot be null"),
+    ("pruner=bogus", "hydra.sweeper.pruner='bogus' is not known"),
+    ("direction=up", "hydra.sweeper.direction='up' is not known (allowed: minimize, maximize)"),
+    ("direction=[minimize,sideways]", "hydra.sweeper.direction="),
+    ("sweep_dir=", "hydra.sweeper.sweep_dir='' is empty"),
+    ("storage=", "hydra.sweeper.storage='' is empty"),
+    ("custom_search_space=nodot", "hydra.sweeper.custom_search_space='nodot' must be 'module.function'"),
+    ("dedup=maybe", "hydra.sweeper.dedup=maybe"),
+    ("progress=sometimes", "hydra.sweeper.progress=sometimes"),
+    ("preload=5", "hydra.sweeper.preload=5"),
+    ("cuda_devices=0", "hydra.sweeper.cuda_devices=0"),
+    ("params=5", "hydra.sweeper.params"),
+    ("n_trails=5", "hydra.sweeper.n_trails"),
+]
+CASES += [
+    (f"sweeper-{ov}", "train", ["-m", "adapter.r=8,16", *FAKE, f"hydra.sweeper.{ov}"], {}, needle)
+    for ov, needle in SWEEPER_BAD
+]
+# the max_context design (its own driver) checks the same table
+CASES += [
+    (
+        f"sweeper-maxctx-{ov}",
+        "train",
+        ["-m", "sweep=max_context_16gb", *FAKE, f"hydra.sweeper.{ov}"],
+        {"VRAMSWEEP_FORCE_NO_CUDA": "1"},
+        needle,
+    )
+    for ov, needle in SWEEPER_BAD[:1] + SWEEPER_BAD[6:7]
+]
+
 
 def _fill(arg: str, files: dict[str, Path], root: Path) -> str:
     out = arg.replace("{root}", str(root))
@@ -328,6 +396,16 @@ def _fill(arg: str, files: dict[str, Path], root: Path) -> str:
 
 def _tree(*roots: Path) -> set[Path]:
     return {p for r in roots if r.exists() for p in r.rglob("*")}
+
+
+def test_every_sweeper_setting_has_a_rule():
+    """SETTING_RULES is the one table of hydra.sweeper.* types and ranges: no key is left unchecked."""
+    from vramsweep.sweeper.settings import SETTING_RULES, SweeperConf
+
+    assert set(SETTING_RULES) == set(SweeperConf.__dataclass_fields__)
+    checked = {ov.partition("=")[0] for ov, _ in SWEEPER_BAD}
+    missing = {k for k, r in SETTING_RULES.items() if r.kind not in ("any", "str")} - checked
+    assert not missing, f"no bad-input case for {sorted(missing)}"
 
 
 def test_the_suite_is_large_enough():

@@ -105,9 +105,10 @@ def run_function_sweep(
     import optuna
     from omegaconf import OmegaConf
 
-    from vramsweep.sweeper.settings import _param_str
+    from vramsweep.sweeper.settings import _param_str, check_sweeper_settings
 
     try:
+        check_sweeper_settings(settings)  # every hydra.sweeper.* key: type and range
         cli_params, cli_fixed = cli_sweep_params(arguments)
         params = {str(k): _param_str(v) for k, v in (settings.get("params") or {}).items()}
         params.update(cli_params)

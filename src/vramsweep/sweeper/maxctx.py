@@ -254,8 +254,10 @@ def plan_max_context(
     from vramsweep.config.compose import ConfigError, compose
     from vramsweep.config.rules import validate
     from vramsweep.estimate import max_context as predict
+    from vramsweep.sweeper.settings import check_sweeper_settings
     from vramsweep.sweeper.space import override_key
 
+    check_sweeper_settings(sweeper_cfg)  # every hydra.sweeper.* key: type and range (timeout_s, n_jobs, ...)
     sweep = task_cfg.get("sweep") or {}
     name = str(sweeper_cfg.get("study_name") or sweep.get("name") or "max_context")
     bounds = dict(sweep.get("max_context") or {})

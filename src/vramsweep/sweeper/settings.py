@@ -120,6 +120,201 @@ class SweeperConf:
     custom_search_space: str | None = None
 
 
+#: Most worker slots of one sweep process (``hydra.sweeper.n_jobs``): each is a thread here plus a trial
+#: process (or a launcher job in flight); more than this fails on thread or process limits mid-sweep.
+MAX_N_JOBS = 256
+#: Most trials one study may hold (``hydra.sweeper.n_trials``): every slot is enqueued in the study before
+#: the first trial starts, so a mistyped count would spend minutes writing slots.
+MAX_N_TRIALS = 10_000
+#: Shortest ``hydra.sweeper.timeout_s``: starting a trial process alone takes about a second, so a shorter
+#: limit kills every trial.
+MIN_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Type and range of one ``hydra.sweeper.*`` setting (see :data:`SETTING_RULES`).
+
+    ``kind``: ``int``, ``float``, ``bool``, ``str``, ``choice`` (one of ``choices``), ``spec`` (a name in
+    ``choices`` or a dict, checked by :func:`_check_spec`), ``direction`` (``minimize``/``maximize`` or a list
+    of them), ``strs`` (a list of names), ``map`` (a dict) or ``any`` (checked where it is parsed).
+    ``lo``/``hi`` bound numbers (inclusive unless ``lo_open``); ``nullable`` allows ``null`` (``hint`` says
+    what it means).
+    """
+
+    kind: str
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    nullable: bool = False
+    choices: tuple[str, ...] = ()
+    hint: str = ""
+
+
+#: Every ``hydra.sweeper.*`` key: its type and range, checked before anything is planned, written or run.
+SETTING_RULES: dict[str, Rule] = {
+    "n_trials": Rule("int", 0, MAX_N_TRIALS, nullable=True, hint="every point of a design, 20 for a search"),
+    "n_jobs": Rule("int", 1, MAX_N_JOBS),
+    "storage": Rule("str", nullable=True, hint="sqlite:///<sweep dir>/study.db"),
+    "study_name": Rule("str", nullable=True, hint="the sweep's name"),
+    "sampler": Rule("spec", nullable=True, choices=SAMPLERS),
+    "pruner": Rule("spec", choices=PRUNERS),
+    "direction": Rule("direction", nullable=True),
+    "objectives": Rule("any", nullable=True),
+    "params": Rule("map", nullable=True),
+    "seed": Rule("int", 0, 2**32 - 1, nullable=True, hint="a random seed"),
+    "isolation": Rule("choice", choices=ISOLATIONS),
+    "trial_fn": Rule("str"),
+    "preload": Rule("strs", nullable=True),
+    "max_failure_rate": Rule("float", 0.0, 1.0),
+    "min_trials_for_failure_rate": Rule("int", 1, MAX_N_TRIALS),
+    "timeout_s": Rule("float", MIN_TIMEOUT_S, None, nullable=True, hint="no limit"),
+    "heartbeat_s": Rule("float", 0.0, 3600.0, lo_open=True),
+    "grace_s": Rule("float", 0.0, None, lo_open=True),
+    "retry_stale": Rule("int", 0, 100),
+    "dedup": Rule("bool"),
+    "sweep_dir": Rule("str", nullable=True, hint="<results_dir>/sweeps/<name>"),
+    "cuda_devices": Rule("strs", nullable=True, hint="every visible device"),
+    "progress": Rule("bool"),
+    "custom_search_space": Rule("str", nullable=True),
+}
+
+
+def _fmt_num(v: float) -> str:
+    return f"{v:,}" if isinstance(v, int) and abs(v) >= 10_000 else f"{v:g}"
+
+
+def _range_text(rule: Rule) -> str:
+    """``an integer in 1..256``, ``a number > 0``, ``a number in [0, 1]`` (plus ``or null (...)``)."""
+    what = "an integer" if rule.kind == "int" else "a number"
+    lo, hi = rule.lo, rule.hi
+    if rule.kind == "int":
+        text = (
+            f"{what} in {_fmt_num(int(lo))}..{_fmt_num(int(hi))}" if hi is not None else f"{what} >= {lo:g}"
+        )
+    elif lo is not None and hi is not None:
+        text = f"{what} in {'(' if rule.lo_open else '['}{lo:g}, {hi:g}]"
+    elif lo is not None:
+        text = f"{what} {'>' if rule.lo_open else '>='} {lo:g}"
+    else:
+        text = what
+    return text + (
+        f", or null for {rule.hint}" if rule.nullable and rule.hint else ", or null" if rule.nullable else ""
+    )
+
+
+def _kind_text(rule: Rule) -> str:
+    if rule.kind in ("int", "float"):
+        return _range_text(rule)
+    base = {
+        "bool": "true or false",
+        "str": "a string",
+        "choice": "one of " + ", ".join(rule.choices),
+        "spec": "one of " + ", ".join(rule.choices) + " or a dict with 'name' or '_target_'",
+        "direction": "minimize, maximize or a list of them",
+        "strs": "a list of names, e.g. [a, b]",
+        "map": "a mapping {key: value}",
+    }.get(rule.kind, "a value")
+    return base + (
+        f", or null for {rule.hint}" if rule.nullable and rule.hint else ", or null" if rule.nullable else ""
+    )
+
+
+def check_setting(key: str, value: Any) -> None:
+    """Raise :class:`ConfigError` unless ``hydra.sweeper.<key>=value`` has the type and range of its rule."""
+    import math
+
+    from vramsweep.config.compose import ConfigError
+
+    rule = SETTING_RULES.get(key)
+    if rule is None:
+        raise ConfigError(
+            f"unknown setting hydra.sweeper.{key}", key=f"hydra.sweeper.{key}", allowed=sorted(SETTING_RULES)
+        )
+    full = f"hydra.sweeper.{key}"
+
+    def bad(why: str = "") -> ConfigError:
+        shown = "null" if value is None else repr(value) if isinstance(value, str) else value
+        return ConfigError(
+            f"{full}={shown} {why or 'is not ' + _kind_text(rule)}", key=full, allowed=[_kind_text(rule)]
+        )
+
+    if value is None:
+        if rule.nullable:
+            return
+        raise bad("cannot be null")
+    kind = rule.kind
+    if kind in ("int", "float"):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise bad()
+        if kind == "int" and isinstance(value, float):
+            if not value.is_integer():
+                raise bad()
+            value = int(value)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise bad("is not finite")
+        lo, hi = rule.lo, rule.hi
+        if lo is not None and (value <= lo if rule.lo_open else value < lo) or hi is not None and value > hi:
+            raise bad("is out of range")
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise bad()
+    elif kind in ("str", "choice"):
+        if not isinstance(value, str):
+            raise bad()
+        if not value.strip():
+            raise bad("is empty")
+        if kind == "choice" and value not in rule.choices:
+            raise ConfigError(f"{full}={value!r} is not known", key=full, allowed=list(rule.choices))
+    elif kind == "spec":
+        _check_spec(value, rule.choices, full)
+    elif kind == "direction":
+        items = value if isinstance(value, list | tuple) else [value]
+        if not items or any(str(d).lower() not in ("minimize", "maximize") for d in items):
+            raise ConfigError(f"{full}={value!r} is not known", key=full, allowed=["minimize", "maximize"])
+    elif kind == "strs":
+        if not isinstance(value, list | tuple) or not all(
+            isinstance(v, str | int) and not isinstance(v, bool) and str(v).strip() for v in value
+        ):
+            raise bad()
+    elif kind == "map":
+        if not isinstance(value, dict):
+            raise bad()
+
+
+def check_sweeper_settings(sweeper: dict[str, Any]) -> None:
+    """Type and range of every ``hydra.sweeper.*`` key given (:data:`SETTING_RULES`), plus the rules that
+    tie two keys or a key's format: before the sweep is planned, any folder made or any trial run."""
+    from vramsweep.config.compose import ConfigError
+
+    for k, v in sweeper.items():
+        if k in ("_target_", "_recursive_", "_convert_", "_partial_", "defaults"):
+            continue
+        check_setting(k, v)
+    trial_fn = sweeper.get("trial_fn")
+    if trial_fn is not None and not re.fullmatch(r"[\w.]+:\w+", str(trial_fn)):
+        raise ConfigError(
+            f"hydra.sweeper.trial_fn={trial_fn!r} must be 'module:function'",
+            key="hydra.sweeper.trial_fn",
+            allowed=[DEFAULT_TRIAL_FN],
+        )
+    css = sweeper.get("custom_search_space")
+    if css is not None and not re.fullmatch(r"[\w.]+\.\w+", str(css)):
+        raise ConfigError(
+            f"hydra.sweeper.custom_search_space={css!r} must be 'module.function'",
+            key="hydra.sweeper.custom_search_space",
+        )
+    hb = sweeper.get("heartbeat_s", SweeperConf.heartbeat_s)
+    grace = sweeper.get("grace_s", SweeperConf.grace_s)
+    if float(grace) < 2 * float(hb):
+        raise ConfigError(
+            f"hydra.sweeper.grace_s={grace:g} must be at least 2 x hydra.sweeper.heartbeat_s={hb:g} "
+            "(a live worker would look dead)",
+            key="hydra.sweeper.grace_s",
+            allowed=[f">= {2 * float(hb):g}"],
+        )
+
+
 @dataclass(frozen=True)
 class Objective:
     """One objective: a metric of the result JSON and its direction."""
@@ -410,6 +605,7 @@ def resolve_settings(
                 f"unknown setting hydra.sweeper.{k}", key=f"hydra.sweeper.{k}", allowed=sorted(known)
             )
         setattr(conf, k, v)
+    check_sweeper_settings(sweeper)  # type and range of every key (SETTING_RULES), before anything else
     sweep = dict(task_cfg.get("sweep") or {})
     known_sweep = {
         "name",
@@ -485,34 +681,6 @@ def resolve_settings(
         raise ConfigError(
             f"sweep.design={design} needs a search space: hydra.sweeper.params or sweep overrides on the command line",
             key="hydra.sweeper.params",
-        )
-    _check_choice(conf.isolation, ISOLATIONS, "hydra.sweeper.isolation")
-    if not isinstance(conf.trial_fn, str) or ":" not in conf.trial_fn:
-        raise ConfigError(
-            f"hydra.sweeper.trial_fn={conf.trial_fn!r} must be 'module:function'",
-            key="hydra.sweeper.trial_fn",
-        )
-    for key, lo in (("n_jobs", 1), ("retry_stale", 0), ("min_trials_for_failure_rate", 1)):
-        v = getattr(conf, key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-            raise ConfigError(
-                f"hydra.sweeper.{key}={v!r} must be an integer >= {lo}", key=f"hydra.sweeper.{key}"
-            )
-    if conf.n_trials is not None and (not isinstance(conf.n_trials, int) or conf.n_trials < 0):
-        raise ConfigError(
-            f"hydra.sweeper.n_trials={conf.n_trials!r} must be an integer >= 0", key="hydra.sweeper.n_trials"
-        )
-    if not (0.0 <= float(conf.max_failure_rate) <= 1.0):
-        raise ConfigError(
-            f"hydra.sweeper.max_failure_rate={conf.max_failure_rate} must be in [0, 1]",
-            key="hydra.sweeper.max_failure_rate",
-        )
-    for key in ("heartbeat_s", "grace_s"):
-        if float(getattr(conf, key)) <= 0:
-            raise ConfigError(f"hydra.sweeper.{key} must be > 0", key=f"hydra.sweeper.{key}")
-    if float(conf.grace_s) < 2 * float(conf.heartbeat_s):
-        raise ConfigError(
-            "hydra.sweeper.grace_s must be at least 2 x heartbeat_s", key="hydra.sweeper.grace_s"
         )
     results_dir = str(task_cfg.get("results_dir") or "results")
     sweep_dir = Path(conf.sweep_dir) if conf.sweep_dir else Path(results_dir) / "sweeps" / name
