@@ -41,7 +41,9 @@ def _linear_bits(model, cls_name):
     return nbits / nparams
 
 
-@pytest.mark.parametrize(("quant", "expected_bits"), [("nf4_dq", 4.127), ("nf4", 4.5), ("fp4", 4.5)])
+@pytest.mark.parametrize(
+    ("quant", "expected_bits"), [("nf4_dq", 4.127), ("nf4", 4.5), ("fp4", 4.5), ("fp4_dq", 4.127)]
+)
 def test_4bit_quant_makes_linear4bit_at_expected_bits(quant, expected_bits):
     cfg, built = _build(f"quant={quant}")
     n_linear = 7 * cfg.model.num_layers  # q k v o gate up down
