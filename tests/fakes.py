@@ -13,7 +13,9 @@ Faults and timing come from the ``VRAMSWEEP_FAKE`` environment variable (JSON), 
 * ``faults``: by trial number (or by an override such as ``"adapter.r=8"``: every trial of that point):
   ``oom`` (raises ``torch.cuda.OutOfMemoryError``), ``nan`` (NaN loss),
   ``kill`` (SIGKILL to itself), ``raise`` (a RuntimeError), ``hang`` (sleeps until killed),
-  ``unsupported`` (raises ``UnsupportedError``), ``none_metric`` (returns without ``eval_loss``).
+  ``unsupported`` (raises ``UnsupportedError``), ``none_metric`` (returns without ``eval_loss``);
+  ``<fault>_once`` (e.g. ``kill_once``, ``hang_once``): only the point's first run (a flag file in
+  ``marker_dir``), so its retry runs clean.
 * ``sleep_s``: real seconds per trial (spread over the steps); ``marker_dir``: the trial touches
   ``<dir>/start-<n>`` when it starts and ``<dir>/end-<n>`` when it returns.
 * ``step_s``: *simulated* seconds per step at the reference config (reported as ``meta.wall_s``).
@@ -170,6 +172,14 @@ def fake_trial(
     fault = faults.get(str(trial))
     if fault is None:  # faults keyed by an override hit the same point whatever its trial number
         fault = next((v for k, v in faults.items() if "=" in k and k in overrides), None)
+    if fault and fault.endswith("_once"):  # the first run of the point only (a retry runs clean)
+        flag = Path(env.get("marker_dir") or ".", f"once-{zlib.crc32(repr(sorted(overrides)).encode())}")
+        if flag.exists():
+            fault = None
+        else:
+            flag.parent.mkdir(parents=True, exist_ok=True)
+            flag.write_text(str(os.getpid()))
+            fault = fault[: -len("_once")]
     _touch(env, "start", trial)
     steps = int(_num(knobs, "train.steps"))
     eval_every = int(_num(knobs, "train.eval_every"))

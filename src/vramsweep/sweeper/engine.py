@@ -46,7 +46,7 @@ from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
     total_trials,
 )
 from vramsweep.sweeper.progress import Progress, fmt_override, plural
-from vramsweep.sweeper.storage import COPY_OF, RETRY_OF, process_identity, requeue_lost
+from vramsweep.sweeper.storage import COPY_OF, JOB_LOST, RETRY_OF, process_identity, requeue_lost
 from vramsweep.sweeper.study import StudyMixin
 from vramsweep.sweeper.workers import WorkerMixin
 
@@ -89,6 +89,7 @@ class Sweep(StudyMixin, WorkerMixin):
         self.finished = 0
         self.failures = 0
         self.statuses: dict[str, int] = {}
+        self._job_losses: dict[int, int] = {}  # slot -> launcher jobs lost in this run (retry_stale bound)
 
     @classmethod
     def finished(cls, plan: Plan, study: Any, **kw: Any) -> int:
@@ -249,7 +250,9 @@ class Sweep(StudyMixin, WorkerMixin):
                 lines.append(
                     f"vramsweep: Pareto front (feasible): trials {', '.join(f'{t.number:04d}' for t in best)}"
                 )
-        lost = [t.number for t in requeue_lost(self.study)]
+        left = requeue_lost(self.study)
+        lost = [t.number for t in left if not t.system_attrs.get(JOB_LOST)]
+        job_lost = [t.number for t in left if t.system_attrs.get(JOB_LOST)]
         if lost:
             lines.append(
                 f"vramsweep: {len(lost)} design point(s) lost for good (their worker died or was stopped "
@@ -262,6 +265,19 @@ class Sweep(StudyMixin, WorkerMixin):
             f"vramsweep: dashboard: optuna-dashboard {self.s.storage if '@' not in self.s.storage else '<storage URL>'}"
         )
         lines.append(f"results: {self.s.sweep_dir}")
+        from vramsweep.sweeper.storage import remaining_slots
+
+        waiting = remaining_slots(self.study, self.plan.n_total)[0]
+        if job_lost or waiting:  # the last line: how to retry what is left
+            what = (
+                [f"{plural(len(job_lost), 'trial')} whose launcher job was lost ({_numbers(job_lost)})"]
+                if job_lost
+                else []
+            )
+            what += [f"{plural(waiting, 'trial')} waiting"] if waiting else []
+            lines.append(
+                f"vramsweep: left: {' and '.join(what)}: re-run the same command to run {'it' if len(job_lost) + waiting == 1 else 'them'}"
+            )
         for line in lines:
             print(line, flush=True)
 
@@ -308,6 +324,10 @@ def run_sweep(
     except ConfigError as exc:
         print(error_line("train", str(exc)), file=sys.stderr)
         return 2
+
+
+def _numbers(numbers: list[int]) -> str:
+    return "trial " + ", ".join(f"{n:04d}" for n in numbers)
 
 
 def _fork_how(preload: list[str]) -> str:

@@ -32,7 +32,7 @@ def _finished_study(
         merge_overrides,
         parse_params,
     )
-    from vramsweep.sweeper.storage import RETRIES, SLOT, requeue_lost, sqlite_path
+    from vramsweep.sweeper.storage import JOB_LOST, RETRIES, SLOT, requeue_lost, sqlite_path
 
     settings, cli_fixed = pinned_settings(sweeper_cfg, task_cfg, arguments)
     dims, fixed_params = parse_params(settings.params)
@@ -69,6 +69,9 @@ def _finished_study(
     slots = {t.system_attrs.get(SLOT) for t in trials}
     if any(k not in slots for k in range(n_total)):
         return None
-    if any(int(t.system_attrs.get(RETRIES, 0)) < settings.retry_stale for t in requeue_lost(study)):
+    if any(
+        t.system_attrs.get(JOB_LOST) or int(t.system_attrs.get(RETRIES, 0)) < settings.retry_stale
+        for t in requeue_lost(study)
+    ):
         return None  # a lost point may be retried now: the normal path does it
     return plan, study

@@ -13,11 +13,26 @@ submitit launchers get one ``launch()`` per trial, from every worker thread at o
 others, and no trial waits for a slow batch mate. Other launchers (``basic``, ``joblib``, ``ray``) are
 not known to be safe to call from several threads: their trials are gathered into batches of up to
 ``n_jobs`` jobs per ``launch()`` call, as Hydra's own sweepers do.
+
+With submitit the runner submits and watches each job itself (:class:`_SubmititJobs`, the same executor and
+callable the plugin's ``launch()`` builds), so it can tell *how* a job ended. A job that left without a
+result JSON - cancelled (``scancel``), preempted, its node lost, killed, or never submitted (``sbatch``
+failed: controller down) - is **lost infrastructure**, not a trial outcome: the result carries
+``meta.lost_job`` and the sweep retries the point (:meth:`WorkerMixin._record_lost_job`). A trial that
+failed by itself (OOM, NaN, an exception) wrote its result JSON: that is a result. ``TIMEOUT`` and
+``OUT_OF_MEMORY`` (the job's own limits) are results too (``error``, with the state), since a retry would
+hit them again. SLURM jobs are watched with ``squeue -t all`` (no accounting needed): a job that is no
+longer pending/running, or no longer known to the controller, and left no result within
+:data:`SETTLE_S` is lost - bounded, where submitit would poll ``sacct`` forever without accounting.
+Ctrl-C (:meth:`LauncherRunner.kill_all`) cancels the sweep's own jobs (``scancel``) and returns at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -38,6 +53,71 @@ from vramsweep.sweeper.trialproc import (
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 #: Launchers whose ``launch()`` may run in several threads at once (a new executor per call, no globals).
 CONCURRENT_LAUNCHERS = ("hydra_plugins.hydra_submitit_launcher.",)
+#: SLURM job states after which a job without a result is a result of its own limits (a retry hits them again).
+RESULT_STATES = ("TIMEOUT", "OUT_OF_MEMORY", "DEADLINE")
+#: SLURM states of a job still in the queue (anything else: it left).
+QUEUED_STATES = (
+    "PENDING",
+    "RUNNING",
+    "CONFIGURING",
+    "COMPLETING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESIZING",
+    "SIGNALING",
+    "STAGE_OUT",
+    "SUSPENDED",
+    "STOPPED",
+    "SPECIAL_EXIT",
+    "RESV_DEL_HOLD",
+)
+#: Seconds a job that left the queue gets for its result to show up (shared filesystems lag) before it is lost.
+SETTLE_S = float(os.environ.get("VRAMSWEEP_JOB_SETTLE_S", "10"))
+#: Seconds between two ``squeue`` probes of a job.
+PROBE_S = float(os.environ.get("VRAMSWEEP_JOB_PROBE_S", "2"))
+
+
+def slurm_state(job_id: str) -> str | None:
+    """A SLURM job's state from the controller (``squeue -t all``; no accounting needed).
+
+    Returns the state (``RUNNING``, ``CANCELLED``...), ``None`` when the controller no longer knows the
+    job (it left more than ``MinJobAge`` ago), or ``"?"`` when the controller could not be asked.
+    """
+    try:
+        p = subprocess.run(
+            ["squeue", "-h", "-t", "all", "-j", str(job_id), "-o", "%T"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
+    out = p.stdout.strip().split()
+    if p.returncode == 0:
+        return out[0].upper() if out else None
+    return None if "invalid job id" in (p.stderr or "").lower() else "?"
+
+
+def _sacct_state(job_id: str) -> str | None:
+    """The final state from accounting when it is there (``None`` otherwise)."""
+    with contextlib.suppress(Exception):
+        p = subprocess.run(
+            ["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "State"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if p.returncode == 0 and p.stdout.strip():
+            return p.stdout.split()[0].upper()
+    return None
+
+
+def _tail(path: Any, n: int = 600) -> str:
+    with contextlib.suppress(Exception):
+        text = Path(path).read_text(errors="replace")
+        return " ".join(text[-n:].split())
+    return ""
 
 
 def choose_isolation(
@@ -73,6 +153,8 @@ class _Request:
     ret: Any = None
     error: str | None = None
     done: bool = False
+    lost: dict[str, Any] | None = None  # lost infrastructure: {"kind", "state", "job_id"}
+    job_id: str | None = None
 
 
 class LauncherRunner(Runner):
@@ -91,6 +173,7 @@ class LauncherRunner(Runner):
         self._cond = threading.Condition()
         self._pending: list[_Request] = []
         self._busy = False
+        self.jobs: _SubmititJobs | None = None
 
     def start(self) -> None:
         self.launcher = self.factory()
@@ -112,6 +195,13 @@ class LauncherRunner(Runner):
                 for k, v in params.items():
                     if isinstance(v, str) and (v == default or v.startswith(default + "/")):
                         params[k] = str(self.sweep_dir) + v[len(default) :]
+        if self.concurrent and hasattr(self.launcher, "_EXECUTOR") and hasattr(self.launcher, "params"):
+            self.jobs = _SubmititJobs(self.launcher)
+
+    def kill_all(self) -> None:
+        """Ctrl-C: cancel this sweep's jobs (pending or running) and stop waiting for them."""
+        if self.jobs is not None:
+            self.jobs.cancel_all()
 
     def run(
         self,
@@ -138,7 +228,9 @@ class LauncherRunner(Runner):
             ],
         )
         t0 = time.perf_counter()
-        if self.concurrent:
+        if self.jobs is not None:
+            self.jobs.run(req)
+        elif self.concurrent:
             self._launch([req])
         else:
             self._batched(req)
@@ -152,7 +244,13 @@ class LauncherRunner(Runner):
             why = getattr(req.ret, "_return_value", None) if req.ret is not None else None
             status = getattr(getattr(req.ret, "status", None), "name", "no return")
             reason = f"launcher job ended without a result (job status {status}{f': {why}' if why else ''})"
-        return report_from_json(parent_side_result(spec, reason[:1000], wall), wall, None)
+        res = parent_side_result(spec, reason[:1000], wall)
+        if req.lost is not None:  # not a trial outcome: the sweep retries the point
+            from vramsweep.record.result import write_result
+
+            res["meta"]["lost_job"] = req.lost
+            write_result(spec.result_path, res)
+        return report_from_json(res, wall, None)
 
     def _launch(self, batch: list[_Request]) -> None:
         """One ``launch()`` call; a failure is every unfinished job's (a launcher raises for the batch)."""
@@ -193,3 +291,158 @@ class LauncherRunner(Runner):
                         r.done = True
                     self._busy = False
                     self._cond.notify_all()
+
+
+class _SubmititJobs:
+    """Submit one trial as a submitit job (the executor and callable of the plugin's ``launch()``) and
+    watch it to its end, telling lost infrastructure from a result (module doc)."""
+
+    def __init__(self, launcher: Any):
+        self.launcher = launcher
+        self.kind = str(launcher._EXECUTOR)  # "slurm" | "local"
+        self.executor = self._executor()
+        self._lock = threading.Lock()
+        self._live: dict[str, Any] = {}
+        self.cancelled = threading.Event()
+
+    def _executor(self) -> Any:
+        """The executor exactly as ``BaseSubmititLauncher.launch()`` builds it."""
+        import submitit
+        from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+        from omegaconf import OmegaConf
+
+        params = dict(self.launcher.params)
+        init_keys = {"max_num_timeout", "submitit_folder"}
+        init = {"folder": params["submitit_folder"]} | {
+            f"{self.kind}_{k}": v for k, v in params.items() if k == "max_num_timeout"
+        }
+        executor = submitit.AutoExecutor(cluster=self.kind, **init)
+        base = set(OmegaConf.structured(BaseQueueConf).keys())
+        executor.update_parameters(
+            **{k if k in base else f"{self.kind}_{k}": v for k, v in params.items() if k not in init_keys}
+        )
+        return executor
+
+    def submit(self, req: _Request) -> Any:
+        from hydra.core.singleton import Singleton
+
+        idx = req.spec.number
+        with self._lock:
+            if self.cancelled.is_set():
+                raise KeyboardInterrupt
+            job = self.executor.submit(
+                self.launcher,
+                list(req.overrides),
+                "hydra.sweep.dir",
+                idx,
+                f"job_id_for_{idx}",
+                Singleton.get_state(),
+            )
+            self._live[str(job.job_id)] = job
+        return job
+
+    def cancel_all(self) -> None:
+        self.cancelled.set()
+        with self._lock:
+            jobs = list(self._live.values())
+        for job in jobs:
+            self._cancel(job)
+        if jobs:
+            ids = " ".join(str(j.job_id) for j in jobs)
+            how = f"scancel {ids}" if self.kind == "slurm" else f"local job(s) {ids}"
+            print(
+                f"vramsweep: Ctrl-C: cancelled this sweep's {len(jobs)} launcher job(s) ({how})",
+                file=sys.stderr,
+            )
+
+    def _cancel(self, job: Any) -> None:
+        with contextlib.suppress(Exception):
+            job.cancel(check=False)
+        proc = getattr(job, "_process", None)  # a local job: SIGINT first, SIGKILL if it lingers
+        if proc is not None:
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=3)
+            with contextlib.suppress(Exception):
+                proc.kill()
+
+    def run(self, req: _Request) -> None:
+        """Submit, then wait until the job is done, lost, or Ctrl-C cancels it. Sets ``req.lost`` / ``req.error``."""
+        try:
+            job = self.submit(req)
+        except KeyboardInterrupt:
+            req.error, req.lost = "interrupted before submission", {"kind": "interrupted", "state": None}
+            return
+        except Exception as exc:  # sbatch failed (controller down, bad partition...): nothing ran
+            text = " ".join(str(exc).split())
+            req.error = f"the job could not be submitted: {type(exc).__name__}: {text[:600]}"
+            req.lost = {"kind": "submit", "state": None, "job_id": None}
+            return
+        req.job_id = str(job.job_id)
+        try:
+            self._wait(req, job)
+        finally:
+            with self._lock:
+                self._live.pop(req.job_id, None)
+
+    def _wait(self, req: _Request, job: Any) -> None:
+        result_json = Path(req.spec.result_path)
+        gone_since: float | None = None
+        state: str | None = None
+        last_probe = 0.0
+        while True:
+            if self.cancelled.is_set():
+                self._cancel(job)
+                req.error = f"job {req.job_id} cancelled (Ctrl-C)"
+                req.lost = {"kind": "interrupted", "state": "CANCELLED", "job_id": req.job_id}
+                return
+            if self.kind != "slurm":
+                if job.done():
+                    break
+            else:
+                if job.paths.result_pickle.exists():
+                    break
+                now = time.monotonic()
+                if now - last_probe >= PROBE_S:
+                    last_probe = now
+                    probed = slurm_state(req.job_id)
+                    if probed == "?":  # controller unreachable: the job may still run; keep waiting
+                        pass
+                    elif probed is None or probed.split("+")[0] not in QUEUED_STATES:
+                        if probed is not None or (state or "PENDING").split("+")[0] in QUEUED_STATES:
+                            state = probed  # None: gone from the controller, final state unknown
+                        gone_since = gone_since or now
+                    else:
+                        gone_since, state = None, probed
+                    settle = (
+                        2.0
+                        if state and state.startswith("CANCELLED") and not result_json.exists()
+                        else SETTLE_S
+                    )
+                    if gone_since is not None and now - gone_since >= settle:
+                        break
+            time.sleep(0.5)
+        self._conclude(req, job, state)
+
+    def _conclude(self, req: _Request, job: Any, state: str | None) -> None:
+        """The job ended: its return, a failure of its own, or lost infrastructure."""
+        if job.paths.result_pickle.exists() or (self.kind != "slurm" and job.state != "INTERRUPTED"):
+            try:
+                req.ret = job.results()[0]
+                return
+            except Exception as exc:  # FailedJobError: the job raised (its traceback): a result
+                name = type(exc).__name__
+                if name != "UncompletedJobError":
+                    req.error = f"{name}: {' '.join(str(exc).split())[-600:]}"
+                    return
+        if self.kind == "slurm":
+            state = _sacct_state(req.job_id) or state
+        else:
+            rc = getattr(getattr(job, "_process", None), "returncode", None)
+            state = f"KILLED (signal {-rc})" if isinstance(rc, int) and rc < 0 else f"{job.state} (exit {rc})"
+        short = (state or "UNKNOWN").split()[0].split("+")[0]
+        err = _tail(job.paths.stderr, 400)
+        where = f"job {req.job_id} ({self.kind}) ended {state or 'UNKNOWN'} without a result"
+        req.error = where + (f"; its stderr ends: {err}" if err else "")
+        if short in RESULT_STATES:
+            return  # the job's own limits: a result (error), not retried
+        req.lost = {"kind": "gone", "state": short, "job_id": req.job_id}

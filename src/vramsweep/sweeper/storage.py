@@ -46,6 +46,9 @@ FINGERPRINT = "vramsweep:fingerprint"
 #: On a trial that copied an earlier trial's outcome (a re-proposed point): not counted toward n_trials.
 COPY_OF = "vramsweep:copy_of"
 LOST = "vramsweep:lost"  # the trial's worker died (or Ctrl-C stopped it): its point is retried
+#: On a lost trial whose launcher job was lost (cancelled, preempted, node lost, not submitted): every run
+#: retries it again (up to ``retry_stale`` times within the run); the value says how it was lost.
+JOB_LOST = "vramsweep:job_lost"
 
 _thread_lock = threading.RLock()
 _engines: dict[str, Any] = {}

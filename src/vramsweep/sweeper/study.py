@@ -25,6 +25,7 @@ from vramsweep.sweeper.storage import (
     COPY_OF,
     FINGERPRINT,
     HEARTBEAT,
+    JOB_LOST,
     LOST,
     OWNER,
     RETRIES,
@@ -253,12 +254,13 @@ class StudyMixin:
             )
         )
 
-    def _retry_lost(self, study: Any, t: Any, retries: int) -> bool:
-        """Re-enqueue a lost trial's point into its slot when it has retries left; whether it did."""
+    def _retry_lost(self, study: Any, t: Any, retries: int, *, force: bool = False) -> bool:
+        """Re-enqueue a lost trial's point into its slot when it has retries left (``force``: the caller
+        decided, a lost launcher job); whether it did."""
         from optuna.trial import TrialState, create_trial
 
         slot = t.system_attrs.get(SLOT)
-        if slot is None or retries >= self.s.retry_stale:
+        if slot is None or (not force and retries >= self.s.retry_stale):
             return False
         study.add_trial(
             create_trial(
@@ -305,6 +307,13 @@ class StudyMixin:
         n = 0
         for t in requeue_lost(self.admin):
             retries = int(t.system_attrs.get(RETRIES, 0))
+            if t.system_attrs.get(JOB_LOST):  # its launcher job was lost: a new run retries it again
+                self._retry_lost(self.admin, t, retries, force=True)
+                n += 1
+                self._say(
+                    f"vramsweep: trial {t.number:04d}'s launcher job was lost ({t.system_attrs[JOB_LOST]}): retried"
+                )
+                continue
             if self._retry_lost(self.admin, t, retries):
                 n += 1
                 self._say(

@@ -11,7 +11,7 @@ import time
 from vramsweep.record.diskfull import NO_SPACE
 from vramsweep.sweeper.outcome import Outcome
 from vramsweep.sweeper.progress import trial_line
-from vramsweep.sweeper.storage import HEARTBEAT, storage_lock, trial_counts
+from vramsweep.sweeper.storage import HEARTBEAT, JOB_LOST, LOST, storage_lock, trial_counts
 from vramsweep.sweeper.study import Job
 from vramsweep.sweeper.trialproc import RunReport
 
@@ -119,7 +119,52 @@ class WorkerMixin:
             if self.interrupted:
                 self._requeue_interrupted(job)
                 return
+            lost = (report.result.get("meta") or {}).get("lost_job")
+            if lost:
+                self._record_lost_job(job, report, lost)
+                continue
             self._record(job, report)
+
+    def _record_lost_job(self, job: Job, report: RunReport, lost: dict) -> None:
+        """A launcher job lost to the infrastructure (cancelled, preempted, node lost, never submitted): not
+        a trial outcome. The trial is closed (marked lost) and its point re-enqueued into its slot, up to
+        ``retry_stale`` times in this run; a later run of the same command retries it again. A job that
+        could not be submitted, with no retry left, stops the sweep (the launcher is down: say so)."""
+        from vramsweep.record.result import write_result
+
+        tid = job.trial._trial_id
+        n = self._job_losses.get(job.slot, 0)
+        will_retry = n < self.s.retry_stale and not self.abort.is_set()
+        with self._tell_lock, storage_lock(self.s.storage, self.s.study_name):
+            frozen = self.storage.get_trial(tid)
+            if will_retry:
+                self._retry_lost(self.study, frozen, job.retries, force=True)
+                self._job_losses[job.slot] = n + 1
+            self.storage.set_trial_system_attr(tid, LOST, True)
+            self.storage.set_trial_system_attr(tid, JOB_LOST, str(lost.get("kind") or "gone"))
+            note = (
+                f"retried ({n + 1}/{self.s.retry_stale} in this run)"
+                if will_retry
+                else f"not retried again in this run (hydra.sweeper.retry_stale={self.s.retry_stale}): "
+                "re-run the same command to retry it"
+            )
+            res = report.result
+            res["reason"] = f"{res.get('reason')}; lost infrastructure, not a result: {note}"[:2000]
+            res["meta"]["retries"] = job.retries
+            res["meta"]["lost"] = True
+            write_result(self.result_path(job.number), res)
+            self._tell(self.study, job.trial, res, report.outcome)
+            self._running.discard(tid)
+        self._say(f"vramsweep: trial {job.number:04d} {' '.join(job.label)}: {res['reason']}")
+        if lost.get("kind") == "submit":
+            if not will_retry and not self.abort.is_set():
+                self.abort_reason = (
+                    f"the launcher could not submit jobs ({str(res.get('reason'))[:300]}); "
+                    "nothing was lost: re-run the same command when the cluster is back"
+                )
+                self.abort.set()
+            else:
+                self.abort.wait(min(2.0**n, 10.0))  # a controller restarting: back off before the retry
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.s.heartbeat_s):
