@@ -9,6 +9,7 @@ sweep cases use the fake trial function so that a case that *did* start would fi
 from __future__ import annotations
 
 import json
+import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -374,6 +375,29 @@ CASES += [
     (f"sweeper-{ov}", "train", ["-m", "adapter.r=8,16", *FAKE, f"hydra.sweeper.{ov}"], {}, needle)
     for ov, needle in SWEEPER_BAD
 ]
+# --- issue 29.3: a storage that cannot be reached or written: exit 2 in the pre-flight, password masked
+PW = "s3cret-pw"  # never printed (checked for every case)
+STORAGE_BAD: list[tuple[str, str, str]] = [
+    ("proc", "sqlite:////proc/vramsweep-x/study.db", "the folder /proc/vramsweep-x is not writable"),
+    ("under-file", "sqlite:///{not_a_dir}/study.db", "is a file, not a folder"),
+    ("is-folder", "sqlite:///{root}", "is a folder, not a database file"),
+    ("in-memory", "sqlite://", "names no database file"),
+    ("in-memory-named", "sqlite:///:memory:", "names no database file"),
+    ("garbage-file", "sqlite:///{garbage_sweep}/study.db", "is not a SQLite database"),
+    (
+        "pg-refused",
+        f"postgresql://u:{PW}@127.0.0.1:1/db",
+        "cannot connect to postgresql+psycopg2://u:***@127.0.0.1:1/db: connection to server",
+    ),
+    ("pg-refused-localhost", f"postgresql://u:{PW}@localhost:1/db", "u:***@localhost:1/db"),
+    ("pg-unknown-host", f"postgresql://u:{PW}@no-such-host.invalid/db", "no-such-host.invalid"),
+    ("pg-bad-port", "postgresql://u@127.0.0.1:notaport/db", "hydra.sweeper.storage"),
+    ("redis", "redis://localhost/0", "is not a supported URL"),
+]
+CASES += [
+    (f"storage-{cid}", "train", ["-m", "adapter.r=8,16", *FAKE, f"hydra.sweeper.storage={url}"], {}, needle)
+    for cid, url, needle in STORAGE_BAD
+]
 # the max_context design (its own driver) checks the same table
 CASES += [
     (
@@ -433,7 +457,9 @@ def test_bad_input(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, need
     experiments = userconf / "experiment"
     before, before_conf = _tree(tmp_path), _tree(experiments)
     capsys.readouterr()
+    cpu0 = time.process_time()
     code = main([verb, *args])
+    cpu_s = time.process_time() - cpu0
     out, err = capsys.readouterr()
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2, f"exit {code}\nstdout: {out}\nstderr: {err}"
@@ -441,5 +467,7 @@ def test_bad_input(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, need
     assert lines[0].startswith(f"vramsweep {verb}: error: "), lines[0]
     assert needle in lines[0], lines[0]
     assert "HYDRA_FULL_ERROR" not in err and "search path" not in err.lower()
+    assert PW not in out + err, "a storage password was printed"
+    assert cpu_s < 10, f"{case_id}: {cpu_s:.1f} s of CPU before exit 2 (issue 29: under 10 s)"
     assert _tree(tmp_path) == before, f"written: {sorted(map(str, _tree(tmp_path) - before))}"
     assert _tree(experiments) == before_conf

@@ -285,6 +285,9 @@ def preflight_sweep(plan: Any, task_cfg: dict[str, Any], arguments: Iterable[str
     check_writable(sweep_dir, key=key, label=label)
     check_disk(sweep_dir, int(plan.n_total), key=key, label=label)
     check_study_file(plan.settings.storage)
+    from vramsweep.sweeper.storage_check import check_storage
+
+    check_storage(plan.settings.storage)  # reachable and writable: connect (or probe) now, not mid-sweep
     cfg = OmegaConf.create(task_cfg)
     seen: set[tuple[str, str]] = set()
     if str(OmegaConf.select(cfg, "data.source")) == "jsonl":
