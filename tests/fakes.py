@@ -178,7 +178,7 @@ def fake_trial(
             fault = None
         else:
             flag.parent.mkdir(parents=True, exist_ok=True)
-            flag.write_text(str(os.getpid()))
+            flag.write_text(f"{os.getpid()} {os.environ.get('SLURM_JOB_ID', '')}")  # pid, SLURM job id
             fault = fault[: -len("_once")]
     _touch(env, "start", trial)
     steps = int(_num(knobs, "train.steps"))

@@ -114,7 +114,7 @@ def test_ctrl_c_cancels_the_sweeps_launcher_jobs_and_exits_within_seconds(tmp_pa
     assert took < 20, f"Ctrl-C took {took:.1f} s"
     assert "cancelled this sweep's 1 launcher job(s)" in out, out
     assert "re-run the same command" in out.strip().splitlines()[-1], out
-    hung = int(next(marker.glob("once-*")).read_text())
+    hung = int(next(marker.glob("once-*")).read_text().split()[0])
     time.sleep(1.0)
     assert not _alive(hung), "the cancelled job's process is still running"
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
