@@ -471,3 +471,137 @@ def test_bad_input(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, need
     assert cpu_s < 10, f"{case_id}: {cpu_s:.1f} s of CPU before exit 2 (issue 29: under 10 s)"
     assert _tree(tmp_path) == before, f"written: {sorted(map(str, _tree(tmp_path) - before))}"
     assert _tree(experiments) == before_conf
+
+
+# --- issue 29.4: read-only commands never modify what they read (hash of the input folder before/after)
+#: Files a read-only command may add to the sweep folder it reads: its own outputs, never an input.
+OWN_OUTPUTS = {"ablation.md", "ablation.csv", "production.md"}
+OWN_SUFFIXES = (".png", ".svg", ".html")
+DB_KINDS = ("nodb", "empty", "garbage", "truncated", "not-optuna", "optuna")
+
+
+def _db_bytes() -> bytes:
+    """A real sweep's study.db (WAL mode, made by the sweeper's storage) with one finished trial."""
+    import gc
+    import tempfile
+
+    import optuna
+
+    from vramsweep.sweeper.storage import make_storage
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with tempfile.TemporaryDirectory() as d:
+        url = f"sqlite:///{d}/study.db"
+        storage = make_storage(url)
+        st = optuna.create_study(study_name="syn", storage=storage, directions=["minimize"])
+        st.add_trial(optuna.trial.create_trial(values=[2.0]))
+        storage.engine.dispose()
+        del st, storage
+        gc.collect()
+        return (Path(d) / "study.db").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def study_db() -> bytes:
+    return _db_bytes()
+
+
+def _sweep_folder(root: Path, kind: str, db: bytes) -> Path:
+    import sqlite3
+
+    from test_report import result, write_sweep
+
+    folder = root / "results" / "sweeps" / kind
+    write_sweep(
+        folder,
+        [
+            result(0, ["quant=none"], peak=4.0, tps=100, loss=2.0),
+            result(1, ["quant=nf4"], peak=2.0, tps=80, loss=2.1),
+        ],
+        study_name="syn",
+    )
+    path = folder / "study.db"
+    if kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "garbage":
+        path.write_bytes(b"not a database\x00" * 64)
+    elif kind == "truncated":
+        path.write_bytes(db[: len(db) // 3])
+    elif kind == "optuna":
+        path.write_bytes(db)
+    elif kind == "not-optuna":
+        conn = sqlite3.connect(path)
+        conn.execute("CREATE TABLE notes (x TEXT)")
+        conn.commit()
+        conn.close()
+    return folder
+
+
+def _hashes(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+READ_ONLY = {
+    "report-out": (["report", "{sweep}", "--out", "{root}/out"], False),
+    "report-db-file": (["report", "{sweep}/study.db", "--out", "{root}/out"], False),
+    "report-in-place": (["report", "{sweep}"], True),
+    "pick": (["pick", "{sweep}", "--budget-gib", "16", "--config-dir", "{root}/conf"], True),
+    "calibrate": (["estimate", "--calibrate", "{sweep}"], False),
+}
+
+
+@pytest.mark.parametrize("kind", DB_KINDS)
+@pytest.mark.parametrize("command", list(READ_ONLY))
+def test_read_only_commands_change_nothing(tmp_path, monkeypatch, capsys, study_db, command, kind):
+    """report/pick/estimate --calibrate on an empty, damaged, foreign or real study.db: every file of the
+    sweep folder is byte-identical afterwards (no schema written into an empty file, no -wal/-shm left);
+    only the command's own outputs may appear. A refusal is one error line with exit 2."""
+    monkeypatch.chdir(tmp_path)
+    sweep = _sweep_folder(tmp_path, kind, study_db)
+    before = _hashes(sweep)
+    argv, in_place = READ_ONLY[command]
+    args = [a.replace("{sweep}", str(sweep)).replace("{root}", str(tmp_path)) for a in argv]
+    capsys.readouterr()
+    code = main(args)
+    err = capsys.readouterr().err
+    after = _hashes(sweep)
+    changed = sorted(k for k in before if after.get(k) != before[k])
+    added = sorted(set(after) - set(before))
+    assert not changed, f"{command} on a {kind} study.db changed {changed}"
+    allowed = [a for a in added if in_place and (a in OWN_OUTPUTS or a.endswith(OWN_SUFFIXES))]
+    assert added == allowed, f"{command} on a {kind} study.db wrote {added} into its input"
+    if code == 2:
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith(f"vramsweep {args[0]}: error: "), err
+    else:
+        assert code == 0, err
+    if kind in ("garbage", "truncated") and command.startswith("report"):
+        assert code == 2 and "not a readable Optuna study database" in err or "cannot open storage" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--cfg", "results_dir={root}/results"],
+        ["train", "--cfg", "hydra", "results_dir={root}/results"],
+        ["train", "-m", "--cfg", "hydra", "adapter.r=8,16", "results_dir={root}/results", *FAKE],
+        ["train", "-m", "--info", "adapter.r=8,16", "results_dir={root}/results", *FAKE],
+    ],
+    ids=["cfg", "cfg-hydra", "m-cfg-hydra", "m-info"],
+)
+def test_cfg_reads_and_writes_nothing(tmp_path, monkeypatch, capsys, study_db, argv):
+    """``--cfg``/``--info`` print and run nothing: no folder, no study, the results folder untouched."""
+    monkeypatch.chdir(tmp_path)
+    sweep = _sweep_folder(tmp_path, "optuna", study_db)
+    (tmp_path / "results" / "sweeps" / "bad").symlink_to(sweep)  # the study this command line names
+    before = _hashes(tmp_path)
+    code = main([a.replace("{root}", str(tmp_path)) for a in argv])
+    capsys.readouterr()
+    assert code == 0
+    assert _hashes(tmp_path) == before

@@ -531,7 +531,7 @@ def test_run_calibrate_on_a_sweep_folder(tmp_path, capsys):
     assert run_calibrate(str(tmp_path / "missing")) == 2
     empty = tmp_path / "sweeps" / "empty"
     (empty / "trials").mkdir(parents=True)
-    assert run_calibrate(str(empty)) == 1
+    assert run_calibrate(str(empty)) == 2
 
 
 def test_bad_config_raises_config_error():

@@ -456,10 +456,10 @@ def test_single_trial(tmp_path: Path, capsys) -> None:
 def test_empty_missing_and_bad_targets(tmp_path: Path, capsys) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert run_report(str(empty)) == 1
-    assert "no trial results" in capsys.readouterr().err
+    assert run_report(str(empty)) == 2
+    assert "vramsweep report: error: no trial results" in capsys.readouterr().err
     started = write_sweep(tmp_path / "started", [])
-    assert run_report(str(started)) == 1
+    assert run_report(str(started)) == 2
     assert not (started / "ablation.md").exists()
     assert run_report(str(tmp_path / "nope")) == 2
     assert "no such sweep folder" in capsys.readouterr().err

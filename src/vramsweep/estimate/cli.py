@@ -175,8 +175,8 @@ def run_calibrate(sweep_dir: str) -> int:
 
     Results are read from ``<sweep>/trials/*.json`` (or any ``result.json`` below the folder); the
     constants go to ``<results_dir>/calibration/<device>.json`` where ``results_dir`` is the folder
-    above ``sweeps/``. Returns 0 when at least one device was calibrated, 1 when no trial was usable,
-    2 when the folder does not exist.
+    above ``sweeps/``. Returns 0 when at least one device was calibrated,
+    2 when the folder does not exist or no trial was usable (one error line).
     """
     from vramsweep.estimate.calibration import calibrate, save_calibration
 
@@ -198,10 +198,11 @@ def run_calibrate(sweep_dir: str) -> int:
         }
     )
     done = 0
+    skipped: list[str] = []
     for key in keys:
         fit = calibrate(results, device_key=key)
         if not fit["n_trials"]:
-            print(f"{key}: no usable trials (need status ok, a measured peak, and a loss-phase peak)")
+            skipped.append(key)
             continue
         fit["source"] = str(d)
         path = save_calibration(results_dir, key, fit)
@@ -211,7 +212,13 @@ def run_calibrate(sweep_dir: str) -> int:
             f"{100 * before:.1f}% -> {100 * after:.1f}% -> {path}"
         )
         done += 1
+    need = "need status ok, a measured peak and a loss-phase peak"
     if not done:
-        print(f"vramsweep estimate: error: --calibrate: no usable trials in {sweep_dir}", file=sys.stderr)
-        return 1
+        print(
+            f"vramsweep estimate: error: --calibrate: no usable trials in {sweep_dir} ({need})",
+            file=sys.stderr,
+        )
+        return 2
+    for key in skipped:
+        print(f"{key}: no usable trials ({need})")
     return 0

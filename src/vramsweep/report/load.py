@@ -435,18 +435,80 @@ def _sqlite_path(url: str) -> Path | None:
     return None
 
 
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def _sqlite_ro_uri(path: Path) -> str:
+    """A SQLite URI that cannot write: ``immutable=1`` for a closed database (no lock, no ``-wal``/``-shm``
+    files created), ``mode=ro`` while a writer's ``-wal``/``-journal`` exists (a sweep still running: its
+    last commits are in the ``-wal``)."""
+    from urllib.parse import quote
+
+    live = any(Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-journal"))
+    return f"file:{quote(str(path.resolve()))}?{'mode=ro' if live else 'immutable=1'}"
+
+
+def _check_sqlite_study(path: Path, url: str) -> None:
+    """Raise unless ``path`` is a SQLite file holding Optuna's tables (read without writing a byte)."""
+    import sqlite3
+
+    if path.stat().st_size == 0:
+        raise ReportError(f"storage {safe_url(url)} holds no study (the file is empty)")
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(len(SQLITE_MAGIC))
+    except OSError as exc:
+        raise ReportError(f"cannot open storage {safe_url(url)}: {exc.strerror or exc}") from None
+    if head != SQLITE_MAGIC:
+        raise ReportError(f"cannot open storage {safe_url(url)}: not a SQLite database")
+    try:
+        conn = sqlite3.connect(_sqlite_ro_uri(path), uri=True)
+        try:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:  # torn copy: "database disk image is malformed"
+        raise ReportError(f"cannot open storage {safe_url(url)}: {exc}") from None
+    if not {"studies", "trials", "version_info"} <= tables:
+        raise ReportError(f"storage {safe_url(url)} holds no study (no Optuna tables)")
+
+
+def readonly_storage(url: str) -> Any:
+    """An Optuna ``RDBStorage`` over ``url`` that cannot write: no table creation, no version stamp, no
+    migration (Optuna's own ``RDBStorage(url)`` writes its schema into an empty database). SQLite is opened
+    through a read-only URI (:func:`_sqlite_ro_uri`), PostgreSQL in read-only transactions."""
+    import optuna
+
+    kwargs: dict[str, Any] = {}
+    path = _sqlite_path(url)
+    if path is not None:
+        import sqlite3
+
+        uri = _sqlite_ro_uri(path)
+        kwargs["creator"] = lambda: sqlite3.connect(uri, uri=True, check_same_thread=False)
+    elif url.startswith("postgresql"):
+        kwargs["connect_args"] = {"options": "-c default_transaction_read_only=on", "connect_timeout": 5}
+    elif url.startswith("mysql"):
+        kwargs["connect_args"] = {"init_command": "SET SESSION TRANSACTION READ ONLY", "connect_timeout": 5}
+    return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, skip_table_creation=True)
+
+
 def _open_study(url: str, study: str | None) -> Any:
-    """Load an Optuna study without ever creating a storage or study."""
+    """Load an Optuna study read-only: never create, stamp or migrate a storage or study."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     path = _sqlite_path(url)
-    if path is not None and not path.is_file():
-        raise ReportError(f"no such study database: {path}")
+    if path is not None:
+        if not path.is_file():
+            raise ReportError(f"no such study database: {path}")
+        _check_sqlite_study(path, url)
     try:
-        names = optuna.get_all_study_names(storage=url)
+        storage = readonly_storage(url)
+        names = optuna.get_all_study_names(storage=storage)
     except Exception as exc:  # driver missing, server down, not an optuna DB, ...
-        raise ReportError(f"cannot open storage {safe_url(url)}: {exc.__class__.__name__}: {exc}") from exc
+        why = " ".join(str(exc).split())[:300]
+        raise ReportError(f"cannot open storage {safe_url(url)}: {exc.__class__.__name__}: {why}") from None
     if study is None:
         if len(names) == 1:
             study = names[0]
@@ -462,7 +524,7 @@ def _open_study(url: str, study: str | None) -> Any:
             f"unknown study {study!r} in {safe_url(url)} (studies: {', '.join(sorted(names)) or 'none'})"
         )
     try:
-        return optuna.load_study(study_name=study, storage=url)
+        return optuna.load_study(study_name=study, storage=storage)
     except Exception as exc:
         raise ReportError(f"cannot load study {study!r}: {exc.__class__.__name__}: {exc}") from exc
 

@@ -100,16 +100,13 @@ def run_report(
         wandb: also log a W&B sweep-summary run (offline without ``WANDB_API_KEY``).
 
     Returns:
-        0 written, 1 no trial results yet, 2 bad input.
+        0 written, 2 bad input or no trial results yet (one ``vramsweep report: error:`` line).
     """
     try:
         sweep = load_sweep(target, study=study)
     except ReportError as exc:
         print(error_line("report", str(exc)), file=sys.stderr)
         return 2
-    for n in sweep.notes:  # torn or unreadable inputs are said on the terminal, not only in ablation.md
-        if "unreadable" in n or "not a result object" in n or "study database not used" in n:
-            print(f"vramsweep report: warning: {n}", file=sys.stderr)
     if not sweep.trials:
         where = sweep.folder if sweep.folder is not None else safe_url(target)
         what = (
@@ -117,10 +114,15 @@ def run_report(
             if sweep.folder is not None and not (sweep.folder / "sweep.json").exists()
             else "sweep has not finished a trial yet"
         )
-        print(f"vramsweep report: no trial results in {where} ({what}); nothing to report.", file=sys.stderr)
-        for n in sweep.notes:
-            print(f"  note: {n}", file=sys.stderr)
-        return 1
+        notes = "".join(f"; {n}" for n in sweep.notes)
+        print(
+            error_line("report", f"no trial results in {where} ({what}){notes}: nothing to report"),
+            file=sys.stderr,
+        )
+        return 2
+    for n in sweep.notes:  # torn or unreadable inputs are said on the terminal, not only in ablation.md
+        if "unreadable" in n or "not a result object" in n or "study database not used" in n:
+            print(f"vramsweep report: warning: {n}", file=sys.stderr)
     out = Path(out_dir) if out_dir else (sweep.folder if sweep.folder is not None else Path.cwd())
     try:
         out.mkdir(parents=True, exist_ok=True)
