@@ -101,3 +101,20 @@ def test_no_import_cycles_between_modules():
     """Within a part too: e.g. build.model <-> build.kernels, config.compose <-> config.rules."""
     cycle = find_cycle(module_graph())
     assert cycle is None, " -> ".join(cycle)
+
+
+def test_cpu_config_rules_do_not_import_torch():
+    """Checking a CPU config (every rule, machine rules included) needs no torch: its import costs seconds
+    of a pre-flight meant to answer in one (only a CUDA profile asks torch whether CUDA is there)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from vramsweep.config import compose\n"
+        "compose(['adapter.dropout=0.1', 'attention=sdpa'], rules='all')\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

@@ -340,7 +340,8 @@ def _rules_combinations(cfg: DictConfig) -> None:
 
 def _rules_machine(cfg: DictConfig) -> None:
     """Environment-dependent rules: raise :class:`UnsupportedError`."""
-    has_cuda = cuda_available()
+    # only a CUDA profile asks torch (importing it costs seconds of a pre-flight that should take one)
+    has_cuda = cfg.hardware.device == "cuda" and cuda_available()
     if cfg.hardware.device == "cuda" and not has_cuda:
         raise UnsupportedError(
             f"hardware={cfg.hardware.name} needs CUDA and none is available here",
