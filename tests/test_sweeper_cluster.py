@@ -276,3 +276,48 @@ def test_a_failed_submission_is_not_a_result_and_a_rerun_runs_it(tmp_path, capsy
     assert Sweep(plan, runner=Runner(False, plan.settings.sweep_dir)).run() == 0
     assert _ok_points(tmp_path, "down") == ["adapter.r=4", "adapter.r=8"]
     assert finished_study(*compose_sweep(args)) is not None
+
+
+# ------------------------------------------------------------------------------------- small ones (28.6)
+
+
+def test_an_uninstalled_launcher_names_the_installed_ones_and_the_package():
+    """``hydra/launcher=joblib`` without the plugin said "(allowed: )"."""
+    from vramsweep.config.compose import translate_hydra_error
+
+    err = translate_hydra_error(RuntimeError("In 'train': Could not find 'hydra/launcher/joblib'"))
+    text = str(err)
+    assert "hydra-joblib-launcher" in text and "basic" in err.allowed, text
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    assert {"submitit_local", "submitit_slurm"} <= set(err.allowed)
+
+
+def test_a_trial_summary_always_has_reason_and_mfu():
+    from vramsweep.record.result import new_result
+    from vramsweep.report.wandb_run import design_role, summary_of
+
+    s = summary_of(new_result(status="ok", sweep="s", trial=0, overrides=[]))
+    assert s["reason"] == "" and "mfu" in s and s["mfu"] is None
+    assert design_role({"kind": "search", "sampler": "grid", "repeat": 0}) == "grid"
+
+
+def test_a_sweep_folder_copied_without_its_wal_holds_the_study(tmp_path):
+    """The study is checkpointed at the end of a sweep: ``study.db`` alone has every trial."""
+    import shutil
+
+    from vramsweep.sweeper.engine import Sweep, plan_from_args
+
+    args = [
+        f"results_dir={tmp_path}",
+        "hydra.sweeper.trial_fn=fakes:fake_trial",
+        "adapter.r=4,8",
+        "hydra.sweeper.isolation=inprocess",
+        "hydra.sweeper.study_name=wal",
+        "hydra.sweeper.progress=false",
+    ]
+    assert Sweep(plan_from_args(args)).run() == 0
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(tmp_path / "sweeps" / "wal" / "study.db", copy / "study.db")  # no -wal, no -shm
+    study = optuna.load_study(study_name="wal", storage=f"sqlite:///{copy}/study.db")
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2

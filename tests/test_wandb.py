@@ -161,7 +161,7 @@ def test_trial_run_job_type_tags_config_history_summary(tmp_path: Path) -> None:
     assert all("memory/allocated_bytes" in h and "train/step_time_s" in h for h in run.history)
     # summary: memory breakdown, estimate and its error, MFU, device, status, throughput, eval
     s = run.summary
-    assert s["status"] == "ok" and "reason" not in s
+    assert s["status"] == "ok" and s["reason"] == ""  # the key is always there (README; issue 28.6)
     assert s["memory/peak_bytes"] == 2 * G and s["memory/kind"] == "cuda_reserved"
     assert s["memory/breakdown/params_bytes"] == G and s["memory/breakdown/activations_bytes"] == G // 2
     assert s["memory/state/optimizer_bytes"] == G // 4
@@ -194,6 +194,7 @@ def test_failed_trial_tags_status_and_reason(tmp_path: Path) -> None:
         ({"kind": "stacking", "step": 0}, "baseline"),
         ({"kind": "stacking", "step": 2}, "stacking"),
         ({"kind": "search", "sampler": "tpe"}, "search"),
+        ({"kind": "search", "sampler": "grid"}, "grid"),  # as the summary run's design:grid (issue 28.6)
         (None, None),
     ],
 )
@@ -391,7 +392,7 @@ def test_real_trial_logs_every_step(tmp_path: Path, embedded_model_dir: Path) ->
     )
     assert res["status"] == "ok", res["reason"]
     run = read_run(Path(res["meta"]["wandb"]["dir"]))
-    assert run.job_type == "trial" and {"status:ok", "design:search"} <= set(run.tags)
+    assert run.job_type == "trial" and {"status:ok", "design:grid"} <= set(run.tags)
     assert run.config["adapter.r"] == 16 and run.config["trial"] == 0
     assert [h["_step"] for h in run.history] == [1, 2, 3, 4]
     assert all("train/loss" in h and "train/step_time_s" in h for h in run.history)

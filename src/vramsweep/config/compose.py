@@ -98,6 +98,37 @@ def _schema_fields(dotted: str) -> list[str] | None:
     return sorted(f.name for f in dataclasses.fields(node))
 
 
+#: Which package adds a Hydra plugin option that is not installed (named in the unknown-option error).
+PLUGIN_PACKAGES = {
+    "hydra/launcher": {
+        "submitit": "hydra-submitit-launcher (or 'vramsweep[cluster]')",
+        "joblib": "hydra-joblib-launcher",
+        "ray": "hydra-ray-launcher",
+        "rq": "hydra-rq-launcher",
+    },
+    "hydra/sweeper": {
+        "optuna": "hydra-optuna-sweeper",
+        "ax": "hydra-ax-sweeper",
+        "nevergrad": "hydra-nevergrad-sweeper",
+    },
+}
+
+
+def hydra_group_options(group: str) -> list[str]:
+    """The options of one of Hydra's groups (``hydra/launcher``...) that Hydra and its installed plugins offer."""
+    try:
+        from hydra.core.config_store import ConfigStore
+        from hydra.core.plugins import Plugins
+
+        Plugins.instance()  # imports the installed plugins: they register their configs
+        node: Any = ConfigStore.instance().repo
+        for part in group.split("/"):
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        return sorted(str(k).removesuffix(".yaml") for k in node) if isinstance(node, dict) else []
+    except Exception:
+        return []
+
+
 def translate_hydra_error(exc: Exception) -> ConfigError:
     """A Hydra/OmegaConf composition error as one :class:`ConfigError` naming the override and options."""
     text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
@@ -107,10 +138,15 @@ def translate_hydra_error(exc: Exception) -> ConfigError:
     m = re.search(r"Could not find '([\w/]+)/([\w.\-]*)'", text)
     if m:
         group, opt = m.group(1), m.group(2)
-        allowed = [o for o in list_options(group) if not o.startswith("base_")]
+        if group.startswith("hydra/"):  # Hydra's own groups: the options its installed plugins register
+            allowed = hydra_group_options(group)
+        else:
+            allowed = [o for o in list_options(group) if not o.startswith("base_")]
         if not opt:
             return ConfigError(f"{group}= needs an option", key=group, allowed=allowed)
-        return ConfigError(f"unknown option {group}={opt}", key=group, allowed=allowed)
+        hint = PLUGIN_PACKAGES.get(group, {}).get(opt.split("_")[0])
+        where = f"; {opt} comes with `pip install {hint}`" if hint else ""
+        return ConfigError(f"unknown option {group}={opt}{where}", key=group, allowed=allowed)
     m = re.search(r"Error parsing override '([^']*)'", text)
     if m:
         ov = m.group(1)

@@ -44,7 +44,7 @@ def _finite(value: Any) -> bool:
 
 
 def design_role(design: dict | None) -> str | None:
-    """``baseline`` | ``ablation`` | ``stacking`` | ``search`` for a ``meta.design`` dict, else None."""
+    """``baseline`` | ``ablation`` | ``stacking`` | ``grid`` | ``search`` for a ``meta.design`` dict, else None."""
     if not isinstance(design, dict) or not design.get("kind"):
         return None
     kind = str(design["kind"])
@@ -52,6 +52,8 @@ def design_role(design: dict | None) -> str | None:
         return "baseline" if design.get("role") == "baseline" else "ablation"
     if kind == "stacking":
         return "baseline" if not design.get("step") else "stacking"
+    if kind == "search" and design.get("sampler") == "grid":
+        return "grid"  # a grid design (command-line lists): as the sweep's summary run says
     return kind
 
 
@@ -106,8 +108,9 @@ def summary_of(result: dict) -> dict[str, Any]:
     meta = result.get("meta") or {}
     s: dict[str, Any] = {k: v for k, v in metrics.items() if _finite(v)}
     s["status"] = result.get("status")
-    if result.get("reason"):
-        s["reason"] = str(result["reason"])[:1000]
+    s["reason"] = str(result.get("reason") or "")[:1000]  # always there (README): "" when ok
+    if not _finite(metrics.get("mfu")):
+        s["mfu"] = None  # not measured (no device peak): the key is there, the reason in mfu/*
     if metrics.get("memory_kind"):
         s["memory/kind"] = metrics["memory_kind"]
     peak = metrics.get("peak_memory_bytes")

@@ -175,6 +175,7 @@ class Sweep(StudyMixin, WorkerMixin):
             if self.wandb_summary is not None:
                 self.wandb_summary.close()
         self.summary(time.perf_counter() - t0)
+        checkpoint_wal(self.s.storage)
         return 1 if self.abort.is_set() else 0
 
     def describe(self) -> str:
@@ -324,6 +325,24 @@ def run_sweep(
     except ConfigError as exc:
         print(error_line("train", str(exc)), file=sys.stderr)
         return 2
+
+
+def checkpoint_wal(url: str) -> None:
+    """Fold a SQLite study's write-ahead log into ``study.db`` (a folder copied without ``study.db-wal``
+    would otherwise hold an empty study). Best effort: another process may hold the log open."""
+    import contextlib
+    import sqlite3
+
+    from vramsweep.sweeper.storage import sqlite_path
+
+    path = sqlite_path(url)
+    if path is None or not path.is_file():
+        return
+    with (
+        contextlib.suppress(sqlite3.Error),
+        contextlib.closing(sqlite3.connect(str(path), timeout=30)) as conn,
+    ):
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
 def _numbers(numbers: list[int]) -> str:
