@@ -398,6 +398,129 @@ CASES += [
     (f"storage-{cid}", "train", ["-m", "adapter.r=8,16", *FAKE, f"hydra.sweeper.storage={url}"], {}, needle)
     for cid, url, needle in STORAGE_BAD
 ]
+# --- issue 29.7: one error shape for argparse refusals, internal names and Hydra's lexer (verb "" = none)
+QUOTE = "must be quoted for Hydra"
+CASES += [
+    (
+        "verb-typo",
+        "trian",
+        [],
+        {},
+        "unknown verb 'trian' (allowed: train, estimate, report, pick); did you mean train?",
+    ),
+    ("verb-typo-report", "reprot", ["x"], {}, "did you mean report?"),
+    ("verb-unknown", "fly", [], {}, "unknown verb 'fly'"),
+    ("verb-missing", "", [], {}, "no verb given (allowed: train, estimate, report, pick"),
+    ("flag-train", "train", ["--bogus"], {}, "unknown option --bogus (usage: vramsweep train --help)"),
+    ("flag-train-multirun", "train", ["--multirn", "adapter.r=8,16"], {}, "unknown option --multirn"),
+    ("flag-estimate", "estimate", ["--jsn"], {}, "unknown option --jsn; did you mean --json?"),
+    ("flag-estimate-maxctx", "estimate", ["--max-contxt"], {}, "did you mean --max-context?"),
+    ("flag-report", "report", ["{empty_sweep}", "--bogus"], {}, "unknown option --bogus"),
+    ("flag-report-study", "report", ["{empty_sweep}", "--studdy", "x"], {}, "did you mean --study?"),
+    (
+        "flag-pick-typo",
+        "pick",
+        ["{empty_sweep}", "--buget-gib", "16"],
+        {},
+        "unknown option --buget-gib; did you mean --budget-gib?",
+    ),
+    (
+        "flag-pick-extra",
+        "pick",
+        ["{empty_sweep}", "extra", "--budget-gib", "16"],
+        {},
+        "unexpected argument 'extra'",
+    ),
+    (
+        "pick-budget-missing",
+        "pick",
+        ["{empty_sweep}"],
+        {},
+        "missing --budget-gib (usage: vramsweep pick --help)",
+    ),
+    (
+        "pick-budget-abc",
+        "pick",
+        ["{empty_sweep}", "--budget-gib", "abc"],
+        {},
+        "--budget-gib='abc' is not a number",
+    ),
+    (
+        "pick-budget-empty",
+        "pick",
+        ["{empty_sweep}", "--budget-gib", ""],
+        {},
+        "--budget-gib='' is not a number",
+    ),
+    ("pick-budget-no-value", "pick", ["{empty_sweep}", "--budget-gib"], {}, "--budget-gib needs a value"),
+    (
+        "pick-budget-nan",
+        "pick",
+        ["{empty_sweep}", "--budget-gib", "nan"],
+        {},
+        "--budget-gib must be a positive number",
+    ),
+    (
+        "pick-budget-inf",
+        "pick",
+        ["{empty_sweep}", "--budget-gib", "inf"],
+        {},
+        "--budget-gib must be a positive number",
+    ),
+    (
+        "pick-budget-zero",
+        "pick",
+        ["{empty_sweep}", "--budget-gib", "0"],
+        {},
+        "--budget-gib must be a positive number",
+    ),
+    (
+        "pick-headroom-abc",
+        "pick",
+        ["{empty_sweep}", "--budget-gib", "4", "--headroom-gib", "x"],
+        {},
+        "--headroom-gib='x' is not a number",
+    ),
+    (
+        "pick-tps-abc",
+        "pick",
+        ["{empty_sweep}", "--budget-gib", "4", "--min-tokens-per-s", "fast"],
+        {},
+        "--min-tokens-per-s='fast'",
+    ),
+    (
+        "pick-prefer",
+        "pick",
+        ["{empty_sweep}", "--budget-gib", "4", "--prefer", "cheap"],
+        {},
+        "--prefer='cheap' is not known (allowed: quality, speed)",
+    ),
+    ("pick-no-target", "pick", ["--budget-gib", "4"], {}, "missing target"),
+    ("pick-no-results", "pick", ["{empty_sweep}", "--budget-gib", "4"], {}, "no trial results"),
+    ("report-no-target", "report", [], {}, "missing target"),
+    ("report-no-results", "report", ["{empty_sweep}"], {}, "no trial results in"),
+    (
+        "calibrate-no-results",
+        "estimate",
+        ["--calibrate", "{empty_sweep}"],
+        {},
+        "--calibrate: no usable trials",
+    ),
+    ("internal-quant", "train", ["quant=base_quant"], {}, "unknown option quant=base_quant (allowed: fp4"),
+    ("internal-estimate", "estimate", ["quant=base_quant"], {}, "unknown option quant=base_quant"),
+    ("internal-sweep", "train", ["-m", "quant=nf4,base_quant", *FAKE], {}, "unknown option quant=base_quant"),
+    ("lexer-two-in-one", "train", ["quant=nf4 adapter=lora"], {}, QUOTE),
+    ("lexer-parens", "train", ["data=jsonl", "data.path={root}/a(1).jsonl"], {}, QUOTE),
+    (
+        "lexer-space-parens-m",
+        "train",
+        ["-m", "data=jsonl", "data.path={root}/my docs(1).jsonl", "adapter.r=8,16", *FAKE],
+        {},
+        QUOTE,
+    ),
+    ("lexer-brackets", "estimate", ["model=local", "model.path={root}/x [copy]"], {}, QUOTE),
+    ("lexer-quote", "train", ["data=jsonl", "data.path={root}/it's.jsonl"], {}, QUOTE),
+]
 # the max_context design (its own driver) checks the same table
 CASES += [
     (
@@ -458,13 +581,19 @@ def test_bad_input(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, need
     before, before_conf = _tree(tmp_path), _tree(experiments)
     capsys.readouterr()
     cpu0 = time.process_time()
-    code = main([verb, *args])
+    code = main([verb, *args] if verb else args)
     cpu_s = time.process_time() - cpu0
     out, err = capsys.readouterr()
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2, f"exit {code}\nstdout: {out}\nstderr: {err}"
     assert len(lines) == 1, f"expected one line, got:\n{err}"
-    assert lines[0].startswith(f"vramsweep {verb}: error: "), lines[0]
+    prefix = (
+        f"vramsweep {verb}: error: "
+        if verb in ("train", "estimate", "report", "pick")
+        else "vramsweep: error: "
+    )
+    assert lines[0].startswith(prefix), lines[0]
+    assert "usage:" not in err.split("error:", 1)[0], "usage printed before the error line"
     assert needle in lines[0], lines[0]
     assert "HYDRA_FULL_ERROR" not in err and "search path" not in err.lower()
     assert PW not in out + err, "a storage password was printed"

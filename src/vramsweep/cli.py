@@ -49,8 +49,95 @@ def _err(msg: str, verb: str = "train") -> int:
     return 2
 
 
+VERBS = ("train", "estimate", "report", "pick")
+
+
+def _close(word: str, options: list[str]) -> str:
+    import difflib
+
+    near = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    return f"; did you mean {near[0]}?" if near else ""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the one error shape: ``vramsweep <verb>: error: <what>`` on one line, exit 2; the usage
+    is behind ``--help`` (never printed before the error). Unknown options are charged to the verb."""
+
+    def _flags(self) -> list[str]:
+        return [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+
+    argv: list[str] = []
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        Parser.argv = list(sys.argv[1:] if args is None else args)
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            sub = self
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction) and getattr(ns, "command", None):
+                    sub = action.choices.get(ns.command, self)
+            first = extras[0]
+            flag = first.split("=", 1)[0]
+            sub.error(
+                f"unknown option {flag}" + _close(flag, sub._flags())
+                if flag.startswith("-")
+                else f"unexpected argument {first!r}"
+            )
+        return ns
+
+    def error(self, message: str):  # type: ignore[override]
+        import re
+
+        from vramsweep.config.errors import error_line
+
+        verb = self.prog.split(" ", 1)[1] if " " in self.prog else ""
+        msg = message
+        if m := re.match(r"argument \{[\w,]+\}: invalid choice: '([^']*)'", message):
+            msg = f"unknown verb {m.group(1)!r} (allowed: {', '.join(VERBS)})" + _close(
+                m.group(1), list(VERBS)
+            )
+        elif m := re.match(
+            r"argument ([-\w/]+)(?:/[-\w]+)?: invalid (?:float|int) value: '([^']*)'", message
+        ):
+            msg = f"{m.group(1)}={m.group(2)!r} is not a number"
+        elif m := re.match(
+            r"argument ([-\w/]+)(?:/[-\w]+)?: invalid choice: '([^']*)' \(choose from (.*)\)", message
+        ):
+            allowed = ", ".join(x.strip(" '") for x in m.group(3).split(","))
+            msg = f"{m.group(1)}={m.group(2)!r} is not known (allowed: {allowed})"
+        elif m := re.match(r"argument ([-\w/]+)(?:/[-\w]+)?: expected one argument", message):
+            msg = f"{m.group(1)} needs a value"
+        elif m := re.match(r"the following arguments are required: (.*)", message):
+            msg = f"missing {m.group(1)}"
+            flags = self._flags()
+            typo = [
+                a.split("=", 1)[0]
+                for a in Parser.argv
+                if a.startswith("--") and a.split("=", 1)[0] not in flags
+            ]
+            if typo:  # a misspelt flag is the cause: say so first
+                msg = f"unknown option {typo[0]}" + _close(typo[0], flags)
+        print(error_line(verb, f"{msg} (usage: {self.prog} --help)"), file=sys.stderr)
+        raise SystemExit(2)
+
+
 CFG_KINDS = ("job", "hydra", "all")
 INFO_KINDS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+
+
+def check_internal_options(overrides: list[str]) -> None:
+    """``quant=base_quant``: a schema name, not an option (it would run the schema's bare defaults)."""
+    from vramsweep.config.compose import ConfigError, list_options
+    from vramsweep.config.schema import CONFIG_GROUPS
+
+    for ov in overrides:
+        key, eq, value = ov.lstrip("+").partition("=")
+        if not eq or key not in CONFIG_GROUPS:
+            continue
+        for v in value.replace("choice(", "").rstrip(")").split(","):
+            if v.strip().startswith("base_"):
+                allowed = [o for o in list_options(key) if not o.startswith("base_")]
+                raise ConfigError(f"unknown option {key}={v.strip()}", key=key, allowed=allowed)
 
 
 def _hydra_flags(args: argparse.Namespace, overrides: list[str]) -> list[str]:
@@ -180,9 +267,7 @@ def cmd_pick(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vramsweep", description="Ablation sweeps for memory-bounded LLM fine-tuning."
-    )
+    p = Parser(prog="vramsweep", description="Ablation sweeps for memory-bounded LLM fine-tuning.")
     sub = p.add_subparsers(dest="command", metavar="{train,estimate,report,pick}")
     t = sub.add_parser(
         "train",
@@ -264,10 +349,19 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_terminal_warnings()  # e.g. Liger's Ascend-backend import warning; trial logs keep it
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # a refusal, already printed as one error line (--help exits 0 as before)
+        if exc.code == 2:
+            return 2
+        raise
     if not getattr(args, "command", None):
-        parser.print_help()
-        return 2
+        return _err(f"no verb given (allowed: {', '.join(VERBS)}; usage: vramsweep --help)", "")
+    if args.command in ("train", "estimate"):
+        try:
+            check_internal_options(list(args.overrides))
+        except ValueError as exc:
+            return _err(str(exc), args.command)
     if args.command in ("train", "estimate"):  # (pick creates its --config-dir when it writes)
         from vramsweep.config.compose import CONFIG_DIR_ENV, ConfigError, use_conf_dir, user_conf_dir
 

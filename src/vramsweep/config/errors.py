@@ -25,10 +25,23 @@ def one_line(msg: str) -> str:
     return re.sub(r"\s{2,}", " ", text).strip()
 
 
+#: Hydra's override lexer (ANTLR) failing on an unquoted value: a space, ``( ) [ ] { } , = ' "`` in a path.
+_LEXER = re.compile(
+    r"mismatched input|no viable alternative|LexerNoViableAlt|token recognition error|extraneous input|missing '.*' at"
+)
+QUOTE_HINT = (
+    "a value with spaces or any of ( ) [ ] { } , = ' \" must be quoted for Hydra: key='my value' "
+    "(on the shell: \"key='my value'\")"
+)
+
+
 def error_line(verb: str, msg: str) -> str:
-    """``vramsweep <verb>: error: <msg on one line>`` (an ``error:`` prefix already in ``msg`` is dropped)."""
+    """``vramsweep <verb>: error: <msg on one line>`` (an ``error:`` prefix already in ``msg`` is dropped).
+    A Hydra lexer failure gets the quoting hint (:data:`QUOTE_HINT`)."""
     text = one_line(msg)
     text = re.sub(r"^(vramsweep( \w+)?: )?(error: )?", "", text)
+    if _LEXER.search(text) and "must be quoted" not in text:
+        text += f"; {QUOTE_HINT}"
     return f"vramsweep {verb}: error: {text}" if verb else f"vramsweep: error: {text}"
 
 
