@@ -165,3 +165,15 @@ def test_unsloth_on_a_tiny_vocab_architecture_is_refused_by_the_rules():
     with pytest.raises(UnsupportedError, match=r"model.vocab_size=200 is too small .*needs >= 261"):
         check_unsloth(cfg)
     check_unsloth(compose(["kernels=unsloth", "model=qwen3_8b", "model.vocab_size=261"], rules="none"))
+
+
+def test_4bit_blocksize_other_than_64_refused():
+    """The build always makes block-64 4-bit layers (transformers passes no block size to bitsandbytes):
+    a quant.blocksize that would only change the estimate is refused."""
+    from vramsweep.config import ConfigError, compose
+
+    with pytest.raises(ConfigError) as err:
+        compose(["quant=nf4", "quant.blocksize=128"], rules="config")
+    assert err.value.key == "quant.blocksize" and "64" in str(err.value)
+    compose(["quant=nf4", "quant.blocksize=64"], rules="config")
+    compose(["quant=none", "quant.blocksize=128"], rules="config")  # no 4-bit layer: nothing to refuse

@@ -153,6 +153,15 @@ def check_values(cfg: DictConfig) -> None:
     _check_choice(cfg, "hardware.device", ("cpu", "cuda"))
     _check_range(cfg, "hardware.budget_gib", 0.0, 1e5)
     _check_range(cfg, "hardware.memory_gib", 0.0, 1e5)
+    if int(cfg.quant.bits) == 4 and int(cfg.quant.blocksize) != 64:
+        # transformers builds bitsandbytes' Linear4bit without a block size: 64 is what runs, so another
+        # value would change the estimate but not the model
+        raise ConfigError(
+            f"quant.blocksize={cfg.quant.blocksize}: 4-bit layers are built with bitsandbytes' block size 64 "
+            "(transformers passes none)",
+            key="quant.blocksize",
+            allowed=[64],
+        )
     _check_range(cfg, "train.steps", 1, 10**7, integer=True)
     _check_range(cfg, "train.micro_batch", 1, 4096, integer=True)
     _check_range(cfg, "train.grad_accum", 1, 4096, integer=True)
