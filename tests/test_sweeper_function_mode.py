@@ -216,3 +216,24 @@ def test_grid_and_missing_cmaes_in_function_mode(tmp_path):
         )
         assert q.returncode == 2 and "cmaes" in q.stderr
         assert not (tmp_path / "c").exists()
+
+
+def test_a_conf_with_only_sampler_seed_gets_tpe_like_upstream(tmp_path):
+    """Upstream's custom-search-space example sets only ``sampler.seed`` (no sampler choice): upstream
+    defaults to TPE; we exited 2 with "unknown sampler 'None'" (issue 28.5)."""
+    conf = CUSTOM_CONF.replace("  - override hydra/sweeper/sampler: tpe\n", "")
+    assert "sampler: tpe" not in conf
+    p, out = _run_app(tmp_path, CUSTOM, conf, "hydra.sweeper.n_trials=4")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (out / "optimization_results.yaml").exists()
+
+
+def test_a_fixed_command_line_value_pins_a_param(tmp_path):
+    """``sphere.py -m y=0``: upstream pins ``y`` and drops it from the search space; every trial had its
+    own ``y`` from ``choice(-5, 0, 5)`` (issue 28.5)."""
+    p, out = _run_app(tmp_path, SPHERE, SPHERE_CONF, "y=0", "hydra.sweeper.n_trials=5")
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = yaml.safe_load((out / "optimization_results.yaml").read_text())
+    assert "y" not in res["best_params"], res
+    overrides = [yaml.safe_load(f.read_text()) for f in out.glob("*/.hydra/overrides.yaml")]
+    assert overrides and all("y=0" in o for o in overrides), overrides

@@ -19,7 +19,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
-from vramsweep.sweeper.space import Param, cli_sweep_params, merge_overrides, parse_params, suggest
+from vramsweep.sweeper.space import (
+    Param,
+    cli_sweep_params,
+    merge_overrides,
+    override_key,
+    parse_params,
+    suggest,
+)
 
 DEFAULT_N_TRIALS = 20
 
@@ -107,11 +114,17 @@ def run_function_sweep(
 
     from vramsweep.sweeper.settings import _param_str, check_sweeper_settings
 
+    sampler_spec = settings.get("sampler")
+    if isinstance(sampler_spec, dict) and not sampler_spec.get("name") and not sampler_spec.get("_target_"):
+        # a conf that sets only ``sampler.seed`` (upstream's examples): upstream's default sampler, TPE
+        settings = {**settings, "sampler": {"name": "tpe", **sampler_spec}}
     try:
         check_sweeper_settings(settings)  # every hydra.sweeper.* key: type and range
         cli_params, cli_fixed = cli_sweep_params(arguments)
         params = {str(k): _param_str(v) for k, v in (settings.get("params") or {}).items()}
         params.update(cli_params)
+        pinned = {override_key(o) for o in cli_fixed}  # `y=0` on the command line pins a param, as upstream
+        params = {k: v for k, v in params.items() if k not in pinned}
         dims, fixed_params = parse_params(params)
         fixed = merge_overrides(fixed_params, cli_fixed)
         directions = _directions(settings.get("direction"))
