@@ -19,6 +19,7 @@ from vramsweep.report.importance import Importances
 from vramsweep.report.load import ReportError, SweepData, load_sweep, safe_url
 from vramsweep.report.plots import make_plots
 from vramsweep.report.tables import Report, Table, csv_text, pareto_front
+from vramsweep.report.terminal import terminal_view, wrap
 
 MAX_PRINT_ROWS = 50
 SECTION_ORDER = (
@@ -81,11 +82,17 @@ def render_markdown(report: Report, plots: list[Path], *, target: str) -> str:
     return "\n".join(lines)
 
 
-def _terminal_table(table: Table) -> str:
-    if len(table.rows) <= MAX_PRINT_ROWS:
-        return table.markdown()
-    head = Table(table.name, table.title, table.columns, table.rows[:MAX_PRINT_ROWS])
-    return head.markdown() + f"\n… {len(table.rows) - MAX_PRINT_ROWS} more rows in ablation.md"
+def _terminal_table(table: Table, objectives: list[str] | None = None) -> str:
+    """The main table as printed: the columns that answer the question, fitted to the terminal width,
+    then its notes (what was left out, noise, load), each wrapped; the full table is in ``ablation.md``."""
+    more = len(table.rows) - MAX_PRINT_ROWS
+    if more > 0:
+        table = Table(table.name, table.title, table.columns, table.rows[:MAX_PRINT_ROWS], notes=table.notes)
+    text, left_out = terminal_view(table, objectives or [])
+    if more > 0:
+        text += f"\n… {more} more rows in ablation.md"
+    notes = left_out + list(table.notes)
+    return "\n".join([text] + [wrap(f"- {n}") for n in notes])
 
 
 def run_report(
@@ -143,37 +150,38 @@ def run_report(
         return 2
 
     main = report.main
-    print(summary_line(sweep))
+    say(summary_line(sweep))
     print()
-    print(f"## {main.title}")
-    print(_terminal_table(main))
-    for n in main.notes:
-        print(f"- {n}")
+    say(f"## {main.title}")
+    print(_terminal_table(main, [m for m, _ in sweep.objectives]))
     best = report.tables["best"]
     front = pareto_front([t for t in sweep.trials if sweep.feasible(t)], sweep.objectives)
     print()
     for r in best.rows:
         if r["trial"] is not None:
-            print(
+            say(
                 f"best {r['objective']} ({r['direction']}): trial {r['trial']:04d} = "
                 f"{best.columns[3].cell(r)}  [{r['knobs']}]; {r['noise']}"
             )
     objs = ", ".join(f"{m} {'min' if d == 'minimize' else 'max'}" for m, d in sweep.objectives)
-    print(
-        f"Pareto front (feasible; {objs}): " + (", ".join(f"trial {t.number:04d}" for t in front) or "empty")
-    )
+    say(f"Pareto front (feasible; {objs}): " + (", ".join(f"trial {t.number:04d}" for t in front) or "empty"))
     n_fail = len(report.tables["failures"].rows)
     if n_fail:
-        print(f"{n_fail} failed or infeasible trial(s): see 'Failures' in {md_path}")
+        say(f"{n_fail} failed or infeasible trial(s): see 'Failures' in {md_path}")
     if wandb:
         where, warning = _log_wandb(report, plots, out)
         if warning:
             print(f"vramsweep report: warning: {warning}", file=sys.stderr)
         else:
-            print(f"W&B summary run: {where}")
+            say(f"W&B summary run: {where}")
     files = [md_path, csv_path] + plots
-    print("wrote " + ", ".join(str(p) for p in files))
+    say(f"wrote (in {out}): " + ", ".join(p.name if p.parent == out else str(p) for p in files))
     return 0
+
+
+def say(line: str) -> None:
+    """Print a report line wrapped to the terminal width the report fits (:data:`.terminal.WIDTH`)."""
+    print(wrap(line))
 
 
 def _log_wandb(report: Report, plots: list[Path], out: Path) -> tuple[str | None, str | None]:

@@ -60,11 +60,22 @@ def _clip(text: str | None, n: int = 200) -> str:
 
 @dataclass
 class Column:
-    """A display column: header and a function from a raw row to its cell text."""
+    """A display column: header and a function from a raw row to its cell text.
+
+    ``metric`` (the raw-row key or key prefix it shows, e.g. ``peak_gib``) and ``kind`` let the terminal
+    view (:mod:`vramsweep.report.terminal`) choose columns: ``label`` (what a row is), ``value`` (a
+    metric's value), ``delta`` (a metric's marked Δ, the one with the noise mark), ``detail`` (other Δ
+    columns), ``list`` (long lists such as trial numbers). ``terminal`` is the cell as the terminal shows
+    it (Δ ± standard error and the noise mark), ``brief`` the same without the standard error.
+    """
 
     header: str
     cell: Callable[[dict[str, Any]], str]
     numeric: bool = True
+    metric: str | None = None
+    kind: str = "label"
+    terminal: Callable[[dict[str, Any]], str] | None = None
+    brief: Callable[[dict[str, Any]], str] | None = None
 
 
 @dataclass
@@ -450,13 +461,18 @@ def trials_table(sweep: SweepData) -> Table:
     for k in knobs:
         cols.append(Column(k, (lambda key: lambda r: display_value(r[key]))(k), False))
     cols += [
-        Column("peak GiB", lambda r: gib(r["peak_gib"])),
-        Column("tokens/s", lambda r: fmt(r["tokens_per_s"], ".1f")),
-        Column("eval loss", lambda r: fmt(r["eval_loss"], ".4f")),
-        Column("ppl", lambda r: fmt(r["eval_ppl"], ".2f")),
-        Column("task", lambda r: fmt(r["task_score"], ".3f")),
-        Column("est GiB", lambda r: gib(r["estimate_gib"])),
-        Column("est err %", lambda r: fmt(r["estimate_error_pct"], "+.1f")),
+        Column("peak GiB", lambda r: gib(r["peak_gib"]), metric="peak_gib", kind="value"),
+        Column("tokens/s", lambda r: fmt(r["tokens_per_s"], ".1f"), metric="tokens_per_s", kind="value"),
+        Column("eval loss", lambda r: fmt(r["eval_loss"], ".4f"), metric="eval_loss", kind="value"),
+        Column("ppl", lambda r: fmt(r["eval_ppl"], ".2f"), metric="eval_ppl", kind="detail"),
+        Column("task", lambda r: fmt(r["task_score"], ".3f"), metric="task_score", kind="value"),
+        Column("est GiB", lambda r: gib(r["estimate_gib"]), metric="estimate_gib", kind="detail"),
+        Column(
+            "est err %",
+            lambda r: fmt(r["estimate_error_pct"], "+.1f"),
+            metric="estimate_error_pct",
+            kind="detail",
+        ),
         Column("fits", lambda r: r["fits"], False),
     ]
     budget = sweep.budget_gib
@@ -505,21 +521,25 @@ def _mark(r: dict[str, Any], spec: MetricSpec, pfx: str) -> str:
     return MARKS[verdict]
 
 
-def _delta_cell(spec: MetricSpec, pfx: str, pct: bool) -> Callable[[dict[str, Any]], str]:
-    """Δ (or Δ %) ± its standard error, and the mark on the metric's main Δ column."""
+def _delta_cell(
+    spec: MetricSpec, pfx: str, pct: bool, se: bool = True, marked: bool | None = None
+) -> Callable[[dict[str, Any]], str]:
+    """Δ (or Δ %) ± its standard error (unless ``se=False``), and the mark on the metric's main Δ column
+    (``marked`` forces the standard error and mark on or off: the terminal marks memory's Δ %)."""
     key = f"{pfx}{spec.pct_key[2:]}" if pct else f"{pfx}{spec.key}"
     num_spec = "+.1f" if pct else "+" + spec.spec
     se_spec = ".1f" if pct else spec.spec
-    marked = pct == (spec.delta_header is None)
+    if marked is None:
+        marked = pct == (spec.delta_header is None)
 
     def cell(r: dict[str, Any]) -> str:
         d = r.get(f"d_{key}")
         if d is None:
             return ""
         text = f"{d:{num_spec}}"
-        se = r.get(f"se_{key}")
-        if se is not None and marked:
-            text += f" ± {se:{se_spec}}"
+        se_v = r.get(f"se_{key}")
+        if se and se_v is not None and marked:
+            text += f" ± {se_v:{se_spec}}"
         if marked:
             text += f" {_mark(r, spec, pfx)}"
         return text
@@ -536,12 +556,24 @@ def _metric_columns(specs: list[MetricSpec], pfx: str, header_pfx: str = "") -> 
                 (lambda k, f: lambda r: fmt_pm(r.get(f"{k}_mean"), r.get(f"{k}_std"), f))(
                     spec.key, spec.spec
                 ),
+                metric=spec.key,
+                kind="value",
             )
         )
-        if spec.delta_header:
-            cols.append(Column(_hdr(spec.delta_header, header_pfx), _delta_cell(spec, pfx, pct=False)))
-        if spec.pct_header:
-            cols.append(Column(_hdr(spec.pct_header, header_pfx), _delta_cell(spec, pfx, pct=True)))
+        for header, pct in ((spec.delta_header, False), (spec.pct_header, True)):
+            if header:
+                # the terminal shows one Δ per metric, with its noise mark: in % where there is one
+                on_terminal = pct == (spec.pct_header is not None)
+                cols.append(
+                    Column(
+                        _hdr(header, header_pfx),
+                        _delta_cell(spec, pfx, pct=pct),
+                        metric=spec.key,
+                        kind="delta" if on_terminal else "detail",
+                        terminal=_delta_cell(spec, pfx, pct=pct, marked=True) if on_terminal else None,
+                        brief=_delta_cell(spec, pfx, pct=pct, se=False, marked=True) if on_terminal else None,
+                    )
+                )
     return cols
 
 
@@ -603,7 +635,7 @@ def ablation_table(sweep: SweepData) -> Table | None:
     rows += [_point_row(p, ref, specs, change=p.label, role="factor") for p in factors]
     cols = [Column("change", lambda r: r["change"], False), Column("n ok", _n_cell, False)]
     cols += _metric_columns(specs, "")
-    cols.append(Column("trials", _trials_cell, False))
+    cols.append(Column("trials", _trials_cell, False, kind="list"))
     b = " ".join(baseline.change) or "(overrides of the baseline trials)"
     intro = (
         f"Each change applied alone to the baseline `{b}`. Values: mean ± std over ok seed repeats. "
@@ -644,9 +676,9 @@ def stacking_table(sweep: SweepData) -> Table | None:
     ]
     cols += _metric_columns(specs, "prev_", "prev")
     cols += [
-        Column("mem vs start %", lambda r: fmt(r["d_start_peak_pct"], "+.1f")),
-        Column("tok/s vs start %", lambda r: fmt(r["d_start_tokens_per_s_pct"], "+.1f")),
-        Column("trials", _trials_cell, False),
+        Column("mem vs start %", lambda r: fmt(r["d_start_peak_pct"], "+.1f"), kind="detail"),
+        Column("tok/s vs start %", lambda r: fmt(r["d_start_tokens_per_s_pct"], "+.1f"), kind="detail"),
+        Column("trials", _trials_cell, False, kind="list"),
     ]
     intro = (
         "Optimisations added one at a time, in order; each row is the cumulative config after that step. "
