@@ -11,6 +11,7 @@ docs/CONTRACTS.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Literal
 
 Direction = Literal["minimize", "maximize"]
@@ -153,6 +154,11 @@ METRICS: tuple[Metric, ...] = (
     ),
 )
 
+#: Every metric's name as a constant (``MetricName.TOKENS_PER_S == "tokens_per_s"``), derived from the
+#: registry: code outside ``record/`` names a metric through this, never by a string literal. A ``str`` enum,
+#: so a member is the plain string as a dict key, in JSON and in f-strings.
+MetricName = StrEnum("MetricName", {m.name.upper(): m.name for m in METRICS})
+
 #: Name -> :class:`Metric`.
 BY_NAME: dict[str, Metric] = {m.name: m for m in METRICS}
 #: The metric keys every result carries (null until measured), in file order.
@@ -249,6 +255,7 @@ __all__ = [
     "SCALAR_METRICS",
     "Direction",
     "Metric",
+    "MetricName",
     "direction",
     "empty_metrics",
     "higher_is_better",

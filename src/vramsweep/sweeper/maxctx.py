@@ -31,18 +31,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramsweep.record.feasibility import feasible
+from vramsweep.record.metrics import MetricName as M
+from vramsweep.record.status import Status
 from vramsweep.record.units import GIB
 
 
 def _fits(result: dict[str, Any], budget_bytes: int) -> bool | None:
-    """True/False when the probe answers the question, None when it failed for another reason."""
+    """True/False when the probe answers the question (the feasibility rule of
+    :mod:`vramsweep.record.feasibility`; ``oom`` does not fit), None when it failed for another reason."""
     status = result.get("status")
-    if status == "oom":
+    if status == Status.OOM:
         return False
-    if status != "ok":
+    if status != Status.OK:
         return None
-    peak = (result.get("metrics") or {}).get("peak_memory_bytes")
-    return peak is not None and int(peak) <= budget_bytes
+    return feasible(status, (result.get("metrics") or {}).get(M.PEAK_MEMORY_BYTES), budget_bytes / GIB)
 
 
 class _Prober:
@@ -100,7 +103,7 @@ class _Prober:
         write_result(spec.result_path, res)
         self.known[tuple(over)] = res
         fit = _fits(res, self.budget)
-        peak = (res.get("metrics") or {}).get("peak_memory_bytes")
+        peak = (res.get("metrics") or {}).get(M.PEAK_MEMORY_BYTES)
         peak_txt = f"{peak / GIB:.3f} GiB" if peak else "-"
         verdict = {True: "fits", False: "does not fit", None: f"{res.get('status')}: {res.get('reason')}"}[
             fit
@@ -191,9 +194,8 @@ def _summary(overrides, predicted, fits, fails, hi, step, error) -> dict[str, An
     if best is not None:
         m = fits[best].get("metrics") or {}
         row.update(
-            peak_gib=(m.get("peak_memory_bytes") or 0) / GIB,
-            tokens_per_s=m.get("tokens_per_s"),
-            memory_kind=m.get("memory_kind"),
+            peak_gib=(m.get(M.PEAK_MEMORY_BYTES) or 0) / GIB,
+            **{M.TOKENS_PER_S: m.get(M.TOKENS_PER_S), M.MEMORY_KIND: m.get(M.MEMORY_KIND)},
             trial=fits[best].get("trial"),
         )
         if nxt is None and best < hi:
@@ -202,9 +204,9 @@ def _summary(overrides, predicted, fits, fails, hi, step, error) -> dict[str, An
             row["reason"] = row["reason"] or f"fits at sweep.max_context.max={hi}: the real limit is higher"
     if nxt is not None:
         r = fails[nxt]
-        peak = (r.get("metrics") or {}).get("peak_memory_bytes")
+        peak = (r.get("metrics") or {}).get(M.PEAK_MEMORY_BYTES)
         row["next_status"] = (
-            r.get("status") if r.get("status") != "ok" else f"over budget ({peak / GIB:.3f} GiB)"
+            r.get("status") if r.get("status") != Status.OK else f"over budget ({peak / GIB:.3f} GiB)"
         )
     if best is None and error is None:
         row["reason"] = "not even sweep.max_context.min fits"
@@ -223,7 +225,7 @@ def _table_md(rows: list[dict], budget_gib: float, device_note: str) -> str:
         nxt = f"{r['next_tokens']:,} ({r['next_status']})" if r.get("next_tokens") else "-"
         mx = f"{r['max_tokens']:,}" if r.get("max_tokens") else "-"
         peak = f"{r['peak_gib']:.3f}" if r.get("peak_gib") is not None and r.get("max_tokens") else "-"
-        tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
+        tps = f"{r[M.TOKENS_PER_S]:,.0f}" if r.get(M.TOKENS_PER_S) else "-"
         out.write(
             f"| {r['config']} | {r['predicted_tokens']:,} | {mx} | {nxt} | {peak} | {tps} | {r['probes']} | "
             f"{r.get('reason') or ('confirmed' if r.get('confirmed') else '')} |\n"
@@ -367,7 +369,7 @@ def run_max_context(
             "next_tokens",
             "next_status",
             "peak_gib",
-            "tokens_per_s",
+            M.TOKENS_PER_S,
             "probes",
             "confirmed",
             "reason",
