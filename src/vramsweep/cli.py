@@ -229,7 +229,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     path = default_result_path(cfg, overrides)
     res = run_trial(cfg, result_path=path, overrides=overrides)
     print_result(res, path)
-    return 0 if res["status"] in ("ok",) else 1
+    from vramsweep.record.status import Status
+
+    return 0 if res["status"] == Status.OK else 1
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:

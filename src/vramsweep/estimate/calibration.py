@@ -19,6 +19,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from vramsweep.record.status import Status
+
 FEATURES = ("layers", "attention", "logits")
 FACTOR_RANGE = (0.25, 4.0)
 
@@ -71,7 +73,7 @@ def trial_point(result: dict) -> dict[str, Any] | None:
     """
     from vramsweep.estimate import estimate_knobs, knobs_from_cfg
 
-    if result.get("status") != "ok" or not result.get("config"):
+    if result.get("status") != Status.OK or not result.get("config"):
         return None
     m = result.get("metrics") or {}
     kind = m.get("memory_kind")

@@ -161,9 +161,9 @@ class TrialRecord:
         if isinstance(trial, bool) or not isinstance(trial, int):
             trial = number if number is not None else -1
         status = result.get("status")
-        status = str(status) if status else "error"
+        status = str(status) if status else Status.ERROR.value
         reason = result.get("reason")
-        if status != "ok" and not reason:
+        if status != Status.OK and not reason:
             reason = "no reason recorded"
         return cls(
             number=int(trial),
@@ -567,7 +567,7 @@ def record_from_frozen(trial: Any, metric_names: list[str], base_folder: Path | 
     # Fallback: rebuild what the study itself knows.
     state = trial.state
     if state == TrialState.COMPLETE:
-        status = str(ua.get("status") or "ok")
+        status = str(ua.get("status") or Status.OK.value)
     elif state == TrialState.PRUNED:
         status = Status.PRUNED.value
     elif state == TrialState.FAIL:
@@ -577,7 +577,7 @@ def record_from_frozen(trial: Any, metric_names: list[str], base_folder: Path | 
     reason = ua.get("reason") or (trial.system_attrs or {}).get("fail_reason")
     if status == RUNNING:
         reason = reason or f"no result yet (state {state.name})"
-    elif status != "ok":
+    elif status != Status.OK:
         reason = reason or f"optuna state {state.name}"
     metrics: dict[str, Any] = {}
     values = trial.values or []

@@ -30,6 +30,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from vramsweep.record.status import Status
 from vramsweep.record.units import GIB
 
 #: Environment variable naming the sweep folder (set by the sweeper for its trials; optional).
@@ -81,7 +82,9 @@ def varied_params(overrides: list[str] | tuple[str, ...], config: dict) -> dict[
     ``adapter.r=16`` -> ``{"adapter.r": 16}``. Deletions and ``hydra.*``/``sweep.*`` are skipped."""
     from vramsweep.report.load import TrialRecord, override_dict
 
-    rec = TrialRecord(number=-1, status="ok", overrides=[str(o) for o in overrides or ()], config=config)
+    rec = TrialRecord(
+        number=-1, status=Status.OK.value, overrides=[str(o) for o in overrides or ()], config=config
+    )
     out: dict[str, Any] = {}
     for key, text in override_dict(rec.overrides).items():
         value = rec.knob_value(key)
@@ -199,7 +202,7 @@ class WandbLogger:
         except Exception as exc:
             self._error("summary_error", exc)
         try:
-            self.run.finish(exit_code=0 if result.get("status") == "ok" else 1)
+            self.run.finish(exit_code=0 if result.get("status") == Status.OK else 1)
         except Exception as exc:
             self._error("finish_error", exc)
 

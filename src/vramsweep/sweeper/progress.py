@@ -8,6 +8,7 @@ import time
 from typing import Any, TextIO
 
 from vramsweep.record.feasibility import over_budget_gib, result_budget_gib
+from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.status import Status
 from vramsweep.record.units import MIB
 
@@ -30,7 +31,7 @@ def over_budget(result: dict[str, Any], budget_gib: float | None = None) -> bool
     if isinstance(c, int | float) and not isinstance(c, bool):
         return c > 0
     over = over_budget_gib(
-        (result.get("metrics") or {}).get("peak_memory_bytes"), result_budget_gib(result, budget_gib)
+        (result.get("metrics") or {}).get(M.PEAK_MEMORY_BYTES), result_budget_gib(result, budget_gib)
     )
     return over is not None and over > 0
 
@@ -82,19 +83,19 @@ def trial_line(
     m = result.get("metrics") or {}
     status = str(result.get("status"))
     parts = [f"{trial_label(number)} {status_label(result):<19s}"]
-    peak = m.get("peak_memory_bytes")
+    peak = m.get(M.PEAK_MEMORY_BYTES)
     parts.append(f"peak {_fmt(peak / MIB if isinstance(peak, int | float) else None, '.1f')} MiB")
-    parts.append(f"{_fmt(m.get('tokens_per_s'), '.0f')} tok/s")
-    parts.append(f"eval_loss {_fmt(m.get('eval_loss'), '.3f')}")
+    parts.append(f"{_fmt(m.get(M.TOKENS_PER_S), '.0f')} tok/s")
+    parts.append(f"{M.EVAL_LOSS} {_fmt(m.get(M.EVAL_LOSS), '.3f')}")
     for o in objectives:
-        if o.metric not in ("peak_memory_bytes", "tokens_per_s", "eval_loss"):
+        if o.metric not in (M.PEAK_MEMORY_BYTES, M.TOKENS_PER_S, M.EVAL_LOSS):
             parts.append(f"{o.metric} {_fmt(m.get(o.metric), '.4g')}")
     parts.append(f"{wall_s:.1f} s")
     line = " | ".join(parts)
     if changed:
         line += " | " + " ".join(fmt_override(c) for c in changed)
     note = ((result.get("meta") or {}).get("optuna") or {}).get("note")
-    if status != "ok" and result.get("reason"):
+    if status != Status.OK and result.get("reason"):
         line += f"\n      reason: {str(result['reason'])[:300]}"
     elif note:
         line += f"\n      {note}"

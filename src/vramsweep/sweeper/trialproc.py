@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramsweep.record.status import Status
 from vramsweep.sweeper.settings import Objective
 
 
@@ -187,7 +188,7 @@ def preflight_result(spec: TrialSpec, cfg: Any) -> dict[str, Any] | None:
     if fits:
         return None
     res = new_result(
-        status="infeasible_estimate",
+        status=Status.INFEASIBLE_ESTIMATE.value,
         sweep=spec.sweep_name,
         trial=spec.number,
         overrides=list(spec.overrides),
@@ -257,7 +258,7 @@ def _write_or_disk_full(result: dict[str, Any], spec: TrialSpec) -> dict[str, An
         full = disk_full_reason(exc, spec.result_path)
         if full is None:
             raise
-        result["status"], result["reason"] = "error", full
+        result["status"], result["reason"] = Status.ERROR.value, full
         result, _ = finalize(result, spec, wall_s=float(result["meta"].get("wall_s") or 0.0))
     return result
 
@@ -388,7 +389,7 @@ def _write_bad_fork_result(spec: TrialSpec) -> None:
 
     res = normalise_result(
         new_result(
-            status="error",
+            status=Status.ERROR.value,
             reason=(
                 "this trial process was forked from a process that had initialised CUDA, so it cannot use "
                 "the GPU: set hydra.sweeper.isolation=spawn, or remove the module that initialises CUDA "
@@ -424,7 +425,11 @@ def parent_side_result(spec: TrialSpec, reason: str, wall_s: float) -> dict[str,
 
     res = normalise_result(
         new_result(
-            status="error", reason=reason, sweep=spec.sweep_name, trial=spec.number, overrides=spec.overrides
+            status=Status.ERROR.value,
+            reason=reason,
+            sweep=spec.sweep_name,
+            trial=spec.number,
+            overrides=spec.overrides,
         ),
         sweep=spec.sweep_name,
         trial=spec.number,
