@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 
 EPILOG_TRAIN = """\
 config groups (choose with <group>=<option>):
@@ -22,7 +23,8 @@ examples:
   vramsweep train --cfg quant=nf4                   # print the composed config, run nothing
   vramsweep train -m quant=nf4,nf4_dq adapter.r=8,16  # a grid: every combination once
   vramsweep train -m --cfg hydra quant=nf4,fp4      # print Hydra's config of the sweep, run nothing
-"""
+
+{docs}"""
 
 
 def _groups_text() -> str:
@@ -37,7 +39,13 @@ def _groups_text() -> str:
     lines = []
     for g in (*CONFIG_GROUPS, "sweep", "experiment"):
         opts = list_options(g, where)
-        lines.append(f"  {g:<14} {', '.join(opts) if opts else '(none yet)'}")
+        lines += textwrap.wrap(
+            ", ".join(opts) if opts else "(none yet)",
+            width=110,
+            initial_indent=f"  {g:<14} ",
+            subsequent_indent=" " * 17,
+            break_on_hyphens=False,
+        )
     return "\n".join(lines)
 
 
@@ -269,13 +277,21 @@ def cmd_pick(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="vramsweep", description="Ablation sweeps for memory-bounded LLM fine-tuning.")
+    from vramsweep.cli_help import main_epilog, verb_epilog
+
+    groups = _groups_text()
+    p = Parser(
+        prog="vramsweep",
+        description="Ablation sweeps for memory-bounded LLM fine-tuning.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=main_epilog(groups),
+    )
     sub = p.add_subparsers(dest="command", metavar="{train,estimate,report,pick}")
     t = sub.add_parser(
         "train",
         help="run one trial (or a sweep with -m)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=EPILOG_TRAIN.format(groups=_groups_text()),
+        epilog=EPILOG_TRAIN.format(groups=groups, docs=verb_epilog("train")),
     )
     t.add_argument("-m", "--multirun", action="store_true", help="run a sweep (use with sweep=<name>)")
     t.add_argument(
@@ -297,7 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. quant=nf4 adapter.r=64")
     t.set_defaults(func=cmd_train)
-    e = sub.add_parser("estimate", help="predict peak memory and its breakdown (no weights needed)")
+    e = sub.add_parser(
+        "estimate",
+        help="predict peak memory and its breakdown (no weights needed)",
+        epilog=verb_epilog("estimate"),
+    )
     e.add_argument("--json", action="store_true", help="print a JSON object")
     e.add_argument(
         "--calibrate", metavar="SWEEP_DIR", help="fit activation constants from a sweep's measured trials"
@@ -309,13 +329,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("overrides", nargs="*")
     e.set_defaults(func=cmd_estimate)
-    r = sub.add_parser("report", help="ablation tables, Pareto front, importances for a sweep")
+    r = sub.add_parser(
+        "report", help="ablation tables, Pareto front, importances for a sweep", epilog=verb_epilog("report")
+    )
     r.add_argument("target", help="sweep folder, or a storage URL (with --study)")
     r.add_argument("--study", help="study name when target is a storage URL")
     r.add_argument("--out", help="output folder (default: the sweep folder)")
     r.add_argument("--wandb", action="store_true", help="also log a sweep-summary W&B run")
     r.set_defaults(func=cmd_report)
-    k = sub.add_parser("pick", help="write a pinned production config that fits a memory budget")
+    k = sub.add_parser(
+        "pick", help="write a pinned production config that fits a memory budget", epilog=verb_epilog("pick")
+    )
     k.add_argument("target", help="sweep folder")
     k.add_argument("--budget-gib", type=float, required=True)
     k.add_argument("--min-tokens-per-s", type=float, default=None)
