@@ -5,10 +5,14 @@ server in ``test_bad_inputs.py``."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from test_sweeper_postgres import pg_url  # noqa: F401 - the throw-away server fixture
-from vramsweep.cli import main
 from vramsweep.config.compose import ConfigError
 from vramsweep.sweeper.settings import normalise_storage_url
 from vramsweep.sweeper.storage_check import check_storage
@@ -24,9 +28,25 @@ FAKE = [
 
 
 def _refused(tmp_path, capsys, url: str) -> str:
-    capsys.readouterr()
-    code = main(["train", "-m", f"results_dir={tmp_path / 'res'}", *FAKE, f"hydra.sweeper.storage={url}"])
-    err = capsys.readouterr().err
+    """The command in its own process (logging set up by earlier in-process sweeps cannot leak in)."""
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    )
+    argv = ["train", "-m", f"results_dir={tmp_path / 'res'}", *FAKE, f"hydra.sweeper.storage={url}"]
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from vramsweep.cli import main; sys.exit(main(sys.argv[1:]))",
+            *argv,
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    code, err = p.returncode, p.stderr
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith("vramsweep train: error: hydra.sweeper.storage"), lines[0]
@@ -45,8 +65,6 @@ def test_missing_database_is_refused(pg_url, tmp_path, capsys):  # noqa: F811
 
 
 def test_user_without_create_privilege_is_refused(pg_url, tmp_path, capsys):  # noqa: F811
-    import os
-
     import sqlalchemy
 
     if os.environ.get("VRAMSWEEP_PG_URL"):
