@@ -20,6 +20,7 @@ import random
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.config.compose import ConfigError
-from vramsweep.loop import Callback, Diverged, Pruned
+from vramsweep.loop import Callback, CpuMemoryTracking, Diverged, Every, Loop, Pruned, Timing, fit
+from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import new_result, write_result
 from vramsweep.record.status import Status
 
@@ -68,10 +70,10 @@ def _fault(kind: str, step: int) -> None:
     if what == kind and int(at) == step:
         import torch
 
-        if kind == "oom":
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected by VRAMSWEEP_FAULT)")
-        if kind == "error":
-            raise RuntimeError("injected error (VRAMSWEEP_FAULT)")
+        raise {
+            "oom": torch.cuda.OutOfMemoryError("CUDA out of memory (injected by VRAMSWEEP_FAULT)"),
+            "error": RuntimeError("injected error (VRAMSWEEP_FAULT)"),
+        }[kind]
 
 
 def run_name(overrides: list[str] | tuple[str, ...]) -> str:
@@ -191,32 +193,16 @@ def timing_conditions(cfg: DictConfig) -> dict[str, Any]:
     return out
 
 
-def _step_log(loss: float, scheduler, timing, m: dict, cuda: bool) -> dict:
-    """Per-step W&B history: loss, lr, tokens/s so far (timed steps), the step's wall time, memory."""
-    row = {"train/loss": loss, "train/lr": scheduler.get_last_lr()[0]}
-    if timing.step_s is not None:
-        row["train/step_time_s"] = timing.step_s
-    if (tps := timing.tokens_per_s()) is not None:
-        row["train/tokens_per_s"] = tps
-    if cuda:
-        import torch
-
-        row["memory/allocated_bytes"] = torch.cuda.memory_allocated()
-        row["memory/peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
-    elif m.get("peak_memory_bytes"):
-        row["memory/peak_tracked_bytes"] = m["peak_memory_bytes"]
-    return row
-
-
-class _TrialProgress:
+class _TrialProgress(Callback):
     """A live line for a single trial on a terminal (step k/N, loss, tokens/s, peak, ETA); silent when
     stderr is not a TTY (sweep trials log to files; CI logs stay short) or ``VRAMSWEEP_PROGRESS=0``."""
 
-    def __init__(self, steps: int, cfg: DictConfig):
+    def __init__(self, steps: int, cfg: DictConfig, timing: Timing, m: dict):
         import sys
 
         self.bar = None
         self.cuda = cfg.hardware.device == "cuda"
+        self.timing, self.m = timing, m
         if sys.stderr.isatty() and os.environ.get("VRAMSWEEP_PROGRESS", "1") != "0":
             from tqdm.auto import tqdm
 
@@ -226,13 +212,13 @@ class _TrialProgress:
         if self.bar is not None:
             self.bar.set_description(name)
 
-    def step(self, step: int, loss: float, timing, m: dict) -> None:
+    def on_loss(self, step: int, loss: float) -> None:
         if self.bar is None:
             return
         post = {"loss": f"{loss:.3f}"}
-        if (tps := timing.tokens_per_s()) is not None:
+        if (tps := self.timing.tokens_per_s()) is not None:
             post["tok/s"] = f"{tps:,.0f}"
-        peak = m.get("peak_memory_bytes")
+        peak = self.m.get(M.PEAK_MEMORY_BYTES)
         if self.cuda:
             import torch
 
@@ -245,6 +231,85 @@ class _TrialProgress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class _WandbRows(Callback):
+    """Per-step W&B history: loss, lr, tokens/s so far (timed steps), the step's wall time, memory."""
+
+    def __init__(self, logger, scheduler, timing: Timing, m: dict):
+        self.logger, self.scheduler, self.timing, self.m = logger, scheduler, timing, m
+
+    def on_loss(self, step: int, loss: float) -> None:
+        row = {"train/loss": loss, "train/lr": self.scheduler.get_last_lr()[0]}
+        if self.timing.step_s is not None:
+            row[f"train/{M.STEP_TIME_S}"] = self.timing.step_s
+        if (tps := self.timing.tokens_per_s()) is not None:
+            row[f"train/{M.TOKENS_PER_S}"] = tps
+        if self.timing.clock.cuda:
+            import torch
+
+            row["memory/allocated_bytes"] = torch.cuda.memory_allocated()
+            row["memory/peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        elif self.m.get(M.PEAK_MEMORY_BYTES):
+            row["memory/peak_tracked_bytes"] = self.m[M.PEAK_MEMORY_BYTES]
+        self.logger.log(row, step=step + 1)
+
+
+class _TrainLoss(Callback):
+    """``metrics.train_loss``: the mean of the last 5 step losses, kept from step 0 and in the timed window."""
+
+    def __init__(self, timing: Timing, m: dict):
+        self.timing, self.m, self.losses = timing, m, []
+
+    def on_loss(self, step: int, loss: float) -> None:
+        self.losses.append(loss)
+        if self.timing.t_start is not None or step == 0:
+            last = self.losses[-5:]
+            self.m[M.TRAIN_LOSS] = sum(last) / len(last)
+
+
+class _PeakRecorder:
+    """Records the CPU tensor tracker's peak and breakdown when :class:`CpuMemoryTracking` closes it."""
+
+    def __init__(self, m: dict, meta: dict, optimizer):
+        self.m, self.meta, self.optimizer = m, meta, optimizer
+
+    def __call__(self, tracker) -> None:
+        from vramsweep.measure.cpu import close_tracker
+
+        m = self.m
+        m[M.PEAK_MEMORY_BYTES], m[M.MEMORY_BREAKDOWN_BYTES], note = close_tracker(tracker, self.optimizer)
+        m[M.MEMORY_KIND] = "cpu_tracked"
+        if note:
+            self.meta["memory_note"] = note
+
+
+class _PeriodicEval(Every):
+    """Evaluation every ``train.eval_every`` steps: ``intermediate_eval``, ``eval_loss``/``eval_ppl`` so far,
+    W&B ``eval/loss``; a non-finite loss is :class:`Diverged`, the sweeper's verdict may :class:`Pruned`."""
+
+    def __init__(self, cfg: DictConfig, run_eval, timing: Timing, progress, m: dict, logger, reporter):
+        super().__init__(int(cfg.train.eval_every), int(cfg.train.steps), self.evaluate)
+        self.run_eval, self.timing, self.progress, self.m = run_eval, timing, progress, m
+        self.logger, self.reporter = logger, reporter
+        m[M.INTERMEDIATE_EVAL] = []
+
+    def evaluate(self, step: int) -> None:
+        te = time.perf_counter()
+        self.progress.phase("eval")
+        ev = self.run_eval()
+        self.progress.phase("train")
+        if self.timing.t_start is not None:
+            self.timing.eval_s += time.perf_counter() - te
+        m = self.m
+        m[M.INTERMEDIATE_EVAL].append({"step": step, M.EVAL_LOSS: ev.loss, M.TASK_SCORE: ev.task_score})
+        m[M.EVAL_LOSS], m[M.EVAL_PPL] = ev.loss, math.exp(min(ev.loss, 50.0))
+        if self.logger is not None:
+            self.logger.log({"eval/loss": ev.loss}, step=step)
+        if not math.isfinite(ev.loss):
+            raise Diverged(f"eval loss is {ev.loss} at optimizer step {step}")
+        if self.reporter is not None and self.reporter(step, ev.loss):
+            raise Pruned(f"pruned by the sweeper after {step} steps (eval_loss {ev.loss:.4f})")
 
 
 def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> None:
@@ -265,7 +330,53 @@ def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> 
             result["meta"]["cuda"] = cuda_mon.meta()
 
 
-def _prepare(cfg: DictConfig, result: dict):
+@dataclass
+class Prepared:
+    """What :func:`prepare` gives a trial: the built model (``built.model``, ``built.device``, notes), the
+    collated training micro-batches and the eval batches."""
+
+    built: Any
+    batches: list[dict]
+    evals: list
+
+
+def _kept_vocab(cfg: DictConfig, tokenizer, data) -> list[int] | None:
+    """``vocab.mode != full``: the ids the model will actually see (every train and eval example as built,
+    after truncation), as the vocab knob keeps them; None for the full vocabulary."""
+    if cfg.vocab.mode == "full":
+        return None
+    from vramsweep.knobs.vocab import kept_ids
+
+    seen = [e.input_ids for e in data.train] + [e.input_ids for e in data.eval]
+    v = cfg.vocab
+    return kept_ids(tokenizer, seen, mode=str(v.mode), top_k=int(v.top_k), reserve=int(v.reserve))
+
+
+def _remap(cfg: DictConfig, built, data, tokenizer) -> int:
+    """Remap the examples to a sliced vocabulary (when the build sliced it); returns the pad id to use."""
+    if built.id_map is None:
+        return data.pad_id
+    from vramsweep.knobs.vocab import remap_examples
+
+    fallback, names = str(cfg.vocab.fallback), tokenizer.convert_ids_to_tokens
+    data.train = remap_examples(data.train, built.id_map, fallback=fallback, id_to_token=names)
+    data.eval = remap_examples(data.eval, built.id_map, fallback=fallback, id_to_token=names)
+    return int(built.id_map.encode([data.pad_id])[0])
+
+
+def _reestimate(cfg: DictConfig, result: dict, first_batch) -> None:
+    """Re-estimate at the real longest batch (``micro[0]``) when the config-level estimate succeeded."""
+    if result.get("estimate") is None:
+        return
+    try:
+        from vramsweep.estimate import estimate
+
+        result["estimate"] = estimate(cfg, seq_len=max(len(e.input_ids) for e in first_batch))
+    except Exception as exc:
+        result["meta"]["estimate_error"] = f"{type(exc).__name__}: {exc}"
+
+
+def prepare(cfg: DictConfig, result: dict) -> Prepared:
     """Data -> (vocab slice) -> model -> collated micro-batches and eval batches, as the config says."""
     from vramsweep.data_prep import collate_batch, eval_batches, micro_batches, trial_data
     from vramsweep.knobs import build_model
@@ -275,44 +386,18 @@ def _prepare(cfg: DictConfig, result: dict):
     source = model_source(cfg)  # (weights dir, tokenizer): the tokenizer is loaded once per trial
     tokenizer = source[1]
     data = trial_data(cfg, tokenizer)
-    keep_ids = None
-    if cfg.vocab.mode != "full":
-        from vramsweep.knobs.vocab import kept_ids
-
-        # The ids the model will actually see: every train and eval example as built (after truncation).
-        seen = [e.input_ids for e in data.train] + [e.input_ids for e in data.eval]
-        keep_ids = kept_ids(
-            tokenizer,
-            seen,
-            mode=str(cfg.vocab.mode),
-            top_k=int(cfg.vocab.top_k),
-            reserve=int(cfg.vocab.reserve),
-        )
-    built = build_model(cfg, keep_ids=keep_ids, source=source)
+    built = build_model(cfg, keep_ids=_kept_vocab(cfg, tokenizer, data), source=source)
     result["meta"]["build"] = built.notes
     result["meta"]["data"] = data.stats
-    pad_id = data.pad_id
-    if built.id_map is not None:
-        from vramsweep.knobs.vocab import remap_examples
-
-        fallback, names = str(cfg.vocab.fallback), tokenizer.convert_ids_to_tokens
-        data.train = remap_examples(data.train, built.id_map, fallback=fallback, id_to_token=names)
-        data.eval = remap_examples(data.eval, built.id_map, fallback=fallback, id_to_token=names)
-        pad_id = int(built.id_map.encode([pad_id])[0])
+    pad_id = _remap(cfg, built, data, tokenizer)
     micro = micro_batches(data.train, int(t.micro_batch), int(t.steps) * int(t.grad_accum), int(t.seed))
-    if result.get("estimate") is not None:  # re-estimate at the real longest batch (micro[0])
-        try:
-            from vramsweep.estimate import estimate
-
-            result["estimate"] = estimate(cfg, seq_len=max(len(e.input_ids) for e in micro[0]))
-        except Exception as exc:
-            result["meta"]["estimate_error"] = f"{type(exc).__name__}: {exc}"
+    _reestimate(cfg, result, micro[0])
     batches = [collate_batch(b, pad_id) for b in micro]  # collated up front, like a prefetching loader
     if built.device.type == "cuda":  # pinned host copies: the per-step host->device copy is asynchronous
         for b in batches:
             for k in ("input_ids", "attention_mask", "labels"):
                 b[k] = b[k].pin_memory()
-    return built, batches, eval_batches(data.eval, int(t.eval_batches), pad_id)
+    return Prepared(built, batches, eval_batches(data.eval, int(t.eval_batches), pad_id))
 
 
 class _Faults(Callback):
@@ -350,6 +435,70 @@ class _Grads(Callback):
             self.bytes = tensor_bytes(p.grad for p in self.params if p.grad is not None)
 
 
+def _record_throughput(cfg: DictConfig, result: dict, built, timing: Timing) -> None:
+    """The timed window's figures: tokens/s, step time, token counts, MFU, per-phase step seconds."""
+    from vramsweep.measure.flops import trial_mfu
+
+    m, meta, steps = result["metrics"], result["meta"], int(cfg.train.steps)
+    timing.clock.sync()
+    measured_steps = steps - timing.timed_from
+    if measured_steps > 0:
+        meta["step_phases_s"] = timing.clock.per_step(measured_steps, exclude_s=timing.eval_s)
+    if timing.timed_from != int(cfg.train.measure_warmup_steps):
+        meta["timed_from_step"] = timing.timed_from
+    measured_s = timing.train_seconds()
+    if measured_s and measured_steps > 0:
+        m[M.TOKENS_PER_S] = timing.tokens / measured_s
+        m[M.STEP_TIME_S] = measured_s / measured_steps
+        m[M.MEASURED_STEPS] = measured_steps
+        m[M.TOKENS_TRAINED] = timing.tokens
+        m[M.PADDING_TOKENS] = timing.pad_tokens
+        m[M.TARGET_TOKENS] = timing.target_tokens
+        tps, seq = m[M.TOKENS_PER_S], timing.mean_seq()
+        m[M.MFU] = trial_mfu(cfg, built.notes, tps, seq, meta, model=built.model)
+
+
+def _record_memory(result: dict, model, optimizer, grads: _Grads, cuda_mon) -> None:
+    """Host memory of offloaded activations, the state bytes (params, grads, optimizer), CUDA peaks."""
+    from vramsweep.measure.cpu import model_state_tensors, optimizer_state_tensors, tensor_bytes
+
+    m, meta = result["metrics"], result["meta"]
+    offload = getattr(model, "_vramsweep_offload", None)
+    if offload is not None:  # checkpointing=offload: the host side of the memory (longctx/offload.py)
+        meta["host_memory"] = {
+            "pool_bytes": offload.pool_bytes,
+            "peak_offloaded_bytes": offload.peak_host_bytes,
+            "pinned": offload.cuda,
+            "definition": "pool_bytes: the exact-size host pool for the layer inputs (page-locked with "
+            "cudaHostRegister on CUDA); peak_offloaded_bytes: the most layer-input bytes held at once",
+        }
+    m[M.STATE_BYTES] = {
+        "params": tensor_bytes(model_state_tensors(model)),
+        "grads": grads.bytes,
+        "optimizer": tensor_bytes(optimizer_state_tensors(optimizer)),
+    }
+    if cuda_mon is not None:
+        cuda_mon.stop()
+        m.update(cuda_mon.metrics(m[M.STATE_BYTES]))
+
+
+def _final_eval(result: dict, run_eval, eval_s: float) -> None:
+    """The final evaluation: eval loss/ppl, task score, fact vs control quality; ``meta.eval_s``."""
+    from vramsweep.measure.quality import QualityMeter
+
+    m = result["metrics"]
+    te = time.perf_counter()
+    quality = QualityMeter()  # fact vs control token accuracy/NLL (measure/quality.py)
+    final = run_eval(quality)
+    m.update(quality.metrics())
+    eval_s += time.perf_counter() - te
+    m[M.EVAL_LOSS], m[M.EVAL_PPL] = final.loss, math.exp(min(final.loss, 50.0))
+    m[M.TASK_SCORE], m[M.TASK_SPANS] = final.task_score, final.task_spans
+    result["meta"]["eval_s"] = round(eval_s, 3)
+    if not math.isfinite(final.loss):
+        raise Diverged(f"final eval loss is {final.loss}")
+
+
 def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logger, cuda_mon) -> None:
     """Prepare, evaluate, :func:`vramsweep.loop.fit` with the trial's callbacks, measure, evaluate."""
     import torch
@@ -357,17 +506,8 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
     from vramsweep.knobs import build_optimizer, build_scheduler
     from vramsweep.knobs.registry import loss_fn
     from vramsweep.longctx.loss import causal_lm_of
-    from vramsweep.loop import CpuMemoryTracking, Every, Loop, OnLoss, Timing, fit
     from vramsweep.measure import TensorMemoryTracker
-    from vramsweep.measure.cpu import (
-        close_tracker,
-        model_state_tensors,
-        optimizer_state_tensors,
-        tensor_bytes,
-    )
     from vramsweep.measure.eval import evaluate
-    from vramsweep.measure.flops import trial_mfu
-    from vramsweep.measure.quality import QualityMeter
     from vramsweep.measure.steps import StepClock
 
     m, meta, t = result["metrics"], result["meta"], cfg.train
@@ -375,17 +515,17 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
         torch.set_num_threads(int(t.threads))
     random.seed(int(t.seed))
     torch.manual_seed(int(t.seed))
-    built, batches, evals = _prepare(cfg, result)
-    model, device = built.model, built.device
+    prep = prepare(cfg, result)
+    model, device = prep.built.model, prep.built.device
 
     def run_eval(meter=None):
-        return evaluate(model, evals, device, causal_lm=causal_lm_of, meter=meter)
+        return evaluate(model, prep.evals, device, causal_lm=causal_lm_of, meter=meter)
 
     if cuda_mon is not None:
         cuda_mon.phase("initial_eval")  # the build's peak stays in meta.cuda.phases.setup
     t_eval = time.perf_counter()
     first = run_eval()
-    m["initial_eval_loss"], m["initial_task_score"] = first.loss, first.task_score
+    m[M.INITIAL_EVAL_LOSS], m[M.INITIAL_TASK_SCORE] = first.loss, first.task_score
     eval_s = time.perf_counter() - t_eval
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -399,116 +539,24 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
     # starts after the tracked steps.
     tracked = max(warm, 1) if tracker is not None else 0
     timing = Timing(StepClock(cuda=device.type == "cuda"), timed_from=max(warm, tracked))
-
-    def record_peak(tr) -> None:
-        m["peak_memory_bytes"], m["memory_breakdown_bytes"], note = close_tracker(tr, optimizer)
-        m["memory_kind"] = "cpu_tracked"
-        if note:
-            meta["memory_note"] = note
-
-    def periodic_eval(step: int) -> None:
-        te = time.perf_counter()
-        progress.phase("eval")
-        ev = run_eval()
-        progress.phase("train")
-        if timing.t_start is not None:
-            timing.eval_s += time.perf_counter() - te
-        m["intermediate_eval"].append({"step": step, "eval_loss": ev.loss, "task_score": ev.task_score})
-        m["eval_loss"], m["eval_ppl"] = ev.loss, math.exp(min(ev.loss, 50.0))
-        if logger is not None:
-            logger.log({"eval/loss": ev.loss}, step=step)
-        if not math.isfinite(ev.loss):
-            raise Diverged(f"eval loss is {ev.loss} at optimizer step {step}")
-        if reporter is not None and reporter(step, ev.loss):
-            raise Pruned(f"pruned by the sweeper after {step} steps (eval_loss {ev.loss:.4f})")
-
-    losses: list[float] = []
-
-    def after_step(step: int, loss: float) -> None:
-        losses.append(loss)
-        progress.step(step, loss, timing, m)
-        if logger is not None:
-            logger.log(_step_log(loss, scheduler, timing, m, timing.clock.cuda), step=step + 1)
-        if timing.t_start is not None or step == 0:
-            m["train_loss"] = sum(losses[-5:]) / len(losses[-5:])
-
     scheduler = build_scheduler(cfg, optimizer)
     faults, grads = _Faults(), _Grads(params)
-    tracking = CpuMemoryTracking(tracker, tracked, record_peak)
-    m["intermediate_eval"] = []
-    progress = _TrialProgress(steps, cfg)
-    loop = Loop(
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        batches=batches,
-        # the model's own loss, or the chunked one (tiling.loss_chunk_tokens)
-        loss_fn=faults.wrap(loss_fn(cfg, model)),
-        device=device,
-        steps=steps,
-        grad_accum=int(t.grad_accum),
-        max_grad_norm=float(t.max_grad_norm),
-        clock=timing.clock,
-        params=params,
-    )
+    tracking = CpuMemoryTracking(tracker, tracked, _PeakRecorder(m, meta, optimizer))
+    progress = _TrialProgress(steps, cfg, timing, m)
+    wandb_rows = [_WandbRows(logger, scheduler, timing, m)] if logger is not None else []
+    evals = _PeriodicEval(cfg, run_eval, timing, progress, m, logger, reporter)
+    # the model's own loss, or the chunked one (tiling.loss_chunk_tokens)
+    loop = Loop(model, optimizer, scheduler, prep.batches, faults.wrap(loss_fn(cfg, model)), device, steps)
+    loop.grad_accum, loop.max_grad_norm = int(t.grad_accum), float(t.max_grad_norm)
+    loop.clock, loop.params = timing.clock, params
     try:
-        fit(
-            loop,
-            [
-                tracking,
-                timing,
-                faults,
-                grads,
-                OnLoss(after_step),
-                Every(int(t.eval_every), steps, periodic_eval),
-            ],
-        )
+        fit(loop, [tracking, timing, faults, grads, progress, *wandb_rows, _TrainLoss(timing, m), evals])
     finally:
         progress.close()
     tracking.close()  # every step was a tracked one: keep the tracked peak anyway
-    timing.clock.sync()
-    measured_steps = steps - timing.timed_from
-    if measured_steps > 0:
-        meta["step_phases_s"] = timing.clock.per_step(measured_steps, exclude_s=timing.eval_s)
-    if timing.timed_from != warm:
-        meta["timed_from_step"] = timing.timed_from
-    measured_s = timing.train_seconds()
-    if measured_s and measured_steps > 0:
-        m["tokens_per_s"] = timing.tokens / measured_s
-        m["step_time_s"] = measured_s / measured_steps
-        m["measured_steps"] = measured_steps
-        m["tokens_trained"] = timing.tokens
-        m["padding_tokens"] = timing.pad_tokens
-        m["target_tokens"] = timing.target_tokens
-        m["mfu"] = trial_mfu(cfg, built.notes, m["tokens_per_s"], timing.mean_seq(), meta, model=model)
-    offload = getattr(model, "_vramsweep_offload", None)
-    if offload is not None:  # checkpointing=offload: the host side of the memory (longctx/offload.py)
-        meta["host_memory"] = {
-            "pool_bytes": offload.pool_bytes,
-            "peak_offloaded_bytes": offload.peak_host_bytes,
-            "pinned": offload.cuda,
-            "definition": "pool_bytes: the exact-size host pool for the layer inputs (page-locked with "
-            "cudaHostRegister on CUDA); peak_offloaded_bytes: the most layer-input bytes held at once",
-        }
-    m["state_bytes"] = {
-        "params": tensor_bytes(model_state_tensors(model)),
-        "grads": grads.bytes,
-        "optimizer": tensor_bytes(optimizer_state_tensors(optimizer)),
-    }
-    if cuda_mon is not None:
-        cuda_mon.stop()
-        m.update(cuda_mon.metrics(m["state_bytes"]))
-
-    te = time.perf_counter()
-    quality = QualityMeter()  # fact vs control token accuracy/NLL (measure/quality.py)
-    final = run_eval(quality)
-    m.update(quality.metrics())
-    eval_s += time.perf_counter() - te
-    m["eval_loss"], m["eval_ppl"] = final.loss, math.exp(min(final.loss, 50.0))
-    m["task_score"], m["task_spans"] = final.task_score, final.task_spans
-    meta["eval_s"] = round(eval_s, 3)
-    if not math.isfinite(final.loss):
-        raise Diverged(f"final eval loss is {final.loss}")
+    _record_throughput(cfg, result, prep.built, timing)
+    _record_memory(result, model, optimizer, grads, cuda_mon)
+    _final_eval(result, run_eval, eval_s)
 
 
 def run_trial(
@@ -522,7 +570,7 @@ def run_trial(
     design: dict | None = None,
 ) -> dict:
     """Run one trial and return its result dict (also written atomically to ``result_path``)."""
-    from vramsweep.config.rules import UnsupportedError, validate
+    from vramsweep.config.rules import validate
 
     started = datetime.now(UTC)
     t0 = time.perf_counter()
@@ -542,7 +590,7 @@ def run_trial(
         result["meta"]["estimate_error"] = f"{type(exc).__name__}: {exc}"
 
     logger = None
-    status, reason, oom = "ok", None, False
+    status, reason, oom = Status.OK, None, False
     try:
         _check_host_memory(cfg)  # before anything is built: a pool that cannot fit is host_oom, not run
         validate(cfg)
@@ -555,28 +603,10 @@ def run_trial(
             result=result,
         )
         _train(cfg, result, reporter, logger)
-    except UnsupportedError as exc:
-        status, reason = "unsupported", str(exc)
-    except ConfigError as exc:
-        status, reason = "error", f"config: {exc}"
-    except Diverged as exc:
-        status, reason = "diverged", str(exc)
-    except Pruned as exc:
-        status, reason = "pruned", str(exc)
     except BaseException as exc:  # noqa: BLE001 - failures are data
         if isinstance(exc, KeyboardInterrupt):
             raise
-        from vramsweep.record.diskfull import disk_full_reason
-
-        if (full := disk_full_reason(exc)) is not None:
-            status, reason = Status.ERROR.value, full  # one line, no traceback: the disk, not the config
-        elif _is_host_oom(exc):
-            status, reason = Status.HOST_OOM.value, f"{type(exc).__name__}: {str(exc).splitlines()[0][:500]}"
-        elif _is_oom(exc):
-            status, reason, oom = "oom", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}", True
-        else:
-            status, reason = "error", f"{type(exc).__name__}: {str(exc)[:500]}"
-            result["meta"]["traceback"] = traceback.format_exc()[-4000:]
+        status, reason, oom = _failure(exc, result)
     # Recover memory outside the except block (a live traceback pins the tensors).
     gc.collect()
     if oom:
@@ -587,7 +617,7 @@ def run_trial(
                 torch.cuda.empty_cache()
         except Exception:
             pass
-    result["status"], result["reason"] = status, reason
+    result["status"], result["reason"] = status.value, reason  # the plain string, as in the file
     with contextlib.suppress(OSError, AttributeError, KeyError, TypeError):
         result["meta"]["timing_conditions"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     result["meta"]["wall_s"] = round(time.perf_counter() - t0, 3)
@@ -595,19 +625,48 @@ def run_trial(
     if logger is not None:
         logger.finish(result)
     if result_path is not None:
-        try:
-            write_result(result_path, result)
-            result["meta"]["result_path"] = str(result_path)
-        except OSError as exc:
-            from vramsweep.record.diskfull import disk_full_reason
-
-            full = disk_full_reason(exc, result_path)
-            if full is None:
-                raise
-            # the measurement is lost with the file; the caller gets the status and the one-line reason
-            result["status"], result["reason"] = Status.ERROR.value, full
-            result["meta"]["result_path"] = None
+        _write(result, result_path)
     return result
+
+
+def _failure(exc: BaseException, result: dict) -> tuple[Status, str, bool]:
+    """(status, reason, device OOM) of the exception a trial ended with (docs/CONTRACTS.md); an unexpected
+    error keeps its traceback in ``meta.traceback``."""
+    from vramsweep.config.rules import UnsupportedError
+    from vramsweep.record.diskfull import disk_full_reason
+
+    if isinstance(exc, UnsupportedError):
+        return Status.UNSUPPORTED, str(exc), False
+    if isinstance(exc, ConfigError):
+        return Status.ERROR, f"config: {exc}", False
+    if isinstance(exc, Diverged):
+        return Status.DIVERGED, str(exc), False
+    if isinstance(exc, Pruned):
+        return Status.PRUNED, str(exc), False
+    if (full := disk_full_reason(exc)) is not None:
+        return Status.ERROR, full, False  # one line, no traceback: the disk, not the config
+    if _is_host_oom(exc):
+        return Status.HOST_OOM, f"{type(exc).__name__}: {str(exc).splitlines()[0][:500]}", False
+    if _is_oom(exc):
+        return Status.OOM, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}", True
+    result["meta"]["traceback"] = traceback.format_exc()[-4000:]
+    return Status.ERROR, f"{type(exc).__name__}: {str(exc)[:500]}", False
+
+
+def _write(result: dict, result_path: str | os.PathLike) -> None:
+    """Write the result atomically; a full disk turns it into ``error`` with a one-line reason (the
+    measurement is lost with the file; the caller gets the status and the reason)."""
+    try:
+        write_result(result_path, result)
+        result["meta"]["result_path"] = str(result_path)
+    except OSError as exc:
+        from vramsweep.record.diskfull import disk_full_reason
+
+        full = disk_full_reason(exc, result_path)
+        if full is None:
+            raise
+        result["status"], result["reason"] = Status.ERROR.value, full
+        result["meta"]["result_path"] = None
 
 
 def run_trial_overrides(
