@@ -6,8 +6,8 @@ Recipe 3 (deterministic, seeded, from the project's own generator; never the fin
 2. **Copy drills** (``model.pretrain_drill_steps``, constant LR :data:`DRILL_LR`, :data:`DRILL_BATCH` rows a
    step): a segment of 8-64 random tokens, then the same segment again, loss on the repeat only. Varied
    lengths matter: with one length the model learns "copy the token N back" instead of content-based
-   copying (induction heads), which forms only after ~1,300-1,800 steps (~2M tokens) at this LR (README,
-   bench/copy_drill_probe.py); drills of document text instead of random tokens delay it past 2,200 steps.
+   copying (induction heads), which forms only after ~1,300-1,800 steps (~2M tokens) at this LR
+   (docs/measurements/2026-12-01-embedded-recipe-search.md, bench/copy_drill_probe.py); drills of document text instead of random tokens delay it past 2,200 steps.
 3. **Documents** (``model.pretrain_steps``, cosine LR :data:`DOC_LR`, ``model.pretrain_batch`` documents a
    step, each cut at ``model.pretrain_seq_len`` tokens): whole documents, so a fact's statement and its
    repeat ~2k tokens later share a row. Every step adds a drill batch at loss weight :data:`DRILL_MIX` so

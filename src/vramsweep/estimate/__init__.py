@@ -2,7 +2,7 @@
 
 No weights are loaded: the estimate is arithmetic on the model dims (config group or
 ``<model.path>/config.json``) and the knobs; see :mod:`vramsweep.estimate.analytic` for the formulas and
-their sources, and README "Memory estimator" for the method note and the measured error.
+their sources, and docs/ESTIMATOR.md for the method note and the measured error.
 
 Public API::
 

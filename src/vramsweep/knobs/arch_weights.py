@@ -20,7 +20,7 @@ disk, and ``model=qwen3_8b`` (``source=arch``) has none. :func:`ensure_arch_weig
   as ``<key>.tmp``, renamed, and ``COMPLETE`` is written last: a folder without it is never used (it is
   deleted and rewritten). A progress line goes to stderr every few seconds while writing.
 
-Cost (README, "GPU paths"): bytes = parameters x dtype size (Qwen3-8B bf16: 8,190,735,360 parameters,
+Cost (docs/GPU.md, "Unsloth on architecture-only models"): bytes = parameters x dtype size (Qwen3-8B bf16: 8,190,735,360 parameters,
 16,381,470,720 bytes, 38 shards); the time is measured and recorded in the folder's
 ``vramsweep_arch_weights.json`` and in each trial's ``meta.build.arch_weights``.
 """

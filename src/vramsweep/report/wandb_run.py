@@ -5,7 +5,7 @@
 An online init that fails (no key, unreachable server) falls back to offline once; if that fails too,
 the trial carries on and ``meta.wandb`` says why. Every later W&B call is guarded the same way.
 
-What a W&B user gets (README "Weights & Biases"):
+What a W&B user gets (docs/WANDB.md):
 
 * ``job_type="trial"``, ``group=<sweep>``, name ``<sweep>-<trial>``;
 * tags ``status:<status>``, ``design:<baseline|ablation|stacking|search>``, ``quant:<name>``,
@@ -111,7 +111,7 @@ def summary_of(result: dict) -> dict[str, Any]:
     meta = result.get("meta") or {}
     s: dict[str, Any] = {k: v for k, v in metrics.items() if _finite(v)}
     s["status"] = result.get("status")
-    s["reason"] = str(result.get("reason") or "")[:1000]  # always there (README): "" when ok
+    s["reason"] = str(result.get("reason") or "")[:1000]  # always there (docs/WANDB.md): "" when ok
     if not _finite(metrics.get("mfu")):
         s["mfu"] = None  # not measured (no device peak): the key is there, the reason in mfu/*
     if metrics.get("memory_kind"):

@@ -46,7 +46,7 @@ DEFAULT_TRIAL_FN = "vramsweep.trial:run_trial_overrides"
 
 @dataclass
 class SweeperConf:
-    """``hydra.sweeper.*`` settings (see README "Sweeps" for the full story).
+    """``hydra.sweeper.*`` settings (see docs/SWEEPS.md for the full story).
 
     Attributes:
         n_trials: study total; a re-run continues and runs exactly the remainder. ``null`` = every
