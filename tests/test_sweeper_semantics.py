@@ -346,3 +346,21 @@ def test_fake_landscape_does_not_depend_on_where_results_go():
     assert a == b
     seeded = landscape(parse_overrides(["quant=nf4", "adapter.r=16", "train.seed=1"]))
     assert seeded["eval_loss"] != a["eval_loss"]  # seed noise is still there
+
+
+def test_an_in_process_sweep_gives_the_logging_configuration_back(tmp_path):
+    """Hydra configures logging for its run; after run_multirun returns, every logger's handlers and levels
+    are the caller's again (a handler left on a closed stream printed '--- Logging error ---' into later
+    commands' stderr)."""
+    import logging
+
+    def snapshot():
+        return {
+            name: (tuple(lg.handlers), lg.level, lg.propagate, lg.disabled)
+            for name, lg in logging.Logger.manager.loggerDict.items()
+            if isinstance(lg, logging.Logger) and (lg.handlers or lg.level)
+        } | {"": (tuple(logging.root.handlers), logging.root.level)}
+
+    before = snapshot()
+    assert sweep(tmp_path, "quant=none,nf4") == 0
+    assert snapshot() == before

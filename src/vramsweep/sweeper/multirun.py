@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 SWEEP_DIR = "${results_dir}/sweeps/${oc.select:sweep.name,multirun}"
@@ -138,6 +140,38 @@ def _command_line_error(exc: Exception) -> int:
     return 2
 
 
+@contextlib.contextmanager
+def logging_state() -> Iterator[None]:
+    """Give the caller's logging configuration back after a Hydra run in this process.
+
+    Hydra configures logging for its run (``logging.config.dictConfig``: handlers bound to the streams of
+    that moment, levels, disabled loggers). Left in place, a later in-process run writes through handlers
+    whose stream has gone (a closed capture: "--- Logging error ---" on stderr) or at levels nobody asked
+    for. Every logger's handlers, level, propagation and disabled flag are restored; loggers made during
+    the run go back to the defaults."""
+    import logging
+
+    manager = logging.Logger.manager
+    saved = {
+        name: (list(lg.handlers), lg.level, lg.propagate, lg.disabled)
+        for name, lg in list(manager.loggerDict.items())
+        if isinstance(lg, logging.Logger)
+    }
+    root = (list(logging.root.handlers), logging.root.level)
+    try:
+        yield
+    finally:
+        logging.root.handlers[:] = root[0]
+        logging.root.setLevel(root[1])
+        for name, lg in list(manager.loggerDict.items()):
+            if not isinstance(lg, logging.Logger):
+                continue
+            handlers, level, propagate, disabled = saved.get(name, ([], logging.NOTSET, True, False))
+            lg.handlers[:] = handlers
+            lg.setLevel(level)
+            lg.propagate, lg.disabled = propagate, disabled
+
+
 def run_multirun(args: list[str], *, flags: list[str] | None = None, multirun: bool = True) -> int:
     """Run Hydra's multirun with our sweeper, as if ``vramsweep -m <args>`` was typed.
 
@@ -180,7 +214,7 @@ def run_multirun(args: list[str], *, flags: list[str] | None = None, multirun: b
     saved_full = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its search path and hints
     try:
-        with hydra_state():
+        with hydra_state(), logging_state():
             main()
     except SystemExit as exc:
         code = exc.code
