@@ -364,3 +364,15 @@ def test_an_in_process_sweep_gives_the_logging_configuration_back(tmp_path):
     before = snapshot()
     assert sweep(tmp_path, "quant=none,nf4") == 0
     assert snapshot() == before
+
+
+@pytest.mark.parametrize("cfg", ["job", "hydra", "all"])
+def test_cfg_over_sweep_values_without_multirun_prints_the_base(cfg, capsys):
+    """`vramsweep train quant=none,nf4 --cfg job` (no -m) prints the sweep's base config and exits 0, as
+    --cfg hydra|all do (it exited 2 on the list); nothing runs."""
+    code = cli_main(["train", "quant=none,nf4", "--cfg", cfg])
+    out = capsys.readouterr().out
+    assert code in (0, None), out
+    if cfg == "job":
+        assert "# the sweep's base config; each trial adds one point of: quant=none,nf4" in out
+        assert "quant:" in out

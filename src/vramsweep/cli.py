@@ -209,7 +209,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from vramsweep.preflight import check_named_options, preflight
 
     try:
-        from vramsweep.sweeper.multirun import check_option_names, run_multirun
+        from vramsweep.sweeper.multirun import check_option_names, run_multirun, sweep_overrides
     except ImportError as exc:
         return _err(f"the sweeper is not available: {exc}")
     try:
@@ -219,6 +219,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.multirun or (flags and flags[:2] != ["--cfg", "job"]):
         # a sweep, or Hydra's own printouts (--cfg hydra|all, --info): Hydra prints them and runs nothing
         return run_multirun(overrides, flags=flags, multirun=bool(args.multirun))
+    if flags and sweep_overrides(overrides):
+        # --cfg job over sweep values (a,b / choice / range) without -m: the base config, like --cfg hydra|all
+        return run_multirun(overrides, flags=flags, multirun=False)
 
     try:
         check_named_options(overrides)

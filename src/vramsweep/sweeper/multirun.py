@@ -80,7 +80,7 @@ def check_option_names(args: list[str]) -> None:
                 raise ConfigError(f"unknown {group} '{n}'{hint}", key=group, allowed=known or None)
 
 
-def _sweep_overrides(args: list[str]) -> list[str]:
+def sweep_overrides(args: list[str]) -> list[str]:
     """The arguments that are sweeps (``a,b``, ``choice``, ``range``, ``interval``, ``glob``)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -199,7 +199,7 @@ def run_multirun(args: list[str], *, flags: list[str] | None = None, multirun: b
     saved = sys.argv
     if flags:
         # Hydra prints (--cfg/--info) in run mode only: the sweep's base config, without its sweep overrides
-        swept = _sweep_overrides(args)
+        swept = sweep_overrides(args)
         base = [a for a in args if a not in swept]
         argv = hydra_args(base)[1:] if multirun else base
         argv += [] if _has(argv, "hydra.job.chdir=") else ["hydra.job.chdir=False"]
