@@ -41,9 +41,12 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from omegaconf import DictConfig, OmegaConf
+
+if TYPE_CHECKING:  # torch is imported where a model is built: the pre-flight only needs paths from here
+    import torch
 
 # Bump when the generator, tokenizer recipe or pre-training recipe changes (invalidates caches + the asset).
 RECIPE_VERSION = 3
@@ -163,6 +166,8 @@ def _install_asset(out: Path) -> None:
 
 
 def weights_digest(model: torch.nn.Module) -> str:
+    import torch
+
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
         h.update(name.encode())
@@ -184,6 +189,8 @@ class _Drills:
         self.rng, self.vocab = rng, vocab
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
         rng = self.rng
         seg = rng.randint(*DRILL_SEG)
         out = []
@@ -201,6 +208,8 @@ class _Drills:
 def _task_rows(doc: dict, tokenizer, rng: random.Random, instructions: str) -> list[torch.Tensor]:
     """Task-format rows of one document: a random strategy and budget; the two fact-repeating targets
     (financial summary, conclusions) and one other section."""
+    import torch
+
     from vramsweep.data.examples import build_examples
 
     trunc = rng.choice(("head", "tail", "exp_decay", "none"))
@@ -220,6 +229,7 @@ def _task_rows(doc: dict, tokenizer, rng: random.Random, instructions: str) -> l
 
 def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dict:
     """Build tokenizer + pre-trained tiny model into ``out`` (atomic: tmp dir, then rename). Recipe 3 above."""
+    import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, get_scheduler
 
@@ -355,6 +365,7 @@ def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dic
 
 def write_asset(folder: Path = ASSET_DIR, *, progress: bool = True) -> dict:
     """Build the default ``model=tiny`` base and store it as the committed asset (fp16 weights)."""
+    import torch
     from safetensors.torch import load_file, save_file
 
     from vramsweep.config import compose
@@ -379,6 +390,8 @@ def write_asset(folder: Path = ASSET_DIR, *, progress: bool = True) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch
+
     ap = argparse.ArgumentParser(
         prog="python -m vramsweep.embedded",
         description="Build or verify the committed embedded base model (model=tiny, recipe 3).",

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -270,10 +270,18 @@ def check_study_file(storage_url: str) -> None:
         )
 
 
-def preflight_sweep(plan: Any, task_cfg: dict[str, Any], arguments: Iterable[str] = ()) -> None:
+def preflight_sweep(
+    plan: Any,
+    task_cfg: dict[str, Any],
+    arguments: Iterable[str] = (),
+    *,
+    check_storage: Callable[[str], None] | None = None,
+) -> None:
     """The pre-flight of ``vramsweep train -m`` and of every worker, before the study or any folder is
-    made: sweep/experiment names, the sweep folder writable with disk to spare, every input file the
-    sweep can use parses. Raises :class:`ConfigError`."""
+    made: sweep/experiment names, the sweep folder writable with disk to spare, the study storage reachable
+    and writable (``check_storage``: the sweeper passes ``vramsweep.sweeper.storage_check.check_storage``;
+    this module sits below the sweeper and does not import it), every input file the sweep can use parses.
+    Raises :class:`ConfigError`."""
     from omegaconf import OmegaConf
 
     args = list(arguments)
@@ -285,9 +293,8 @@ def preflight_sweep(plan: Any, task_cfg: dict[str, Any], arguments: Iterable[str
     check_writable(sweep_dir, key=key, label=label)
     check_disk(sweep_dir, int(plan.n_total), key=key, label=label)
     check_study_file(plan.settings.storage)
-    from vramsweep.sweeper.storage_check import check_storage
-
-    check_storage(plan.settings.storage)  # reachable and writable: connect (or probe) now, not mid-sweep
+    if check_storage is not None:
+        check_storage(plan.settings.storage)  # reachable and writable: connect (or probe) now, not mid-sweep
     cfg = OmegaConf.create(task_cfg)
     seen: set[tuple[str, str]] = set()
     if str(OmegaConf.select(cfg, "data.source")) == "jsonl":

@@ -298,6 +298,7 @@ def run_sweep(
     from vramsweep.config.errors import error_line
     from vramsweep.preflight import check_fault_env, check_named_options, preflight_sweep
     from vramsweep.sweeper.fastpath import finished_study
+    from vramsweep.sweeper.storage_check import check_storage
 
     if str((task_cfg.get("sweep") or {}).get("design")) == "max_context":
         from vramsweep.sweeper.maxctx import run_max_context
@@ -316,7 +317,8 @@ def run_sweep(
         check_fault_env()
         check_named_options(arguments)  # sweep=<typo>: Hydra ignores an unknown option of an optional group
         plan = plan_sweep(sweeper_cfg, task_cfg, arguments)
-        preflight_sweep(plan, task_cfg, arguments)  # before the study, any folder or any trial
+        # before the study, any folder or any trial
+        preflight_sweep(plan, task_cfg, arguments, check_storage=check_storage)
     except ConfigError as exc:
         print(error_line("train", str(exc)), file=sys.stderr)
         return 2

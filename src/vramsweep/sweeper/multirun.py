@@ -145,10 +145,11 @@ def logging_state() -> Iterator[None]:
     """Give the caller's logging configuration back after a Hydra run in this process.
 
     Hydra configures logging for its run (``logging.config.dictConfig``: handlers bound to the streams of
-    that moment, levels, disabled loggers). Left in place, a later in-process run writes through handlers
-    whose stream has gone (a closed capture: "--- Logging error ---" on stderr) or at levels nobody asked
-    for. Every logger's handlers, level, propagation and disabled flag are restored; loggers made during
-    the run go back to the defaults."""
+    that moment on the root logger, levels, disabled loggers). Left in place, a later in-process run writes
+    through handlers whose stream has gone (a closed capture: "--- Logging error ---" on stderr) or at levels
+    nobody asked for. The root logger and every logger that existed before are restored (handlers, level,
+    propagation, disabled flag); loggers first made during the run (libraries imported then, which set
+    their own levels) keep what they set, less any handler on a closed stream."""
     import logging
 
     manager = logging.Logger.manager
@@ -166,7 +167,12 @@ def logging_state() -> Iterator[None]:
         for name, lg in list(manager.loggerDict.items()):
             if not isinstance(lg, logging.Logger):
                 continue
-            handlers, level, propagate, disabled = saved.get(name, ([], logging.NOTSET, True, False))
+            if name not in saved:
+                lg.handlers[:] = [
+                    h for h in lg.handlers if not getattr(getattr(h, "stream", None), "closed", False)
+                ]
+                continue
+            handlers, level, propagate, disabled = saved[name]
             lg.handlers[:] = handlers
             lg.setLevel(level)
             lg.propagate, lg.disabled = propagate, disabled
