@@ -21,7 +21,7 @@ def test_help_lists_verbs_groups_options_and_docs(capsys) -> None:
 
     for argv, want in (
         (["--help"], ["vramsweep report <sweep dir>", "quant ", "nf4_dq", "docs/KNOBS.md", "docs/SWEEPS.md"]),
-        (["train", "--help"], ["paged_adamw_8bit", "docs: docs/CLI.md"]),
+        (["train", "--help"], ["paged_adamw_8bit", "vramsweep pick <sweep dir>", "docs: docs/CLI.md"]),
         (["estimate", "--help"], ["docs: docs/ESTIMATOR.md"]),
         (["report", "--help"], ["docs: docs/READING_A_SWEEP.md"]),
         (["pick", "--help"], ["docs: docs/READING_A_SWEEP.md"]),

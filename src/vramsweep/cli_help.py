@@ -66,5 +66,7 @@ def main_epilog(groups_text: str) -> str:
 
 
 def verb_epilog(verb: str) -> str:
-    """The docs line closing ``vramsweep <verb> --help``."""
-    return f"docs: {VERB_DOCS[verb]}\n"
+    """The docs line closing ``vramsweep <verb> --help`` (``train``'s lists every verb first: it is the
+    help most users open)."""
+    verbs = "verbs:\n" + _rows(VERBS) + "\n\n" if verb == "train" else ""
+    return f"{verbs}docs: {VERB_DOCS[verb]}\n"
