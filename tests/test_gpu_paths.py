@@ -783,7 +783,11 @@ def test_gpu_smoke_dry_run(tmp_path):
     assert contexts == ["context.max_tokens=2048"]  # 16,384 over 8 (liger: unsupported without CUDA)
     md = (out / "summary.md").read_text()
     assert md.startswith("### GPU smoke — DRY RUN on CPU (") and "Verdict: PASS" in md
-    assert "Long-context probe" in md and "Step time (bench/step_time.py, baseline): median step time" in md
+    assert "Long-context probe" in md and "Step time (bench/step_time.py, baseline): host vs device" in md
+    assert (
+        "median step time" in md
+        and "Long-context exactness (scripts/gpu_longctx_check.py): verdict: PASS" in md
+    )
     assert "Profiler (baseline, 2 profiled steps): 128 tokens:" in md
     assert (
         "Unsloth weights folder (random tiny Qwen3 test architecture, bf16): 0.001 GB on disk in 4 shards"
