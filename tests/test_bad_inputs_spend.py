@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from test_bad_inputs import _fill, _tree  # the same placeholder filling and file-tree snapshot
 from vramsweep.cli import main
 
 FAKE = [
@@ -393,17 +394,6 @@ CASES: list[tuple[str, str, list[str], dict[str, str], str]] = [
         "MiB free",
     ),
 ]
-
-
-def _fill(arg: str, files: dict[str, Path], root: Path) -> str:
-    out = arg.replace("{root}", str(root))
-    for name, path in files.items():
-        out = out.replace("{" + name + "}", str(path))
-    return out
-
-
-def _tree(*roots: Path) -> set[Path]:
-    return {p for r in roots if r.exists() for p in r.rglob("*")}
 
 
 def test_enough_cases():
