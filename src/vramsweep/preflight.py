@@ -167,16 +167,19 @@ def available_host_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def check_host_memory(cfg: Any, available: int | None = None) -> None:
+def check_host_memory(cfg: Any, available: int | None = None, *, estimated: dict | None = None) -> None:
     """Raise when the host memory the config needs beside the device (the page-locked pool of
     ``checkpointing=offload``: layers x tokens x hidden x dtype) exceeds the RAM available here; the error
-    names both figures and the longest context that would fit."""
+    names both figures and the longest context that would fit. ``estimated``: the config's estimate when
+    the caller has it already (host bytes do not depend on calibration)."""
     from vramsweep.estimate import estimate
     from vramsweep.record.units import GIB
 
     if str(cfg.hardware.device) != "cuda":
         return
-    need = int(estimate(cfg, calibration=False).get("host_bytes") or 0)
+    if estimated is None or "host_bytes" not in estimated:
+        estimated = estimate(cfg, calibration=False)
+    need = int(estimated.get("host_bytes") or 0)
     if need <= 0:
         return
     have = available_host_bytes() if available is None else int(available)

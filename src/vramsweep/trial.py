@@ -43,12 +43,12 @@ def _is_host_oom(exc: BaseException) -> bool:
     return isinstance(exc, HostMemoryError)
 
 
-def _check_host_memory(cfg: DictConfig) -> None:
+def _check_host_memory(cfg: DictConfig, estimated: dict | None) -> None:
     from vramsweep.longctx.offload import HostMemoryError
     from vramsweep.preflight import check_host_memory
 
     try:
-        check_host_memory(cfg)
+        check_host_memory(cfg, estimated=estimated)  # the trial's own estimate: not computed twice
     except ConfigError as exc:
         raise HostMemoryError(f"not run: {exc}") from None
 
@@ -592,7 +592,9 @@ def run_trial(
     logger = None
     status, reason, oom = Status.OK, None, False
     try:
-        _check_host_memory(cfg)  # before anything is built: a pool that cannot fit is host_oom, not run
+        _check_host_memory(
+            cfg, result["estimate"]
+        )  # before anything is built: a pool that cannot fit is host_oom, not run
         validate(cfg)
         from vramsweep.report.wandb_run import start_logger
 
