@@ -205,7 +205,7 @@ def test_truncation_ablation_separates_strategies_above_seed_noise(tmp_path, emb
 
 
 def test_readme_jsonl_fact_example_gives_a_fact_span(tmp_path):
-    """The README's marked-fact example loads and its repeated value becomes a scored fact span."""
+    """docs/DATA.md's marked-fact example loads and its repeated value becomes a scored fact span."""
     from transformers import PreTrainedTokenizerFast
 
     from vramsweep.data.documents import load_jsonl
@@ -218,7 +218,7 @@ def test_readme_jsonl_fact_example_gives_a_fact_span(tmp_path):
         '"text": "In short, ACME is led by Ada Byron."}], "facts": [{"key": "lead", "value": "Ada Byron", '
         '"stated_in": 0, "repeated_in": [1]}]}'
     )
-    assert line.replace('", "', '", "') in open("README.md").read().replace("\n", " ").replace("  ", " ")
+    assert line in open("docs/DATA.md").read().replace("\n", " ").replace("  ", " ")
     (tmp_path / "d.jsonl").write_text(line + "\n")
     (doc,) = load_jsonl(tmp_path / "d.jsonl")
     tok = train_tokenizer(pretrain_texts(4, 0), vocab_size=600)
