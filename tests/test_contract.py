@@ -216,15 +216,75 @@ def test_typed_result_built_in_code_matches_new_result():
 # ------------------------------------------------------------------------------------------ the session check
 
 
-def test_write_result_logs_a_malformed_result_as_bad(tmp_path, monkeypatch):
+def test_typed_result_new_is_new_result():
+    r = TrialResult.new(status="oom", reason="x", sweep="s", trial=2, overrides=("a=1",), config={"k": 1})
+    assert r.status is Status.OOM and r.metrics.values == {k: None for k in METRIC_KEYS}
+    assert r.to_json() == new_result(
+        status="oom", reason="x", sweep="s", trial=2, overrides=["a=1"], config={"k": 1}
+    )
+    with pytest.raises(ValueError, match=r"status='done' \(allowed: ok, oom"):
+        TrialResult.new(status="done")
+
+
+def test_setting_a_key_on_a_loaded_result_writes_it():
+    old = {"status": "oom", "reason": "OutOfMemoryError: x", "metrics": {"peak_memory_bytes": 5}, "meta": {}}
+    r = TrialResult.from_json(old)
+    assert r.to_json() == old
+    r.meta.result_path = None  # set: written, even as null
+    r.status = Status.ERROR
+    r.estimate = Estimate.from_json({"peak_memory_bytes": 7})
+    assert r.to_json() == old | {
+        "status": "error",
+        "estimate": {"peak_memory_bytes": 7},
+        "meta": {"result_path": None},
+    }
+
+
+# ------------------------------------------------------------------------------------------ the writer
+
+
+def test_write_result_takes_a_trial_result(tmp_path):
+    r = TrialResult.new(status=Status.DIVERGED, reason="nan", sweep="s", trial=4)
+    r.metrics.values["train_loss"] = float("nan")  # JSON has no NaN: written as null
+    r.meta.wall_s = 1.5
+    path = write_result(tmp_path / "r.json", r)
+    data = json.loads(path.read_text())
+    assert data["status"] == "diverged" and data["metrics"]["train_loss"] is None
+    assert data["meta"] == {"wall_s": 1.5}
+    assert check_result(data).status is Status.DIVERGED
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"overrides": "quant=nf4"}, "result.overrides='quant=nf4' (allowed: a list of strings)"),
+        ({"status": "done"}, "result.status='done' (allowed: ok, oom"),
+        ({"metrics": {"tokens_per_s": "fast"}}, "metrics.tokens_per_s='fast'"),
+    ],
+)
+def test_write_result_refuses_a_result_that_breaks_the_contract_and_writes_nothing(
+    tmp_path, monkeypatch, change, message
+):
+    log = tmp_path / "log"
+    monkeypatch.setenv(RESULT_LOG_ENV, str(log))
+    folder = tmp_path / "trials"
+    folder.mkdir()
+    (folder / "0001.json").write_text("previous\n")
+    with pytest.raises(ResultSchemaError) as err:
+        write_result(folder / "0001.json", new_result(status="ok") | change)
+    assert message in str(err.value)
+    assert (folder / "0001.json").read_text() == "previous\n"  # the old file is untouched
+    assert [p.name for p in folder.iterdir()] == ["0001.json"]  # no temp file left behind
+    with pytest.raises(ResultSchemaError, match="allowed: an object"):
+        write_result(folder / "0002.json", ["not", "a", "result"])
+    assert not (folder / "0002.json").exists() and not log.exists()
+
+
+def test_write_result_logs_what_it_wrote(tmp_path, monkeypatch):
     log = tmp_path / "log"
     monkeypatch.setenv(RESULT_LOG_ENV, str(log))
     good = write_result(tmp_path / "good.json", new_result(status="ok"))
-    bad = write_result(tmp_path / "bad.json", new_result(status="ok") | {"overrides": "quant=nf4"})
-    assert bad.is_file()  # the writer itself never fails on a schema error
-    lines = log.read_text().splitlines()
-    assert lines[0] == f"ok\t{good.resolve()}"
-    assert lines[1].startswith(f"bad\t{bad.resolve()}\tresult.overrides='quant=nf4'")
+    assert log.read_text().splitlines() == [f"ok\t{good.resolve()}"]
 
 
 def test_results_written_by_sweep_processes_are_checked(tmp_path):

@@ -20,8 +20,8 @@ from vramsweep.record.metrics import (  # noqa: F401 - re-exported
     is_quality_metric,
     metric_direction,
 )
-from vramsweep.record.schema import SCHEMA_VERSION
-from vramsweep.record.status import STATUSES, parse_status
+from vramsweep.record.schema import SCHEMA_VERSION, ResultSchemaError, TrialResult, check_result
+from vramsweep.record.status import STATUSES, Status
 
 #: When set (the test suite sets it), :func:`write_result` appends each result path it writes to this file,
 #: one per line, so every result the suite produces can be checked against the schema afterwards.
@@ -30,25 +30,19 @@ RESULT_LOG_ENV = "VRAMSWEEP_RESULT_LOG"
 
 def new_result(
     *,
-    status: str = "ok",
+    status: Status | str = Status.OK,
     reason: str | None = None,
     sweep: str | None = None,
     trial: int | None = None,
     overrides: list[str] | None = None,
     config: dict | None = None,
 ) -> dict[str, Any]:
-    return {
-        "schema": SCHEMA_VERSION,
-        "status": parse_status(status).value,  # ValueError naming the allowed statuses
-        "reason": reason,
-        "sweep": sweep,
-        "trial": trial,
-        "overrides": list(overrides or []),
-        "config": config or {},
-        "metrics": empty_metrics(),
-        "estimate": None,
-        "meta": {},
-    }
+    """A fresh result as a plain dict (:meth:`TrialResult.new`'s ``to_json()``): for code that builds a
+    result by key (the sweeper). ``status`` may be a string; an unknown one is a ``ValueError`` naming the
+    allowed statuses."""
+    return TrialResult.new(
+        status=status, reason=reason, sweep=sweep, trial=trial, overrides=overrides, config=config
+    ).to_json()
 
 
 def _clean(obj: Any) -> Any:
@@ -117,19 +111,24 @@ def atomic_write_json(path: str | os.PathLike, data: Any) -> Path:
     return atomic_write_text(path, _dumps(data))
 
 
-def write_result(path: str | os.PathLike, result: dict[str, Any]) -> Path:
+def write_result(path: str | os.PathLike, result: TrialResult | dict[str, Any]) -> Path:
     """Write a trial result JSON atomically (the one way results are written).
 
-    With ``VRAMSWEEP_RESULT_LOG`` set (the test suite), the written JSON is also checked against the schema
+    ``result`` is a :class:`~vramsweep.record.schema.TrialResult`, or a dict (the sweeper's, a user's trial
+    function's) read with ``TrialResult.from_json``: either way the JSON about to be written is checked
+    against the contract first, and a result that breaks it raises
+    :class:`~vramsweep.record.schema.ResultSchemaError` naming the key, with nothing written.
+
+    With ``VRAMSWEEP_RESULT_LOG`` set (the test suite), the written JSON is also checked to round-trip
     (:func:`vramsweep.record.schema.check_result`) and ``ok <path>`` or ``bad <path> <error>`` appended to
-    that file; the writer itself never fails on a schema error.
+    that file.
     """
-    text = _dumps(result)
+    data = _clean(result.to_json() if isinstance(result, TrialResult) else result)
+    TrialResult.from_json(data)  # ResultSchemaError before anything is written
+    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
     out = atomic_write_text(path, text)
     log = os.environ.get(RESULT_LOG_ENV)
     if log:
-        from vramsweep.record.schema import ResultSchemaError, check_result
-
         try:
             check_result(json.loads(text))
             line = f"ok\t{Path(out).resolve()}"

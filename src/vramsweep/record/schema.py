@@ -13,9 +13,16 @@ naming the key, the value and what is allowed); ``to_json()`` gives the dict bac
 * ``status`` must be one of :class:`~vramsweep.record.status.Status`; ``schema`` must not be newer than
   :data:`SCHEMA_VERSION`.
 
-Writers keep producing plain dicts (``new_result`` + ``write_result``); the types are for readers and for
-checking. Metric fields come from the registry (:mod:`vramsweep.record.metrics`), so a new metric needs no
-change here.
+* **Setting a declared key writes it.** On a record read by ``from_json``, assigning a key the source did
+  not have (``r.meta.result_path = ...``) adds it to ``to_json()``; keys left alone stay as they were.
+
+Writers and readers both go through these types. :func:`vramsweep.record.result.write_result` takes a
+:class:`TrialResult` (or a dict, which it checks with ``from_json``) and writes nothing when the result
+breaks the contract; :meth:`TrialResult.new` builds a fresh one in code (``new_result`` is its dict form,
+for the sweeper's dict-shaped results); ``run_trial`` builds a :class:`TrialResult` with :class:`Status`
+members; the report reads every file through ``from_json`` (:mod:`vramsweep.report.load`, tolerant of
+files that fail it). Metric fields come from the registry (:mod:`vramsweep.record.metrics`), so a new
+metric needs no change here.
 """
 
 from __future__ import annotations
@@ -24,8 +31,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from vramsweep.record.metrics import BY_NAME
-from vramsweep.record.status import STATUSES, Status
+from vramsweep.record.metrics import BY_NAME, empty_metrics
+from vramsweep.record.status import STATUSES, Status, parse_status
 
 SCHEMA_VERSION = 1
 
@@ -91,6 +98,16 @@ class _Record:
     extra: dict[str, Any] = field(default_factory=dict)
     #: The declared keys the source dict had (None: built in code, see ``WRITE_NULLS``).
     present: frozenset[str] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_built", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # After construction, assigning a declared key of a record read from a dict makes it present: the
+        # key is written by ``to_json`` even when the source had no such key.
+        object.__setattr__(self, name, value)
+        if name in self.KEYS and self.__dict__.get("_built") and self.present is not None:
+            object.__setattr__(self, "present", self.present | {name})
 
     @classmethod
     def _read(cls, data: Any, where: str | None = None) -> dict[str, Any]:
@@ -257,7 +274,8 @@ class Metrics:
 
 @dataclass(kw_only=True)
 class TrialResult(_Record):
-    """One trial's result (``trials/NNNN.json``; the return value of ``run_trial``)."""
+    """One trial's result (``trials/NNNN.json``): what ``run_trial`` builds and ``write_result`` writes
+    (``run_trial`` returns its ``to_json()``). :meth:`new` builds one in code, :meth:`from_json` reads one."""
 
     KEYS: ClassVar[dict[str, tuple[str, bool]]] = {
         "schema": ("int", False),
@@ -284,6 +302,30 @@ class TrialResult(_Record):
     metrics: Metrics = field(default_factory=Metrics)
     estimate: Estimate | None = None
     meta: Meta = field(default_factory=Meta)
+
+    @classmethod
+    def new(
+        cls,
+        *,
+        status: Status | str = Status.OK,
+        reason: str | None = None,
+        sweep: str | None = None,
+        trial: int | None = None,
+        overrides: list[str] | tuple[str, ...] | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> TrialResult:
+        """A fresh result built in code: every key is written, every core metric null until measured,
+        ``estimate`` null, ``meta`` empty. ``status`` may be a string; an unknown one is a ``ValueError``
+        naming the allowed statuses."""
+        return cls(
+            status=parse_status(status),
+            reason=reason,
+            sweep=sweep,
+            trial=trial,
+            overrides=list(overrides or []),
+            config=config or {},
+            metrics=Metrics(values=empty_metrics()),
+        )
 
     @classmethod
     def from_json(cls, data: Any) -> TrialResult:
