@@ -40,6 +40,7 @@ from vramsweep.estimate.calibration import (
 from vramsweep.estimate.cli import run_calibrate, run_estimate
 from vramsweep.estimate.dims import ModelDims, model_dims
 from vramsweep.knobs import registry
+from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.units import GIB
 
 __all__ = [
@@ -258,7 +259,7 @@ def estimate(
     if est.extrapolated:
         notes.append("extrapolated (no GPU measurement yet): " + "; ".join(est.extrapolated))
     return {
-        "peak_memory_bytes": int(est.peak),
+        M.PEAK_MEMORY_BYTES: int(est.peak),
         "required_bytes": int(est.required),
         "breakdown_bytes": dict(est.at_peak),
         "budget_bytes": budget,

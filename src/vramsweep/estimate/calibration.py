@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.status import Status
 
 FEATURES = ("layers", "attention", "logits")
@@ -76,11 +77,11 @@ def trial_point(result: dict) -> dict[str, Any] | None:
     if result.get("status") != Status.OK or not result.get("config"):
         return None
     m = result.get("metrics") or {}
-    kind = m.get("memory_kind")
+    kind = m.get(M.MEMORY_KIND)
     if kind == "cuda_reserved":
-        measured = m.get("cuda_max_allocated_bytes")
+        measured = m.get(M.CUDA_MAX_ALLOCATED_BYTES)
     else:
-        measured = m.get("peak_memory_bytes")
+        measured = m.get(M.PEAK_MEMORY_BYTES)
     if not isinstance(measured, int | float) or measured <= 0:
         return None
     cfg = OmegaConf.create(result["config"])

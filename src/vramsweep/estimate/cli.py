@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.units import GIB, MIB
 
 ROWS = ("params", "grads", "optimizer", "activations", "logits", "overhead")
@@ -22,7 +23,7 @@ LABELS = {
 
 def format_table(est: dict[str, Any], title: str = "") -> str:
     """Human-readable breakdown: component, GiB, % of total, % of the budget."""
-    peak = est["peak_memory_bytes"]
+    peak = est[M.PEAK_MEMORY_BYTES]
     budget = est.get("budget_bytes")
     lines = []
     if title:
@@ -89,7 +90,7 @@ def format_max_context(res: dict[str, Any], title: str = "") -> str:
     )
     lines.append(
         f"  at {res['max_tokens']:,}: required {e['required_bytes'] / MIB:,.1f} MiB, reserved peak "
-        f"{e['peak_memory_bytes'] / MIB:,.1f} MiB (peak phase: {e['peak_phase']})"
+        f"{e[M.PEAK_MEMORY_BYTES] / MIB:,.1f} MiB (peak phase: {e['peak_phase']})"
     )
     if nxt is not None:
         lines.append(
