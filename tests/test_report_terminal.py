@@ -81,14 +81,14 @@ def test_demo_report_fits_120_columns_and_names_what_it_left_out(tmp_path: Path,
         assert col in header, (col, header)
     assert any(ln.startswith("| checkpointing=on") and ("*" in ln or "~" in ln) for ln in table)
     # no-information columns are left out, with one note line saying so
-    assert "task_score" not in header and "mfu" not in header
+    assert "task score" not in header and "mfu" not in header
     note = [ln for ln in lines if "Left out (no information)" in ln]
     assert len(note) == 1 and "task_score (0 in every row)" in note[0]
     assert "ablation.md / ablation.csv" in out
     # the files keep every column
     md = (folder / "ablation.md").read_text()
     ab_md = md.split("## One-factor ablation", 1)[1].split("\n## ", 1)[0]
-    assert "Δ task_score" in ab_md and "Δ control_nll" in ab_md
+    assert "Δ task score" in ab_md and "Δ control_nll" in ab_md  # headers: the registry's labels
     with open(folder / "ablation.csv") as fh:
         ab = [r for r in csv.DictReader(fh) if r["table"] == "ablation"]
     assert "d_task_score" in ab[1] and "se_fact_nll" in ab[1]

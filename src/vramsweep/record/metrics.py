@@ -4,8 +4,11 @@ A metric is one :class:`Metric` entry in :data:`METRICS`; adding a metric is one
 that measures it). Everything else derives from the registry: the keys every result carries
 (:data:`METRIC_KEYS`, null until measured), the metrics a sweep may optimise (:data:`OBJECTIVE_METRICS`) or
 prune on (:data:`PRUNABLE_METRICS`), the losses whose non-finite value means ``diverged``
-(:data:`LOSS_METRICS`), and each metric's better direction (:func:`direction`). The schema prose is in
-docs/CONTRACTS.md.
+(:data:`LOSS_METRICS`), each metric's better direction (:func:`direction`), and how it is shown: its column
+header (:func:`label`), its words in a sentence (:func:`title`), the stem of its Δ headers (:func:`short_label`),
+its number format and display unit (:func:`value_format`, :func:`format_value`; bytes are shown in GiB), its
+raw-row key in tables and CSV (:func:`column`) and its W&B summary alias (:func:`wandb_key`). Every table,
+progress line, CLI line, plot and W&B key takes these from here. The schema prose is in docs/CONTRACTS.md.
 """
 
 from __future__ import annotations
@@ -14,10 +17,16 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
+from vramsweep.record.units import GIB
+
 Direction = Literal["minimize", "maximize"]
 #: What a metric's value is: a number, a text label, a ``{part: number}`` map (dotted names reach in), or a
 #: list of records (``intermediate_eval``).
 Kind = Literal["number", "text", "map", "list"]
+#: Which Δ columns an ablation/stacking table shows for a metric: absolute, relative (%), or both.
+Delta = Literal["abs", "pct", "both"]
+#: Number format of a metric without one (and of a metric outside the registry).
+DEFAULT_FMT = ".4f"
 
 
 @dataclass(frozen=True)
@@ -35,11 +44,41 @@ class Metric:
     doc: str = ""
     quality: bool = False  # measures the model, not the machine: seed repeats separate effects from noise
     timing: bool = False  # timed on the machine (disturbed by load: ``meta.timing_conditions``)
+    # How it is shown (every table, progress/CLI line, plot and W&B key takes these from here):
+    label: str = ""  # short column header ("tokens/s", "peak GiB"); "" = the name
+    title: str = ""  # its words in a sentence or CLI line ("peak memory"); "" = the label
+    short: str = ""  # stem of its Δ headers ("mem" -> "Δ mem GiB", "Δ mem %"); "" = the label
+    fmt: str = DEFAULT_FMT  # format spec of the shown value (after scaling bytes to GiB)
+    column: str = ""  # raw-row key of the shown value in tables, CSV and W&B tables; "" = the name
+    delta: Delta = "abs"  # which Δ columns a comparison table shows
+    wandb: str = ""  # W&B summary alias beside the name itself ("eval/loss"); "" = none
+
+    @property
+    def scale(self) -> int:
+        """Divisor from the stored value to the shown one (bytes are shown in GiB)."""
+        return GIB if self.unit == "bytes" else 1
+
+    @property
+    def display_unit(self) -> str:
+        """Unit of the shown value: ``GiB`` for bytes, else the stored unit (``""`` when it is a plain
+        number: nats, fractions, tokens/s say so in the label)."""
+        return "GiB" if self.unit == "bytes" else ""
 
 
 #: The registry, in the order metrics appear in a result file.
 METRICS: tuple[Metric, ...] = (
-    Metric("peak_memory_bytes", "bytes", "minimize", objective=True, doc="peak device memory of the run"),
+    Metric(
+        "peak_memory_bytes",
+        "bytes",
+        "minimize",
+        objective=True,
+        doc="peak device memory of the run",
+        label="peak GiB",
+        title="peak memory",
+        short="mem",
+        column="peak_gib",
+        delta="both",
+    ),
     Metric("memory_kind", "", None, kind="text", doc="what the peak counts: reserved | allocated | tracked"),
     Metric("memory_breakdown_bytes", "bytes", "minimize", kind="map", doc="peak by category (params, ...)"),
     Metric(
@@ -49,8 +88,23 @@ METRICS: tuple[Metric, ...] = (
         objective=True,
         doc="training throughput, timed steps",
         timing=True,
+        label="tokens/s",
+        short="tok/s",
+        fmt=".1f",
+        delta="pct",
+        wandb="train/tokens_per_s",
     ),
-    Metric("step_time_s", "s", "minimize", objective=True, doc="mean wall time of a timed step", timing=True),
+    Metric(
+        "step_time_s",
+        "s",
+        "minimize",
+        objective=True,
+        doc="mean wall time of a timed step",
+        timing=True,
+        label="s/step",
+        title="step time",
+        fmt=".3f",
+    ),
     Metric("mfu", "fraction", "maximize", objective=True, doc="model FLOPs utilisation", timing=True),
     Metric(
         "train_loss",
@@ -60,6 +114,7 @@ METRICS: tuple[Metric, ...] = (
         loss=True,
         doc="mean loss of the last steps",
         quality=True,
+        label="train loss",
     ),
     Metric(
         "initial_eval_loss",
@@ -69,6 +124,7 @@ METRICS: tuple[Metric, ...] = (
         loss=True,
         doc="eval loss before training",
         quality=True,
+        label="initial eval loss",
     ),
     Metric(
         "eval_loss",
@@ -79,6 +135,8 @@ METRICS: tuple[Metric, ...] = (
         loss=True,
         doc="final eval loss",
         quality=True,
+        label="eval loss",
+        wandb="eval/loss",
     ),
     Metric(
         "eval_ppl",
@@ -89,10 +147,32 @@ METRICS: tuple[Metric, ...] = (
         loss=True,
         doc="exp(eval_loss)",
         quality=True,
+        label="ppl",
+        title="eval ppl",
+        fmt=".2f",
+        wandb="eval/ppl",
     ),
-    Metric("task_score", "", "maximize", objective=True, doc="task metric (higher is better)", quality=True),
+    Metric(
+        "task_score",
+        "",
+        "maximize",
+        objective=True,
+        doc="task metric (higher is better)",
+        quality=True,
+        label="task score",
+        fmt=".3f",
+    ),
     # Written only when measured (not in every result):
-    Metric("initial_task_score", "", "maximize", core=False, doc="task_score before training", quality=True),
+    Metric(
+        "initial_task_score",
+        "",
+        "maximize",
+        core=False,
+        doc="task_score before training",
+        quality=True,
+        label="initial task score",
+        fmt=".3f",
+    ),
     Metric("intermediate_eval", "", None, kind="list", core=False, doc="[{step, eval_loss, ...}] per eval"),
     Metric("measured_steps", "steps", None, core=False, doc="timed steps behind tokens_per_s"),
     Metric("tokens_trained", "tokens", None, core=False, doc="tokens in the timed steps"),
@@ -235,6 +315,86 @@ def is_quality_metric(name: str) -> bool:
     return m.quality if m is not None else root.endswith(_QUALITY_SUFFIXES)
 
 
+def _entry(name: str) -> Metric | None:
+    """The registry entry of ``name`` (a dotted name: its map metric), None outside the registry."""
+    try:
+        return metric(str(name))
+    except KeyError:
+        return None
+
+
+def label(name: str) -> str:
+    """Short column header of ``name`` (``"tokens/s"``, ``"peak GiB"``); the name itself when the registry
+    gives none or does not know it (a user's metric shows under its own name)."""
+    m = _entry(name)
+    return (m.label or m.name) if m is not None and "." not in str(name) else str(name)
+
+
+def title(name: str) -> str:
+    """``name`` in words, for a sentence or a CLI line (``"peak memory"``); else its :func:`label`."""
+    m = _entry(name)
+    return m.title if m is not None and m.title and "." not in str(name) else label(name)
+
+
+def short_label(name: str) -> str:
+    """Stem of the Δ headers of ``name`` (``"mem"``: ``Δ mem GiB``, ``Δ mem %``); else its :func:`label`."""
+    m = _entry(name)
+    return m.short if m is not None and m.short and "." not in str(name) else label(name)
+
+
+def delta_labels(name: str) -> tuple[str | None, str | None]:
+    """Headers of the absolute and the relative Δ column of ``name`` (None where the table has none):
+    ``("Δ mem GiB", "Δ mem %")``, ``(None, "Δ tok/s %")``, ``("Δ eval loss", None)``."""
+    m = _entry(name)
+    kind = m.delta if m is not None else "abs"
+    stem = short_label(name)
+    unit = display_unit(name)
+    absolute = f"Δ {stem} {unit}" if unit else f"Δ {stem}"
+    return (absolute if kind != "pct" else None), (f"Δ {stem} %" if kind != "abs" else None)
+
+
+def value_format(name: str) -> str:
+    """Format spec of the shown value of ``name`` (``".1f"``; :data:`DEFAULT_FMT` outside the registry)."""
+    m = _entry(name)
+    return m.fmt if m is not None else DEFAULT_FMT
+
+
+def display_unit(name: str) -> str:
+    """Unit of the shown value of ``name`` (``"GiB"`` for bytes; ``""`` for a plain number)."""
+    m = _entry(name)
+    return m.display_unit if m is not None else ""
+
+
+def column(name: str) -> str:
+    """Raw-row key of the shown value of ``name`` in tables, CSV and W&B tables (``peak_gib``)."""
+    m = _entry(name)
+    return m.column if m is not None and m.column and "." not in str(name) else str(name)
+
+
+def wandb_key(name: str) -> str | None:
+    """The W&B summary alias of ``name`` beside its own key (``"eval/loss"``), None when it has none."""
+    m = _entry(name)
+    return m.wandb if m is not None and m.wandb and "." not in str(name) else None
+
+
+def scaled(name: str, value: float | None) -> float | None:
+    """The stored value of ``name`` in its display unit (bytes -> GiB); None stays None."""
+    m = _entry(name)
+    return None if value is None else (value / m.scale if m is not None and m.scale != 1 else value)
+
+
+def format_value(name: str, value: float | None, *, unit: bool = False, sign: bool = False) -> str:
+    """The stored value of ``name`` as shown: scaled (bytes -> GiB) and formatted (``".1f"``); with
+    ``unit`` the display unit appended (``"12.3456 GiB"``), with ``sign`` a leading ``+``/``-``; ``""``
+    for None."""
+    v = scaled(name, value)
+    if v is None:
+        return ""
+    text = f"{v:{'+' if sign else ''}{value_format(name)}}"
+    u = display_unit(name)
+    return f"{text} {u}" if unit and u else text
+
+
 def empty_metrics() -> dict[str, None]:
     """Every metric key present, all null (never write a figure that was not measured)."""
     return {k: None for k in METRIC_KEYS}
@@ -242,6 +402,17 @@ def empty_metrics() -> dict[str, None]:
 
 __all__ = [
     "BY_NAME",
+    "DEFAULT_FMT",
+    "column",
+    "delta_labels",
+    "display_unit",
+    "format_value",
+    "label",
+    "scaled",
+    "short_label",
+    "title",
+    "value_format",
+    "wandb_key",
     "MAXIMIZE_METRICS",
     "QUALITY_METRICS",
     "TIMING_METRICS",

@@ -3,7 +3,8 @@
 Each table is a :class:`Table`: raw rows (numbers unformatted, for CSV and W&B) plus display columns
 (formatted strings, for Markdown and the terminal). Definitions used throughout:
 
-* memory in GiB = ``peak_memory_bytes / 2**30``; feasible = status ``ok`` and peak ≤ budget (when a
+* memory in GiB = ``peak_memory_bytes / 2**30``; every metric's header, number format and display unit
+  come from the metric registry (:mod:`vramsweep.record.metrics`: ``label``, ``format_value``, ...); feasible = status ``ok`` and peak ≤ budget (when a
   budget is set); only feasible trials can be best or on the Pareto front;
 * design points with seed repeats report mean ± sample standard deviation (n−1) over their ``ok``
   repeats; Δ columns compare means (Δ % relative to the reference mean);
@@ -20,8 +21,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vramsweep.record.metrics import TIMING_METRICS, is_quality_metric
-from vramsweep.record.units import GIB
+from vramsweep.record.metrics import (
+    TIMING_METRICS,
+    MetricName,
+    column,
+    delta_labels,
+    format_value,
+    is_quality_metric,
+    label,
+    scaled,
+    short_label,
+    value_format,
+)
 from vramsweep.report.load import (
     REPEAT_KEYS,
     SweepData,
@@ -50,7 +61,8 @@ def fmt_pm(mean: float | None, std: float | None, spec: str) -> str:
 
 
 def gib(v: float | None) -> str:
-    return fmt(v, ".4f")
+    """A value already in GiB, formatted as peak memory is."""
+    return fmt(v, value_format(MetricName.PEAK_MEMORY_BYTES))
 
 
 def _clip(text: str | None, n: int = 200) -> str:
@@ -115,10 +127,12 @@ class Table:
         return "\n".join([line(headers), sep] + [line(r) for r in body])
 
     def raw_columns(self) -> list[str]:
+        """The raw keys of every row, in first-seen order, as plain strings (a ``MetricName`` key too:
+        W&B tables take ``str`` only)."""
         keys: dict[str, None] = {}
         for r in self.rows:
             for k in r:
-                keys.setdefault(k)
+                keys.setdefault(str(k))
         return list(keys)
 
 
@@ -151,12 +165,6 @@ def csv_text(tables: Iterable[Table]) -> str:
 # ---------------------------------------------------------------------------------------------
 # statistics
 # ---------------------------------------------------------------------------------------------
-_STAT_METRICS: dict[str, Callable[[TrialRecord], float | None]] = {
-    "peak_gib": lambda t: t.peak_gib,
-    "tokens_per_s": lambda t: t.tokens_per_s,
-    "eval_loss": lambda t: t.eval_loss,
-    "eval_ppl": lambda t: t.eval_ppl,
-}
 #: Significance marks on Δ cells (see :mod:`vramsweep.report.stats` for the tests).
 MARKS = {SIGNIFICANT: "*", NOISE: "~", UNKNOWN: "?"}
 #: Mark of a throughput delta measured under load (replaces the significance mark: not a finding).
@@ -170,7 +178,8 @@ MARK_LEGEND = (
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """A metric compared between design points (memory, speed, and every quality metric measured).
+    """A metric compared between design points (memory, speed, and every quality metric measured); made
+    from the metric registry by :meth:`of`.
 
     Attributes:
         key: raw-row prefix (``peak_gib`` -> ``peak_gib_mean``, ``d_peak_gib``, ``p_peak_gib``, ...).
@@ -190,23 +199,30 @@ class MetricSpec:
     pct_header: str | None = None
     speed: bool = False
 
+    @classmethod
+    def of(cls, name: str) -> MetricSpec:
+        """The spec of metric ``name``: raw key, header, format and Δ headers from the registry."""
+        delta, pct = delta_labels(name)
+        return cls(column(name), name, label(name), value_format(name), delta, pct, name in TIMING_METRICS)
+
     def value(self, trial: TrialRecord) -> float | None:
-        return trial.peak_gib if self.key == "peak_gib" else trial.metric(self.metric)
+        """The trial's value in the display unit (memory in GiB)."""
+        return scaled(self.metric, trial.metric(self.metric))
 
     @property
     def pct_key(self) -> str:
         """Raw key of the Δ % (``d_peak_pct`` for memory, ``d_<key>_pct`` otherwise)."""
-        return "d_peak_pct" if self.key == "peak_gib" else f"d_{self.key}_pct"
+        return "d_peak_pct" if self.metric == MetricName.PEAK_MEMORY_BYTES else f"d_{self.key}_pct"
 
 
-BASE_SPECS = (
-    MetricSpec("peak_gib", "peak_memory_bytes", "peak GiB", ".4f", "Δ mem GiB", "Δ mem %"),
-    MetricSpec("tokens_per_s", "tokens_per_s", "tokens/s", ".1f", None, "Δ tok/s %", speed=True),
-    MetricSpec("eval_loss", "eval_loss", "eval loss", ".4f", "Δ eval loss"),
+BASE_SPECS = tuple(
+    MetricSpec.of(m) for m in (MetricName.PEAK_MEMORY_BYTES, MetricName.TOKENS_PER_S, MetricName.EVAL_LOSS)
 )
+#: Metrics whose mean and std every design point row carries (``<key>_mean``, ``<key>_std``).
+_STAT_SPECS = (*BASE_SPECS, MetricSpec.of(MetricName.EVAL_PPL))
 #: Quality metrics not given their own columns unless they are objectives (train loss is not held out,
 #: ``initial_*`` metrics are measured before training, perplexity is exp(eval loss)).
-_NOT_COMPARED = ("train_loss", "initial_eval_loss", "eval_ppl")
+_NOT_COMPARED = (MetricName.TRAIN_LOSS, MetricName.INITIAL_EVAL_LOSS, MetricName.EVAL_PPL)
 
 
 def compared_metrics(sweep: SweepData) -> list[MetricSpec]:
@@ -227,7 +243,7 @@ def compared_metrics(sweep: SweepData) -> list[MetricSpec]:
         if name in seen or not any(t.ok and t.metric(name) is not None for t in sweep.trials):
             continue
         seen.add(name)
-        out.append(MetricSpec(name, name, name, ".4f", f"Δ {name}", None, speed=name in TIMING_METRICS))
+        out.append(MetricSpec.of(name))
     return out
 
 
@@ -254,7 +270,7 @@ def aggregate(trials: list[TrialRecord], specs: Iterable[MetricSpec] = ()) -> di
         "failed": ", ".join(f"{n} {s}" for s, n in sorted(failed.items())),
         "trials": [t.number for t in trials],
     }
-    getters = dict(_STAT_METRICS)
+    getters = {spec.key: spec.value for spec in _STAT_SPECS}
     for spec in specs:
         getters.setdefault(spec.key, spec.value)
     for key, get in getters.items():
@@ -430,6 +446,31 @@ def _fits_text(sweep: SweepData, t: TrialRecord) -> str:
     return "n/a" if f is None else ("yes" if f else "no")
 
 
+def metric_column(name: str, kind: str = "value", *, key: str | None = None) -> Column:
+    """The display column of metric ``name``: its registry label and format, on raw key ``key`` (default
+    the registry's :func:`~vramsweep.record.metrics.column`, ``peak_gib`` for peak memory), which holds
+    the value in its display unit."""
+    key = key or column(name)
+    spec = value_format(name)
+    return Column(label(name), lambda r: fmt(r.get(key), spec), metric=key, kind=kind)
+
+
+def metric_cells(trial: TrialRecord, names: Iterable[str]) -> dict[str, float | None]:
+    """``{column(name): value in the display unit}`` of ``trial`` for each metric (the raw row of
+    :func:`metric_column`)."""
+    return {column(n): scaled(n, trial.metric(n)) for n in names}
+
+
+#: The metrics of the trials table and their column kind (``value``: on the terminal; ``detail``: files).
+TRIAL_METRICS = (
+    (MetricName.PEAK_MEMORY_BYTES, "value"),
+    (MetricName.TOKENS_PER_S, "value"),
+    (MetricName.EVAL_LOSS, "value"),
+    (MetricName.EVAL_PPL, "detail"),
+    (MetricName.TASK_SCORE, "value"),
+)
+
+
 def trials_table(sweep: SweepData) -> Table:
     knobs = sweep.varying_knobs()
     rows = []
@@ -437,15 +478,13 @@ def trials_table(sweep: SweepData) -> Table:
         r: dict[str, Any] = {"trial": t.number, "status": t.status}
         for k in knobs:
             r[k] = t.knob_value(k)
+        first, *others = (m for m, _ in TRIAL_METRICS)  # peak memory: in GiB, then in bytes and its kind
         r.update(
             {
-                "peak_gib": t.peak_gib,
-                "peak_memory_bytes": t.peak_bytes,
-                "memory_kind": t.memory_kind,
-                "tokens_per_s": t.tokens_per_s,
-                "eval_loss": t.eval_loss,
-                "eval_ppl": t.eval_ppl,
-                "task_score": t.task_score,
+                **metric_cells(t, [first]),
+                MetricName.PEAK_MEMORY_BYTES: t.peak_bytes,
+                MetricName.MEMORY_KIND: t.memory_kind,
+                **metric_cells(t, others),
                 "estimate_gib": t.estimate_gib,
                 "estimate_error_pct": t.estimate_error_pct,
                 "budget_gib": sweep.trial_budget_gib(t),
@@ -460,12 +499,8 @@ def trials_table(sweep: SweepData) -> Table:
     cols = [Column("trial", lambda r: str(r["trial"])), Column("status", lambda r: r["status"], False)]
     for k in knobs:
         cols.append(Column(k, (lambda key: lambda r: display_value(r[key]))(k), False))
+    cols += [metric_column(m, kind) for m, kind in TRIAL_METRICS]
     cols += [
-        Column("peak GiB", lambda r: gib(r["peak_gib"]), metric="peak_gib", kind="value"),
-        Column("tokens/s", lambda r: fmt(r["tokens_per_s"], ".1f"), metric="tokens_per_s", kind="value"),
-        Column("eval loss", lambda r: fmt(r["eval_loss"], ".4f"), metric="eval_loss", kind="value"),
-        Column("ppl", lambda r: fmt(r["eval_ppl"], ".2f"), metric="eval_ppl", kind="detail"),
-        Column("task", lambda r: fmt(r["task_score"], ".3f"), metric="task_score", kind="value"),
         Column("est GiB", lambda r: gib(r["estimate_gib"]), metric="estimate_gib", kind="detail"),
         Column(
             "est err %",
@@ -581,7 +616,8 @@ def _hdr(header: str, pfx: str) -> str:
     """``Δ mem GiB`` -> ``Δ prev GiB``, ``Δ tok/s %`` -> ``Δ prev tok/s %`` (stacking)."""
     if not pfx:
         return header
-    rest = header[len("Δ mem ") :] if header.startswith("Δ mem ") else header[len("Δ ") :]
+    mem = f"Δ {short_label(MetricName.PEAK_MEMORY_BYTES)} "
+    rest = header[len(mem) :] if header.startswith(mem) else header[len("Δ ") :]
     return f"Δ {pfx} {rest}"
 
 
@@ -659,12 +695,12 @@ def stacking_table(sweep: SweepData) -> Table | None:
     rows: list[dict[str, Any]] = []
     start: dict[str, Any] | None = None
     prev: PointTrials | None = None
+    relative = [s for s in specs if s.pct_header]  # compared with the start too (memory, tokens/s)
     for p in points:
         r = _point_row(p, prev, specs, "prev_", step=p.step, added=p.label, applied=list(p.change))
-        r["d_start_peak_pct"] = _pct(r["peak_gib_mean"], start["peak_gib_mean"]) if start else None
-        r["d_start_tokens_per_s_pct"] = (
-            _pct(r["tokens_per_s_mean"], start["tokens_per_s_mean"]) if start else None
-        )
+        for s in relative:
+            mean = f"{s.key}_mean"
+            r[f"d_start_{s.pct_key[2:]}"] = _pct(r[mean], start[mean]) if start else None
         if start is None:
             start = r
         prev = p
@@ -676,10 +712,14 @@ def stacking_table(sweep: SweepData) -> Table | None:
     ]
     cols += _metric_columns(specs, "prev_", "prev")
     cols += [
-        Column("mem vs start %", lambda r: fmt(r["d_start_peak_pct"], "+.1f"), kind="detail"),
-        Column("tok/s vs start %", lambda r: fmt(r["d_start_tokens_per_s_pct"], "+.1f"), kind="detail"),
-        Column("trials", _trials_cell, False, kind="list"),
+        Column(
+            f"{short_label(s.metric)} vs start %",
+            (lambda k: lambda r: fmt(r[k], "+.1f"))(f"d_start_{s.pct_key[2:]}"),
+            kind="detail",
+        )
+        for s in relative
     ]
+    cols.append(Column("trials", _trials_cell, False, kind="list"))
     intro = (
         "Optimisations added one at a time, in order; each row is the cumulative config after that step. "
         "Δ prev compares with the step before (empty when either is unmeasured). " + MARK_LEGEND
@@ -695,10 +735,10 @@ def failures_table(sweep: SweepData) -> Table:
         if t.ok:
             if sweep.fits(t) is False:
                 budget = sweep.trial_budget_gib(t)
-                peak = t.peak_gib
+                peak = format_value(MetricName.PEAK_MEMORY_BYTES, t.peak_bytes, unit=True)
                 why = (
-                    f"peak {peak:.4f} GiB > budget {budget:g} GiB"
-                    if peak is not None
+                    f"peak {peak} > budget {budget:g} GiB"
+                    if peak
                     else f"peak not measured (budget {budget:g} GiB)"
                 )
                 rows.append(
@@ -739,10 +779,10 @@ def estimate_tables(sweep: SweepData) -> tuple[Table, Table] | None:
             "trial": t.number,
             "knobs": sweep.knob_label(t, knobs),
             "estimate_gib": t.estimate_gib,
-            "peak_gib": t.peak_gib,
+            **metric_cells(t, [MetricName.PEAK_MEMORY_BYTES]),
             "error_gib": _delta(t.estimate_gib, t.peak_gib),
             "error_pct": t.estimate_error_pct,
-            "memory_kind": t.memory_kind,
+            MetricName.MEMORY_KIND: t.memory_kind,
         }
         for t in with_est
     ]
@@ -753,7 +793,7 @@ def estimate_tables(sweep: SweepData) -> tuple[Table, Table] | None:
             Column("trial", lambda r: str(r["trial"])),
             Column("knobs", lambda r: r["knobs"], False),
             Column("estimate GiB", lambda r: gib(r["estimate_gib"])),
-            Column("measured GiB", lambda r: gib(r["peak_gib"])),
+            Column("measured GiB", lambda r: gib(r[column(MetricName.PEAK_MEMORY_BYTES)])),
             Column("error GiB", lambda r: fmt(r["error_gib"], "+.4f")),
             Column("error %", lambda r: fmt(r["error_pct"], "+.1f")),
         ],
@@ -792,18 +832,9 @@ def estimate_tables(sweep: SweepData) -> tuple[Table, Table] | None:
     return per_trial, per_knob
 
 
-_METRIC_FORMAT: dict[str, Callable[[float], str]] = {
-    "peak_memory_bytes": lambda v: f"{v / GIB:.4f} GiB",
-    "tokens_per_s": lambda v: f"{v:.1f}",
-    "eval_loss": lambda v: f"{v:.4f}",
-    "eval_ppl": lambda v: f"{v:.2f}",
-}
-
-
 def metric_text(metric: str, value: float | None) -> str:
-    if value is None:
-        return ""
-    return _METRIC_FORMAT.get(metric, lambda v: f"{v:.6g}")(value)
+    """A stored metric value as shown, with its display unit (``12.3456 GiB``): the registry's format."""
+    return format_value(metric, value, unit=True)
 
 
 def _noise_text(within: list[str], unknown: list[str], n_other: int) -> str:

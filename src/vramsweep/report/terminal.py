@@ -14,13 +14,22 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from vramsweep.record.metrics import MetricName, column
 from vramsweep.report.tables import Column, Table, _clip
 
 #: Terminal width the report fits (the issue's "fits 120 columns").
 WIDTH = 120
-#: The metrics an ablation/stacking row shows on the terminal, in order (raw-row keys).
-HEADLINE = ("peak_gib", "tokens_per_s", "eval_loss", "fact_token_acc")
-_NAMES = {"peak_gib": "peak memory", "tokens_per_s": "tokens/s", "eval_loss": "eval loss"}
+#: The metrics an ablation/stacking row shows on the terminal, in order (raw-row keys: the registry's
+#: :func:`~vramsweep.record.metrics.column`, ``peak_gib`` for peak memory).
+HEADLINE = tuple(
+    column(m)
+    for m in (
+        MetricName.PEAK_MEMORY_BYTES,
+        MetricName.TOKENS_PER_S,
+        MetricName.EVAL_LOSS,
+        MetricName.FACT_TOKEN_ACC,
+    )
+)
 
 
 def _raw(row: dict[str, Any], metric: str) -> Any:
@@ -92,7 +101,7 @@ def terminal_view(
     """
     empty = uninformative(table)
     rows = table.rows
-    wanted = list(HEADLINE) + [m for m in objectives if m not in HEADLINE]
+    wanted = list(HEADLINE) + [column(m) for m in objectives if column(m) not in HEADLINE]
     if table.name in ("ablation", "stacking"):
         keep = [c for c in table.columns if c.kind == "label"]
         by_metric = {c.metric: c for c in table.columns if c.kind == "delta"}
