@@ -31,6 +31,7 @@ from vramsweep.config.compose import ConfigError
 from vramsweep.loop import Callback, CpuMemoryTracking, Diverged, Every, Loop, Pruned, Timing, fit
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import new_result, write_result
+from vramsweep.record.schema import Meta, ResultSchemaError, TrialResult
 from vramsweep.record.status import Status
 
 Reporter = Callable[[int, float], bool]
@@ -569,7 +570,8 @@ def run_trial(
     reporter: Reporter | None = None,
     design: dict | None = None,
 ) -> dict:
-    """Run one trial and return its result dict (also written atomically to ``result_path``)."""
+    """Run one trial: its :class:`~vramsweep.record.schema.TrialResult` is written atomically to
+    ``result_path`` and returned as the result dict (``to_json()``; plus ``meta.result_path``)."""
     from vramsweep.config.rules import validate
 
     started = datetime.now(UTC)
@@ -619,16 +621,17 @@ def run_trial(
                 torch.cuda.empty_cache()
         except Exception:
             pass
-    result["status"], result["reason"] = status.value, reason  # the plain string, as in the file
+    result["status"], result["reason"] = status, reason
     with contextlib.suppress(OSError, AttributeError, KeyError, TypeError):
         result["meta"]["timing_conditions"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     result["meta"]["wall_s"] = round(time.perf_counter() - t0, 3)
     result["meta"]["finished"] = datetime.now(UTC).isoformat()
     if logger is not None:
         logger.finish(result)
+    record = _record(result)
     if result_path is not None:
-        _write(result, result_path)
-    return result
+        _write(record, result_path)
+    return record.to_json()
 
 
 def _failure(exc: BaseException, result: dict) -> tuple[Status, str, bool]:
@@ -655,20 +658,43 @@ def _failure(exc: BaseException, result: dict) -> tuple[Status, str, bool]:
     return Status.ERROR, f"{type(exc).__name__}: {str(exc)[:500]}", False
 
 
-def _write(result: dict, result_path: str | os.PathLike) -> None:
+def _record(result: dict) -> TrialResult:
+    """The trial's working dict as the typed result that is written and returned (docs/CONTRACTS.md). A
+    measurement that breaks the contract is a bug here, not a property of the config: the trial becomes
+    ``error`` with a reason naming the key, and keeps its provenance (``meta``) but not its figures."""
+    try:
+        return TrialResult.from_json(result)
+    except ResultSchemaError as exc:
+        was = f"; the trial ended {result.get('status')}" + (
+            f": {result['reason']}" if result.get("reason") else ""
+        )
+        record = TrialResult.new(
+            status=Status.ERROR,
+            reason=f"the result breaks the result contract (docs/CONTRACTS.md): {exc}{was}",
+            sweep=result.get("sweep"),
+            trial=result.get("trial"),
+            overrides=result.get("overrides"),
+            config=result.get("config"),
+        )
+        with contextlib.suppress(ResultSchemaError):
+            record.meta = Meta.from_json(result.get("meta"))
+        return record
+
+
+def _write(record: TrialResult, result_path: str | os.PathLike) -> None:
     """Write the result atomically; a full disk turns it into ``error`` with a one-line reason (the
     measurement is lost with the file; the caller gets the status and the reason)."""
     try:
-        write_result(result_path, result)
-        result["meta"]["result_path"] = str(result_path)
+        write_result(result_path, record)
+        record.meta.result_path = str(result_path)
     except OSError as exc:
         from vramsweep.record.diskfull import disk_full_reason
 
         full = disk_full_reason(exc, result_path)
         if full is None:
             raise
-        result["status"], result["reason"] = Status.ERROR.value, full
-        result["meta"]["result_path"] = None
+        record.status, record.reason = Status.ERROR, full
+        record.meta.result_path = None
 
 
 def run_trial_overrides(
