@@ -35,10 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramsweep.record.metrics import MetricName, format_value, title
+from vramsweep.record.metrics import label as metric_label
 from vramsweep.record.result import atomic_write_text
 from vramsweep.report.load import ReportError, SweepData, TrialRecord, load_sweep, safe_url
 from vramsweep.report.stats import NOISE, UNKNOWN, compare
-from vramsweep.report.tables import Column, Table, fmt, gib
+from vramsweep.report.tables import Column, Table, gib, metric_cells, metric_column
 
 #: Top-level config keys never pinned (where results go, run name, the sweep that produced the trial).
 UNPINNED_TOP = ("results_dir", "name", "sweep", "hydra")
@@ -48,6 +50,14 @@ TRAIN_COMMAND = "vramsweep train {config_dir}+experiment={name}"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]*$")
 PREFER = ("quality", "speed")
 TOP_N = 5
+#: The metrics pick ranks on and shows (labels, formats and raw keys: the metric registry).
+_PEAK, _TPS, _LOSS = MetricName.PEAK_MEMORY_BYTES, MetricName.TOKENS_PER_S, MetricName.EVAL_LOSS
+_PPL, _TASK = MetricName.EVAL_PPL, MetricName.TASK_SCORE
+
+
+def _show(trial: TrialRecord, name: str, missing: str = "", unit: bool = False) -> str:
+    """``trial``'s value of metric ``name`` as the registry formats it, ``missing`` when not measured."""
+    return format_value(name, trial.metric(name), unit=unit) or missing
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,11 +82,12 @@ class QualityTier:
     def text(self) -> str:
         if self.verdict == BEST:
             return "best"
+        delta = format_value(_LOSS, self.delta, sign=True)
         if self.verdict == EQUAL:
-            return f"= best ({self.delta:+.4f}, p {self.p:.2f})"
+            return f"= best ({delta}, p {self.p:.2f})"
         if self.verdict == WORSE:
-            return f"worse ({self.delta:+.4f}, p {self.p:.3f})"
-        return "noise unknown" if self.delta is None else f"noise unknown ({self.delta:+.4f})"
+            return f"worse ({delta}, p {self.p:.3f})"
+        return "noise unknown" if self.delta is None else f"noise unknown ({delta})"
 
 
 def quality_tiers(sweep: SweepData, trials: list[TrialRecord]) -> dict[int, QualityTier]:
@@ -154,13 +165,15 @@ def closest(
         short = 0.0
         why = []
         if over > 0:
-            why.append(f"{over:.4f} GiB over")
+            why.append(f"{gib(over)} GiB over")
         if min_tokens_per_s is not None:
             tps = t.tokens_per_s
             if tps is None or tps < min_tokens_per_s:
                 short = 1.0 if tps is None else (min_tokens_per_s - tps) / min_tokens_per_s
                 why.append(
-                    "tokens/s not measured" if tps is None else f"tokens/s {tps:.1f} < {min_tokens_per_s:g}"
+                    f"{title(_TPS)} not measured"
+                    if tps is None
+                    else f"{title(_TPS)} {format_value(_TPS, tps)} < {min_tokens_per_s:g}"
                 )
         scored.append(((over, short, t.peak_gib, t.number), t, ", ".join(why)))
     scored.sort(key=lambda x: x[0])
@@ -321,12 +334,9 @@ def candidates_table(
             "rank": i + 1,
             "trial": t.number,
             "knobs": sweep.knob_label(t, knobs),
-            "peak_gib": t.peak_gib,
+            **metric_cells(t, [_PEAK]),
             "headroom_gib": None if t.peak_gib is None else budget_gib - t.peak_gib,
-            "tokens_per_s": t.tokens_per_s,
-            "eval_loss": t.eval_loss,
-            "eval_ppl": t.eval_ppl,
-            "task_score": t.task_score,
+            **metric_cells(t, [_TPS, _LOSS, _PPL, _TASK]),
             "quality_vs_best": tiers[t.number].text if t.number in tiers else "",
             "quality_p": tiers[t.number].p if t.number in tiers else None,
         }
@@ -339,13 +349,13 @@ def candidates_table(
             Column("rank", lambda r: str(r["rank"])),
             Column("trial", lambda r: str(r["trial"])),
             Column("knobs", lambda r: r["knobs"], False),
-            Column("peak GiB", lambda r: gib(r["peak_gib"])),
+            metric_column(_PEAK),
             Column("headroom GiB", lambda r: gib(r["headroom_gib"])),
-            Column("tokens/s", lambda r: fmt(r["tokens_per_s"], ".1f")),
-            Column("eval loss", lambda r: fmt(r["eval_loss"], ".4f")),
+            metric_column(_TPS),
+            metric_column(_LOSS),
             Column("quality vs best", lambda r: r["quality_vs_best"], False),
-            Column("ppl", lambda r: fmt(r["eval_ppl"], ".2f")),
-            Column("task", lambda r: fmt(r["task_score"], ".3f")),
+            metric_column(_PPL),
+            metric_column(_TASK),
         ],
         rows,
     )
@@ -369,12 +379,13 @@ def quality_note(winner: TrialRecord, ranked: list[TrialRecord], tiers: dict[int
     if tier is not None and tier.verdict == EQUAL:
         wp, bp = winner.peak_gib, best.peak_gib
         if wp is not None and bp is not None and wp < bp:
-            gain = f"it needs {bp - wp:.4f} GiB less peak memory than"
+            gain = f"it needs {gib(bp - wp)} GiB less {title(_PEAK)} than"
         else:
-            gain = f"it is faster ({fmt(winner.tokens_per_s, '.1f')} vs {fmt(best.tokens_per_s, '.1f')} tokens/s) than"
+            gain = f"it is faster ({_show(winner, _TPS)} vs {_show(best, _TPS)} {metric_label(_TPS)}) than"
         return (
-            f"trial {winner.number:04d}'s eval loss is within seed noise of the best config's "
-            f"(Δ {tier.delta:+.4f}, p {tier.p:.2f}): counted as equal, and {gain} the best config's "
+            f"trial {winner.number:04d}'s {title(_LOSS)} is within seed noise of the best config's "
+            f"(Δ {format_value(_LOSS, tier.delta, sign=True)}, p {tier.p:.2f}): counted as equal, and {gain} "
+            "the best config's "
             f"trial {best.number:04d}"
         )
     if all(tiers[t.number].verdict in (BEST, UNKNOWN_Q) for t in ranked if t.number in tiers) and any(
@@ -434,13 +445,10 @@ def production_md(
         "",
         "| measure | value |",
         "|---|---|",
-        f"| measured peak | {peak:.4f} GiB ({winner.memory_kind or 'kind not recorded'}) |",
+        f"| measured peak | {gib(peak)} GiB ({winner.memory_kind or 'kind not recorded'}) |",
         f"| budget | {budget_gib:g} GiB (headroom asked {headroom_gib:g} GiB) |",
-        f"| headroom vs budget | {budget_gib - peak:.4f} GiB ({(budget_gib - peak) / budget_gib * 100:.1f} %) |",
-        f"| tokens/s | {fmt(winner.tokens_per_s, '.1f') or 'not measured'} |",
-        f"| eval loss | {fmt(winner.eval_loss, '.4f') or 'not measured'} |",
-        f"| eval ppl | {fmt(winner.eval_ppl, '.2f') or 'not measured'} |",
-        f"| task score | {fmt(winner.task_score, '.3f') or 'not measured'} |",
+        f"| headroom vs budget | {gib(budget_gib - peak)} GiB ({(budget_gib - peak) / budget_gib * 100:.1f} %) |",
+        *(f"| {title(m)} | {_show(winner, m, 'not measured')} |" for m in (_TPS, _LOSS, _PPL, _TASK)),
         f"| estimate | {gib(winner.estimate_gib) + ' GiB' if winner.estimate_gib is not None else 'none recorded'} |",
         f"| overrides | `{' '.join(winner.overrides) or '(none)'}` |",
         "",
@@ -583,8 +591,8 @@ def run_pick(
         f"among {len(ranked)} ok trial(s) with peak <= {limit:g} GiB"
         + (f" and tokens/s >= {min_tokens_per_s:g}" if min_tokens_per_s is not None else "")
         + ".",
-        f"Measured: peak {winner.peak_gib:.4f} GiB, tokens/s {fmt(winner.tokens_per_s, '.1f') or 'n/a'}, "
-        f"eval loss {fmt(winner.eval_loss, '.4f') or 'n/a'}.",
+        f"Measured: peak {_show(winner, _PEAK, unit=True)}, {title(_TPS)} {_show(winner, _TPS, 'n/a')}, "
+        f"{title(_LOSS)} {_show(winner, _LOSS, 'n/a')}.",
         f"Train it: {train_command(name, conf)}",
     ]
     exp_dir = conf / "experiment"
@@ -630,8 +638,8 @@ def run_pick(
 
     print(
         f"Picked trial {winner.number:04d} of {sweep.name} for {budget_gib:g} GiB (prefer {prefer}): "
-        f"peak {winner.peak_gib:.4f} GiB (headroom {budget_gib - winner.peak_gib:.4f} GiB), "
-        f"{fmt(winner.tokens_per_s, '.1f') or 'n/a'} tokens/s, eval loss {fmt(winner.eval_loss, '.4f') or 'n/a'}"
+        f"peak {_show(winner, _PEAK, unit=True)} (headroom {gib(budget_gib - winner.peak_gib)} GiB), "
+        f"{_show(winner, _TPS, 'n/a')} {metric_label(_TPS)}, {title(_LOSS)} {_show(winner, _LOSS, 'n/a')}"
     )
     why = quality_note(winner, ranked, tiers) if prefer == "quality" else None
     if why:
@@ -676,18 +684,16 @@ def _nothing_fits(
         [
             Column("trial", lambda r: str(r["trial"])),
             Column("knobs", lambda r: r["knobs"], False),
-            Column("peak GiB", lambda r: gib(r["peak_gib"])),
-            Column("tokens/s", lambda r: fmt(r["tokens_per_s"], ".1f")),
-            Column("eval loss", lambda r: fmt(r["eval_loss"], ".4f")),
+            metric_column(_PEAK),
+            metric_column(_TPS),
+            metric_column(_LOSS),
             Column("why not", lambda r: r["why"], False),
         ],
         [
             {
                 "trial": t.number,
                 "knobs": sweep.knob_label(t, knobs),
-                "peak_gib": t.peak_gib,
-                "tokens_per_s": t.tokens_per_s,
-                "eval_loss": t.eval_loss,
+                **metric_cells(t, [_PEAK, _TPS, _LOSS]),
                 "why": why,
             }
             for t, why in near

@@ -28,11 +28,11 @@ from vramsweep.record.metrics import (
     delta_labels,
     format_value,
     is_quality_metric,
-    label,
     scaled,
     short_label,
     value_format,
 )
+from vramsweep.record.metrics import label as metric_label
 from vramsweep.report.load import (
     REPEAT_KEYS,
     SweepData,
@@ -203,7 +203,9 @@ class MetricSpec:
     def of(cls, name: str) -> MetricSpec:
         """The spec of metric ``name``: raw key, header, format and Δ headers from the registry."""
         delta, pct = delta_labels(name)
-        return cls(column(name), name, label(name), value_format(name), delta, pct, name in TIMING_METRICS)
+        return cls(
+            column(name), name, metric_label(name), value_format(name), delta, pct, name in TIMING_METRICS
+        )
 
     def value(self, trial: TrialRecord) -> float | None:
         """The trial's value in the display unit (memory in GiB)."""
@@ -452,7 +454,7 @@ def metric_column(name: str, kind: str = "value", *, key: str | None = None) -> 
     the value in its display unit."""
     key = key or column(name)
     spec = value_format(name)
-    return Column(label(name), lambda r: fmt(r.get(key), spec), metric=key, kind=kind)
+    return Column(metric_label(name), lambda r: fmt(r.get(key), spec), metric=key, kind=kind)
 
 
 def metric_cells(trial: TrialRecord, names: Iterable[str]) -> dict[str, float | None]:
