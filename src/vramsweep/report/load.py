@@ -6,6 +6,10 @@ killed before their JSON was written) are filled in from the study so a partial 
 shows every trial. A storage URL + study name is read the same way from the trials' user attrs
 (``result`` dict or ``result_path``), falling back to ``trial.params``/``trial.values``.
 
+Every result dict is read through :meth:`vramsweep.record.schema.TrialResult.from_json` (the contract,
+docs/CONTRACTS.md). One that fails it (an old, hand-written or damaged file) is still read, key by key
+and tolerantly, with the schema error kept in :attr:`TrialRecord.problem` and noted.
+
 Nothing here raises on bad *data* (missing keys, NaN, unreadable files become notes); bad *input*
 (missing folder, unknown study) raises :class:`ReportError`, which the CLI turns into exit code 2.
 """
@@ -22,6 +26,8 @@ from typing import Any
 
 from vramsweep.record import feasibility
 from vramsweep.record.metrics import SCALAR_METRICS, direction
+from vramsweep.record.metrics import MetricName as M
+from vramsweep.record.schema import ResultSchemaError, TrialResult
 from vramsweep.record.status import Status
 from vramsweep.record.units import GIB
 
@@ -29,7 +35,7 @@ from vramsweep.record.units import GIB
 RUNNING = "running"
 #: Objectives used when ``sweep.json`` names none.
 DEFAULT_OBJECTIVES: tuple[tuple[str, str], ...] = tuple(
-    (m, direction(m)) for m in ("peak_memory_bytes", "tokens_per_s", "eval_loss")
+    (m, direction(m)) for m in (M.PEAK_MEMORY_BYTES, M.TOKENS_PER_S, M.EVAL_LOSS)
 )
 #: Override keys that never describe a knob of the trial itself.
 _IGNORED_KEYS = ("sweep", "hydra", "experiment")
@@ -132,12 +138,28 @@ def _lookup(config: dict, dotted: str) -> tuple[bool, Any]:
     return True, node
 
 
+def as_status(value: Any) -> Status | str:
+    """A recorded status as its :class:`Status` member (missing: ``error``). The report-only
+    :data:`RUNNING` and a status outside the contract (a hand-written or damaged file) stay plain strings."""
+    if not value:
+        return Status.ERROR
+    try:
+        return Status(str(value))
+    except ValueError:
+        return str(value)
+
+
 @dataclass
 class TrialRecord:
-    """One trial's result (docs/CONTRACTS.md), normalised: every accessor tolerates missing data."""
+    """One trial's result (docs/CONTRACTS.md), normalised: every accessor tolerates missing data.
+
+    ``status`` is a :class:`Status` member (a ``str`` enum: ``t.status == "ok"`` still holds), or a plain
+    string for :data:`RUNNING` and for a status outside the contract. ``problem`` is the schema error of
+    a result that fails :meth:`TrialResult.from_json` (read tolerantly instead), else None.
+    """
 
     number: int
-    status: str
+    status: Status | str
     reason: str | None = None
     overrides: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
@@ -146,6 +168,7 @@ class TrialRecord:
     meta: dict[str, Any] = field(default_factory=dict)
     source: str = "json"  # json | storage
     path: str | None = None
+    problem: str | None = None
 
     @classmethod
     def from_result(
@@ -156,12 +179,40 @@ class TrialRecord:
         source: str = "json",
         path: str | None = None,
     ) -> TrialRecord:
-        """Build from a result dict; ``number`` is used when the dict has no integer ``trial``."""
+        """Build from a result dict; ``number`` is used when the dict has no integer ``trial``. The dict is
+        read through :meth:`TrialResult.from_json`; one that fails it is read key by key (``problem``)."""
+        try:
+            typed = TrialResult.from_json(result)
+        except ResultSchemaError as exc:
+            return cls._tolerant(result, number=number, source=source, path=path, problem=str(exc))
+        trial = typed.trial if typed.trial is not None else number
+        reason = typed.reason
+        if typed.status != Status.OK and not reason:
+            reason = "no reason recorded"
+        return cls(
+            number=int(trial) if trial is not None else -1,
+            status=typed.status,
+            reason=reason,
+            overrides=list(typed.overrides),
+            config=typed.config,
+            metrics=typed.metrics.to_json(),
+            estimate=typed.estimate.to_json() if typed.estimate is not None else None,
+            meta=typed.meta.to_json(),
+            source=source,
+            path=path,
+        )
+
+    @classmethod
+    def _tolerant(
+        cls, result: Any, *, number: int | None, source: str, path: str | None, problem: str
+    ) -> TrialRecord:
+        """A result that fails the schema, read key by key: whatever has the right shape is kept."""
+        if not isinstance(result, dict):
+            result = {}
         trial = result.get("trial")
         if isinstance(trial, bool) or not isinstance(trial, int):
             trial = number if number is not None else -1
-        status = result.get("status")
-        status = str(status) if status else Status.ERROR.value
+        status = as_status(result.get("status"))
         reason = result.get("reason")
         if status != Status.OK and not reason:
             reason = "no reason recorded"
@@ -176,6 +227,7 @@ class TrialRecord:
             meta=result.get("meta") if isinstance(result.get("meta"), dict) else {},
             source=source,
             path=path,
+            problem=problem,
         )
 
     # -- measurements -------------------------------------------------------------------------
@@ -189,7 +241,7 @@ class TrialRecord:
 
     @property
     def peak_bytes(self) -> float | None:
-        return self.metric("peak_memory_bytes")
+        return self.metric(M.PEAK_MEMORY_BYTES)
 
     @property
     def peak_gib(self) -> float | None:
@@ -198,28 +250,28 @@ class TrialRecord:
 
     @property
     def tokens_per_s(self) -> float | None:
-        return self.metric("tokens_per_s")
+        return self.metric(M.TOKENS_PER_S)
 
     @property
     def eval_loss(self) -> float | None:
-        return self.metric("eval_loss")
+        return self.metric(M.EVAL_LOSS)
 
     @property
     def eval_ppl(self) -> float | None:
-        return self.metric("eval_ppl")  # only when measured: never derived here
+        return self.metric(M.EVAL_PPL)  # only when measured: never derived here
 
     @property
     def task_score(self) -> float | None:
-        return self.metric("task_score")
+        return self.metric(M.TASK_SCORE)
 
     @property
     def memory_kind(self) -> str | None:
-        kind = self.metrics.get("memory_kind")
+        kind = self.metrics.get(M.MEMORY_KIND)
         return str(kind) if kind else None
 
     @property
     def breakdown(self) -> dict[str, float]:
-        raw = self.metrics.get("memory_breakdown_bytes")
+        raw = self.metrics.get(M.MEMORY_BREAKDOWN_BYTES)
         if not isinstance(raw, dict):
             return {}
         return {str(k): v for k, v in ((k, num(v)) for k, v in raw.items()) if v is not None}
@@ -228,7 +280,7 @@ class TrialRecord:
     def estimate_bytes(self) -> float | None:
         if not self.estimate:
             return None
-        return num(self.estimate.get("peak_memory_bytes"))
+        return num(self.estimate.get(M.PEAK_MEMORY_BYTES))  # the estimate's key of the same name
 
     @property
     def estimate_gib(self) -> float | None:
@@ -566,12 +618,13 @@ def record_from_frozen(trial: Any, metric_names: list[str], base_folder: Path | 
         return rec
     # Fallback: rebuild what the study itself knows.
     state = trial.state
+    status: Status | str
     if state == TrialState.COMPLETE:
-        status = str(ua.get("status") or Status.OK.value)
+        status = as_status(ua.get("status") or Status.OK)
     elif state == TrialState.PRUNED:
-        status = Status.PRUNED.value
+        status = Status.PRUNED
     elif state == TrialState.FAIL:
-        status = str(ua.get("status") or Status.ERROR.value)
+        status = as_status(ua.get("status"))
     else:
         status = RUNNING
     reason = ua.get("reason") or (trial.system_attrs or {}).get("fail_reason")
@@ -601,6 +654,18 @@ def record_from_frozen(trial: Any, metric_names: list[str], base_folder: Path | 
         meta=meta,
         source="storage",
     )
+
+
+def _note_schema_problems(records: dict[int, TrialRecord], notes: list[str]) -> None:
+    """One note per trial whose result fails the schema (read tolerantly: its figures may be partial)."""
+    for n in sorted(records):
+        rec = records[n]
+        if rec.problem:
+            where = Path(rec.path).name if rec.path else "result in the study"
+            notes.append(
+                f"trial {n:04d}: {where} does not follow the result schema ({rec.problem}); "
+                "read what could be read"
+            )
 
 
 def _records_from_study(study: Any, settings: dict[str, Any], folder: Path | None) -> dict[int, TrialRecord]:
@@ -700,6 +765,7 @@ def _load_folder(folder: Path, study: str | None) -> SweepData:
             notes.append(f"study database not used: {exc}")
     elif study is not None:
         raise ReportError(f"--study {study!r} given but {folder} has no study database")
+    _note_schema_problems(records, notes)
     name = str(settings.get("name") or folder.name)
     return SweepData(
         name=name,
@@ -731,6 +797,7 @@ def _load_storage(url: str, study: str | None, folder: Path | None = None) -> Sw
                 break
     if folder is not None and not settings:
         settings = _load_settings(folder, notes)
+    _note_schema_problems(records, notes)
     name = str(settings.get("name") or st.study_name)
     return SweepData(
         name=name,
