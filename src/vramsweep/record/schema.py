@@ -10,11 +10,10 @@ naming the key, the value and what is allowed); ``to_json()`` gives the dict bac
 * **Unknown keys are kept**, verbatim, in ``extra`` (top level, ``metrics``, ``estimate``, ``meta``) and
   written back after the known ones: a newer writer or a user's trial function may add fields, and a
   reader that does not know them passes them through. They are not checked.
-* ``status`` must be one of :class:`~vramsweep.record.status.Status`; ``schema`` must not be newer than
-  :data:`SCHEMA_VERSION`.
-
 * **Setting a declared key writes it.** On a record read by ``from_json``, assigning a key the source did
   not have (``r.meta.result_path = ...``) adds it to ``to_json()``; keys left alone stay as they were.
+* ``status`` must be one of :class:`~vramsweep.record.status.Status`; ``schema`` must not be newer than
+  :data:`SCHEMA_VERSION`.
 
 Writers and readers both go through these types. :func:`vramsweep.record.result.write_result` takes a
 :class:`TrialResult` (or a dict, which it checks with ``from_json``) and writes nothing when the result
