@@ -167,38 +167,49 @@ def _hydra_flags(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     return flags
 
 
-def _human(v: float | None, fmt: str, unit: str = "") -> str:
-    return "n/a" if v is None else format(v, fmt) + unit
+def _human(metrics: dict, name: str, unit: str = "") -> str:
+    """Metric ``name`` as the registry formats it (``unit`` appended), ``n/a`` when not measured."""
+    from vramsweep.record.metrics import format_value
+
+    v = metrics.get(name)
+    return "n/a" if v is None else format_value(name, v) + unit
 
 
 def print_result(res: dict, path: object) -> None:
-    """The end-of-trial summary of ``vramsweep train`` (no ``n/a MiB (None)``: absent values say so)."""
+    """The end-of-trial summary of ``vramsweep train`` (no ``n/a MiB (None)``: absent values say so).
+
+    Metric words, formats and units come from the metric registry; memory is shown in MiB (a trial on
+    a laptop peaks at a fraction of a GiB)."""
+    from vramsweep.record.metrics import MetricName as M
+    from vramsweep.record.metrics import label, metric, title
+    from vramsweep.record.units import MIB
     from vramsweep.sweeper.progress import status_label
 
     m = res["metrics"]
     print(f"status: {status_label(res)}" + (f" ({res['reason']})" if res.get("reason") else ""))
-    peak = m.get("peak_memory_bytes")
+    peak = m.get(M.PEAK_MEMORY_BYTES)
     if peak:
-        kind = f" ({m['memory_kind']})" if m.get("memory_kind") else ""
-        print(f"peak memory: {peak / 2**20:.1f} MiB{kind}")
+        kind = f" ({m[M.MEMORY_KIND]})" if m.get(M.MEMORY_KIND) else ""
+        print(f"{title(M.PEAK_MEMORY_BYTES)}: {peak / MIB:.1f} MiB{kind}")
     else:
-        print("peak memory: not measured")
-    bd = m.get("memory_breakdown_bytes") or {}
+        print(f"{title(M.PEAK_MEMORY_BYTES)}: not measured")
+    bd = m.get(M.MEMORY_BREAKDOWN_BYTES) or {}
     if bd:
-        print("  breakdown: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in bd.items()))
-    if m.get("tokens_per_s") is not None or m.get("step_time_s") is not None:
+        print("  breakdown: " + ", ".join(f"{k} {v / MIB:.2f} MiB" for k, v in bd.items()))
+    if m.get(M.TOKENS_PER_S) is not None or m.get(M.STEP_TIME_S) is not None:
+        step = f" {metric(M.STEP_TIME_S).unit}"
         print(
-            f"tokens/s: {_human(m.get('tokens_per_s'), '.1f')}   step time: {_human(m.get('step_time_s'), '.3f', ' s')}"
-            f"   mfu: {_human(m.get('mfu'), '.3f')}"
+            f"{title(M.TOKENS_PER_S)}: {_human(m, M.TOKENS_PER_S)}"
+            f"   {title(M.STEP_TIME_S)}: {_human(m, M.STEP_TIME_S, step)}   {title(M.MFU)}: {_human(m, M.MFU)}"
         )
-    if m.get("eval_loss") is not None or m.get("initial_eval_loss") is not None:
+    if m.get(M.EVAL_LOSS) is not None or m.get(M.INITIAL_EVAL_LOSS) is not None:
         print(
-            f"eval loss: {_human(m.get('initial_eval_loss'), '.4f')} -> {_human(m.get('eval_loss'), '.4f')}"
-            f"   ppl: {_human(m.get('eval_ppl'), '.2f')}   task score: {_human(m.get('task_score'), '.3f')}"
+            f"{title(M.EVAL_LOSS)}: {_human(m, M.INITIAL_EVAL_LOSS)} -> {_human(m, M.EVAL_LOSS)}"
+            f"   {label(M.EVAL_PPL)}: {_human(m, M.EVAL_PPL)}   {title(M.TASK_SCORE)}: {_human(m, M.TASK_SCORE)}"
         )
     est = res.get("estimate") or {}
-    if est.get("peak_memory_bytes"):
-        print(f"estimate: {est['peak_memory_bytes'] / 2**20:.1f} MiB")
+    if est.get(M.PEAK_MEMORY_BYTES):
+        print(f"estimate: {est[M.PEAK_MEMORY_BYTES] / MIB:.1f} MiB")
     print(f"result: {path}")
 
 

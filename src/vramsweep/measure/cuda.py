@@ -31,6 +31,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.units import GIB
 
 #: NVML's "not available" sentinel for per-process memory (NVML_VALUE_NOT_AVAILABLE as unsigned long long).
@@ -385,19 +386,19 @@ def cuda_metrics(
     params = int(state_bytes.get("params") or 0)
     grads = int(state_bytes.get("grads") or 0)
     optimizer = int(state_bytes.get("optimizer") or 0)
-    return {
-        "peak_memory_bytes": reserved,
-        "memory_kind": "cuda_reserved",
-        "memory_phase": phase,
-        "cuda_max_allocated_bytes": alloc,
-        "cuda_max_reserved_bytes": reserved,
-        "cuda_fragmentation_bytes": reserved - alloc,
-        "cuda_trial_peak_reserved_bytes": int(
+    metrics = {
+        M.PEAK_MEMORY_BYTES: reserved,
+        M.MEMORY_KIND: "cuda_reserved",
+        M.MEMORY_PHASE: phase,
+        M.CUDA_MAX_ALLOCATED_BYTES: alloc,
+        M.CUDA_MAX_RESERVED_BYTES: reserved,
+        M.CUDA_FRAGMENTATION_BYTES: reserved - alloc,
+        M.CUDA_TRIAL_PEAK_RESERVED_BYTES: int(
             trial_peak_reserved if trial_peak_reserved is not None else reserved
         ),
-        "nvml_process_peak_bytes": nvml_process_peak,
-        "nvml_device_used_peak_bytes": nvml_device_used_peak,
-        "memory_breakdown_bytes": {
+        M.NVML_PROCESS_PEAK_BYTES: nvml_process_peak,
+        M.NVML_DEVICE_USED_PEAK_BYTES: nvml_device_used_peak,
+        M.MEMORY_BREAKDOWN_BYTES: {
             "params": params,
             "grads": grads,
             "optimizer": optimizer,
@@ -405,3 +406,4 @@ def cuda_metrics(
             "other": reserved - alloc,
         },
     }
+    return {str(k): v for k, v in metrics.items()}  # plain str keys, as the result JSON has them

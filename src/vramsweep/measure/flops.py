@@ -29,6 +29,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from vramsweep.record.metrics import MetricName
+
 TFLOPS = 1e12
 
 
@@ -194,7 +196,7 @@ def trial_mfu(
     if info.get("peak_flops") and tokens_per_s:
         hfu = (per_token + recompute) * float(tokens_per_s) / info["peak_flops"]
         info["hfu" if hfu <= 1.0 else "hfu_computed_above_1"] = hfu
-    meta["mfu"] = info
+    meta[MetricName.MFU.value] = info  # meta.mfu: how the metric was computed
     return value
 
 

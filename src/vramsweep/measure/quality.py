@@ -32,15 +32,21 @@ from collections.abc import Sequence
 
 import torch
 
+from vramsweep.record.metrics import MetricName
+
 __all__ = ["QUALITY_KEYS", "QualityMeter", "fact_mask"]
 
-QUALITY_KEYS = (
-    "fact_token_acc",
-    "fact_nll",
-    "control_token_acc",
-    "control_nll",
-    "fact_tokens",
-    "control_tokens",
+#: The metrics this module measures (registry names, as plain strings: the keys of :meth:`QualityMeter.metrics`).
+QUALITY_KEYS = tuple(
+    str(m)
+    for m in (
+        MetricName.FACT_TOKEN_ACC,
+        MetricName.FACT_NLL,
+        MetricName.CONTROL_TOKEN_ACC,
+        MetricName.CONTROL_NLL,
+        MetricName.FACT_TOKENS,
+        MetricName.CONTROL_TOKENS,
+    )
 )
 
 

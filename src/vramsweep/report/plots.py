@@ -12,14 +12,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vramsweep.record.metrics import direction
-from vramsweep.record.units import GIB
+from vramsweep.record.metrics import MetricName, direction, display_unit, label, scaled, title
 from vramsweep.report.importance import Importances
 from vramsweep.report.load import SweepData, TrialRecord
 from vramsweep.report.tables import pareto_front
 
 BREAKDOWN_ORDER = ("params", "grads", "optimizer", "activations", "other")
 MAX_BARS = 60
+_PEAK, _TPS, _LOSS = MetricName.PEAK_MEMORY_BYTES, MetricName.TOKENS_PER_S, MetricName.EVAL_LOSS
+
+
+def _axis(name: str) -> str:
+    """Axis label of metric ``name``: its words and display unit (``peak memory (GiB)``)."""
+    unit = display_unit(name)
+    return f"{title(name)} ({unit})" if unit else label(name)
 
 
 def _figure(width: float, height: float) -> Any:
@@ -89,7 +95,7 @@ def pareto_figure(sweep: SweepData) -> Any:
             zorder=3,
         )
     front = sorted(
-        pareto_front(feasible, [(m, direction(m)) for m in ("peak_memory_bytes", "tokens_per_s")]),
+        pareto_front(feasible, [(m, direction(m)) for m in (_PEAK, _TPS)]),
         key=lambda t: (t.peak_gib, -(t.tokens_per_s or 0.0)),
     )
     if front:
@@ -125,9 +131,9 @@ def pareto_figure(sweep: SweepData) -> Any:
         ax.axvline(budget, color="tab:orange", ls="--", lw=1.3, label=f"budget {budget:g} GiB")
     if norm is not None:
         sm = mpl.cm.ScalarMappable(norm=norm, cmap=cmap)
-        fig.colorbar(sm, ax=ax, label="eval loss")
-    ax.set_xlabel("peak memory (GiB)")
-    ax.set_ylabel("tokens/s")
+        fig.colorbar(sm, ax=ax, label=label(_LOSS))
+    ax.set_xlabel(_axis(_PEAK))
+    ax.set_ylabel(_axis(_TPS))
     ax.set_title(f"{sweep.name}: memory vs throughput ({len(pts)} ok trials)")
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
@@ -162,7 +168,7 @@ def breakdown_plot(sweep: SweepData, out_dir: Path) -> tuple[list[Path], str | N
     xs = list(range(len(trials)))
     bottom = [0.0] * len(trials)
     for cat in cats:
-        vals = [t.breakdown.get(cat, 0.0) / GIB for t in trials]
+        vals = [scaled(MetricName.MEMORY_BREAKDOWN_BYTES, t.breakdown.get(cat, 0.0)) for t in trials]
         if not any(vals):
             continue
         ax.bar(xs, vals, bottom=bottom, label=cat, width=0.7)
@@ -188,7 +194,7 @@ def breakdown_plot(sweep: SweepData, out_dir: Path) -> tuple[list[Path], str | N
         ha="right",
         fontsize=7,
     )
-    ax.set_ylabel("memory at peak (GiB)")
+    ax.set_ylabel(f"memory at peak ({display_unit(MetricName.MEMORY_BREAKDOWN_BYTES)})")
     ax.set_title(f"{sweep.name}: memory breakdown per config")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))

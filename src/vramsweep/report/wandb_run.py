@@ -30,8 +30,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from vramsweep.record.metrics import METRICS, MetricName, column, scaled
 from vramsweep.record.status import Status
-from vramsweep.record.units import GIB
 
 #: Environment variable naming the sweep folder (set by the sweeper for its trials; optional).
 SWEEP_DIR_ENV = "VRAMSWEEP_SWEEP_DIR"
@@ -112,26 +112,28 @@ def summary_of(result: dict) -> dict[str, Any]:
     s: dict[str, Any] = {k: v for k, v in metrics.items() if _finite(v)}
     s["status"] = result.get("status")
     s["reason"] = str(result.get("reason") or "")[:1000]  # always there (docs/WANDB.md): "" when ok
-    if not _finite(metrics.get("mfu")):
-        s["mfu"] = None  # not measured (no device peak): the key is there, the reason in mfu/*
-    if metrics.get("memory_kind"):
-        s["memory/kind"] = metrics["memory_kind"]
-    peak = metrics.get("peak_memory_bytes")
+    mfu = MetricName.MFU.value  # a plain str key (W&B and JSON take it as it is)
+    if not _finite(metrics.get(mfu)):
+        s[mfu] = None  # not measured (no device peak): the key is there, the reason in mfu/*
+    if metrics.get(MetricName.MEMORY_KIND):
+        s["memory/kind"] = metrics[MetricName.MEMORY_KIND]
+    peak_name = MetricName.PEAK_MEMORY_BYTES
+    peak = metrics.get(peak_name)
     if _finite(peak):
         s["memory/peak_bytes"] = peak
-        s["memory/peak_gib"] = peak / GIB
-    for part, value in (metrics.get("memory_breakdown_bytes") or {}).items():
+        s[f"memory/{column(peak_name)}"] = scaled(peak_name, peak)
+    for part, value in (metrics.get(MetricName.MEMORY_BREAKDOWN_BYTES) or {}).items():
         if _finite(value):
             s[f"memory/breakdown/{part}_bytes"] = value
-    for part, value in (metrics.get("state_bytes") or {}).items():
+    for part, value in (metrics.get(MetricName.STATE_BYTES) or {}).items():
         if _finite(value):
             s[f"memory/state/{part}_bytes"] = value
     est = result.get("estimate") if isinstance(result.get("estimate"), dict) else None
     if est:
-        epeak = est.get("peak_memory_bytes")
+        epeak = est.get(peak_name)
         if _finite(epeak):
             s["estimate/peak_bytes"] = epeak
-            s["estimate/peak_gib"] = epeak / GIB
+            s[f"estimate/{column(peak_name)}"] = scaled(peak_name, epeak)
             if _finite(peak) and peak > 0:
                 s["estimate/error"] = epeak / peak - 1.0  # > 0: the estimator over-predicts
         for part, value in (est.get("breakdown_bytes") or {}).items():
@@ -141,17 +143,15 @@ def summary_of(result: dict) -> dict[str, Any]:
             s["estimate/peak_phase"] = est["peak_phase"]
         if isinstance(est.get("fits"), bool):
             s["estimate/fits"] = est["fits"]
-    if _finite(metrics.get("eval_loss")):
-        s["eval/loss"] = metrics["eval_loss"]  # the final eval, beside the intermediate ones in history
-    if _finite(metrics.get("eval_ppl")):
-        s["eval/ppl"] = metrics["eval_ppl"]
-    if _finite(metrics.get("tokens_per_s")):
-        s["train/tokens_per_s"] = metrics["tokens_per_s"]
-    mfu = meta.get("mfu")
-    if isinstance(mfu, dict):
-        for k, v in mfu.items():
+    for m in METRICS:  # the registry's W&B aliases: eval/loss (the final eval, beside the intermediate
+        # ones in history), eval/ppl, train/tokens_per_s
+        if m.wandb and _finite(metrics.get(m.name)):
+            s[m.wandb] = metrics[m.name]
+    info = meta.get(mfu)
+    if isinstance(info, dict):
+        for k, v in info.items():
             if _finite(v) or isinstance(v, str):
-                s[f"mfu/{k}"] = v
+                s[f"{mfu}/{k}"] = v
     for phase, sec in (meta.get("step_phases_s") or {}).items():
         if _finite(sec):
             s[f"step_phase/{phase}_s"] = sec

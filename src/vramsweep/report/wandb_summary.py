@@ -34,11 +34,22 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from vramsweep.record.metrics import MetricName, column
 from vramsweep.report.load import SweepData, TrialRecord, safe_url
-from vramsweep.report.tables import Report, Table, pareto_front
+from vramsweep.report.tables import Report, Table, metric_cells, pareto_front
 
 STATE_FILE = "summary_run.json"
 LOCK_FILE = ".summary.lock"
+#: The metrics of the ``trials`` table, in column order (columns: the registry's raw keys, ``peak_gib``).
+TRIAL_METRICS = (
+    MetricName.PEAK_MEMORY_BYTES,
+    MetricName.TOKENS_PER_S,
+    MetricName.STEP_TIME_S,
+    MetricName.EVAL_LOSS,
+    MetricName.EVAL_PPL,
+    MetricName.TASK_SCORE,
+    MetricName.MFU,
+)
 
 
 def wandb_mode() -> str:
@@ -97,14 +108,8 @@ def trial_rows(sweep: SweepData) -> tuple[list[str], list[list[Any]]]:
     knobs = sweep.varying_knobs()
     front = {t.number for t in pareto_front([t for t in sweep.trials if sweep.feasible(t)], sweep.objectives)}
     cols = ["trial", "status", "design"] + knobs
+    cols += [column(m) for m in TRIAL_METRICS]
     cols += [
-        "peak_gib",
-        "tokens_per_s",
-        "step_time_s",
-        "eval_loss",
-        "eval_ppl",
-        "task_score",
-        "mfu",
         "estimate_gib",
         "estimate_error",
         "budget_gib",
@@ -118,14 +123,8 @@ def trial_rows(sweep: SweepData) -> tuple[list[str], list[list[Any]]]:
         est, peak = t.estimate_bytes, t.peak_bytes
         wb = t.meta.get("wandb") if isinstance(t.meta.get("wandb"), dict) else {}
         row = [t.number, t.status, _role(t)] + [_cell(t.knob_value(k)) for k in knobs]
+        row += list(metric_cells(t, TRIAL_METRICS).values())
         row += [
-            t.peak_gib,
-            t.tokens_per_s,
-            t.metric("step_time_s"),
-            t.eval_loss,
-            t.eval_ppl,
-            t.task_score,
-            t.metric("mfu"),
             t.estimate_gib,
             (est / peak - 1.0) if est is not None and peak else None,
             sweep.trial_budget_gib(t),
