@@ -118,12 +118,12 @@ def test_sweep_stops_with_one_line_when_the_disk_fills(tmp_path, monkeypatch, ca
 def test_sweep_whose_study_database_fills_stops_with_one_line(tmp_path, monkeypatch, capsys):
     """Telling Optuna fails with SQLite's full-disk error: the sweep stops naming the study file."""
     from vramsweep.cli import main
-    from vramsweep.sweeper.engine import Sweep
+    from vramsweep.sweeper.study import StudyBook
 
     def tell(self, *a, **k):
         raise sqlite3.OperationalError("database or disk is full")
 
-    monkeypatch.setattr(Sweep, "_tell", tell)
+    monkeypatch.setattr(StudyBook, "tell", tell)
     monkeypatch.chdir(tmp_path)
     code = main(
         [

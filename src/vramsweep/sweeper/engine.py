@@ -14,8 +14,9 @@ Flow of :func:`run_sweep`:
    stamps running trials.
 4. A summary, and ``results: <sweep folder>``.
 
-:class:`Sweep` is the one object of a sweeper process: it holds the state, the run loop and the summary;
-its study and worker sides are mixins from those modules; launcher mode is a runner (:mod:`.launch`).
+:class:`Sweep` is the loop of a sweeper process (open, run the workers, summarise); it is composed of a
+:class:`~.study.StudyBook` (the study), a :class:`~.workers.WorkerPool` (the threads) and a
+:class:`~.workers.RunState` (what this run did); launcher mode is a runner (:mod:`.launch`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import warnings
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
-from vramsweep.sweeper.design import design_choices
 from vramsweep.sweeper.isolation import make_runner
 from vramsweep.sweeper.launch import LauncherRunner
 from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
@@ -46,56 +46,40 @@ from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
     total_trials,
 )
 from vramsweep.sweeper.progress import Progress, fmt_override, plural
-from vramsweep.sweeper.storage import COPY_OF, JOB_LOST, RETRY_OF, process_identity, requeue_lost
-from vramsweep.sweeper.study import StudyMixin
-from vramsweep.sweeper.workers import WorkerMixin
+from vramsweep.sweeper.storage import COPY_OF, JOB_LOST, RETRY_OF, requeue_lost
+from vramsweep.sweeper.study import StudyBook
+from vramsweep.sweeper.workers import RunState, WorkerPool
 
 log = logging.getLogger("vramsweep.sweeper")
 
 
-class Sweep(StudyMixin, WorkerMixin):
-    """One sweeper process working on a study (other processes/machines may work on it too)."""
+class Sweep:
+    """One sweeper process working on a study (other processes/machines may work on it too): the loop in
+    the shape of Hydra's ``sweep()`` over three parts with one job each: the study book (:class:`StudyBook`:
+    ask, tell, reconcile), the worker pool (:class:`WorkerPool`: run trials) and the run state
+    (:class:`RunState`: counts and the abort flag)."""
 
     def __init__(self, plan: Plan, runner: Any = None, launcher_factory: Any = None):
         self.plan = plan
-        self.s = plan.settings
-        self.wandb_summary: Any = None  # report.wandb_summary.SummaryUpdater when trials log to W&B
-        self.trials_dir = self.s.sweep_dir / "trials"
-        self.launcher_factory = launcher_factory
-        if self.s.isolation == "launcher":
+        self.settings = s = plan.settings
+        if s.isolation == "launcher":
             if launcher_factory is None and runner is None:
                 raise ConfigError(
                     "hydra.sweeper.isolation=launcher needs the Hydra sweeper plugin (vramsweep train -m)",
                     key="hydra.sweeper.isolation",
                 )
-            self.runner = runner or LauncherRunner(
-                launcher_factory, self.s.sweep_dir, batch_size=self.s.n_jobs
-            )
+            self.runner = runner or LauncherRunner(launcher_factory, s.sweep_dir, batch_size=s.n_jobs)
         else:
-            self.runner = runner or make_runner(self.s.isolation, self.s.preload)
-        self.choices = design_choices(plan.design) if plan.design is not None else {}
-        self.identity = process_identity()
-        self.study: Any = None
-        self.admin: Any = None
-        self.storage: Any = None
-        self.progress: Progress | None = None
-        self._ask_lock = threading.Lock()
-        self._tell_lock = threading.Lock()
-        self._running: set[int] = set()
-        self._stop = threading.Event()
-        self.abort = threading.Event()
-        self.interrupted = False
-        self.abort_reason: str | None = None
-        self.finished = 0
-        self.failures = 0
-        self.statuses: dict[str, int] = {}
-        self._job_losses: dict[int, int] = {}  # slot -> launcher jobs lost in this run (retry_stale bound)
+            self.runner = runner or make_runner(s.isolation, s.preload)
+        self.progress = Progress(plan.n_total, enabled=s.progress)
+        self.book = StudyBook(plan, say=self.progress.say)
+        self.state = RunState()
 
     @classmethod
-    def finished(cls, plan: Plan, study: Any, **kw: Any) -> int:
+    def report_complete(cls, plan: Plan, study: Any, **kw: Any) -> int:
         """A complete study: say so and print its summary (nothing is written, no trial process)."""
         sweep = cls(plan, **kw)
-        sweep.study = study
+        sweep.book.study = study
         print(
             f"vramsweep: study '{plan.settings.study_name}' is complete ({plan.n_total}/{plan.n_total} "
             "finished): nothing to run",
@@ -104,83 +88,86 @@ class Sweep(StudyMixin, WorkerMixin):
         sweep.summary(0.0)
         return 0
 
-    def _nothing_waiting(self) -> bool:
-        from vramsweep.sweeper.storage import remaining_slots
-
-        return remaining_slots(self.study, self.plan.n_total)[0] == 0
-
     def run(self) -> int:
-        """Run to completion; returns the exit code (0 done, 1 aborted or interrupted)."""
-        self.prepare()
-        assert self.progress is not None
-        if self._nothing_waiting():
-            self._stop.set()  # no trial to start: no fork server (no torch import), just the summary
+        """Open the study, run the workers to completion; returns the exit code (0 done, 1 aborted or
+        interrupted)."""
+        s, state = self.settings, self.state
+        self.progress.done = self.book.open()
+        if self.book.waiting() == 0:  # no trial to start: no fork server (no torch import), just the summary
             self.summary(0.0)
             return 0
+        wandb_summary = None
         if self.plan.wandb:
             from vramsweep.report.wandb_summary import SummaryUpdater
 
-            self.wandb_summary = SummaryUpdater(self.s.sweep_dir, on_warning=self.progress.say)
+            wandb_summary = SummaryUpdater(s.sweep_dir, on_warning=self.progress.say)
+        pool = WorkerPool(self.book, self.runner, state, self.progress, wandb_summary)
+        stop_beat = threading.Event()
         t0 = time.perf_counter()
-        beat = threading.Thread(target=self._heartbeat, name="vramsweep-heartbeat", daemon=True)
-        beat.start()
+        threading.Thread(
+            target=pool.heartbeat, args=(stop_beat,), name="vramsweep-heartbeat", daemon=True
+        ).start()
         started = False
         try:
-            n_threads = max(1, self.s.n_jobs)
             self.progress.say(self.describe())
             self.runner.start()
             started = True
             self.progress.start()
-            # Completion is signalled with events, not Thread.join(): a KeyboardInterrupt that lands in
-            # join() can leave CPython's thread state saying "finished" while the worker still runs.
-            done = [threading.Event() for _ in range(n_threads)]
-
-            def work(i: int) -> None:
-                try:
-                    self.worker(i)
-                except BaseException as exc:  # a bug, not a trial failure: stop the sweep, say why
-                    from vramsweep.preflight import sqlite_path
-                    from vramsweep.record.diskfull import disk_full_reason
-
-                    full = disk_full_reason(exc, sqlite_path(self.s.storage) or self.s.sweep_dir)
-                    if full is not None:  # the study or a result could not be written: one line, no traceback
-                        self.abort_reason = full
-                        self.abort.set()
-                        return
-                    self.abort_reason = f"internal error in worker {i}: {type(exc).__name__}: {exc}"
-                    self.abort.set()
-                    raise
-                finally:
-                    done[i].set()
-
-            for i in range(n_threads):
-                threading.Thread(target=work, args=(i,), name=f"vramsweep-worker-{i}", daemon=True).start()
-            try:
-                while not all(e.is_set() for e in done):
-                    time.sleep(0.2)
-            except KeyboardInterrupt:
-                self.interrupted = True
-                self.abort.set()
-                self.abort_reason = (
-                    "interrupted (Ctrl-C); running trials re-enqueued: re-run the same command to resume"
-                )
-                self.runner.kill_all()
-                while not all(e.is_set() for e in done):
-                    time.sleep(0.2)
+            self._run_workers(pool, max(1, s.n_jobs))
         finally:
-            self._stop.set()
+            stop_beat.set()
             self.progress.stop()
             if started:
                 self.runner.stop()
-            if self.wandb_summary is not None:
-                self.wandb_summary.close()
+            if wandb_summary is not None:
+                wandb_summary.close()
         self.summary(time.perf_counter() - t0)
-        checkpoint_wal(self.s.storage)
-        return 1 if self.abort.is_set() else 0
+        checkpoint_wal(s.storage)
+        return 1 if state.abort.is_set() else 0
+
+    def _run_workers(self, pool: WorkerPool, n_threads: int) -> None:
+        """``n_threads`` workers until every slot is done; Ctrl-C stops them (running trials re-enqueued)."""
+        state = self.state
+        # Completion is signalled with events, not Thread.join(): a KeyboardInterrupt that lands in
+        # join() can leave CPython's thread state saying "finished" while the worker still runs.
+        done = [threading.Event() for _ in range(n_threads)]
+
+        def work(i: int) -> None:
+            try:
+                pool.run_worker(i)
+            except BaseException as exc:  # a bug, not a trial failure: stop the sweep, say why
+                from vramsweep.preflight import sqlite_path
+                from vramsweep.record.diskfull import disk_full_reason
+
+                full = disk_full_reason(exc, sqlite_path(self.settings.storage) or self.settings.sweep_dir)
+                if full is not None:  # the study or a result could not be written: one line, no traceback
+                    state.abort_reason = full
+                    state.abort.set()
+                    return
+                state.abort_reason = f"internal error in worker {i}: {type(exc).__name__}: {exc}"
+                state.abort.set()
+                raise
+            finally:
+                done[i].set()
+
+        for i in range(n_threads):
+            threading.Thread(target=work, args=(i,), name=f"vramsweep-worker-{i}", daemon=True).start()
+        try:
+            while not all(e.is_set() for e in done):
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            state.interrupted = True
+            state.abort.set()
+            state.abort_reason = (
+                "interrupted (Ctrl-C); running trials re-enqueued: re-run the same command to resume"
+            )
+            self.runner.kill_all()
+            while not all(e.is_set() for e in done):
+                time.sleep(0.2)
 
     def describe(self) -> str:
         """One line: what runs and how (sampler, pruning, isolation, workers)."""
-        s = self.s
+        s = self.settings
         if s.pruning_active:
             pruning = f"pruner {s.pruner_name} on {s.objectives[0].metric}"
         elif s.pruner_name == "none":
@@ -209,7 +196,7 @@ class Sweep(StudyMixin, WorkerMixin):
         """Counts by status, the best feasible trial(s), where the results are."""
         from optuna.trial import TrialState
 
-        trials = self.study.get_trials(deepcopy=False)
+        trials = self.book.study.get_trials(deepcopy=False)
         retried = {t.system_attrs.get(RETRY_OF) for t in trials} - {None}
         by_status: dict[str, int] = {}
         for t in trials:
@@ -228,19 +215,19 @@ class Sweep(StudyMixin, WorkerMixin):
                 st = "over budget"
             by_status[st] = by_status.get(st, 0) + 1
         lines = [
-            f"vramsweep: sweep '{self.s.name}' - this run: {plural(self.finished, 'trial')} in {wall_s:.0f} s; "
+            f"vramsweep: sweep '{self.settings.name}' - this run: {plural(self.state.finished, 'trial')} in {wall_s:.0f} s; "
             "study total: "
             + (", ".join(f"{v} {k}" for k, v in sorted(by_status.items())) or "no finished trials")
         ]
         try:
-            best = self.study.best_trials
+            best = self.book.study.best_trials
         except Exception:
             best = []
         if best:
-            if len(self.s.objectives) == 1:
+            if len(self.settings.objectives) == 1:
                 b = best[0]
                 lines.append(
-                    f"vramsweep: best feasible: trial {b.number:04d} {self.s.objectives[0].metric}={b.values[0]:.6g} "
+                    f"vramsweep: best feasible: trial {b.number:04d} {self.settings.objectives[0].metric}={b.values[0]:.6g} "
                     + " ".join(
                         fmt_override(o)
                         for o in b.user_attrs.get("overrides") or []
@@ -251,24 +238,22 @@ class Sweep(StudyMixin, WorkerMixin):
                 lines.append(
                     f"vramsweep: Pareto front (feasible): trials {', '.join(f'{t.number:04d}' for t in best)}"
                 )
-        left = requeue_lost(self.study)
+        left = requeue_lost(self.book.study)
         lost = [t.number for t in left if not t.system_attrs.get(JOB_LOST)]
         job_lost = [t.number for t in left if t.system_attrs.get(JOB_LOST)]
         if lost:
             lines.append(
                 f"vramsweep: {len(lost)} design point(s) lost for good (their worker died or was stopped "
-                f"{self.s.retry_stale + 1} times: trial(s) {', '.join(f'{n:04d}' for n in lost)}): re-run with "
-                f"hydra.sweeper.retry_stale={self.s.retry_stale + 1} to retry them"
+                f"{self.settings.retry_stale + 1} times: trial(s) {', '.join(f'{n:04d}' for n in lost)}): re-run with "
+                f"hydra.sweeper.retry_stale={self.settings.retry_stale + 1} to retry them"
             )
-        if self.abort_reason:
-            lines.append(f"vramsweep: ABORTED: {self.abort_reason}")
+        if self.state.abort_reason:
+            lines.append(f"vramsweep: ABORTED: {self.state.abort_reason}")
         lines.append(
-            f"vramsweep: dashboard: optuna-dashboard {self.s.storage if '@' not in self.s.storage else '<storage URL>'}"
+            f"vramsweep: dashboard: optuna-dashboard {self.settings.storage if '@' not in self.settings.storage else '<storage URL>'}"
         )
-        lines.append(f"results: {self.s.sweep_dir}")
-        from vramsweep.sweeper.storage import remaining_slots
-
-        waiting = remaining_slots(self.study, self.plan.n_total)[0]
+        lines.append(f"results: {self.settings.sweep_dir}")
+        waiting = self.book.waiting()
         if job_lost or waiting:  # the last line: how to retry what is left
             what = (
                 [f"{plural(len(job_lost), 'trial')} whose launcher job was lost ({_numbers(job_lost)})"]
@@ -312,7 +297,7 @@ def run_sweep(
         return run_max_context(sweeper_cfg, task_cfg, arguments, runner=runner)
     done = finished_study(sweeper_cfg, task_cfg, arguments)
     if done is not None:  # nothing to run: the summary, without composing every point or importing torch
-        return Sweep.finished(*done, runner=runner, launcher_factory=launcher_factory)
+        return Sweep.report_complete(*done, runner=runner, launcher_factory=launcher_factory)
     try:
         check_fault_env()
         check_named_options(arguments)  # sweep=<typo>: Hydra ignores an unknown option of an optional group

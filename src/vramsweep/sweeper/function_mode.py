@@ -16,6 +16,7 @@ import importlib
 import math
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
@@ -105,40 +106,62 @@ def _tell(study: Any, trial: Any, values: Any = None, state: Any = None) -> None
             raise
 
 
-def run_function_sweep(
-    settings: dict[str, Any], arguments: list[str], config: Any, launcher_factory: Any
-) -> int:
-    """Optimise a Hydra app's return value; 0 done, 1 failure-rate cap, 2 bad settings (nothing run)."""
-    import optuna
-    from omegaconf import OmegaConf
+@dataclass
+class FunctionPlan:
+    """A function-mode sweep, parsed and checked: the space, fixed overrides, objectives and budget."""
 
+    dims: list[Any]
+    fixed: list[str]
+    directions: list[str]
+    sampler: Any
+    n_jobs: int
+    n_trials: int
+    max_failure_rate: float
+    custom: Any  # custom_search_space(cfg, trial) or None
+
+
+def plan_function_sweep(settings: dict[str, Any], arguments: list[str]) -> FunctionPlan:
+    """Every ``hydra.sweeper.*`` setting checked and the space parsed; :class:`ConfigError` otherwise."""
     from vramsweep.sweeper.settings import _param_str, check_sweeper_settings
 
     sampler_spec = settings.get("sampler")
     if isinstance(sampler_spec, dict) and not sampler_spec.get("name") and not sampler_spec.get("_target_"):
         # a conf that sets only ``sampler.seed`` (upstream's examples): upstream's default sampler, TPE
         settings = {**settings, "sampler": {"name": "tpe", **sampler_spec}}
+    check_sweeper_settings(settings)  # every hydra.sweeper.* key: type and range
+    cli_params, cli_fixed = cli_sweep_params(arguments)
+    params = {str(k): _param_str(v) for k, v in (settings.get("params") or {}).items()} | cli_params
+    pinned = {override_key(o) for o in cli_fixed}  # `y=0` on the command line pins a param, as upstream
+    dims, fixed_params = parse_params({k: v for k, v in params.items() if k not in pinned})
+    directions = _directions(settings.get("direction"))
+    n_jobs = int(settings.get("n_jobs") or 1)
+    sampler = _sampler(settings.get("sampler"), settings.get("seed"), dims, n_jobs, len(directions))
+    grid_size = None
+    if isinstance(sampler, tuple):
+        sampler, grid_size = sampler
+    n_trials = settings.get("n_trials")
+    n_trials = DEFAULT_N_TRIALS if n_trials is None else int(n_trials)
+    return FunctionPlan(
+        dims=dims,
+        fixed=merge_overrides(fixed_params, cli_fixed),
+        directions=directions,
+        sampler=sampler,
+        n_jobs=n_jobs,
+        n_trials=n_trials if grid_size is None else min(n_trials, grid_size),
+        max_failure_rate=float(settings.get("max_failure_rate", 0.0) or 0.0),
+        custom=_custom(settings.get("custom_search_space")),
+    )
+
+
+def run_function_sweep(
+    settings: dict[str, Any], arguments: list[str], config: Any, launcher_factory: Any
+) -> int:
+    """Optimise a Hydra app's return value, in the shape of hydra-optuna-sweeper's ``sweep()``: ask a
+    batch, launch it, tell the returns. 0 done, 1 failure-rate cap, 2 bad settings (nothing run)."""
+    import optuna
+
     try:
-        check_sweeper_settings(settings)  # every hydra.sweeper.* key: type and range
-        cli_params, cli_fixed = cli_sweep_params(arguments)
-        params = {str(k): _param_str(v) for k, v in (settings.get("params") or {}).items()}
-        params.update(cli_params)
-        pinned = {override_key(o) for o in cli_fixed}  # `y=0` on the command line pins a param, as upstream
-        params = {k: v for k, v in params.items() if k not in pinned}
-        dims, fixed_params = parse_params(params)
-        fixed = merge_overrides(fixed_params, cli_fixed)
-        directions = _directions(settings.get("direction"))
-        n_jobs = int(settings.get("n_jobs") or 1)
-        sampler = _sampler(settings.get("sampler"), settings.get("seed"), dims, n_jobs, len(directions))
-        grid_size = None
-        if isinstance(sampler, tuple):
-            sampler, grid_size = sampler
-        custom = _custom(settings.get("custom_search_space"))
-        n_trials = settings.get("n_trials")
-        n_trials = DEFAULT_N_TRIALS if n_trials is None else int(n_trials)
-        if grid_size is not None:
-            n_trials = min(n_trials, grid_size)
-        max_fail = float(settings.get("max_failure_rate", 0.0) or 0.0)
+        plan = plan_function_sweep(settings, arguments)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -146,27 +169,21 @@ def run_function_sweep(
     study = optuna.create_study(
         study_name=settings.get("study_name"),
         storage=settings.get("storage"),
-        sampler=sampler,
-        directions=directions,
+        sampler=plan.sampler,
+        directions=plan.directions,
         load_if_exists=True,
     )
     launcher = launcher_factory()
     done = failures = 0
-    while done < n_trials:
-        batch = min(n_jobs, n_trials - done)
+    while done < plan.n_trials:
         trials, overrides = [], []
-        for _ in range(batch):
-            trial = study.ask()
-            for d in dims:
-                suggest(trial, d)
-            if custom is not None:
-                custom(config, trial)
-            trials.append(trial)
-            overrides.append(tuple(merge_overrides(fixed, [f"{k}={v}" for k, v in trial.params.items()])))
+        for _ in range(min(plan.n_jobs, plan.n_trials - done)):  # each point suggested before the next ask
+            trials.append(study.ask())
+            overrides.append(_trial_overrides(plan, config, trials[-1]))
         returns = launcher.launch(overrides, initial_job_idx=done)
         for trial, ret in zip(trials, returns):
             try:
-                values = _values(ret, len(directions))
+                values = _values(ret, len(plan.directions))
             except Exception as exc:
                 failures += 1
                 trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:1000])
@@ -174,30 +191,48 @@ def run_function_sweep(
                 print(f"vramsweep: trial {trial.number} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue
             _tell(study, trial, values)
-        done += batch
-        if failures and failures / done > max_fail:
+        done += len(trials)
+        if failures and failures / done > plan.max_failure_rate:
             print(
-                f"vramsweep: ABORTED: {failures}/{done} trials failed > hydra.sweeper.max_failure_rate={max_fail}",
+                f"vramsweep: ABORTED: {failures}/{done} trials failed > "
+                f"hydra.sweeper.max_failure_rate={plan.max_failure_rate}",
                 file=sys.stderr,
             )
             return 1
-    best = study.best_trials if len(directions) > 1 else [study.best_trial]
+    best = study.best_trials if len(plan.directions) > 1 else [study.best_trial]
     for b in best:
         print(f"vramsweep: best: trial {b.number} values={b.values} params={b.params}", flush=True)
-    sweep_dir = OmegaConf.select(config, "hydra.sweep.dir")
-    if sweep_dir:
-        from pathlib import Path
-
-        Path(str(sweep_dir)).mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(
-            OmegaConf.create(
-                {"name": "optuna", "best_params": dict(best[0].params), "best_value": best[0].values[0]}
-                if len(best) == 1 and len(directions) == 1
-                else {
-                    "name": "optuna",
-                    "solutions": [{"params": dict(b.params), "values": b.values} for b in best],
-                }
-            ),
-            f"{sweep_dir}/optimization_results.yaml",
-        )
+    _save_best(config, best, len(plan.directions))
     return 0
+
+
+def _trial_overrides(plan: FunctionPlan, config: Any, trial: Any) -> tuple[str, ...]:
+    """Suggest the trial's point (the space, then the app's ``custom_search_space``): its overrides."""
+    for d in plan.dims:
+        suggest(trial, d)
+    if plan.custom is not None:
+        plan.custom(config, trial)
+    return tuple(merge_overrides(plan.fixed, [f"{k}={v}" for k, v in trial.params.items()]))
+
+
+def _save_best(config: Any, best: list[Any], n_directions: int) -> None:
+    """``<hydra.sweep.dir>/optimization_results.yaml``, as hydra-optuna-sweeper writes it."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    sweep_dir = OmegaConf.select(config, "hydra.sweep.dir")
+    if not sweep_dir:
+        return
+    Path(str(sweep_dir)).mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(
+        OmegaConf.create(
+            {"name": "optuna", "best_params": dict(best[0].params), "best_value": best[0].values[0]}
+            if len(best) == 1 and n_directions == 1
+            else {
+                "name": "optuna",
+                "solutions": [{"params": dict(b.params), "values": b.values} for b in best],
+            }
+        ),
+        f"{sweep_dir}/optimization_results.yaml",
+    )

@@ -18,7 +18,7 @@ With submitit the runner submits and watches each job itself (:class:`_SubmititJ
 callable the plugin's ``launch()`` builds), so it can tell *how* a job ended. A job that left without a
 result JSON - cancelled (``scancel``), preempted, its node lost, killed, or never submitted (``sbatch``
 failed: controller down) - is **lost infrastructure**, not a trial outcome: the result carries
-``meta.lost_job`` and the sweep retries the point (:meth:`WorkerMixin._record_lost_job`). A trial that
+``meta.lost_job`` and the sweep retries the point (:meth:`.workers.WorkerPool._record_lost_job`). A trial that
 failed by itself (OOM, NaN, an exception) wrote its result JSON: that is a result. ``TIMEOUT`` and
 ``OUT_OF_MEMORY`` (the job's own limits) are results too (``error``, with the state), since a retry would
 hit them again. SLURM jobs are watched with ``squeue -t all`` (no accounting needed): a job that is no

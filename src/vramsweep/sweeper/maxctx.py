@@ -256,13 +256,13 @@ def plan_max_context(
     from vramsweep.config.compose import ConfigError, compose
     from vramsweep.config.rules import validate
     from vramsweep.estimate import max_context as predict
-    from vramsweep.sweeper.settings import check_sweeper_settings
+    from vramsweep.sweeper.settings import SweepConfig, check_sweeper_settings
     from vramsweep.sweeper.space import override_key
 
     check_sweeper_settings(sweeper_cfg)  # every hydra.sweeper.* key: type and range (timeout_s, n_jobs, ...)
-    sweep = task_cfg.get("sweep") or {}
-    name = str(sweeper_cfg.get("study_name") or sweep.get("name") or "max_context")
-    bounds = dict(sweep.get("max_context") or {})
+    sweep = SweepConfig.from_dict(task_cfg.get("sweep"))
+    name = str(sweeper_cfg.get("study_name") or sweep.name or "max_context")
+    bounds = sweep.max_context
     try:
         lo, hi, step = (
             int(bounds.get("min", 256)),
@@ -281,10 +281,8 @@ def plan_max_context(
     # sweep=<name> stays (its defaults list picks model/quant/hardware/data for every probe); sweep.* and
     # hydra.* settings are the driver's, not the trial's
     fixed = [a for a in arguments if not override_key(a).startswith(("sweep.", "hydra."))]
-    fixed = [*list(sweep.get("fixed") or []), *fixed]
-    configs = [
-        list(c) if isinstance(c, list | tuple) else str(c).split() for c in (sweep.get("configs") or [[]])
-    ]
+    fixed = [*sweep.fixed, *fixed]
+    configs = [list(c) if isinstance(c, list | tuple) else str(c).split() for c in (sweep.configs or [[]])]
     plan = MaxContextPlan(name, lo, hi, step, 0, fixed)
     for conf in configs:
         over = [*fixed, *conf]
@@ -302,13 +300,50 @@ def plan_max_context(
     return plan
 
 
+def _write_tables(sweep_dir: Path, plan: MaxContextPlan, rows: list[dict[str, Any]], known: dict) -> str:
+    """``max_context.json``/``.md``/``.csv`` from the rows so far (after each config: a budget-limited run
+    keeps what it finished); returns the Markdown table."""
+    from vramsweep.record.result import atomic_write_json, atomic_write_text
+
+    device = next(
+        (
+            f", measured on {r['meta']['device']}"
+            for r in known.values()
+            if (r.get("meta") or {}).get("device")
+        ),
+        "",
+    )
+    atomic_write_json(
+        sweep_dir / "max_context.json", {"budget_bytes": plan.budget_bytes, "fixed": plan.fixed, "rows": rows}
+    )
+    md = _table_md(rows, plan.budget_bytes / GIB, device)
+    atomic_write_text(sweep_dir / "max_context.md", md)
+    buf = io.StringIO()
+    cols = [
+        "config",
+        "predicted_tokens",
+        "max_tokens",
+        "next_tokens",
+        "next_status",
+        "peak_gib",
+        M.TOKENS_PER_S,
+        "probes",
+        "confirmed",
+        "reason",
+    ]
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_text(sweep_dir / "max_context.csv", buf.getvalue())
+    return md
+
+
 def run_max_context(
     sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str], *, runner=None
 ) -> int:
     """Run a ``max_context`` sweep; 0 done, 2 bad config (nothing written)."""
     from vramsweep.config.compose import ConfigError
     from vramsweep.config.errors import error_line
-    from vramsweep.record.result import atomic_write_json, atomic_write_text
     from vramsweep.sweeper.isolation import make_runner
     from vramsweep.sweeper.settings import DEFAULT_PRELOAD, DEFAULT_TRIAL_FN
 
@@ -320,72 +355,33 @@ def run_max_context(
     except ConfigError as exc:
         print(error_line("train", str(exc)), file=sys.stderr)
         return 2
-    name, lo, hi, step, budget_bytes, fixed = (
-        plan.name,
-        plan.lo,
-        plan.hi,
-        plan.step,
-        plan.budget_bytes,
-        plan.fixed,
-    )
     results_dir = str(task_cfg.get("results_dir") or "results")
-    sweep_dir = Path(os.path.abspath(sweeper_cfg.get("sweep_dir") or Path(results_dir) / "sweeps" / name))
+    sweep_dir = Path(
+        os.path.abspath(sweeper_cfg.get("sweep_dir") or Path(results_dir) / "sweeps" / plan.name)
+    )
     (sweep_dir / "trials").mkdir(parents=True, exist_ok=True)
     isolation = str(sweeper_cfg.get("isolation") or "fork")
     settings = {
-        "name": name,
+        "name": plan.name,
         "trial_fn": str(sweeper_cfg.get("trial_fn") or DEFAULT_TRIAL_FN),
         "isolation": isolation,
         "timeout_s": sweeper_cfg.get("timeout_s"),
     }
     runner = runner or make_runner(isolation, list(sweeper_cfg.get("preload") or DEFAULT_PRELOAD))
     say(
-        f"vramsweep: '{name}': max-context search over {len(plan.configs)} config(s), {lo:,}..{hi:,} tokens in "
-        f"steps of {step:,}, budget {budget_bytes / GIB:g} GiB; each probe is a real trial ({isolation})"
+        f"vramsweep: '{plan.name}': max-context search over {len(plan.configs)} config(s), {plan.lo:,}..{plan.hi:,} "
+        f"tokens in steps of {plan.step:,}, budget {plan.budget_bytes / GIB:g} GiB; each probe is a real trial "
+        f"({isolation})"
     )
     runner.start()
-    prober = _Prober(runner, sweep_dir, settings, budget_bytes, say)
+    prober = _Prober(runner, sweep_dir, settings, plan.budget_bytes, say)
     rows: list[dict[str, Any]] = []
-
-    def write_tables() -> str:
-        device = next(
-            (
-                f", measured on {r['meta']['device']}"
-                for r in prober.known.values()
-                if (r.get("meta") or {}).get("device")
-            ),
-            "",
-        )
-        atomic_write_json(
-            sweep_dir / "max_context.json", {"budget_bytes": budget_bytes, "fixed": fixed, "rows": rows}
-        )
-        md = _table_md(rows, budget_bytes / GIB, device)
-        atomic_write_text(sweep_dir / "max_context.md", md)
-        buf = io.StringIO()
-        cols = [
-            "config",
-            "predicted_tokens",
-            "max_tokens",
-            "next_tokens",
-            "next_status",
-            "peak_gib",
-            M.TOKENS_PER_S,
-            "probes",
-            "confirmed",
-            "reason",
-        ]
-        w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-        atomic_write_text(sweep_dir / "max_context.csv", buf.getvalue())
-        return md
-
     try:
         for over, conf, predicted in plan.configs:
             say(f"config {' '.join(conf) or '(base)'}: estimator predicts {predicted:,} tokens")
-            rows.append(search_config(prober, over, predicted, lo, hi, step))
+            rows.append(search_config(prober, over, predicted, plan.lo, plan.hi, plan.step))
             rows[-1]["config"] = " ".join(conf) or "(base)"
-            md = write_tables()  # after each config: a budget-limited run keeps what it finished
+            md = _write_tables(sweep_dir, plan, rows, prober.known)
     finally:
         runner.stop()
     say(md)

@@ -574,25 +574,66 @@ def _all_discrete(params: dict[str, str]) -> bool:
     return True
 
 
-def resolve_settings(
-    sweeper: dict[str, Any],
-    task_cfg: dict[str, Any],
-    *,
-    cli_params: dict[str, str] | None = None,
-    sweep_file: str | None = None,
-) -> Settings:
-    """Merge ``hydra.sweeper.*`` (``sweeper``) with the task config's ``sweep:`` node.
+@dataclass
+class SweepConfig:
+    """The ``sweep:`` node of a sweep file (``sweep=<name>``), typed: the keys a sweep file may set.
 
-    Args:
-        sweeper: the ``hydra.sweeper`` node as a plain dict (``_target_`` ignored).
-        task_cfg: the composed task config as a plain dict (``sweep``, ``results_dir``, ``hardware``).
-        cli_params: search-space entries from the command line (override ``params``).
-        sweep_file: the selected ``sweep=<name>`` option, if any (a sweep file may ask for a search).
-
-    Design: a sweep file's ``sweep.design`` wins; else ``hydra.sweeper.sampler`` (``grid`` -> grid, any
-    other -> search); else ``hydra.sweeper.params`` (a sweep file's or the user's search space) -> search;
-    else the command line's lists are a grid, or a search when one of them is an ``interval``.
+    ``name`` names the sweep (folder, study); ``design`` picks how its points are made (:data:`DESIGNS`, or
+    ``max_context``: :mod:`vramsweep.sweeper.maxctx`); ``objectives`` are metric names or
+    ``{metric, direction}``; ``baseline``/``factors`` make an ablation, ``stack`` a stacking design;
+    ``repeats`` seeds per point (``None``: :func:`default_repeats`); ``preflight`` estimates every point
+    before the first trial; ``configs``/``fixed``/``max_context`` are the max-context driver's.
     """
+
+    name: str | None = None
+    design: str | None = None
+    objectives: Any = None
+    baseline: list[str] = field(default_factory=list)
+    factors: list[list[str]] = field(default_factory=list)
+    stack: list[str] = field(default_factory=list)
+    repeats: int | None = None
+    preflight: bool = False
+    description: str | None = None
+    configs: list[Any] = field(default_factory=list)
+    fixed: list[str] = field(default_factory=list)
+    max_context: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, node: dict[str, Any] | None) -> SweepConfig:
+        """Parse a composed ``sweep:`` node; :class:`ConfigError` names an unknown key or a bad value."""
+        from vramsweep.config.compose import ConfigError
+
+        node = dict(node or {})
+        known = sorted(cls.__dataclass_fields__)
+        for k in node:
+            if k not in cls.__dataclass_fields__:
+                raise ConfigError(f"unknown key sweep.{k}", key=f"sweep.{k}", allowed=known)
+        repeats = node.get("repeats")
+        if repeats is not None and (not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1):
+            raise ConfigError(
+                f"sweep.repeats={repeats!r} must be an integer >= 1", key="sweep.repeats", allowed=["1.."]
+            )
+        return cls(
+            name=None if node.get("name") is None else str(node["name"]),
+            design=str(node["design"]) if node.get("design") else None,
+            objectives=node.get("objectives"),
+            baseline=[str(x) for x in _as_list(node.get("baseline"), "sweep.baseline")],
+            factors=[
+                [str(x) for x in _as_list(f, "sweep.factors[]")]
+                for f in _as_list(node.get("factors"), "sweep.factors")
+            ],
+            stack=[str(x) for x in _as_list(node.get("stack"), "sweep.stack")],
+            repeats=repeats,
+            preflight=bool(node.get("preflight", False)),
+            description=node.get("description"),
+            configs=list(node.get("configs") or []),
+            fixed=[str(x) for x in _as_list(node.get("fixed"), "sweep.fixed")],
+            max_context=dict(node.get("max_context") or {}),
+        )
+
+
+def sweeper_conf(sweeper: dict[str, Any]) -> SweeperConf:
+    """``hydra.sweeper.*`` as a :class:`SweeperConf`: unknown keys, types and ranges checked."""
     from vramsweep.config.compose import ConfigError
 
     conf = SweeperConf()
@@ -606,26 +647,13 @@ def resolve_settings(
             )
         setattr(conf, k, v)
     check_sweeper_settings(sweeper)  # type and range of every key (SETTING_RULES), before anything else
-    sweep = dict(task_cfg.get("sweep") or {})
-    known_sweep = {
-        "name",
-        "design",
-        "objectives",
-        "baseline",
-        "factors",
-        "stack",
-        "repeats",
-        "preflight",
-        "description",
-    }
-    for k in sweep:
-        if k not in known_sweep:
-            raise ConfigError(f"unknown key sweep.{k}", key=f"sweep.{k}", allowed=sorted(known_sweep))
-    named = bool(sweep.get("name") or conf.study_name)
-    # sweep.name=<x> on the command line arrives as study_name (it names the folder and the study)
-    name = str(conf.study_name or sweep.get("name") or "multirun")
-    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
-        raise ConfigError(f"sweep.name={name!r} must be a plain file name", key="sweep.name")
+    return conf
+
+
+def _sampler_spec(conf: SweeperConf) -> Any:
+    """``hydra.sweeper.sampler`` checked; hydra-optuna-sweeper's GridSampler config means our grid."""
+    from vramsweep.config.compose import ConfigError
+
     sampler = None if conf.sampler is None else _check_spec(conf.sampler, SAMPLERS, "hydra.sweeper.sampler")
     if isinstance(sampler, dict) and str(sampler.get("_target_", "")).endswith("GridSampler"):
         if sampler.get("search_space"):
@@ -635,18 +663,26 @@ def resolve_settings(
                 key="hydra.sweeper.sampler",
             )
         sampler = "grid"  # hydra-optuna-sweeper's GridSampler config: the grid is our search space
-    cli_only = dict(cli_params or {})
-    if sweep.get("design"):
-        design, reason = str(sweep["design"]), f"sweep.design in sweep {sweep_file or name!r}"
+    return sampler
+
+
+def _choose_design(
+    sweep: SweepConfig, conf: SweeperConf, sampler: Any, cli_params: dict[str, str], sweep_file: str
+) -> tuple[str, str, Any]:
+    """``(design, why, sampler)``: a sweep file's ``sweep.design`` wins; else ``hydra.sweeper.sampler``
+    (``grid`` -> grid, any other -> search); else ``hydra.sweeper.params`` -> search; else the command
+    line's lists are a grid, or a search when one of them is an ``interval``."""
+    if sweep.design:
+        design, reason = sweep.design, f"sweep.design in sweep {sweep_file!r}"
     elif sampler is not None:
         design = "grid" if sampler == "grid" else "search"
         reason = f"hydra.sweeper.sampler={_spec_name(sampler)}"
     elif conf.params:
         design, reason = (
             "search",
-            "hydra.sweeper.params" + (f" of sweep {sweep_file!r}" if sweep_file else ""),
+            "hydra.sweeper.params" + (f" of sweep {sweep_file!r}" if sweep.name else ""),
         )
-    elif _all_discrete(cli_only):
+    elif _all_discrete(cli_params):
         design, reason = "grid", "command-line lists (every combination once)"
     else:
         design, reason = "search", "an interval on the command line can only be searched"
@@ -655,36 +691,27 @@ def resolve_settings(
         design = "grid"
     if sampler is None:
         sampler = "grid" if design == "grid" else "tpe"
-    pruner = _check_spec(conf.pruner, PRUNERS, "hydra.sweeper.pruner")
-    objectives = parse_objectives(
-        conf.objectives if conf.objectives is not None else sweep.get("objectives"), conf.direction
-    )
-    baseline = [str(x) for x in _as_list(sweep.get("baseline"), "sweep.baseline")]
-    factors = []
-    for f in _as_list(sweep.get("factors"), "sweep.factors"):
-        factors.append([str(x) for x in _as_list(f, "sweep.factors[]")])
-    stack = [str(x) for x in _as_list(sweep.get("stack"), "sweep.stack")]
-    repeats = sweep.get("repeats")
-    if repeats is None:
-        repeats = default_repeats(design, objectives)
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-        raise ConfigError(
-            f"sweep.repeats={repeats!r} must be an integer >= 1", key="sweep.repeats", allowed=["1.."]
-        )
-    if design == "ablation" and not (baseline or factors):
+    return design, reason, sampler
+
+
+def _check_design_parts(sweep: SweepConfig, design: str, params: dict[str, str]) -> None:
+    from vramsweep.config.compose import ConfigError
+
+    if design == "ablation" and not (sweep.baseline or sweep.factors):
         raise ConfigError("sweep.design=ablation needs sweep.baseline and sweep.factors", key="sweep.factors")
-    if design == "stacking" and not stack:
+    if design == "stacking" and not sweep.stack:
         raise ConfigError("sweep.design=stacking needs sweep.stack", key="sweep.stack")
-    params = {str(k): _param_str(v) for k, v in (conf.params or {}).items()}
-    params.update(cli_params or {})
     if design in ("search", "grid") and not params:
         raise ConfigError(
             f"sweep.design={design} needs a search space: hydra.sweeper.params or sweep overrides on the command line",
             key="hydra.sweeper.params",
         )
-    results_dir = str(task_cfg.get("results_dir") or "results")
-    sweep_dir = Path(conf.sweep_dir) if conf.sweep_dir else Path(results_dir) / "sweeps" / name
-    sweep_dir = Path(os.path.abspath(sweep_dir))
+
+
+def _storage_url(conf: SweeperConf, sweep_dir: Path) -> str:
+    """The study's storage URL (default: ``sqlite:///<sweep dir>/study.db``), checked and normalised."""
+    from vramsweep.config.compose import ConfigError
+
     storage = conf.storage or f"sqlite:///{sweep_dir / 'study.db'}"
     if storage in ("memory", ":memory:"):
         raise ConfigError(
@@ -697,23 +724,61 @@ def resolve_settings(
             key="hydra.sweeper.storage",
             allowed=["sqlite:///path/study.db", "postgresql://user@host:5432/db", "mysql://..."],
         )
-    storage = normalise_storage_url(storage)
-    hardware = task_cfg.get("hardware") or {}
+    return normalise_storage_url(storage)
+
+
+def resolve_settings(
+    sweeper: dict[str, Any],
+    task_cfg: dict[str, Any],
+    *,
+    cli_params: dict[str, str] | None = None,
+    sweep_file: str | None = None,
+) -> Settings:
+    """Merge ``hydra.sweeper.*`` (``sweeper``, a :class:`SweeperConf`) with the task config's ``sweep:``
+    node (a :class:`SweepConfig`) into :class:`Settings`.
+
+    Args:
+        sweeper: the ``hydra.sweeper`` node as a plain dict (``_target_`` ignored).
+        task_cfg: the composed task config as a plain dict (``sweep``, ``results_dir``, ``hardware``).
+        cli_params: search-space entries from the command line (override ``params``).
+        sweep_file: the selected ``sweep=<name>`` option, if any (a sweep file may ask for a search).
+
+    The design: :func:`_choose_design`.
+    """
+    from vramsweep.config.compose import ConfigError
+
+    conf = sweeper_conf(sweeper)
+    sweep = SweepConfig.from_dict(task_cfg.get("sweep"))
+    named = bool(sweep.name or conf.study_name)
+    # sweep.name=<x> on the command line arrives as study_name (it names the folder and the study)
+    name = str(conf.study_name or sweep.name or "multirun")
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
+        raise ConfigError(f"sweep.name={name!r} must be a plain file name", key="sweep.name")
+    design, reason, sampler = _choose_design(
+        sweep, conf, _sampler_spec(conf), dict(cli_params or {}), sweep_file or name
+    )
+    objectives = parse_objectives(
+        conf.objectives if conf.objectives is not None else sweep.objectives, conf.direction
+    )
+    params = {str(k): _param_str(v) for k, v in (conf.params or {}).items()} | dict(cli_params or {})
+    _check_design_parts(sweep, design, params)
+    results_dir = str(task_cfg.get("results_dir") or "results")
+    sweep_dir = Path(os.path.abspath(conf.sweep_dir or Path(results_dir) / "sweeps" / name))
     return Settings(
         name=name,
         design=design,
         objectives=objectives,
-        baseline=baseline,
-        factors=factors,
-        stack=stack,
-        repeats=int(repeats),
-        preflight=bool(sweep.get("preflight", False)),
+        baseline=sweep.baseline,
+        factors=sweep.factors,
+        stack=sweep.stack,
+        repeats=sweep.repeats if sweep.repeats is not None else default_repeats(design, objectives),
+        preflight=sweep.preflight,
         n_trials=conf.n_trials,
         n_jobs=int(conf.n_jobs),
-        storage=storage,
+        storage=_storage_url(conf, sweep_dir),
         study_name=str(conf.study_name or name),
         sampler=sampler,
-        pruner=pruner,
+        pruner=_check_spec(conf.pruner, PRUNERS, "hydra.sweeper.pruner"),
         params=params,
         seed=conf.seed,
         isolation=conf.isolation,
@@ -730,7 +795,7 @@ def resolve_settings(
         cuda_devices=[str(d) for d in conf.cuda_devices] if conf.cuda_devices else None,
         progress=bool(conf.progress),
         results_dir=results_dir,
-        budget_gib=float(hardware.get("budget_gib") or 0.0),
+        budget_gib=float((task_cfg.get("hardware") or {}).get("budget_gib") or 0.0),
         named=named,
         storage_given=bool(conf.storage),
         sweep_dir_given=bool(conf.sweep_dir),

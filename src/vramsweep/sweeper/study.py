@@ -1,6 +1,7 @@
-"""A sweep's study bookkeeping: the folder and study, slots popped and filled (design point or sampler),
-outcomes told, duplicates of measured points, and trials lost by dead workers (reconciled, retried within
-``hydra.sweeper.retry_stale``). Mixed into :class:`vramsweep.sweeper.engine.Sweep` (uses its attributes).
+"""A sweep's study bookkeeping (:class:`StudyBook`): the folder and study, slots popped and filled (design
+point or sampler), outcomes told, duplicates of measured points, and trials lost by dead workers
+(reconciled, retried within ``hydra.sweeper.retry_stale``). The worker pool (:mod:`.workers`) asks it for
+jobs and tells it outcomes; the loop (:mod:`.engine`) opens it and reads its study for the summary.
 """
 
 from __future__ import annotations
@@ -9,17 +10,19 @@ import contextlib
 import copy
 import os
 import sys
+import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
 from vramsweep.record.status import Status
+from vramsweep.sweeper.design import design_choices
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY, Outcome, user_attrs
-from vramsweep.sweeper.plan import IDENTITY, NOT_IDENTITY, identity_diff
-from vramsweep.sweeper.progress import Progress
+from vramsweep.sweeper.plan import IDENTITY, NOT_IDENTITY, Plan, identity_diff
 from vramsweep.sweeper.space import merge_overrides, override_key, params_to_overrides, space_size, suggest
 from vramsweep.sweeper.storage import (
     COPY_OF,
@@ -34,6 +37,8 @@ from vramsweep.sweeper.storage import (
     is_stale,
     load_or_create_study,
     pop_slot,
+    process_identity,
+    remaining_slots,
     requeue_lost,
     storage_lock,
     top_up,
@@ -84,8 +89,25 @@ def _design_label(design: dict[str, Any], overrides: list[str]) -> list[str]:
     return list(overrides)
 
 
-class StudyMixin:
-    """The study side of :class:`~vramsweep.sweeper.engine.Sweep`."""
+class StudyBook:
+    """One sweeper process's view of its study: opened once (:meth:`open`), then shared by the workers.
+
+    ``say`` prints a line (the progress display's, once there is one); ``running`` holds the trial ids this
+    process runs (never reaped as stale; stamped by the heartbeat)."""
+
+    def __init__(self, plan: Plan, say: Callable[[str], None] | None = None):
+        self.plan = plan
+        self.settings = plan.settings
+        self.trials_dir = self.settings.sweep_dir / "trials"
+        self.identity = process_identity()
+        self.choices = design_choices(plan.design) if plan.design is not None else {}
+        self.study: Any = None
+        self.admin: Any = None  # the same study with a neutral sampler: reaps and retries never sample
+        self.storage: Any = None
+        self.ask_lock = threading.Lock()
+        self.tell_lock = threading.Lock()
+        self.running: set[int] = set()
+        self._say = say
 
     def result_path(self, number: int) -> Path:
         return self.trials_dir / f"{number:04d}.json"
@@ -100,13 +122,15 @@ class StudyMixin:
         """The identity stored with this sweep's study, without creating storage or study (``None``: new)."""
         from vramsweep.sweeper.storage import make_storage, sqlite_path
 
-        path = sqlite_path(self.s.storage)
+        path = sqlite_path(self.settings.storage)
         if path is not None and not path.is_file():
             return None
-        with storage_lock(self.s.storage, self.s.study_name):  # table creation races other workers
+        with storage_lock(
+            self.settings.storage, self.settings.study_name
+        ):  # table creation races other workers
             try:
-                storage = make_storage(self.s.storage)
-                study_id = storage.get_study_id_from_name(self.s.study_name)
+                storage = make_storage(self.settings.storage)
+                study_id = storage.get_study_id_from_name(self.settings.study_name)
             except KeyError:
                 return None
             attrs = storage.get_study_user_attrs(study_id)
@@ -125,30 +149,31 @@ class StudyMixin:
         old = self.stored_identity()
         if old is None or old == self.plan.identity:
             return
-        where = self.s.storage if "@" not in self.s.storage else "<storage URL>"
+        where = self.settings.storage if "@" not in self.settings.storage else "<storage URL>"
         raise ConfigError(
-            f"sweep '{self.s.name}' (study '{self.s.study_name}' in {where}) was started by a different sweep: "
+            f"sweep '{self.settings.name}' (study '{self.settings.study_name}' in {where}) was started by a different sweep: "
             f"{identity_diff(old, self.plan.identity)}. A sweep resumes only with the same design, search space "
             f"and fixed overrides: run the original command to resume it, or give this one its own name "
-            f"(sweep.name=<new> or hydra.sweeper.study_name=<new>), or delete {self.s.sweep_dir}",
+            f"(sweep.name=<new> or hydra.sweeper.study_name=<new>), or delete {self.settings.sweep_dir}",
             key="sweep.name",
         )
 
-    def prepare(self) -> None:
-        """Create the folder, ``sweep.json`` and the study; reconcile stale trials; top up the slots."""
+    def open(self) -> int:
+        """Create the folder, ``sweep.json`` and the study; reconcile stale trials; top up the slots.
+        Returns how many trials of the study are finished already (a resumed sweep)."""
         import optuna
 
         from vramsweep.record.result import atomic_write_json
         from vramsweep.sweeper.samplers import make_pruner, make_sampler
 
+        s = self.settings
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-        self.progress = Progress(self.plan.n_total, enabled=self.s.progress)
         self.check_identity()  # a different sweep under this name: exit 2 before anything is written
         self.trials_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(
-            self.s.sweep_dir / "sweep.json",
-            self.s.public_dict()
+            s.sweep_dir / "sweep.json",
+            s.public_dict()
             | {
                 "fixed_overrides": self.plan.fixed,
                 "n_total": self.plan.n_total,
@@ -158,43 +183,58 @@ class StudyMixin:
             },
         )
         if self.plan.design is None:
-            sampler = make_sampler(
-                self.s.sampler, seed=self.s.seed, n_jobs=self.s.n_jobs, n_objectives=len(self.s.objectives)
-            )
+            sampler = make_sampler(s.sampler, seed=s.seed, n_jobs=s.n_jobs, n_objectives=len(s.objectives))
         else:
-            sampler = optuna.samplers.RandomSampler(seed=self.s.seed)  # every param is fixed per point
-        pruner = make_pruner(self.s.pruner, active=self.s.pruning_active)
-        self.study = load_or_create_study(self.s, sampler, pruner)
+            sampler = optuna.samplers.RandomSampler(seed=s.seed)  # every param is fixed per point
+        self.study = load_or_create_study(s, sampler, make_pruner(s.pruner, active=s.pruning_active))
         self.storage = self.study._storage
         self.admin = optuna.load_study(
-            study_name=self.s.study_name,
+            study_name=s.study_name,
             storage=self.storage,
             sampler=optuna.samplers.RandomSampler(),
             pruner=optuna.pruners.NopPruner(),
         )
-        with storage_lock(self.s.storage, self.s.study_name):
+        with storage_lock(s.storage, s.study_name):
             if IDENTITY not in self.study.user_attrs:
                 self.study.set_user_attr(IDENTITY, self.plan.identity)
                 self.study.set_user_attr("vramsweep:sweep_id", self.plan.sweep_id)
                 self.study.set_user_attr(
                     "sweep",
-                    {
-                        "name": self.s.name,
-                        "design": self.s.design,
-                        "objectives": [o.metric for o in self.s.objectives],
-                    },
+                    {"name": s.name, "design": s.design, "objectives": [o.metric for o in s.objectives]},
                 )
             self.reconcile()
-            self._requeue_lost()
+            self.requeue_lost_slots()
             added = top_up(self.study, self.plan.n_total, self._slot_attrs)
         counts = trial_counts(self.study)
         done = sum(v for k, v in counts.items() if k in ("COMPLETE", "PRUNED", "FAIL"))
-        self.progress.done = done
         if done or added < self.plan.n_total:
-            self.progress.say(
-                f"vramsweep: resuming study '{self.s.study_name}': {done}/{self.plan.n_total} finished, "
+            self.say(
+                f"vramsweep: resuming study '{s.study_name}': {done}/{self.plan.n_total} finished, "
                 f"{counts.get('WAITING', 0)} to run, {counts.get('RUNNING', 0)} running elsewhere"
             )
+        return done
+
+    def waiting(self) -> int:
+        """Slots of the study waiting for a trial."""
+        return remaining_slots(self.study, self.plan.n_total)[0]
+
+    def progress_counts(self) -> tuple[int | None, int | None, str | None]:
+        """``(done, running, best so far)`` counted from the study: right with several workers."""
+        try:
+            counts = trial_counts(self.study)
+        except Exception:
+            return None, None, None
+        done = sum(v for k, v in counts.items() if k in ("COMPLETE", "PRUNED", "FAIL"))
+        best = None
+        objectives = self.settings.objectives
+        with contextlib.suppress(Exception):
+            front = self.study.best_trials
+            if front and len(objectives) == 1:
+                b = front[0]
+                best = f"{objectives[0].metric} {b.values[0]:.4g} (trial {b.number:04d})"
+            elif front:
+                best = f"Pareto front of {len(front)} trial{'s' if len(front) != 1 else ''}"
+        return min(done, self.plan.n_total), counts.get("RUNNING", 0), best
 
     def reconcile(self) -> int:
         """Fail (and retry once) or tell-from-JSON every stale RUNNING trial. Call under the lock."""
@@ -203,7 +243,7 @@ class StudyMixin:
         reaped = 0
         now = time.time()
         for t in self.admin.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if t._trial_id in self._running or not is_stale(t, self.s.grace_s, now):
+            if t._trial_id in self.running or not is_stale(t, self.settings.grace_s, now):
                 continue
             self._reap(t, now)
             reaped += 1
@@ -219,8 +259,8 @@ class StudyMixin:
                 tmp.unlink()
         if data is not None:
             outcome = Outcome.from_dict(data["meta"]["optuna"])
-            self._tell(self.admin, trial, data, outcome)
-            self._say(
+            self.tell(self.admin, trial, data, outcome)
+            self.say(
                 f"vramsweep: trial {t.number:04d} finished while its worker died: told from its result file"
             )
             return
@@ -229,12 +269,12 @@ class StudyMixin:
         owner = t.system_attrs.get(OWNER) or {}
         beat = t.system_attrs.get(HEARTBEAT)
         age = f"{now - float(beat):.0f} s ago" if beat else "never"
-        will_retry = self._retry_lost(self.admin, t, retries)
+        will_retry = self.retry_lost(self.admin, t, retries)
         reason = (
             f"stale: the worker running this trial died (host {owner.get('host', '?')} pid {owner.get('pid', '?')}, "
-            f"last heartbeat {age}); {self._retry_note(retries, will_retry)}"
+            f"last heartbeat {age}); {self.retry_note(retries, will_retry)}"
         )
-        spec = self._spec_for(
+        spec = self.spec_for(
             t.number,
             t._trial_id,
             int(slot) if slot is not None else -1,
@@ -243,24 +283,24 @@ class StudyMixin:
             t.system_attrs.get(RETRY_OF),
             worker=0,
         )
-        res = self._lost_result(spec, reason, retries, t._trial_id)
-        self._tell(self.admin, trial, res, Outcome.from_dict(res["meta"]["optuna"]))
-        self._say(
+        res = self.lost_result(spec, reason, retries, t._trial_id)
+        self.tell(self.admin, trial, res, Outcome.from_dict(res["meta"]["optuna"]))
+        self.say(
             f"vramsweep: trial {t.number:04d} was left RUNNING by a dead worker: failed"
             + (
-                f" and re-enqueued (retry {retries + 1}/{self.s.retry_stale})"
+                f" and re-enqueued (retry {retries + 1}/{self.settings.retry_stale})"
                 if will_retry
                 else "; not retried again"
             )
         )
 
-    def _retry_lost(self, study: Any, t: Any, retries: int, *, force: bool = False) -> bool:
+    def retry_lost(self, study: Any, t: Any, retries: int, *, force: bool = False) -> bool:
         """Re-enqueue a lost trial's point into its slot when it has retries left (``force``: the caller
         decided, a lost launcher job); whether it did."""
         from optuna.trial import TrialState, create_trial
 
         slot = t.system_attrs.get(SLOT)
-        if slot is None or (not force and retries >= self.s.retry_stale):
+        if slot is None or (not force and retries >= self.settings.retry_stale):
             return False
         study.add_trial(
             create_trial(
@@ -280,8 +320,8 @@ class StudyMixin:
         )
         return True
 
-    def _retry_note(self, retries: int, will_retry: bool) -> str:
-        n = self.s.retry_stale
+    def retry_note(self, retries: int, will_retry: bool) -> str:
+        n = self.settings.retry_stale
         if will_retry:
             return f"its config is retried ({retries + 1}/{n})"
         return (
@@ -289,7 +329,7 @@ class StudyMixin:
             "re-run with a higher hydra.sweeper.retry_stale to retry it"
         )
 
-    def _lost_result(self, spec: TrialSpec, reason: str, retries: int, trial_id: int) -> dict[str, Any]:
+    def lost_result(self, spec: TrialSpec, reason: str, retries: int, trial_id: int) -> dict[str, Any]:
         """The result JSON of a lost trial (``meta.retries`` = earlier losses of its point); marks it lost."""
         from vramsweep.record.result import write_result
         from vramsweep.sweeper.trialproc import parent_side_result
@@ -301,28 +341,28 @@ class StudyMixin:
         self.storage.set_trial_system_attr(trial_id, LOST, True)
         return res
 
-    def _requeue_lost(self) -> int:
+    def requeue_lost_slots(self) -> int:
         """Slots whose last trial was lost (and not retried: the bound was reached) get a retry when
         ``retry_stale`` now allows one. Call under the lock."""
         n = 0
         for t in requeue_lost(self.admin):
             retries = int(t.system_attrs.get(RETRIES, 0))
             if t.system_attrs.get(JOB_LOST):  # its launcher job was lost: a new run retries it again
-                self._retry_lost(self.admin, t, retries, force=True)
+                self.retry_lost(self.admin, t, retries, force=True)
                 n += 1
-                self._say(
+                self.say(
                     f"vramsweep: trial {t.number:04d}'s launcher job was lost ({t.system_attrs[JOB_LOST]}): retried"
                 )
                 continue
-            if self._retry_lost(self.admin, t, retries):
+            if self.retry_lost(self.admin, t, retries):
                 n += 1
-                self._say(
+                self.say(
                     f"vramsweep: trial {t.number:04d}'s point was lost {retries + 1} time(s): "
-                    f"retried again (hydra.sweeper.retry_stale={self.s.retry_stale})"
+                    f"retried again (hydra.sweeper.retry_stale={self.settings.retry_stale})"
                 )
         return n
 
-    def _note_retries(self, job: Job, report: RunReport) -> None:
+    def note_retries(self, job: Job, report: RunReport) -> None:
         """Record in a retried point's result JSON how many earlier trials of it were lost."""
         if not job.retries or job.duplicate_of is not None:
             return
@@ -333,7 +373,7 @@ class StudyMixin:
         if path.exists():
             write_result(path, report.result)
 
-    def _spec_for(
+    def spec_for(
         self,
         number: int,
         trial_id: int,
@@ -344,27 +384,29 @@ class StudyMixin:
         worker: int,
     ) -> TrialSpec:
         env = dict(os.environ)
-        env["VRAMSWEEP_SWEEP_DIR"] = str(self.s.sweep_dir)  # trial W&B runs go to <sweep dir>/wandb
-        if self.s.cuda_devices:
-            env["CUDA_VISIBLE_DEVICES"] = self.s.cuda_devices[worker % len(self.s.cuda_devices)]
+        env["VRAMSWEEP_SWEEP_DIR"] = str(self.settings.sweep_dir)  # trial W&B runs go to <sweep dir>/wandb
+        if self.settings.cuda_devices:
+            env["CUDA_VISIBLE_DEVICES"] = self.settings.cuda_devices[worker % len(self.settings.cuda_devices)]
         return TrialSpec(
             number=number,
             trial_id=trial_id,
             slot=slot,
             overrides=overrides,
             result_path=str(self.result_path(number)),
-            sweep_name=self.s.name,
-            study_name=self.s.study_name,
-            storage=self.s.storage,
-            objectives=list(self.s.objectives),
-            trial_fn=self.s.trial_fn,
+            sweep_name=self.settings.name,
+            study_name=self.settings.study_name,
+            storage=self.settings.storage,
+            objectives=list(self.settings.objectives),
+            trial_fn=self.settings.trial_fn,
             design=design,
-            pruner=self.s.pruner,
-            pruning=self.s.pruning_active,
-            budget_gib=self.s.budget_gib,
-            preflight=self.s.preflight,
+            pruner=self.settings.pruner,
+            pruning=self.settings.pruning_active,
+            budget_gib=self.settings.budget_gib,
+            preflight=self.settings.preflight,
             retry_of=retry_of,
-            log_path=None if self.s.isolation == "inprocess" else str(self.trials_dir / f"{number:04d}.log"),
+            log_path=None
+            if self.settings.isolation == "inprocess"
+            else str(self.trials_dir / f"{number:04d}.log"),
             parent_pid=os.getpid(),
             parent_ctime=self.identity.get("ctime"),
             env=env,
@@ -389,12 +431,12 @@ class StudyMixin:
         """Pop a slot and fill in its config; ``None`` when no slot is waiting."""
         import optuna
 
-        with self._ask_lock:
-            with storage_lock(self.s.storage, self.s.study_name):
+        with self.ask_lock:
+            with storage_lock(self.settings.storage, self.settings.study_name):
                 trial_id = pop_slot(self.study, self.plan.n_total)
             if trial_id is None:
                 return None
-            self._running.add(trial_id)
+            self.running.add(trial_id)
             self.storage.set_trial_system_attr(trial_id, OWNER, self.identity)
             self.storage.set_trial_system_attr(trial_id, HEARTBEAT, time.time())
             trial = optuna.Trial(self.study, trial_id)
@@ -419,7 +461,7 @@ class StudyMixin:
             trial.set_user_attr("design", design)
             job = Job(trial, trial.number, slot, overrides, label, design, retry_of, retries=retries)
             job.dup_streak = int(frozen.system_attrs.get(DUP_STREAK, 0))
-            if self.plan.design is None and self.s.dedup and retry_of is None:
+            if self.plan.design is None and self.settings.dedup and retry_of is None:
                 dup = self._find_duplicate(trial.params, trial.number)
                 if dup is not None:
                     job.duplicate_of, job.source = dup
@@ -438,25 +480,25 @@ class StudyMixin:
         write_result(self.result_path(job.number), res)
         return RunReport(res, Outcome.from_dict(meta["optuna"]), 0.0, None)
 
-    def _record_duplicate(self, job: Job) -> None:
+    def record_duplicate(self, job: Job) -> None:
         """A re-proposed point: tell the sampler the earlier outcome (so it learns), but do not count it:
         the slot gets a fresh trial (an unmeasured point at random after DEDUP_PATIENCE copies in a row)."""
         from optuna.trial import TrialState, create_trial
 
         report = self._copy_duplicate(job)
-        with self._tell_lock:
+        with self.tell_lock:
             self.storage.set_trial_system_attr(job.trial._trial_id, COPY_OF, job.duplicate_of)
             job.trial.set_user_attr("duplicate_of", job.duplicate_of)
-            self._tell(self.study, job.trial, report.result, report.outcome)
-            self._running.discard(job.trial._trial_id)
+            self.tell(self.study, job.trial, report.result, report.outcome)
+            self.running.discard(job.trial._trial_id)
         streak = job.dup_streak + 1
         attrs: dict[str, Any] = {SLOT: job.slot, DUP_STREAK: streak}
         note = "re-sampled"
-        with storage_lock(self.s.storage, self.s.study_name):
+        with storage_lock(self.settings.storage, self.settings.study_name):
             if streak >= DEDUP_PATIENCE:
                 point = self._unmeasured_point(job.number)
                 if point is None:
-                    self._say(
+                    self.say(
                         f"vramsweep: trial {job.number:04d} repeats trial {job.duplicate_of:04d} and every point of "
                         "the search space is measured: slot left empty"
                     )
@@ -464,7 +506,7 @@ class StudyMixin:
                 attrs["fixed_params"] = point
                 note = "given an unmeasured point at random"
             self.study.add_trial(create_trial(state=TrialState.WAITING, system_attrs=attrs))
-        self._say(
+        self.say(
             f"vramsweep: trial {job.number:04d} = trial {job.duplicate_of:04d} (re-proposed point: outcome copied, "
             f"not counted); slot {job.slot} {note}"
         )
@@ -486,7 +528,7 @@ class StudyMixin:
             )
             if params:
                 taken.add(_point_key(params))
-        rng = random.Random(f"{self.s.seed}:{salt}")
+        rng = random.Random(f"{self.settings.seed}:{salt}")
         dims = self.plan.dims
         size = space_size(dims)
         if size <= 200_000:
@@ -515,11 +557,11 @@ class StudyMixin:
                 return point
         return None
 
-    def _tell(self, study: Any, trial: Any, result: dict[str, Any], outcome: Outcome) -> None:
+    def tell(self, study: Any, trial: Any, result: dict[str, Any], outcome: Outcome) -> None:
         from optuna.exceptions import UpdateFinishedTrialError
         from optuna.trial import TrialState
 
-        rel = os.path.relpath(self.result_path(trial.number), self.s.sweep_dir)
+        rel = os.path.relpath(self.result_path(trial.number), self.settings.sweep_dir)
         try:
             for k, v in user_attrs(result, outcome, rel).items():
                 trial.set_user_attr(k, v)
@@ -539,13 +581,13 @@ class StudyMixin:
                     return
             study.tell(trial, state=TrialState[outcome.state])
         except UpdateFinishedTrialError:
-            self._say(
+            self.say(
                 f"vramsweep: trial {trial.number:04d} was already finished by another worker "
                 "(judged stale); its result file is kept"
             )
 
-    def _say(self, text: str) -> None:
-        if self.progress is not None:
-            self.progress.say(text)
+    def say(self, text: str) -> None:
+        if self._say is not None:
+            self._say(text)
         else:
             print(text, file=sys.stderr)
