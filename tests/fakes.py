@@ -13,7 +13,8 @@ Faults and timing come from the ``VRAMSWEEP_FAKE`` environment variable (JSON), 
 * ``faults``: by trial number (or by an override such as ``"adapter.r=8"``: every trial of that point):
   ``oom`` (raises ``torch.cuda.OutOfMemoryError``), ``nan`` (NaN loss),
   ``kill`` (SIGKILL to itself), ``raise`` (a RuntimeError), ``hang`` (sleeps until killed),
-  ``unsupported`` (raises ``UnsupportedError``), ``none_metric`` (returns without ``eval_loss``);
+  ``unsupported`` (raises ``UnsupportedError``), ``none_metric`` (returns without ``eval_loss``),
+  ``bad_metric`` (returns ``eval_loss="x"``: a result that breaks the contract);
   ``<fault>_once`` (e.g. ``kill_once``, ``hang_once``): only the point's first run (a flag file in
   ``marker_dir``), so its retry runs clean.
 * ``sleep_s``: real seconds per trial (spread over the steps); ``marker_dir``: the trial touches
@@ -246,6 +247,8 @@ def fake_trial(
     )
     if fault == "none_metric":
         res["metrics"]["eval_loss"] = None
+    if fault == "bad_metric":
+        res["metrics"]["eval_loss"] = "x"
     sim = float(env.get("step_s", 0.0))
     res["meta"] = {
         "device": "fake",

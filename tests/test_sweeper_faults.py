@@ -42,6 +42,29 @@ def results(root: Path, name: str) -> dict[int, dict]:
 # ---------------------------------------------------------------------------------------------- trial faults
 
 
+@pytest.mark.parametrize("isolation", ["inprocess", "fork"])
+def test_result_that_breaks_the_contract_is_that_trials_error(tmp_path, isolation, monkeypatch):
+    """A trial function that returns ``eval_loss="x"`` fails its own trial with the key named; the sweep
+    goes on (in-process it used to abort with ``internal error in worker 0: ResultSchemaError``; forked,
+    the reason said only that the process exited before writing its result)."""
+    monkeypatch.setenv("VRAMSWEEP_FAKE", json.dumps({"faults": {"adapter.r=8": "bad_metric"}}))
+    rc = run_multirun(
+        [
+            f"results_dir={tmp_path}",
+            *FAKE,
+            "adapter.r=4,8,16",
+            "hydra.sweeper.study_name=bad",
+            f"hydra.sweeper.isolation={isolation}",
+            "hydra.sweeper.progress=false",
+        ]
+    )
+    assert rc == 0
+    res = results(tmp_path, "bad")
+    assert [res[n]["status"] for n in range(3)] == ["ok", "error", "ok"]
+    assert "metrics.eval_loss" in res[1]["reason"] and "contract" in res[1]["reason"]
+    assert "adapter.r=8" in res[1]["overrides"]
+
+
 @pytest.fixture(scope="module")
 def faulty_sweep(tmp_path_factory):
     """One grid sweep of 5 points: trial 1 is SIGKILLed, 2 raises CUDA OOM, 3 returns a NaN loss."""

@@ -156,7 +156,29 @@ def normalise_result(result: Any, *, sweep: str, trial: int, overrides: list[str
     out["metrics"] = metrics
     out.setdefault("estimate", None)
     out["meta"] = dict(out.get("meta") or {})
-    return out
+    return _checked(out, sweep=sweep, trial=trial, overrides=overrides)
+
+
+def _checked(result: dict[str, Any], *, sweep: str, trial: int, overrides: list[str]) -> dict[str, Any]:
+    """``result`` if it follows the contract (:class:`~vramsweep.record.schema.TrialResult`); else an
+    ``error`` result whose reason names the bad key (its config kept): a trial function's bad value is
+    that trial's failure, never the sweep's."""
+    from vramsweep.record.result import _clean
+    from vramsweep.record.schema import ResultSchemaError, TrialResult
+
+    try:
+        TrialResult.from_json(_clean(result))
+    except ResultSchemaError as exc:
+        out = new_result(
+            status=Status.ERROR,
+            reason=f"the trial function returned a result that breaks the result contract: {exc}"[:2000],
+            sweep=sweep,
+            trial=trial,
+            overrides=list(result.get("overrides") or overrides),
+            config=result.get("config") if isinstance(result.get("config"), dict) else {},
+        )
+        return out
+    return result
 
 
 def result_from_exception(
