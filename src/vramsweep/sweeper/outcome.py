@@ -28,6 +28,7 @@ from typing import Any
 
 from vramsweep.record.feasibility import over_budget_gib, result_budget_gib
 from vramsweep.record.metrics import LOSS_METRICS, METRIC_KEYS, SCALAR_METRICS, empty_metrics
+from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import new_result
 from vramsweep.record.schema import SCHEMA_VERSION
 from vramsweep.record.status import STATUSES, Status
@@ -85,7 +86,7 @@ def classify(result: dict[str, Any], objectives: list[Objective], *, budget_gib:
     status = result.get("status")
     metrics = result.get("metrics") or {}
     budget = result_budget_gib(result, budget_gib)
-    over = over_budget_gib(metrics.get("peak_memory_bytes"), budget)
+    over = over_budget_gib(metrics.get(M.PEAK_MEMORY_BYTES), budget)
     if status == Status.OK:
         bad_loss = [m for m in LOSS_METRICS if metrics.get(m) is not None and not _finite(metrics.get(m))]
         if bad_loss:
@@ -116,7 +117,7 @@ def classify(result: dict[str, Any], objectives: list[Objective], *, budget_gib:
     if status == Status.OOM:
         return Outcome("PRUNED", None, max(over or 0.0, MIN_VIOLATION_GIB), False)
     if status == Status.INFEASIBLE_ESTIMATE:
-        est = (result.get("estimate") or {}).get("peak_memory_bytes")
+        est = (result.get("estimate") or {}).get(M.PEAK_MEMORY_BYTES)
         est_over = over_budget_gib(est, budget)
         return Outcome("PRUNED", None, max(est_over or 0.0, MIN_VIOLATION_GIB), False)
     if status in (

@@ -15,6 +15,7 @@ import os
 import time
 from typing import Any
 
+from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.status import Status
 from vramsweep.sweeper.isolation import cuda_host, make_runner
 from vramsweep.sweeper.trialproc import TrialSpec
@@ -30,7 +31,7 @@ def noop_trial(overrides: list[str], **_: Any) -> dict[str, Any]:
         except Exception:
             pass
     res = new_result(status=Status.OK.value, overrides=list(overrides))
-    res["metrics"]["eval_loss"] = 1.0
+    res["metrics"][M.EVAL_LOSS] = 1.0
     return res
 
 

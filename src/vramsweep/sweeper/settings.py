@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.record.metrics import OBJECTIVE_METRICS, PRUNABLE_METRICS, is_objective
+from vramsweep.record.metrics import MetricName as M
 
 #: Samplers accepted by short name (``hydra.sweeper.sampler=<name>``).
 SAMPLERS = ("tpe", "random", "grid", "nsga2", "gp")
@@ -470,7 +471,7 @@ def parse_objectives(raw: Any, direction: Any = None) -> list[Objective]:
 
     items: list[tuple[str, str | None]] = []
     if raw is None:
-        items = [("eval_loss", "minimize")]
+        items = [(M.EVAL_LOSS, "minimize")]
     elif isinstance(raw, dict) and "metric" not in raw:
         items = [(str(k), None if v is None else str(v)) for k, v in raw.items()]
     else:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.status import Status
 from vramsweep.sweeper.settings import Objective
 
@@ -193,7 +194,7 @@ def preflight_result(spec: TrialSpec, cfg: Any) -> dict[str, Any] | None:
         trial=spec.number,
         overrides=list(spec.overrides),
         reason=(
-            f"estimated peak {est['peak_memory_bytes'] / GIB:.2f} GiB > hardware.budget_gib="
+            f"estimated peak {est[M.PEAK_MEMORY_BYTES] / GIB:.2f} GiB > hardware.budget_gib="
             f"{float(cfg.hardware.budget_gib):g} (+10% margin): not run (sweep.preflight=true)"
         ),
         config=OmegaConf.to_container(cfg, resolve=True),
