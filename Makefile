@@ -29,12 +29,12 @@ demo: $(STAMP) ## the main job: a real demo sweep on the embedded tiny model (CP
 	$(BIN)/vramsweep report results/sweeps/demo
 
 lint: $(STAMP) ## ruff lint + format check
-	$(BIN)/ruff check src tests bench scripts
-	$(BIN)/ruff format --check src tests bench scripts
+	$(BIN)/ruff check src tests bench scripts setup.py
+	$(BIN)/ruff format --check src tests bench scripts setup.py
 
 format: $(STAMP) ## ruff autofix + format
-	$(BIN)/ruff check --fix src tests bench scripts
-	$(BIN)/ruff format src tests bench scripts
+	$(BIN)/ruff check --fix src tests bench scripts setup.py
+	$(BIN)/ruff format src tests bench scripts setup.py
 
 test: $(STAMP) lint ## lint + the test suite (fast tests, then slow ones)
 	$(BIN)/pytest -q

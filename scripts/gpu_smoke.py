@@ -1,6 +1,6 @@
 """GPU smoke test driver (called by ``scripts/gpu_smoke.sh``; run that, not this).
 
-Runs ``src/vramsweep/conf/sweep/gpu_smoke.yaml`` through the real CLI (``vramsweep train -m sweep=gpu_smoke``) in a child
+Runs ``sweeps/gpu_smoke.yaml`` through the real CLI (``vramsweep train -m sweep=gpu_smoke``) in a child
 process with a wall-clock budget, reports it (``vramsweep report``), and bundles the results into one
 folder of at most :data:`MAX_FILES` files with a dated markdown summary table for README.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
-SWEEP_FILES = ROOT / "src" / "vramsweep" / "conf" / "sweep"  # the packaged sweep files
+SWEEP_FILES = ROOT / "sweeps"  # the shipped sweep files
 SWEEP = "gpu_smoke"
 MAX_FILES = 9
 BUNDLE = (
@@ -808,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
 
-    # 2. The ablation sweep (src/vramsweep/conf/sweep/gpu_smoke.yaml), unproven points first, within its cap.
+    # 2. The ablation sweep (sweeps/gpu_smoke.yaml), unproven points first, within its cap.
     run_points = [pt for pt in points if pt[0] not in why_not_run]
     design = [
         f"sweep.baseline={_quote(run_points[0][1])}",

@@ -2,7 +2,7 @@
 # Launch: bash scripts/gpu_smoke.sh [--out DIR] [--bundle FILE] [--wheels DIR] [--budget-s 470] [-- overrides]
 #         bash scripts/gpu_smoke.sh --dry-run [--out DIR]     (CPU, embedded tiny model, tiny steps)
 #         bash scripts/gpu_smoke.sh --plan [--dry-run]        (print the time plan only)
-#         bash scripts/gpu_smoke.sh --maxctx [--budget-s 470] (GPU: src/vramsweep/conf/sweep/max_context_16gb.yaml instead)
+#         bash scripts/gpu_smoke.sh --maxctx [--budget-s 470] (GPU: sweeps/max_context_16gb.yaml instead)
 #
 # One-shot GPU smoke test (issues 7, 10, 25); 470 s on one H200 by a plan whose phase caps sum to <= the
 # budget (printed first; a phase stops at its cap, a point it did not reach is "not run"). No network:
@@ -10,7 +10,7 @@
 #      scripts/fetch_gpu_wheels.sh (extracted once, on PYTHONPATH), else loose wheels in --wheels DIR;
 #   2. writes the random-weights folder kernels=unsloth loads for the Qwen3-8B architecture (once, cached,
 #      8 threads, within its cap; else the Unsloth points are "not run");
-#   3. runs src/vramsweep/conf/sweep/gpu_smoke.yaml: a random-init Qwen3-8B architecture under a 16 GiB cap
+#   3. runs sweeps/gpu_smoke.yaml: a random-init Qwen3-8B architecture under a 16 GiB cap
 #      (hardware=rtx4080_16gb emulated on the larger GPU), the unproven knobs first (Unsloth on the
 #      architecture folder, checkpointing=offload, tiling), trials isolated the sweeper's default way;
 #   4. a long-context probe (liger + offload + tiling=mlp + 16-bit adapters at 16,384 tokens), the step time
@@ -136,7 +136,7 @@ fi
 
 if [ "$MAXCTX" = 1 ]; then
   # Max-context search (issue 11): estimator prediction, then real trials to the boundary, per config of
-  # src/vramsweep/conf/sweep/max_context_16gb.yaml, under a wall-clock budget. Probes are kept: a re-run continues where the
+  # sweeps/max_context_16gb.yaml, under a wall-clock budget. Probes are kept: a re-run continues where the
   # budget stopped it. Grid step 8,192 tokens here (the sweep file's 4,096 takes about twice the probes).
   OUTDIR="${OUT:-$ROOT/results/gpu_maxctx}"
   mkdir -p "$OUTDIR"

@@ -638,7 +638,7 @@ def test_smoke_sweep_file_plans_for_gpu_and_dry_run():
     knobs = {o.split("=")[0] for p in gpu.design for o in p.overrides}
     assert sum("kernels=unsloth" in p.overrides for p in gpu.design) == 2  # Unsloth on the 8B architecture
     assert {"quant", "attention", "kernels", "checkpointing", "tiling", "context.max_tokens"} <= knobs
-    dry = smoke.dry_design_overrides(ROOT / "src" / "vramsweep" / "conf" / "sweep" / "gpu_smoke.yaml")
+    dry = smoke.dry_design_overrides(ROOT / "sweeps" / "gpu_smoke.yaml")
     assert dry[0] == (
         "sweep.baseline=['quant=nf4_dq','attention=sdpa','kernels=none','checkpointing=on','context.max_tokens=128']"
     )

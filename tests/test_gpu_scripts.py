@@ -164,7 +164,7 @@ def test_bundle_activation_lets_the_image_copy_win(tmp_path, capsys):
 
 # ============================================================== issue 25: a smoke that fits its budget
 TIMING = ROOT / "tests" / "fixtures" / "gpu_2026-12-01" / "smoke_timing.json"
-SWEEP_FILE = ROOT / "src" / "vramsweep" / "conf" / "sweep" / "gpu_smoke.yaml"
+SWEEP_FILE = ROOT / "sweeps" / "gpu_smoke.yaml"
 
 
 def _measured_trial_s() -> float:

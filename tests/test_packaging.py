@@ -38,8 +38,9 @@ def test_non_editable_install_trains_and_picks_from_another_folder(
 
     src = tmp_path / "src_copy"  # build outside the checkout (no build/ or egg-info left in it)
     src.mkdir()
-    shutil.copytree(ROOT / "src", src / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("src", "conf", "sweeps"):  # the code and the config's source of truth (top-level folders)
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
         shutil.copy(ROOT / name, src / name)
     site = tmp_path / "site"
     subprocess.run(
@@ -50,7 +51,7 @@ def test_non_editable_install_trains_and_picks_from_another_folder(
     )
     assert not (site / "vramsweep" / "conf" / "experiment").exists()
     assert (site / "vramsweep" / "conf" / "train.yaml").is_file()
-    assert (site / "vramsweep" / "conf" / "sweep" / "demo.yaml").is_file()
+    assert (site / "vramsweep" / "sweeps" / "demo.yaml").is_file()  # top-level sweeps/, shipped in the wheel
     assert (site / "vramsweep" / "assets" / "embedded" / "model.safetensors").is_file()  # the committed base
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VRAMSWEEP_CONFIG_DIR")}
     env |= {"PYTHONPATH": str(site), "WANDB_MODE": "disabled"}
@@ -95,6 +96,8 @@ def test_non_editable_install_trains_and_picks_from_another_folder(
 
     out = run("train", "--cfg", "job", "hardware=mine")  # a single trial's config, from ./conf
     assert "name: mine" in out and "budget_gib: 7" in out
+    out = run("train", "--cfg", "job", "sweep=quant")  # a shipped sweep file, from the wheel's sweeps/
+    assert "name: quant" in out and "design: ablation" in out
     # one real trial on the embedded model (a sweep's, so that pick has a sweep folder to read)
     run("train", "-m", "sweep=mine", *FAST, "hydra.sweeper.n_trials=1", "hydra.sweeper.isolation=inprocess")
     sweep = project / "results" / "sweeps" / "mine"

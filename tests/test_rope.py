@@ -178,9 +178,9 @@ def test_the_max_context_search_reaches_the_scaled_positions():
 
 
 def test_max_context_16gb_uses_rope_not_a_positions_override():
-    from vramsweep.config.paths import packaged_conf_dir
+    from vramsweep.config.paths import packaged_sweeps_dir
 
-    text = (packaged_conf_dir() / "sweep" / "max_context_16gb.yaml").read_text()
+    text = (packaged_sweeps_dir() / "max_context_16gb.yaml").read_text()
     assert "model.max_position_embeddings" not in text and "rope=yarn" in text
 
 

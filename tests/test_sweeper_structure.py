@@ -59,10 +59,10 @@ def test_sweep_is_composed_of_book_pool_and_state(tmp_path):
 
 
 def test_sweep_config_fields_cover_every_packaged_sweep_file():
-    from vramsweep.config.paths import packaged_conf_dir
+    from vramsweep.config.paths import packaged_sweeps_dir
     from vramsweep.sweeper.settings import SweepConfig
 
-    files = sorted((packaged_conf_dir() / "sweep").glob("*.yaml"))
+    files = sorted(packaged_sweeps_dir().glob("*.yaml"))
     assert files
     for f in files:
         node = (yaml.safe_load(f.read_text()) or {}).get("sweep") or {}

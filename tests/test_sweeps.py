@@ -1,6 +1,6 @@
 """Every shipped sweep file composes, and every value of its search space / design validates.
 
-Like lightning-hydra-template's ``test_sweeps.py``: each ``conf/sweep/<name>.yaml`` (packaged) is planned exactly as
+Like lightning-hydra-template's ``test_sweeps.py``: each ``sweeps/<name>.yaml`` (shipped) is planned exactly as
 ``vramsweep train -m sweep=<name>`` would (compose + every choice value composed and range-checked +
 every ablation/stacking point rule-checked), without running trials. ``-m slow`` runs the demo for real.
 """
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from vramsweep.config.compose import packaged_conf_dir
+from vramsweep.config.compose import packaged_sweeps_dir
 from vramsweep.sweeper.engine import plan_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
-SWEEP_DIR = packaged_conf_dir() / "sweep"
+SWEEP_DIR = packaged_sweeps_dir()
 SWEEPS = sorted(p.stem for p in SWEEP_DIR.glob("*.yaml"))
 REQUIRED = {
     "demo",
@@ -34,7 +34,7 @@ REQUIRED = {
 
 def test_the_studies_ship():
     assert REQUIRED <= set(SWEEPS)
-    assert SWEEP_DIR == ROOT / "src" / "vramsweep" / "conf" / "sweep"  # inside the package: it installs
+    assert SWEEP_DIR == ROOT / "sweeps"  # the repository's top level (a wheel ships a copy: test_packaging)
 
 
 @pytest.mark.parametrize("name", SWEEPS)

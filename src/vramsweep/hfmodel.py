@@ -1,4 +1,4 @@
-"""The two things every model source needs, below ``build/`` and ``embedded`` (no import cycle):
+"""The two things every model source needs, below ``knobs/`` and ``embedded`` (no import cycle):
 the local artefact cache and a transformers config from the ``model`` group's dims."""
 
 from __future__ import annotations

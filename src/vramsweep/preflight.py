@@ -143,7 +143,7 @@ def named_options(overrides: Iterable[str]) -> list[tuple[str, str]]:
 def check_named_options(overrides: Iterable[str]) -> None:
     hints = {
         "experiment": "write one with vramsweep pick",
-        "sweep": "a file sweep/<name>.yaml in your conf dir or the packaged conf",
+        "sweep": "a file sweep/<name>.yaml in your conf dir, or one of the shipped sweeps/",
     }
     for group, name in named_options(overrides):
         check_option(group, name, hint=hints[group])

@@ -7,6 +7,7 @@ from vramsweep.config.compose import (
     hydra_state,
     list_options,
     packaged_conf_dir,
+    packaged_sweeps_dir,
     translate_hydra_error,
     user_conf_dir,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "hydra_state",
     "list_options",
     "packaged_conf_dir",
+    "packaged_sweeps_dir",
     "translate_hydra_error",
     "user_conf_dir",
     "validate",

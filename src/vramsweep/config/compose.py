@@ -7,8 +7,10 @@ name; options of a group are the union of all layers):
    ``VRAMSWEEP_CONFIG_DIR`` so trial processes see it too), else ``$VRAMSWEEP_CONFIG_DIR``, else ``./conf``
    when the current folder has one. It holds the user's experiments (``experiment/<name>.yaml``, written
    by ``vramsweep pick``), sweeps (``sweep/<name>.yaml``) and extra group options (``hardware/my_gpu.yaml``).
-2. the packaged defaults, :func:`packaged_conf_dir` (``vramsweep/conf``: ``train.yaml``, every group's
-   options, the shipped sweeps under ``sweep/``).
+2. the shipped defaults, :func:`packaged_conf_dir` (the repository's ``conf/``: ``train.yaml``, every
+   group's options);
+3. the shipped sweeps, :func:`packaged_sweeps_dir` (the repository's ``sweeps/``), seen as the group
+   ``sweep`` through the ``vramsweep-sweeps://`` config source (``hydra_plugins/vramsweep_sweeper``).
 
 Every layer that composes (the CLI, the sweeper's planner and validator, trial processes, ``pick``'s
 check of the file it wrote) calls :func:`compose`; ``vramsweep train -m`` (Hydra's own app) gets the same
@@ -36,6 +38,7 @@ from vramsweep.config.paths import (  # noqa: F401 - re-exported: the search pat
     find_option,
     list_options,
     packaged_conf_dir,
+    packaged_sweeps_dir,
     use_conf_dir,
     user_conf_dir,
     writable_conf_dir,
@@ -45,9 +48,10 @@ RULES = ("all", "config", "values", "none")
 
 
 def layer_user_conf(search_path: Any) -> None:
-    """Put the user's conf dir in front of the packaged defaults in a Hydra ``ConfigSearchPath``.
+    """Put the user's conf dir in front of the shipped defaults in a Hydra ``ConfigSearchPath``, and the
+    shipped sweeps (group ``sweep``) after them.
 
-    Only when the primary config dir is the packaged one (another Hydra app is left alone).
+    Only when the primary config dir is the shipped one (another Hydra app is left alone).
     """
     from hydra.core.config_search_path import SearchPathQuery
 
@@ -58,6 +62,12 @@ def layer_user_conf(search_path: Any) -> None:
     if user is not None and user.is_dir():
         search_path.prepend(
             provider="vramsweep-user", path=f"file://{user}", anchor=SearchPathQuery(provider="main")
+        )
+    if not any(e.provider == "vramsweep-sweeps" for e in search_path.get_path()):
+        search_path.append(
+            provider="vramsweep-sweeps",
+            path=f"vramsweep-sweeps://{packaged_sweeps_dir()}",
+            anchor=SearchPathQuery(provider="main"),
         )
 
 

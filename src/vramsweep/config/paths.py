@@ -1,5 +1,10 @@
-"""The config search path: the packaged defaults (``vramsweep/conf``) under a user's conf dir, and the
-options of each group (the YAML files there: no other list of options exists)."""
+"""The config search path: the shipped defaults under a user's conf dir, and the options of each group
+(the YAML files there: no other list of options exists).
+
+The shipped defaults are the repository's top-level ``conf/`` (``train.yaml`` and one folder per config
+group) and ``sweeps/`` (the sweep files, the config group ``sweep``): the source of truth in a checkout,
+copied into the package (``vramsweep/conf``, ``vramsweep/sweeps``) when a wheel is built (``setup.py``),
+so a non-editable install composes without the checkout."""
 
 from __future__ import annotations
 
@@ -10,14 +15,34 @@ from pathlib import Path
 from vramsweep.config.errors import ConfigError
 
 CONFIG_DIR_ENV = "VRAMSWEEP_CONFIG_DIR"
-_PACKAGED = Path(__file__).resolve().parents[1] / "conf"
+_PACKAGE = Path(__file__).resolve().parents[1]  # .../vramsweep
+#: The config group whose options are the sweep files (``sweep=<name>``).
+SWEEP_GROUP = "sweep"
+
+
+def _shipped(name: str) -> Path:
+    """A checkout's top-level ``<name>/`` (``<root>/src/vramsweep`` is this package), else the copy a wheel
+    ships inside the package."""
+    root = _PACKAGE.parents[1]
+    if _PACKAGE.parent.name == "src" and (root / "pyproject.toml").is_file() and (root / name).is_dir():
+        return root / name
+    return _PACKAGE / name
+
+
+_PACKAGED = _shipped("conf")
+_SWEEPS = _shipped("sweeps")
 # An explicit ``compose(conf_dir=...)`` wins over the environment for the duration of the call.
 _EXPLICIT: contextvars.ContextVar[Path | None] = contextvars.ContextVar("vramsweep_conf_dir", default=None)
 
 
 def packaged_conf_dir() -> Path:
-    """The packaged defaults (``vramsweep/conf``), shipped inside the installed package."""
+    """The shipped config groups and ``train.yaml``: the checkout's ``conf/`` (a wheel: ``vramsweep/conf``)."""
     return _PACKAGED
+
+
+def packaged_sweeps_dir() -> Path:
+    """The shipped sweep files (group ``sweep``): the checkout's ``sweeps/`` (a wheel: ``vramsweep/sweeps``)."""
+    return _SWEEPS
 
 
 def user_conf_dir() -> Path | None:
@@ -59,19 +84,26 @@ def conf_dirs(conf_dir: str | os.PathLike[str] | None = None) -> list[Path]:
     return [user, _PACKAGED] if user is not None and user != _PACKAGED and user.is_dir() else [_PACKAGED]
 
 
+def group_dirs(group: str, conf_dir: str | os.PathLike[str] | None = None) -> list[Path]:
+    """The folders holding a group's options, highest priority first: ``<layer>/<group>`` of each conf dir;
+    for ``sweep``, the shipped ``sweeps/`` last (a user's ``<conf dir>/sweep/<name>.yaml`` wins)."""
+    dirs = [d / group for d in conf_dirs(conf_dir)]
+    return [*dirs, _SWEEPS] if group == SWEEP_GROUP else dirs
+
+
 def list_options(group: str, conf_dir: str | os.PathLike[str] | None = None) -> list[str]:
     """Options of a config group across the search path (``base_*`` schema names are not files)."""
     names: set[str] = set()
-    for d in conf_dirs(conf_dir):
-        if (d / group).is_dir():
-            names.update(p.stem for p in (d / group).glob("*.yaml"))
+    for d in group_dirs(group, conf_dir):
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.yaml"))
     return sorted(names)
 
 
 def find_option(group: str, name: str, conf_dir: str | os.PathLike[str] | None = None) -> Path | None:
     """The file ``<group>=<name>`` composes from (the highest layer that has it), or None."""
-    for d in conf_dirs(conf_dir):
-        path = d / group / f"{name}.yaml"
+    for d in group_dirs(group, conf_dir):
+        path = d / f"{name}.yaml"
         if path.is_file():
             return path
     return None

@@ -246,7 +246,7 @@ class TrialConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     results_dir: str = "results"
     name: Optional[str] = None  # run name; default derived from the overrides
-    sweep: Any = None  # sweep settings when composed with sweep=<name> (files under conf/sweep/)
+    sweep: Any = None  # sweep=<name> (sweeps/<name>.yaml): parsed by vramsweep.sweeper.settings.SweepConfig
 
 
 _SCHEMAS = {
