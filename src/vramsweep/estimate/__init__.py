@@ -16,20 +16,11 @@ Public API::
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from vramsweep.config.paths import find_option
-from vramsweep.estimate.analytic import (
-    DTYPE_BYTES,
-    Estimate,
-    Knobs,
-    OptimizerState,
-    estimate_knobs,
-    resolve_targets,
-)
+from vramsweep.estimate.analytic import Estimate, Knobs, estimate_knobs
 from vramsweep.estimate.calibration import (
     calibrate,
     calibration_path,
@@ -40,6 +31,7 @@ from vramsweep.estimate.calibration import (
 from vramsweep.estimate.cli import run_calibrate, run_estimate
 from vramsweep.estimate.dims import ModelDims, model_dims
 from vramsweep.knobs import registry
+from vramsweep.knobs.step import budget_bytes
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.units import GIB
 
@@ -61,150 +53,11 @@ __all__ = [
 ]
 
 
-def _sliced_vocab(cfg: DictConfig, dims: ModelDims, notes: list[str]) -> int:
-    v = cfg.vocab
-    if v.mode == "full":
-        return dims.vocab_size
-    if v.mode == "top_k" and int(v.top_k) > 0:
-        kept = min(dims.vocab_size, int(v.top_k) + int(v.reserve))
-        notes.append(f"vocab=sliced (top_k): V'={kept} = top_k + reserve (special tokens not added)")
-        return kept
-    notes.append(
-        f"vocab=sliced (mode={v.mode}): the kept vocabulary depends on the corpus; V={dims.vocab_size} used "
-        "(an upper bound for embeddings, lm_head and logits)"
-    )
-    return dims.vocab_size
-
-
 def knobs_from_cfg(cfg: DictConfig, *, seq_len: int | None = None) -> Knobs:
-    """Resolve the config values the memory model uses (plus the assumptions it makes)."""
-    notes: list[str] = []
-    dims = model_dims(cfg)
-    vocab = _sliced_vocab(cfg, dims, notes)
-    c = DTYPE_BYTES[str(cfg.train.dtype)]
-    a = cfg.adapter
-    method = str(a.method)
-    targets = resolve_targets(a.targets, notes) if method == "lora" else frozenset()
-    s = int(seq_len) if seq_len is not None else int(cfg.context.max_tokens)
-    kern = cfg.kernels
-    device = str(cfg.hardware.device)
-    padded = int(cfg.train.micro_batch) > 1 and cfg.model.source != "arch"
-    notes.append(
-        f"every micro-batch is {s} tokens long (context.max_tokens): an upper bound for shorter documents"
-    )
-    if padded and cfg.attention.implementation == "sdpa":
-        notes.append(
-            "micro_batch > 1 on documents of different lengths: SDPA gets (b,1,s,s) bool + float padding masks "
-            "and repeat_kv copies of k/v (no native GQA with a mask)"
-        )
-    if str(cfg.attention.implementation) == "flash_attention_2":
-        notes.append("flash_attention_2 counted like SDPA's flash kernel (q, k, v, output, fp32 log-sum-exp)")
-    liger, unsloth = bool(kern.liger), bool(kern.unsloth)
-    # Liger's per-kernel flags (conf/kernels/liger.yaml; read with defaults so older configs still load)
-    flce = liger and bool(kern.get("liger_fused_linear_cross_entropy", True))
-    rms = liger and bool(kern.get("liger_rms_norm", True))
-    swiglu = liger and bool(kern.get("liger_swiglu", True))
-    rope = liger and bool(kern.get("liger_rope", True))
-    if liger:
-        on = [n for n, v in (("fused linear cross-entropy", flce), ("RMSNorm", rms), ("SwiGLU", swiglu)) if v]
-        off = [
-            n
-            for n, v in (("fused linear cross-entropy", flce), ("RMSNorm", rms), ("SwiGLU", swiglu))
-            if not v
-        ]
-        notes.append(
-            f"Liger kernels on: {', '.join(on) or 'none'}"
-            + (f"; off (HF modules): {', '.join(off)}" if off else "")
-            + ": RMSNorm saves its compute-dtype input + fp32 rstd, SwiGLU saves only its two inputs, fused "
-            "linear cross-entropy keeps one logits chunk; RoPE changes no saved tensor"
-        )
-    if unsloth:
-        notes.append(
-            "Unsloth: fused RMSNorm/SwiGLU; its fused chunked cross-entropy computes the loss gradient inside "
-            "the forward, one chunk of the logits at a time (unsloth_zoo UnslothFusedLoss); with "
-            "checkpointing the layer inputs are offloaded to host memory"
-        )
-    budget = budget_bytes(cfg)
-    opt_state = optimizer_state(cfg.optimizer)
-    if device == "cuda":
-        notes.append(
-            "CUDA: the peak is the caching allocator's reserved memory (what the budget and the emulated cap "
-            "limit): allocated tensors + the reserve model (idle loss blocks, one layer's cycling working set, "
-            f"small-pool holes); the CUDA context (hardware.overhead_bytes={int(cfg.hardware.overhead_bytes)}) "
-            "lives outside the allocator and is not counted against the budget"
-        )
-        if opt_state.paged:
-            notes.append("paged optimizer state is counted on the device (it only pages out under pressure)")
-    if method == "lora" and cfg.quant.bits == 16 and c == 2:
-        notes.append(
-            "LoRA adapters in fp32 (PEFT autocast_adapter_dtype): each adapted projection keeps an "
-            "fp32 copy of its input for backward"
-        )
-    return Knobs(
-        dims=dims,
-        vocab=vocab,
-        c=c,
-        quant_bits=int(cfg.quant.bits),
-        quant_type=cfg.quant.quant_type,
-        double_quant=bool(cfg.quant.double_quant),
-        blocksize=int(cfg.quant.blocksize),
-        skip=frozenset(str(x) for x in cfg.quant.skip_modules),
-        method=method,
-        r=int(a.r),
-        dropout=float(a.dropout),
-        dora=bool(a.use_dora),
-        targets=targets,
-        optimizer=str(cfg.optimizer.name),
-        opt=opt_state,
-        attention=str(cfg.attention.implementation),
-        liger=liger,
-        liger_flce=flce,
-        unsloth=unsloth,
-        checkpointing=bool(cfg.checkpointing.enabled),
-        micro_batch=int(cfg.train.micro_batch),
-        grad_accum=int(cfg.train.grad_accum),
-        seq_len=s,
-        device=device,
-        overhead=int(cfg.hardware.overhead_bytes) if device == "cuda" else 0,
-        padded_batches=padded,
-        notes=notes,
-        fused_rms_norm=rms or unsloth,
-        fused_swiglu=swiglu or unsloth,
-        fused_rope=rope or unsloth,
-        budget=budget,
-        allocator=device == "cuda",
-        adapter_bytes=c if str(a.get("dtype", "fp32")) == "compute" else 4,
-        fp32_master=method == "lora" and a.get("dtype") == "compute" and bool(a.get("fp32_master", True)),
-        **registry.estimate_fields(cfg),  # knobs registered with estimate hooks (vramsweep.knobs.registry)
-    )
-
-
-def optimizer_state(o: DictConfig) -> OptimizerState:
-    """The optimizer's state spec (``optimizer.state``, declared in its option file), with the 8-bit
-    threshold the class is given (``optimizer.kwargs.min_8bit_size``; else the spec's, the class default).
-
-    A result written before optimizers were declarative (``optimizer.impl``, no ``state``) takes the spec
-    of the option file of the same name and its own ``min_8bit_size``."""
-    if "state" in o:
-        state, kwargs = o.state, o.get("kwargs") or {}
-    else:
-        path = find_option("optimizer", str(o.name))
-        if path is None:
-            raise ValueError(f"optimizer={o.name}: no state spec and no file conf/optimizer/{o.name}.yaml")
-        declared = OmegaConf.load(path)
-        state, kwargs = declared.state, dict(declared.get("kwargs") or {})
-        if "min_8bit_size" in kwargs and "min_8bit_size" in o:
-            kwargs["min_8bit_size"] = o.min_8bit_size
-    spec = OptimizerState.from_mapping(state)
-    if "min_8bit_size" in kwargs:
-        spec = dataclasses.replace(spec, min_8bit_size=int(kwargs["min_8bit_size"]))
-    return spec
-
-
-def budget_bytes(cfg: DictConfig) -> int | None:
-    """``hardware.budget_gib`` in bytes (GiB = 2**30); None when 0 (no budget)."""
-    gib = float(cfg.hardware.budget_gib)
-    return int(gib * GIB) if gib > 0 else None
+    """Resolve the config values the memory model uses (plus the assumptions it makes): the fields come
+    from the active providers' estimate hooks (:mod:`vramsweep.knobs.registry`), in pipeline order."""
+    e = registry.Estimating(dims=model_dims(cfg), seq_len=seq_len)
+    return Knobs(dims=e.dims, notes=e.notes, **registry.estimate_fields(cfg, e))
 
 
 def estimate(

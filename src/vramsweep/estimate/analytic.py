@@ -44,10 +44,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from vramsweep.estimate.dims import LINEARS, ModelDims
+from vramsweep.estimate.dims import ModelDims
 from vramsweep.record.units import GIB
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAPTER_BYTES = 4  # PEFT autocasts adapter weights to fp32
 BNB_4BIT_CODE_ENTRIES = 16  # QuantState.code (NF4/FP4 lookup table), fp32
 BNB_NESTED_CODE_ENTRIES = 256  # state2.code (dynamic 8-bit map for the absmax), fp32
@@ -125,7 +124,8 @@ class OptimizerState:
 
 @dataclass
 class Knobs:
-    """The config values the memory model depends on (resolved once from the composed config)."""
+    """The config values the memory model depends on (resolved once from the composed config by the
+    providers' estimate hooks: :func:`vramsweep.estimate.knobs_from_cfg`)."""
 
     dims: ModelDims
     vocab: int  # vocabulary rows after slicing
@@ -166,25 +166,16 @@ class Knobs:
     adapter_bytes: int = 4  # adapter.dtype: fp32 (PEFT autocast, 4) or compute (= c)
     fp32_master: bool = False  # adapter.fp32_master with 16-bit adapters: the optimizer steps fp32 copies
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.opt, OptimizerState):  # the optimizer provider gives the declared mapping
+            self.opt = OptimizerState.from_mapping(self.opt)
+
     @property
     def tokens(self) -> int:
         return self.micro_batch * self.seq_len
 
     def quantised(self, linear: str) -> bool:
         return self.quant_bits in (4, 8) and linear not in self.skip
-
-
-def resolve_targets(targets, notes: list[str]) -> frozenset[str]:
-    """PEFT ``target_modules``: ``all-linear`` = every projection of the decoder layers (not lm_head)."""
-    if isinstance(targets, str):
-        if targets == "all-linear":
-            return frozenset(LINEARS)
-        targets = [targets]
-    names = [str(t).split(".")[-1] for t in targets]
-    unknown = sorted(set(names) - set(LINEARS))
-    if unknown:
-        notes.append(f"adapter.targets {unknown} are not decoder projections: counted as no adapter")
-    return frozenset(n for n in names if n in LINEARS)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Build a trial's model and optimizer: source -> quantisation -> vocab -> attention -> kernels -> adapter
--> registered knob hooks (:mod:`vramsweep.knobs.registry`).
+"""Build a trial's model and optimizer: the providers of :mod:`vramsweep.knobs.registry` (one per config
+group, beside its code) run stage by stage: patch -> load -> build.
 
 Imports are lazy: :mod:`vramsweep.knobs.registry` (used by the estimator) must not pull in torch.
 """

@@ -8,11 +8,17 @@ decoders accept a precomputed mask per layer type, so :func:`causal_mask_mapping
 ``{"full_attention": None}`` and the forward runs without the host read — same kernels, same values
 (tests/test_loop.py). Eager attention needs a materialised causal mask (no fast path there), and models
 with sliding-window layers keep transformers' own masks.
+
+The ``attention`` provider (:mod:`vramsweep.knobs.registry`): ``attn_implementation`` for loading, the
+implementation the model reports after it (``meta.build.attn_implementation``), the fast path around the
+training loss, and the estimator's ``attention`` field.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from vramsweep.knobs.registry import ORDER, KnobHooks, register
 
 FAST_PATH_IMPLEMENTATIONS = ("sdpa", "flash_attention_2")
 
@@ -50,3 +56,41 @@ def with_causal_fast_path(fn, model: Any, cfg: Any = None):
 
     loss.fast_path = True  # for tests and notes
     return loss
+
+
+# --- the attention provider (vramsweep.knobs.registry): attn_implementation at load, read back after it
+
+
+def _load(cfg: Any, b: Any) -> dict[str, Any]:
+    b.load_kwargs["attn_implementation"] = cfg.attention.implementation
+    return {}
+
+
+def _built(cfg: Any, b: Any) -> dict[str, Any]:
+    return {"attn_implementation": getattr(b.model.config, "_attn_implementation", None)}
+
+
+def _estimate(cfg: Any, e: Any) -> dict[str, Any]:
+    impl = str(cfg.attention.implementation)
+    if e.fields.get("padded_batches") and impl == "sdpa":
+        e.note(
+            "micro_batch > 1 on documents of different lengths: SDPA gets (b,1,s,s) bool + float padding masks "
+            "and repeat_kv copies of k/v (no native GQA with a mask)"
+        )
+    if impl == "flash_attention_2":
+        e.note("flash_attention_2 counted like SDPA's flash kernel (q, k, v, output, fp32 log-sum-exp)")
+    return {"attention": impl}
+
+
+register(
+    KnobHooks(
+        name="attention",
+        load=_load,
+        build=_built,
+        wrap_loss=lambda cfg, model, fn: with_causal_fast_path(fn, model, cfg),
+        estimate=_estimate,
+        order=ORDER["attention"],
+        groups=("attention",),
+        notes_in="build",
+    )
+)

@@ -18,6 +18,11 @@
 
 Liger needs CUDA (Triton); Unsloth trains on CPU with its fallbacks. ``rules.py`` marks them
 ``unsupported`` where they cannot run, so these functions are only reached on a capable machine.
+
+The ``kernels`` provider (:mod:`vramsweep.knobs.registry`, at the end of this file): Liger's class patches
+before loading (``meta.build.kernels``) and its instance check after the adapter
+(``meta.build.kernels_instance``); Unsloth's loader in place of the ``model`` provider's; the estimator's
+fused-kernel fields.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from vramsweep.config.rules import UnsupportedError, check_unsloth  # noqa: F401 - re-exported
+from vramsweep.knobs.registry import ORDER, KnobHooks, register
 
 #: ``model_type`` -> the ``liger_kernel.transformers`` patch for that family (causal text LMs, Liger 0.8.5).
 LIGER_PATCHES: dict[str, str] = {
@@ -307,3 +313,89 @@ def unsloth_notes(cfg: DictConfig) -> dict[str, Any]:
         "get_peft_model": peft if cfg.adapter.method == "lora" else None,
         "attention": "chosen by Unsloth",
     }
+
+
+# ------------------------------------------------------------------------------------------- provider
+def _patch(cfg: DictConfig, b: Any) -> dict[str, Any]:
+    if cfg.kernels.unsloth:
+        return {}  # recorded by its loader
+    return {"kernels": apply_liger(cfg) if cfg.kernels.liger else "none"}
+
+
+def _load(cfg: DictConfig, b: Any) -> dict[str, Any]:
+    """``kernels=unsloth``: Unsloth's loader builds the whole trial model (quant, adapter, checkpointing)."""
+    if not cfg.kernels.unsloth:
+        return {}
+    from vramsweep.knobs.quant import count_quantised_layers
+
+    notes: dict[str, Any] = {}
+    path = b.path
+    if path is None and cfg.model.source == "arch":  # Unsloth loads from disk: random weights, cached
+        from vramsweep.knobs.arch_weights import ensure_arch_weights
+
+        path, notes["arch_weights"] = ensure_arch_weights(cfg)
+    b.model, tok = load_with_unsloth(cfg, path)
+    b.tokenizer = tok or b.tokenizer
+    b.done = True
+    notes["kernels"] = "unsloth.FastLanguageModel"
+    notes["unsloth"] = unsloth_notes(cfg)
+    notes["quantised_layers"] = count_quantised_layers(b.model)
+    return notes
+
+
+def _build(cfg: DictConfig, b: Any) -> dict[str, Any]:
+    return {"kernels_instance": apply_liger_to_instance(cfg, b.model)} if cfg.kernels.liger else {}
+
+
+#: Liger's per-kernel flags (conf/kernels/liger.yaml) and how the estimator's notes name them.
+_LIGER_FLAGS = (
+    ("liger_fused_linear_cross_entropy", "fused linear cross-entropy"),
+    ("liger_rms_norm", "RMSNorm"),
+    ("liger_swiglu", "SwiGLU"),
+)
+
+
+def _estimate(cfg: DictConfig, e: Any) -> dict[str, Any]:
+    kern = cfg.kernels
+    liger, unsloth = bool(kern.liger), bool(kern.unsloth)
+    # read with defaults so older configs (before the per-kernel flags) still load
+    on = {
+        flag: liger and bool(kern.get(flag, True)) for flag in (*(f for f, _ in _LIGER_FLAGS), "liger_rope")
+    }
+    if liger:
+        names_on = [n for f, n in _LIGER_FLAGS if on[f]]
+        names_off = [n for f, n in _LIGER_FLAGS if not on[f]]
+        e.note(
+            f"Liger kernels on: {', '.join(names_on) or 'none'}"
+            + (f"; off (HF modules): {', '.join(names_off)}" if names_off else "")
+            + ": RMSNorm saves its compute-dtype input + fp32 rstd, SwiGLU saves only its two inputs, fused "
+            "linear cross-entropy keeps one logits chunk; RoPE changes no saved tensor"
+        )
+    if unsloth:
+        e.note(
+            "Unsloth: fused RMSNorm/SwiGLU; its fused chunked cross-entropy computes the loss gradient inside "
+            "the forward, one chunk of the logits at a time (unsloth_zoo UnslothFusedLoss); with "
+            "checkpointing the layer inputs are offloaded to host memory"
+        )
+    return {
+        "liger": liger,
+        "liger_flce": on["liger_fused_linear_cross_entropy"],
+        "unsloth": unsloth,
+        "fused_rms_norm": on["liger_rms_norm"] or unsloth,
+        "fused_swiglu": on["liger_swiglu"] or unsloth,
+        "fused_rope": on["liger_rope"] or unsloth,
+    }
+
+
+register(
+    KnobHooks(
+        name="kernels",
+        patch=_patch,
+        load=_load,
+        build=_build,
+        estimate=_estimate,
+        order=ORDER["kernels"],
+        groups=("kernels",),
+        notes_in="build",
+    )
+)

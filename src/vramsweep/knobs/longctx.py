@@ -1,5 +1,6 @@
 """Long-context knobs (``checkpointing=offload``, ``tiling=loss|mlp|on``) registered with their build,
-loss and estimate hooks (:mod:`vramsweep.knobs.registry`); the implementations live in
+loss and estimate hooks (:mod:`vramsweep.knobs.registry`; they run last, on the finished model, and
+``tiling`` has no other provider); the implementations live in
 :mod:`vramsweep.longctx`. Results name them ``meta.build.knobs.offload`` / ``mlp_tiles`` / ``loss_chunks``.
 """
 
@@ -25,19 +26,20 @@ def _fused_ce(cfg: Any) -> bool:
 # --- checkpointing=offload: each checkpointed layer keeps only its input, in pinned host memory
 
 
-def _offload_build(cfg: Any, model: Any, device: Any) -> dict[str, Any]:
+def _offload_build(cfg: Any, b: Any) -> dict[str, Any]:
     from vramsweep.longctx.offload import enable_offload
 
-    return enable_offload(model, device)
+    return enable_offload(b.model, b.device)
 
 
 register(
     KnobHooks(
         name="offload",
+        groups=("checkpointing",),
         active=lambda cfg: cfg.checkpointing.name == "offload",  # the option is the knob
         build=_offload_build,
         # Unsloth offloads its own checkpoints (counted by the estimator's unsloth term)
-        estimate=lambda cfg: {"offload": not _unsloth(cfg)},
+        estimate=lambda cfg, e: {"offload": not _unsloth(cfg)},
     )
 )
 
@@ -45,19 +47,20 @@ register(
 # --- tiling.mlp_tile_tokens > 0: each decoder MLP runs over the sequence in tiles (no full intermediate)
 
 
-def _mlp_build(cfg: Any, model: Any, device: Any) -> dict[str, Any]:
+def _mlp_build(cfg: Any, b: Any) -> dict[str, Any]:
     from vramsweep.longctx.mlp import tile_mlps
 
     tile = int(cfg.tiling.mlp_tile_tokens)
-    return {"tile_tokens": tile, "layers": tile_mlps(model, tile)}
+    return {"tile_tokens": tile, "layers": tile_mlps(b.model, tile)}
 
 
 register(
     KnobHooks(
         name="mlp_tiles",
+        groups=("tiling",),
         active=lambda cfg: int(cfg.get("tiling", {}).get("mlp_tile_tokens", 0) or 0) > 0,
         build=_mlp_build,
-        estimate=lambda cfg: {"mlp_tile": int(cfg.tiling.mlp_tile_tokens)},
+        estimate=lambda cfg, e: {"mlp_tile": int(cfg.tiling.mlp_tile_tokens)},
     )
 )
 
@@ -65,10 +68,10 @@ register(
 # --- tiling.loss_chunk_tokens > 0: chunked linear cross-entropy (the seq x vocab logits never exist)
 
 
-def _loss_build(cfg: Any, model: Any, device: Any) -> dict[str, Any]:
+def _loss_build(cfg: Any, b: Any) -> dict[str, Any]:
     from vramsweep.longctx.loss import causal_lm_of
 
-    causal_lm_of(model)  # fails now (clear reason) rather than at the first step
+    causal_lm_of(b.model)  # fails now (clear reason) rather than at the first step
     return {"chunk_tokens": int(cfg.tiling.loss_chunk_tokens)}
 
 
@@ -82,9 +85,10 @@ def _chunked_loss(cfg: Any, model: Any):
 register(
     KnobHooks(
         name="loss_chunks",
+        groups=("tiling",),
         active=lambda cfg: int(cfg.get("tiling", {}).get("loss_chunk_tokens", 0) or 0) > 0,
         build=_loss_build,
         loss=_chunked_loss,
-        estimate=lambda cfg: {"loss_chunk": 0 if _fused_ce(cfg) else int(cfg.tiling.loss_chunk_tokens)},
+        estimate=lambda cfg, e: {"loss_chunk": 0 if _fused_ce(cfg) else int(cfg.tiling.loss_chunk_tokens)},
     )
 )

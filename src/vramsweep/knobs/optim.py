@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.config.errors import ConfigError
+from vramsweep.config.paths import find_option
+from vramsweep.knobs.registry import ORDER, KnobHooks, register
+
+if TYPE_CHECKING:  # torch is imported where it runs: the estimator reads this provider without it
+    import torch
 
 
 def optimizer_class(target: str) -> type:
@@ -149,20 +153,24 @@ class Fp32Master:
             "dtype": str(self.pairs[0][0].dtype).replace("torch.", ""),
         }
 
-    @torch.no_grad()
     def _pre(self, opt, args, kwargs) -> None:
-        for p, m in self.pairs:
-            m.grad = None if p.grad is None else p.grad.float()
-            p.grad = None
+        import torch
 
-    @torch.no_grad()
+        with torch.no_grad():
+            for p, m in self.pairs:
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+
     def _post(self, opt, args, kwargs) -> None:
-        for p, m in self.pairs:
-            p.copy_(m)  # round to nearest: the master keeps what the 16-bit weight cannot hold
-            m.grad = None
-            st = opt.state.get(m)
-            if st and "fp32_master" not in st:  # after the optimizer initialised its own state
-                st["fp32_master"] = m
+        import torch
+
+        with torch.no_grad():
+            for p, m in self.pairs:
+                p.copy_(m)  # round to nearest: the master keeps what the 16-bit weight cannot hold
+                m.grad = None
+                st = opt.state.get(m)
+                if st and "fp32_master" not in st:  # after the optimizer initialised its own state
+                    st["fp32_master"] = m
 
 
 def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer):
@@ -174,3 +182,46 @@ def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer):
         num_warmup_steps=int(cfg.train.warmup_steps),
         num_training_steps=int(cfg.train.steps),
     )
+
+
+# ------------------------------------------------------------------------------------------- provider
+def state_spec(o: DictConfig) -> dict[str, Any]:
+    """The optimizer's state spec (``optimizer.state``, declared in its option file) as a plain mapping
+    (:class:`vramsweep.estimate.analytic.OptimizerState`'s fields), with the 8-bit threshold the class is
+    given (``optimizer.kwargs.min_8bit_size``; else the spec's, the class default).
+
+    A result written before optimizers were declarative (``optimizer.impl``, no ``state``) takes the spec
+    of the option file of the same name and its own ``min_8bit_size``."""
+    if "state" in o:
+        state, kwargs = o.state, o.get("kwargs") or {}
+    else:
+        path = find_option("optimizer", str(o.name))
+        if path is None:
+            raise ValueError(f"optimizer={o.name}: no state spec and no file conf/optimizer/{o.name}.yaml")
+        declared = OmegaConf.load(path)
+        state, kwargs = declared.state, dict(declared.get("kwargs") or {})
+        if "min_8bit_size" in kwargs and "min_8bit_size" in o:
+            kwargs["min_8bit_size"] = o.min_8bit_size
+    spec = {str(k): state[k] for k in state}
+    if "min_8bit_size" in kwargs:
+        spec["min_8bit_size"] = int(kwargs["min_8bit_size"])
+    return spec
+
+
+def _estimate(cfg: DictConfig, e: Any) -> dict[str, Any]:
+    spec = state_spec(cfg.optimizer)
+    if e.fields.get("device") == "cuda" and bool(spec.get("paged") or False):
+        e.note("paged optimizer state is counted on the device (it only pages out under pressure)")
+    return {"optimizer": str(cfg.optimizer.name), "opt": spec}
+
+
+# the optimizer itself is built by the trial (build_optimizer: after the model, from the trainable params)
+register(
+    KnobHooks(
+        name="optimizer",
+        estimate=_estimate,
+        order=ORDER["optimizer"],
+        groups=("optimizer",),
+        notes_in="build",
+    )
+)

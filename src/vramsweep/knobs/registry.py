@@ -1,40 +1,125 @@
-"""Knob hooks: what a knob does to the built model, to the training step's loss and to the estimate,
-registered in one place beside the code that implements it.
+"""Providers: what each config group does to the built model, to the training step's loss and to the
+estimate, registered in one place beside the code that implements it.
 
 A knob's option file (``conf/<group>/<option>.yaml``) sets config values; the config's rules check them
-(:mod:`vramsweep.config.rules`). Where an option must change what *runs*, its module registers a
-:class:`KnobHooks` with :func:`register`:
+(:mod:`vramsweep.config.rules`). Where a group must change what *runs*, its module registers a
+:class:`KnobHooks` provider with :func:`register`. The build runs the hooks stage by stage, in
+:data:`STAGES` order, and within a stage by the provider's ``order`` (then registration):
 
-* ``build(cfg, model, device) -> notes``: transform the built model (after the adapter is attached); the
-  notes land in ``meta.build.knobs[<name>]``;
+* ``patch(cfg, b) -> notes``: before anything is loaded (``kernels=liger`` patches the model classes);
+* ``load(cfg, b) -> notes``: how the model is loaded: add ``from_pretrained`` keywords to
+  ``b.load_kwargs`` (``quantization_config``, ``attn_implementation``, a rope-scaled ``config``), or load
+  it (``b.model``; the ``model`` provider loads from the source, last); a loader that builds the whole
+  trial model (``kernels=unsloth``: adapter and checkpointing included) sets ``b.done`` and the stages
+  after it are skipped;
+* ``build(cfg, b) -> notes``: transform ``b.model`` (and ``b.tokenizer`` / ``b.id_map``: vocab slicing),
+  in order: read-back notes, vocab, checkpointing, adapter, Liger's instance check, then the knobs
+  (``offload``, ``mlp_tiles``, ``loss_chunks``) that work on the finished model;
 * ``loss(cfg, model) -> fn(input_ids, attention_mask, labels)``: the training loss instead of the
-  model's own (at most one active knob may set it);
-* ``estimate(cfg) -> {field: value}``: fields of the estimator's
-  :class:`vramsweep.estimate.analytic.Knobs` (its memory terms read them).
+  model's own (at most one active provider may set it); ``wrap_loss(cfg, model, fn) -> fn`` then wraps
+  whichever loss runs (attention's causal fast path);
+* ``estimate(cfg, e) -> {field: value}``: fields of the estimator's
+  :class:`vramsweep.estimate.analytic.Knobs`, in the same order; ``e.fields`` holds what earlier
+  providers set, ``e.note(text)`` adds an assumption to the estimate.
 
-The build, the training loop and the estimator ask :func:`active` for the hooks of a composed config;
-none of them has a branch for a particular knob. This module imports nothing heavy (the estimator uses it
-without torch): the providers import their implementations inside the hooks.
+``notes_in`` says where a provider's notes land: ``"knobs"`` (default) under ``meta.build.knobs[<name>]``,
+``"build"`` merged into ``meta.build`` itself (the group providers keep their historical keys:
+``kernels``, ``rope``, ``quantised_layers``, ``vocab``, ``adapter``, ...).
+
+:func:`vramsweep.knobs.model.build_model`, the training loop and
+:func:`vramsweep.estimate.knobs_from_cfg` run :func:`run_build`, :func:`loss_fn` and
+:func:`estimate_fields`; none of them has a branch for a particular group. This module imports nothing
+heavy (the estimator uses it without torch): the providers import their implementations inside the hooks.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-#: Modules that register knob hooks (imported on first use). A new knob in one of them needs no entry here.
-PROVIDERS: tuple[str, ...] = ("vramsweep.knobs.longctx",)
+#: Modules that register providers (imported on first use), one per config group that changes what runs.
+PROVIDERS: tuple[str, ...] = (
+    "vramsweep.knobs.step",  # train / context / hardware: the step's shape and device (estimate only)
+    "vramsweep.knobs.attention",
+    "vramsweep.knobs.rope",
+    "vramsweep.knobs.quant",
+    "vramsweep.knobs.vocab_provider",
+    "vramsweep.knobs.checkpointing",
+    "vramsweep.knobs.adapter",
+    "vramsweep.knobs.kernels",
+    "vramsweep.knobs.source",  # model: loads the model from its source (last of the load stage)
+    "vramsweep.knobs.optim",
+    "vramsweep.knobs.longctx",
+)
+
+#: The build's stages, in the order they run (``loss``/``wrap_loss`` run in the loop, ``estimate`` in
+#: the estimator, each in provider order).
+STAGES: tuple[str, ...] = ("patch", "load", "build")
+
+#: Provider order (``KnobHooks.order``): the position of every hook of a provider within its stage.
+ORDER = {
+    "step": 0,
+    "attention": 10,
+    "rope": 20,
+    "quant": 30,
+    "vocab": 40,
+    "checkpointing": 50,
+    "adapter": 60,
+    "kernels": 70,
+    "optimizer": 80,
+    "model": 90,  # loads with what the earlier load hooks set
+    "knobs": 100,  # the default: knobs that work on the finished model (after the adapter)
+}
+
+Hook = Callable[..., Any]
 
 
 @dataclass(frozen=True)
 class KnobHooks:
-    name: str  # how results and errors name it, e.g. "checkpointing=offload"
-    active: Callable[[Any], bool]  # cfg -> does this config turn the knob on?
-    build: Callable[[Any, Any, Any], Any] | None = None  # (cfg, model, device) -> notes
+    name: str  # how results and errors name it, e.g. "offload", "kernels"
+    active: Callable[[Any], bool] = lambda cfg: True  # cfg -> does this config turn it on?
+    build: Hook | None = None  # (cfg, b: Build) -> notes, after loading
     loss: Callable[[Any, Any], Callable[..., Any]] | None = None  # (cfg, model) -> loss fn
-    estimate: Callable[[Any], dict[str, Any]] | None = None  # cfg -> analytic.Knobs fields
+    estimate: Callable[[Any, Estimating], dict[str, Any]] | None = None  # -> analytic.Knobs fields
+    patch: Hook | None = None  # (cfg, b: Build) -> notes, before loading
+    load: Hook | None = None  # (cfg, b: Build) -> notes: load kwargs, or the loaded model
+    wrap_loss: Hook | None = None  # (cfg, model, fn) -> fn, around whichever loss runs
+    order: int = ORDER["knobs"]  # position within each stage (lower first)
+    groups: tuple[str, ...] = ()  # the config groups it implements (conf/<group>/)
+    notes_in: str = "knobs"  # "knobs": meta.build.knobs[name]; "build": merged into meta.build
+
+
+@dataclass
+class Build:
+    """What the build stages pass along: the inputs, the model so far and the notes (``meta.build``)."""
+
+    cfg: Any
+    device: Any  # torch.device
+    dtype: Any  # torch dtype of train.dtype
+    path: Any = None  # weights folder (None: source=arch, built from the config)
+    tokenizer: Any = None
+    keep_ids: list[int] | None = None  # vocabulary rows to keep (vocab slicing)
+    model: Any = None
+    id_map: Any = None  # vocab slicing's IdMap
+    load_kwargs: dict[str, Any] = field(default_factory=dict)  # from_pretrained keywords
+    notes: dict[str, Any] = field(default_factory=dict)
+    done: bool = False  # a loader built the whole trial model: the stages after it are skipped
+
+
+@dataclass
+class Estimating:
+    """What the estimate hooks see: the model dims, the requested tokens per sequence (None: the
+    config's), the fields set so far and the assumptions (notes) of the estimate."""
+
+    dims: Any  # vramsweep.estimate.dims.ModelDims
+    seq_len: int | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
 
 
 _HOOKS: dict[str, KnobHooks] = {}
@@ -42,7 +127,7 @@ _loaded = False
 
 
 def register(hooks: KnobHooks) -> KnobHooks:
-    """Register (or replace, by name) a knob's hooks; returns them."""
+    """Register (or replace, by name) a provider's hooks; returns them."""
     _HOOKS[hooks.name] = hooks
     return hooks
 
@@ -56,27 +141,42 @@ def _load() -> None:
 
 
 def registered() -> list[KnobHooks]:
+    """Every provider, in pipeline order (``order``, then registration)."""
     _load()
-    return list(_HOOKS.values())
+    return sorted(_HOOKS.values(), key=lambda h: h.order)  # sorted() is stable: registration breaks ties
 
 
 def active(cfg: Any) -> list[KnobHooks]:
-    """The hooks the composed config turns on, in registration order."""
+    """The providers the composed config turns on, in pipeline order."""
     return [h for h in registered() if h.active(cfg)]
 
 
-def apply_build(cfg: Any, model: Any, device: Any) -> dict[str, Any]:
-    """Run every active knob's build hook on the model; returns ``{name: notes}``."""
-    return {h.name: h.build(cfg, model, device) for h in active(cfg) if h.build is not None}
+def _record(b: Build, h: KnobHooks, notes: Any) -> None:
+    if h.notes_in == "build":
+        b.notes.update(notes or {})
+    else:
+        b.notes.setdefault("knobs", {})[h.name] = notes
+
+
+def run_build(cfg: Any, b: Build) -> Build:
+    """Run every active provider's ``patch``, ``load`` and ``build`` hooks on ``b``, stage by stage."""
+    hooks = active(cfg)
+    for stage in STAGES:
+        for h in hooks:
+            fn = getattr(h, stage)
+            if fn is not None and not b.done:
+                _record(b, h, fn(cfg, b))
+    if not b.done:
+        b.notes.setdefault("knobs", {})  # meta.build.knobs: present (maybe empty) for every built model
+    return b
 
 
 def loss_fn(cfg: Any, model: Any) -> Callable[..., Any]:
     """The training loss ``fn(input_ids, attention_mask, labels) -> mean loss over target tokens``:
-    the active knob's, or the model's own; an unpadded batch (``attention_mask=None``) goes through
-    :func:`vramsweep.knobs.attention.with_causal_fast_path`."""
-    from vramsweep.knobs.attention import with_causal_fast_path
-
-    owners = [h for h in active(cfg) if h.loss is not None]
+    the active provider's, or the model's own; then every active ``wrap_loss`` around it (attention's
+    causal fast path for an unpadded batch)."""
+    hooks = active(cfg)
+    owners = [h for h in hooks if h.loss is not None]
     if len(owners) > 1:
         raise ValueError(f"knobs {[h.name for h in owners]} each replace the training loss: choose one")
     if owners:
@@ -86,14 +186,17 @@ def loss_fn(cfg: Any, model: Any) -> Callable[..., Any]:
         def fn(ids, mask, labels):
             return model(input_ids=ids, attention_mask=mask, labels=labels).loss
 
-    # an unpadded batch on SDPA/FlashAttention-2: the causal mask mapping, not None (no host read)
-    return with_causal_fast_path(fn, model, cfg)
+    for h in hooks:
+        if h.wrap_loss is not None:
+            fn = h.wrap_loss(cfg, model, fn)
+    return fn
 
 
-def estimate_fields(cfg: Any) -> dict[str, Any]:
-    """The estimator's knob fields set by the active knobs (later registrations win on a clash)."""
-    out: dict[str, Any] = {}
+def estimate_fields(cfg: Any, e: Estimating | None = None) -> dict[str, Any]:
+    """The estimator's fields set by the active providers, in order (a later provider wins on a clash);
+    their notes go to ``e.notes``."""
+    e = e if e is not None else Estimating(dims=None)
     for h in active(cfg):
         if h.estimate is not None:
-            out.update(h.estimate(cfg))
-    return out
+            e.fields.update(h.estimate(cfg, e))
+    return e.fields

@@ -5,7 +5,9 @@ transformers 5 reads ``config.rope_parameters`` (``rope_type``, ``rope_theta``, 
 ``attention_scaling`` (YaRN's 0.1·ln(factor) + 1 on cos/sin) follow from them. :func:`apply_rope` sets them the
 way ``RotaryEmbeddingConfigMixin.validate_rope`` checks them, and sets ``max_position_embeddings`` to the
 extended length (yarn, linear) or keeps the original length (dynamic NTK, which reads it as the original).
-The numbers come from :func:`vramsweep.config.rope.plan`, which the rules use too.
+The numbers come from :func:`vramsweep.config.rope.plan`, which the rules use too. The ``rope`` provider
+(:mod:`vramsweep.knobs.registry`) hands the scaled config to ``from_pretrained`` and records
+:func:`built_notes` (``meta.build.rope``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from vramsweep.config.rope import plan
+from vramsweep.knobs.registry import ORDER, KnobHooks, register
 
 
 def apply_rope(config: Any, cfg: DictConfig) -> dict[str, Any] | None:
@@ -65,3 +68,27 @@ def built_notes(model: Any, cfg: DictConfig) -> dict[str, Any]:
             notes["attention_scaling"] = float(mod.attention_scaling)
             break
     return notes
+
+
+# --- the rope provider (vramsweep.knobs.registry): the scaled config at load, read back after it
+
+
+def _load(cfg: DictConfig, b: Any) -> dict[str, Any]:
+    if b.path is not None and cfg.get("rope") is not None and cfg.rope.type != "none":
+        from transformers import AutoConfig  # the checkpoint's config with rope_parameters set
+
+        b.load_kwargs["config"] = AutoConfig.from_pretrained(str(b.path))
+        apply_rope(b.load_kwargs["config"], cfg)
+    return {}  # source=arch: the skeleton is built from a rope-scaled config (knobs/arch.py)
+
+
+register(
+    KnobHooks(
+        name="rope",
+        load=_load,
+        build=lambda cfg, b: {"rope": built_notes(b.model, cfg)},
+        order=ORDER["rope"],
+        groups=("rope",),
+        notes_in="build",
+    )
+)

@@ -1,0 +1,52 @@
+"""``vocab``: the vocabulary-slicing provider (:mod:`vramsweep.knobs.registry`); the implementation is
+:mod:`vramsweep.knobs.vocab` (which imports torch, so the provider lives here for the estimator).
+
+Build (``vocab.mode != full``): the embedding and lm_head keep only ``keep_ids`` (chosen from the training
+corpus by the trial), the tokenizer is wrapped to emit the new ids and ``b.id_map`` maps old <-> new
+(``meta.build.vocab``: rows before and after). Estimate: the rows the memory terms count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vramsweep.knobs.registry import ORDER, KnobHooks, register
+
+
+def _build(cfg: Any, b: Any) -> dict[str, Any]:
+    if cfg.vocab.mode == "full":
+        return {}
+    from vramsweep.knobs.vocab import slice_model_and_tokenizer
+
+    if b.keep_ids is None:
+        raise ValueError("vocab slicing needs keep_ids from the training corpus")
+    old_v = b.model.get_input_embeddings().weight.shape[0]
+    b.model, b.tokenizer, b.id_map = slice_model_and_tokenizer(b.model, b.tokenizer, b.keep_ids)
+    return {"vocab": {"original": int(old_v), "kept": int(b.model.get_input_embeddings().weight.shape[0])}}
+
+
+def _estimate(cfg: Any, e: Any) -> dict[str, Any]:
+    v, full = cfg.vocab, e.dims.vocab_size
+    if v.mode == "full":
+        return {"vocab": full}
+    if v.mode == "top_k" and int(v.top_k) > 0:
+        kept = min(full, int(v.top_k) + int(v.reserve))
+        e.note(f"vocab=sliced (top_k): V'={kept} = top_k + reserve (special tokens not added)")
+        return {"vocab": kept}
+    e.note(
+        f"vocab=sliced (mode={v.mode}): the kept vocabulary depends on the corpus; V={full} used "
+        "(an upper bound for embeddings, lm_head and logits)"
+    )
+    return {"vocab": full}
+
+
+register(
+    KnobHooks(
+        name="vocab",
+        build=_build,
+        estimate=_estimate,
+        order=ORDER["vocab"],
+        groups=("vocab",),
+        notes_in="build",
+    )
+)
