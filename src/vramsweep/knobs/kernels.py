@@ -283,7 +283,7 @@ def load_with_unsloth(cfg: DictConfig, path: Any) -> tuple[Any, Any]:
     if path is None:
         raise UnsupportedError(
             f"kernels=unsloth loads weights from disk: model={cfg.model.name} has no weights folder "
-            "(build_model writes one for source=arch)",
+            "(the build writes one for source=arch)",
             key="kernels",
             allowed=["none", "liger"],
         )
