@@ -11,6 +11,25 @@ import os
 import sys
 import textwrap
 
+from vramsweep.cli_help import main_epilog, verb_epilog
+from vramsweep.config import ConfigError, compose
+from vramsweep.config.compose import (
+    CONFIG_DIR_ENV,
+    list_options,
+    packaged_conf_dir,
+    use_conf_dir,
+    user_conf_dir,
+)
+from vramsweep.config.errors import error_line
+from vramsweep.config.schema import CONFIG_GROUPS
+from vramsweep.noise import quiet_terminal_warnings
+from vramsweep.preflight import check_named_options, preflight
+from vramsweep.record.metrics import MetricName as M
+from vramsweep.record.metrics import format_value, label, metric, title
+from vramsweep.record.status import Status
+from vramsweep.record.units import MIB
+from vramsweep.sweeper.progress import status_label
+
 EPILOG_TRAIN = """\
 config groups (choose with <group>=<option>):
 {groups}
@@ -28,9 +47,6 @@ examples:
 
 
 def _groups_text() -> str:
-    from vramsweep.config.compose import ConfigError, list_options, packaged_conf_dir
-    from vramsweep.config.schema import CONFIG_GROUPS
-
     try:
         list_options("sweep")
         where = None
@@ -51,7 +67,6 @@ def _groups_text() -> str:
 
 def _err(msg: str, verb: str = "train") -> int:
     """One error style for every verb: ``vramsweep <verb>: error: <one line>``; exit code 2."""
-    from vramsweep.config.errors import error_line
 
     print(error_line(verb, msg), file=sys.stderr)
     return 2
@@ -96,8 +111,6 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # type: ignore[override]
         import re
 
-        from vramsweep.config.errors import error_line
-
         verb = self.prog.split(" ", 1)[1] if " " in self.prog else ""
         msg = message
         if m := re.match(r"argument \{[\w,]+\}: invalid choice: '([^']*)'", message):
@@ -135,8 +148,6 @@ INFO_KINDS = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpa
 
 def check_internal_options(overrides: list[str]) -> None:
     """``quant=base_quant``: a schema name, not an option (it would run the schema's bare defaults)."""
-    from vramsweep.config.compose import ConfigError, list_options
-    from vramsweep.config.schema import CONFIG_GROUPS
 
     for ov in overrides:
         key, eq, value = ov.lstrip("+").partition("=")
@@ -169,7 +180,6 @@ def _hydra_flags(args: argparse.Namespace, overrides: list[str]) -> list[str]:
 
 def _human(metrics: dict, name: str, unit: str = "") -> str:
     """Metric ``name`` as the registry formats it (``unit`` appended), ``n/a`` when not measured."""
-    from vramsweep.record.metrics import format_value
 
     v = metrics.get(name)
     return "n/a" if v is None else format_value(name, v) + unit
@@ -180,10 +190,6 @@ def print_result(res: dict, path: object) -> None:
 
     Metric words, formats and units come from the metric registry; memory is shown in MiB (a trial on
     a laptop peaks at a fraction of a GiB)."""
-    from vramsweep.record.metrics import MetricName as M
-    from vramsweep.record.metrics import label, metric, title
-    from vramsweep.record.units import MIB
-    from vramsweep.sweeper.progress import status_label
 
     m = res["metrics"]
     print(f"status: {status_label(res)}" + (f" ({res['reason']})" if res.get("reason") else ""))
@@ -216,8 +222,6 @@ def print_result(res: dict, path: object) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     flags = _hydra_flags(args, overrides)
-    from vramsweep.config import ConfigError, compose
-    from vramsweep.preflight import check_named_options, preflight
 
     try:
         from vramsweep.sweeper.multirun import check_option_names, run_multirun, sweep_overrides
@@ -251,7 +255,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     path = default_result_path(cfg, overrides)
     res = run_trial(cfg, result_path=path, overrides=overrides)
     print_result(res, path)
-    from vramsweep.record.status import Status
 
     return 0 if res["status"] == Status.OK else 1
 
@@ -291,8 +294,6 @@ def cmd_pick(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vramsweep.cli_help import main_epilog, verb_epilog
-
     groups = _groups_text()
     p = Parser(
         prog="vramsweep",
@@ -361,7 +362,6 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--headroom-gib", type=float, default=0.0)
     k.add_argument("--name", default=None, help="experiment name (<conf dir>/experiment/<name>.yaml)")
     k.set_defaults(func=cmd_pick)
-    from vramsweep.config.compose import CONFIG_DIR_ENV
 
     for sp, what in (
         (t, "your experiments, sweeps and extra options"),
@@ -385,7 +385,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from vramsweep.noise import quiet_terminal_warnings
 
     quiet_terminal_warnings()  # e.g. Liger's Ascend-backend import warning; trial logs keep it
     parser = build_parser()
@@ -403,8 +402,6 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             return _err(str(exc), args.command)
     if args.command in ("train", "estimate"):  # (pick creates its --config-dir when it writes)
-        from vramsweep.config.compose import CONFIG_DIR_ENV, ConfigError, use_conf_dir, user_conf_dir
-
         # exported, so trial processes and workers compose from the same search path whatever their folder
         try:
             if args.config_dir is not None:

@@ -8,6 +8,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from vramsweep.data.documents import load_jsonl
+from vramsweep.data.synthetic import generate_documents
+
 EVAL_SEED_OFFSET = 100_003  # eval documents come from a disjoint seed stream
 EVAL_BATCH = 4  # held-out batch size (fixed, so eval does not depend on train.micro_batch)
 
@@ -23,13 +26,10 @@ class TrialData:
 def load_documents(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
     d = cfg.data
     if d.source == "embedded":
-        from vramsweep.data.synthetic import generate_documents
-
         return (
             generate_documents(int(d.num_docs), int(d.seed)),
             generate_documents(int(d.num_eval_docs), int(d.seed) + EVAL_SEED_OFFSET),
         )
-    from vramsweep.data.documents import load_jsonl
 
     docs = load_jsonl(str(d.path))
     if d.eval_path:

@@ -45,6 +45,12 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
+from vramsweep.config import compose
+from vramsweep.config.schema import DataConfig
+from vramsweep.data.documents import document_text
+from vramsweep.data.synthetic import pretrain_documents
+from vramsweep.hfmodel import cache_root, hf_config
+
 if TYPE_CHECKING:  # torch is imported where a model is built: the pre-flight only needs paths from here
     import torch
 
@@ -86,7 +92,6 @@ def _key(mcfg: DictConfig) -> str:
 
 def embedded_dir(mcfg: DictConfig, root: Path | None = None) -> Path:
     """``<cache>/embedded/<name>-<key>`` (``root``: the cache folder, default created if missing)."""
-    from vramsweep.hfmodel import cache_root
 
     return (cache_root() if root is None else root) / "embedded" / f"{mcfg.name}-{_key(mcfg)}"
 
@@ -233,11 +238,7 @@ def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dic
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, get_scheduler
 
-    from vramsweep.config.schema import DataConfig
-    from vramsweep.data.documents import document_text
-    from vramsweep.data.synthetic import pretrain_documents
     from vramsweep.data.tokenizer import train_tokenizer
-    from vramsweep.hfmodel import hf_config
 
     t0 = time.time()
     drill_steps, steps = int(mcfg.pretrain_drill_steps), int(mcfg.pretrain_steps)
@@ -367,8 +368,6 @@ def write_asset(folder: Path = ASSET_DIR, *, progress: bool = True) -> dict:
     """Build the default ``model=tiny`` base and store it as the committed asset (fp16 weights)."""
     import torch
     from safetensors.torch import load_file, save_file
-
-    from vramsweep.config import compose
 
     mcfg = compose([]).model
     work = folder.with_name(folder.name + ".build")

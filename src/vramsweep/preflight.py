@@ -33,7 +33,13 @@ from typing import Any
 
 from vramsweep.config.compose import ConfigError, list_options
 from vramsweep.config.rules import FAULT_KINDS, FAULT_RE, check_fault_env  # noqa: F401 - re-exported
+from vramsweep.data.documents import format_section, load_jsonl
+from vramsweep.data_prep import load_documents
+from vramsweep.embedded import ASSET_DIR, _key, asset_info, embedded_dir
+from vramsweep.estimate import estimate
 from vramsweep.estimate.dims import check_model_config
+from vramsweep.hfmodel import CACHE_ENV, cache_path
+from vramsweep.record.units import GIB
 
 #: Free disk required in the results folder before anything runs (result JSONs, logs, plots, study.db).
 MIN_FREE_BYTES = 64 * 2**20
@@ -99,7 +105,6 @@ def check_disk(
 
 def check_jsonl(path: str | os.PathLike, *, key: str = "data.path") -> None:
     """Raise ``<key>: <file>:<line>: <problem>`` unless ``path`` is a valid documents JSONL file."""
-    from vramsweep.data.documents import load_jsonl
 
     try:
         load_jsonl(path)
@@ -172,8 +177,6 @@ def check_host_memory(cfg: Any, available: int | None = None, *, estimated: dict
     ``checkpointing=offload``: layers x tokens x hidden x dtype) exceeds the RAM available here; the error
     names both figures and the longest context that would fit. ``estimated``: the config's estimate when
     the caller has it already (host bytes do not depend on calibration)."""
-    from vramsweep.estimate import estimate
-    from vramsweep.record.units import GIB
 
     if str(cfg.hardware.device) != "cuda":
         return
@@ -376,9 +379,6 @@ def _trial_tokenizer_dir(cfg: Any) -> Path | None:
     if src == "path":
         folder = Path(str(cfg.model.path))
     elif src == "embedded":
-        from vramsweep.embedded import ASSET_DIR, _key, asset_info, embedded_dir
-        from vramsweep.hfmodel import cache_path
-
         folder = embedded_dir(cfg.model, root=cache_path())
         if not (folder / "COMPLETE").exists():
             info = asset_info()
@@ -416,8 +416,6 @@ def check_data(cfg: Any) -> None:
     folder = _trial_tokenizer_dir(cfg)
     if folder is None and str(cfg.model.source) != "embedded":
         return  # no tokenizer: the trial trains on random tokens of exactly context.max_tokens
-    from vramsweep.data.documents import format_section
-    from vramsweep.data_prep import load_documents
 
     d = cfg.data
     jsonl = str(d.source) == "jsonl"
@@ -508,7 +506,6 @@ def check_data(cfg: Any) -> None:
 def _cache_bytes_needed(cfg: Any) -> int:
     """Bytes the embedded model adds to the cache: the committed asset's files, or (built for other dims)
     its fp16 weights from the model's dimensions."""
-    from vramsweep.embedded import ASSET_DIR, _key, asset_info
 
     info = asset_info()
     if info is not None and info.get("key") == _key(cfg.model):
@@ -523,7 +520,6 @@ def check_cache(cfg: Any) -> None:
     a folder (not a file, nor under one), and, when the trial will write there (the embedded model is not
     cached yet; architecture weights for ``kernels=unsloth``), writable with room for what it writes.
     Names the variable and the path; creates nothing."""
-    from vramsweep.hfmodel import CACHE_ENV, cache_path
 
     src = str(cfg.model.source)
     if not (src == "embedded" or (src == "arch" and bool(cfg.kernels.get("unsloth")))):
@@ -537,8 +533,6 @@ def check_cache(cfg: Any) -> None:
     if not where.is_dir():
         raise ConfigError(f"{label}: {where} is a file, not a folder", key=CACHE_ENV, allowed=allowed)
     if src == "embedded":
-        from vramsweep.embedded import embedded_dir
-
         if (embedded_dir(cfg.model, root=root) / "COMPLETE").exists():
             return  # read only
         need = MIN_FREE_BYTES + _cache_bytes_needed(cfg)

@@ -27,27 +27,42 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from vramsweep.config.compose import ConfigError
+from vramsweep.config.compose import ConfigError, check_rules, compose
+from vramsweep.config.rules import UnsupportedError, validate
+from vramsweep.data_prep import collate_batch, eval_batches, micro_batches, trial_data
+from vramsweep.estimate import estimate
+from vramsweep.knobs import build_model, build_optimizer, build_scheduler
+from vramsweep.knobs.model import model_source
+from vramsweep.knobs.registry import loss_fn
+from vramsweep.knobs.vocab import kept_ids, remap_examples
+from vramsweep.longctx.loss import causal_lm_of
+from vramsweep.longctx.offload import HostMemoryError
 from vramsweep.loop import Callback, CpuMemoryTracking, Diverged, Every, Loop, Pruned, Timing, fit
+from vramsweep.measure import TensorMemoryTracker
+from vramsweep.measure.cpu import close_tracker, model_state_tensors, optimizer_state_tensors, tensor_bytes
+from vramsweep.measure.cuda import CudaMemoryMonitor
+from vramsweep.measure.eval import evaluate
+from vramsweep.measure.flops import device_peak, trial_mfu
+from vramsweep.measure.quality import QualityMeter
+from vramsweep.measure.steps import StepClock
+from vramsweep.preflight import check_host_memory
+from vramsweep.record.diskfull import disk_full_reason
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import new_result, write_result
 from vramsweep.record.schema import Meta, ResultSchemaError, TrialResult
 from vramsweep.record.status import Status
+from vramsweep.report.wandb_run import start_logger
 
 Reporter = Callable[[int, float], bool]
 
 
 def _is_host_oom(exc: BaseException) -> bool:
     """Host (pinned) memory for offloaded activations ran out: not a device OOM."""
-    from vramsweep.longctx.offload import HostMemoryError
 
     return isinstance(exc, HostMemoryError)
 
 
 def _check_host_memory(cfg: DictConfig, estimated: dict | None) -> None:
-    from vramsweep.longctx.offload import HostMemoryError
-    from vramsweep.preflight import check_host_memory
-
     try:
         check_host_memory(cfg, estimated=estimated)  # the trial's own estimate: not computed twice
     except ConfigError as exc:
@@ -142,7 +157,6 @@ def collect_meta(cfg: DictConfig) -> dict[str, Any]:
     emulated = None
     if cfg.hardware.device == "cuda" and torch.cuda.is_available():
         device = torch.cuda.get_device_name(torch.cuda.current_device())
-        from vramsweep.measure.flops import device_peak
 
         row = device_peak(device)
         # The profile names a card; the device is what ran. They differ when a bigger GPU emulates the
@@ -276,8 +290,6 @@ class _PeakRecorder:
         self.m, self.meta, self.optimizer = m, meta, optimizer
 
     def __call__(self, tracker) -> None:
-        from vramsweep.measure.cpu import close_tracker
-
         m = self.m
         m[M.PEAK_MEMORY_BYTES], m[M.MEMORY_BREAKDOWN_BYTES], note = close_tracker(tracker, self.optimizer)
         m[M.MEMORY_KIND] = "cpu_tracked"
@@ -318,8 +330,6 @@ def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> 
     monitor's meta (cap, allocator settings, per-phase peaks) is recorded even when the trial fails."""
     cuda_mon = None
     if cfg.hardware.device == "cuda":
-        from vramsweep.measure.cuda import CudaMemoryMonitor
-
         cuda_mon = CudaMemoryMonitor(cfg)
         cuda_mon.start()
         result["meta"]["cuda"] = cuda_mon.meta()
@@ -346,7 +356,6 @@ def _kept_vocab(cfg: DictConfig, tokenizer, data) -> list[int] | None:
     after truncation), as the vocab knob keeps them; None for the full vocabulary."""
     if cfg.vocab.mode == "full":
         return None
-    from vramsweep.knobs.vocab import kept_ids
 
     seen = [e.input_ids for e in data.train] + [e.input_ids for e in data.eval]
     v = cfg.vocab
@@ -357,7 +366,6 @@ def _remap(cfg: DictConfig, built, data, tokenizer) -> int:
     """Remap the examples to a sliced vocabulary (when the build sliced it); returns the pad id to use."""
     if built.id_map is None:
         return data.pad_id
-    from vramsweep.knobs.vocab import remap_examples
 
     fallback, names = str(cfg.vocab.fallback), tokenizer.convert_ids_to_tokens
     data.train = remap_examples(data.train, built.id_map, fallback=fallback, id_to_token=names)
@@ -370,8 +378,6 @@ def _reestimate(cfg: DictConfig, result: dict, first_batch) -> None:
     if result.get("estimate") is None:
         return
     try:
-        from vramsweep.estimate import estimate
-
         result["estimate"] = estimate(cfg, seq_len=max(len(e.input_ids) for e in first_batch))
     except Exception as exc:
         result["meta"]["estimate_error"] = f"{type(exc).__name__}: {exc}"
@@ -379,9 +385,6 @@ def _reestimate(cfg: DictConfig, result: dict, first_batch) -> None:
 
 def prepare(cfg: DictConfig, result: dict) -> Prepared:
     """Data -> (vocab slice) -> model -> collated micro-batches and eval batches, as the config says."""
-    from vramsweep.data_prep import collate_batch, eval_batches, micro_batches, trial_data
-    from vramsweep.knobs import build_model
-    from vramsweep.knobs.model import model_source
 
     t = cfg.train
     source = model_source(cfg)  # (weights dir, tokenizer): the tokenizer is loaded once per trial
@@ -431,14 +434,11 @@ class _Grads(Callback):
 
     def on_grads(self, step: int) -> None:
         if step == 0:
-            from vramsweep.measure.cpu import tensor_bytes
-
             self.bytes = tensor_bytes(p.grad for p in self.params if p.grad is not None)
 
 
 def _record_throughput(cfg: DictConfig, result: dict, built, timing: Timing) -> None:
     """The timed window's figures: tokens/s, step time, token counts, MFU, per-phase step seconds."""
-    from vramsweep.measure.flops import trial_mfu
 
     m, meta, steps = result["metrics"], result["meta"], int(cfg.train.steps)
     timing.clock.sync()
@@ -461,7 +461,6 @@ def _record_throughput(cfg: DictConfig, result: dict, built, timing: Timing) -> 
 
 def _record_memory(result: dict, model, optimizer, grads: _Grads, cuda_mon) -> None:
     """Host memory of offloaded activations, the state bytes (params, grads, optimizer), CUDA peaks."""
-    from vramsweep.measure.cpu import model_state_tensors, optimizer_state_tensors, tensor_bytes
 
     m, meta = result["metrics"], result["meta"]
     offload = getattr(model, "_vramsweep_offload", None)
@@ -485,7 +484,6 @@ def _record_memory(result: dict, model, optimizer, grads: _Grads, cuda_mon) -> N
 
 def _final_eval(result: dict, run_eval, eval_s: float) -> None:
     """The final evaluation: eval loss/ppl, task score, fact vs control quality; ``meta.eval_s``."""
-    from vramsweep.measure.quality import QualityMeter
 
     m = result["metrics"]
     te = time.perf_counter()
@@ -503,13 +501,6 @@ def _final_eval(result: dict, run_eval, eval_s: float) -> None:
 def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logger, cuda_mon) -> None:
     """Prepare, evaluate, :func:`vramsweep.loop.fit` with the trial's callbacks, measure, evaluate."""
     import torch
-
-    from vramsweep.knobs import build_optimizer, build_scheduler
-    from vramsweep.knobs.registry import loss_fn
-    from vramsweep.longctx.loss import causal_lm_of
-    from vramsweep.measure import TensorMemoryTracker
-    from vramsweep.measure.eval import evaluate
-    from vramsweep.measure.steps import StepClock
 
     m, meta, t = result["metrics"], result["meta"], cfg.train
     if int(t.threads) > 0:
@@ -572,7 +563,6 @@ def run_trial(
 ) -> dict:
     """Run one trial: its :class:`~vramsweep.record.schema.TrialResult` is written atomically to
     ``result_path`` and returned as the result dict (``to_json()``; plus ``meta.result_path``)."""
-    from vramsweep.config.rules import validate
 
     started = datetime.now(UTC)
     t0 = time.perf_counter()
@@ -584,8 +574,6 @@ def run_trial(
     if design is not None:
         result["meta"]["design"] = design
     try:
-        from vramsweep.estimate import estimate
-
         result["estimate"] = estimate(cfg)
     except Exception as exc:  # the estimator must never cost a measurement
         result["estimate"] = None
@@ -598,7 +586,6 @@ def run_trial(
             cfg, result["estimate"]
         )  # before anything is built: a pool that cannot fit is host_oom, not run
         validate(cfg)
-        from vramsweep.report.wandb_run import start_logger
 
         logger = start_logger(
             cfg,
@@ -637,8 +624,6 @@ def run_trial(
 def _failure(exc: BaseException, result: dict) -> tuple[Status, str, bool]:
     """(status, reason, device OOM) of the exception a trial ended with (docs/CONTRACTS.md); an unexpected
     error keeps its traceback in ``meta.traceback``."""
-    from vramsweep.config.rules import UnsupportedError
-    from vramsweep.record.diskfull import disk_full_reason
 
     if isinstance(exc, UnsupportedError):
         return Status.UNSUPPORTED, str(exc), False
@@ -688,8 +673,6 @@ def _write(record: TrialResult, result_path: str | os.PathLike) -> None:
         write_result(result_path, record)
         record.meta.result_path = str(result_path)
     except OSError as exc:
-        from vramsweep.record.diskfull import disk_full_reason
-
         full = disk_full_reason(exc, result_path)
         if full is None:
             raise
@@ -705,7 +688,6 @@ def run_trial_overrides(
     ``cfg``: the config already composed from ``overrides`` (the sweeper's pre-flight composed it): only
     the rules run, it is not composed again.
     """
-    from vramsweep.config.compose import check_rules, compose
 
     if cfg is None:
         cfg = compose(overrides, rules="all")

@@ -33,6 +33,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from vramsweep.record.result import atomic_write_text
+
 __all__ = [
     "document_text",
     "format_section",
@@ -215,6 +217,5 @@ def write_jsonl(docs: Iterable[dict[str, Any]], path: str | os.PathLike[str]) ->
         except ValueError as e:
             raise ValueError(f"document {i}: {e}") from None
         lines.append(json.dumps(doc, ensure_ascii=False, separators=(",", ":")))
-    from vramsweep.record.result import atomic_write_text
 
     atomic_write_text(p, "".join(f"{line}\n" for line in lines))

@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from vramsweep.config.rope import plan as rope_plan
 from vramsweep.estimate.analytic import Estimate, Knobs, estimate_knobs
 from vramsweep.estimate.calibration import (
     calibrate,
@@ -159,8 +160,6 @@ def max_context(
     if budget is None:
         raise ValueError("hardware.budget_gib=0 means no budget: choose a hardware profile with a budget")
     if hi is None:
-        from vramsweep.config.rope import plan as rope_plan
-
         hi = int(rope_plan(cfg)["positions"] or 0)  # the model's positions, x rope.factor with rope scaling
         hi = hi if hi > 0 else 1 << 20
     hi = max(1, int(hi))

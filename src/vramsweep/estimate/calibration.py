@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.record.metrics import MetricName as M
+from vramsweep.record.result import atomic_write_json
 from vramsweep.record.status import Status
 
 FEATURES = ("layers", "attention", "logits")
@@ -50,8 +51,6 @@ def load_calibration(results_dir: str | Path, device_key: str) -> dict[str, Any]
 
 
 def save_calibration(results_dir: str | Path, device_key: str, data: dict[str, Any]) -> Path:
-    from vramsweep.record.result import atomic_write_json
-
     return atomic_write_json(calibration_path(results_dir, device_key), data)
 
 

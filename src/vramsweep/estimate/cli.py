@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from vramsweep.config import ConfigError, compose
+from vramsweep.config.errors import error_line
+from vramsweep.config.rules import check_fault_env, validate
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.units import GIB, MIB
 
@@ -110,9 +113,6 @@ def run_estimate(overrides: list[str], *, as_json: bool, max_context: bool = Fal
     ``max_context``: print the longest ``context.max_tokens`` whose estimate fits ``hardware.budget_gib``
     instead of the breakdown (exit 2 without a budget).
     """
-    from vramsweep.config import ConfigError, compose
-    from vramsweep.config.errors import error_line
-    from vramsweep.config.rules import check_fault_env, validate
     from vramsweep.estimate import estimate
     from vramsweep.estimate import max_context as find_max_context
     from vramsweep.estimate.dims import check_model_config

@@ -14,6 +14,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from vramsweep.config.compose import ConfigError
+
 #: Projection names of one decoder layer (Llama/Qwen3 naming), in forward order.
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -117,7 +119,6 @@ def _check_dims(data: dict[str, Any], cfg_file: Path, key: str) -> None:
     """Every size in a ``config.json`` is a whole number in ``[1, MAX_DIM]`` and the heads divide evenly:
     the same checks as the ``model.*`` values of the other sources (a zero or negative size would give an
     estimate with negative bytes and a model that cannot be built)."""
-    from vramsweep.config.compose import ConfigError
 
     inner = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
     where = f"{key}: {cfg_file}" + (": text_config" if inner is not data else "")
@@ -149,8 +150,6 @@ def _check_dims(data: dict[str, Any], cfg_file: Path, key: str) -> None:
 
 def check_model_config(path: str | os.PathLike, *, key: str = "model.path") -> None:
     """Raise unless ``<path>/config.json`` is readable JSON with the model's dimensions."""
-
-    from vramsweep.config.compose import ConfigError
 
     cfg_file = Path(str(path)) / "config.json"
     try:

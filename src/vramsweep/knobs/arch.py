@@ -26,6 +26,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from vramsweep.hfmodel import hf_config
+from vramsweep.knobs.common import bnb_config, torch_dtype
+from vramsweep.knobs.rope import apply_rope
+
 _QUANT_CLASSES = ("Linear4bit", "Linear8bitLt")
 
 
@@ -43,10 +47,6 @@ def meta_skeleton(cfg: DictConfig) -> torch.nn.Module:
     """
     from transformers import AutoModelForCausalLM
 
-    from vramsweep.hfmodel import hf_config
-    from vramsweep.knobs.common import torch_dtype
-    from vramsweep.knobs.rope import apply_rope
-
     config = hf_config(cfg.model)
     if "rope" in cfg:
         apply_rope(config, cfg)  # rope scaling is part of the architecture the skeleton is built from
@@ -61,7 +61,6 @@ def meta_skeleton(cfg: DictConfig) -> torch.nn.Module:
 
 def _quantiser(cfg: DictConfig) -> Any:
     """transformers' bitsandbytes quantiser for ``cfg.quant`` (None for 16-bit)."""
-    from vramsweep.knobs.common import bnb_config
 
     qconf = bnb_config(cfg)
     if qconf is None:
@@ -173,7 +172,6 @@ def build_arch_model(cfg: DictConfig, device: torch.device | str) -> tuple[torch
     Returns:
         ``(model, notes)``: the model in eval mode with ``use_cache=False``, and what was done.
     """
-    from vramsweep.knobs.common import torch_dtype
 
     t0 = time.perf_counter()
     dev = _device(device)

@@ -42,7 +42,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from vramsweep.config.rules import check_arch_vocab
+from vramsweep.config import compose
+from vramsweep.config.rules import UnsupportedError, check_arch_vocab
+from vramsweep.data.synthetic import pretrain_texts
+from vramsweep.hfmodel import cache_root, hf_config
+from vramsweep.knobs.common import torch_dtype
 
 #: Bump when the initialisation, file layout or tokenizer recipe changes (invalidates cached folders).
 RECIPE_VERSION = 1
@@ -66,8 +70,6 @@ def arch_key(cfg: DictConfig) -> str:
 
 
 def arch_weights_dir(cfg: DictConfig) -> Path:
-    from vramsweep.hfmodel import cache_root
-
     return cache_root() / "arch_weights" / f"{cfg.model.name}-{arch_key(cfg)}"
 
 
@@ -78,9 +80,6 @@ def _tensor_seed(seed: int, name: str) -> int:
 def _skeleton(cfg: DictConfig, tokenizer: Any) -> torch.nn.Module:
     """The model on the meta device (no storage), its config carrying the tokenizer's special ids."""
     from transformers import AutoModelForCausalLM
-
-    from vramsweep.hfmodel import hf_config
-    from vramsweep.knobs.common import torch_dtype
 
     config = hf_config(cfg.model)
     config.bos_token_id = tokenizer.bos_token_id
@@ -128,9 +127,6 @@ def plan_bytes(cfg: DictConfig) -> dict[str, int]:
     """Parameters, bytes and shards of the folder ``cfg`` would write (no tokenizer training, no storage)."""
     from transformers import AutoModelForCausalLM
 
-    from vramsweep.hfmodel import hf_config
-    from vramsweep.knobs.common import torch_dtype
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(cfg.model), dtype=torch_dtype(cfg.train.dtype))
     tensors = _tensors(model)
@@ -159,7 +155,6 @@ def write_arch_weights(
     import tokenizers
     import transformers
 
-    from vramsweep.data.synthetic import pretrain_texts
     from vramsweep.data.tokenizer import train_tokenizer
 
     t0 = time.perf_counter()
@@ -248,8 +243,6 @@ def write_arch_weights(
 
 
 def _check_disk(cfg: DictConfig, parent: Path) -> None:
-    from vramsweep.config.rules import UnsupportedError
-
     need = plan_bytes(cfg)["bytes"] + 64 * 2**20
     free = shutil.disk_usage(parent).free
     if free < need:
@@ -343,8 +336,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m vramsweep.knobs.arch_weights [--workers N] [overrides...]``: write (or find) the folder
     that ``kernels=unsloth`` would load for these overrides; prints its notes as JSON."""
     import argparse
-
-    from vramsweep.config import compose
 
     p = argparse.ArgumentParser(prog="python -m vramsweep.knobs.arch_weights", description=main.__doc__)
     p.add_argument(

@@ -36,6 +36,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from vramsweep.config.rules import UnsupportedError, check_unsloth  # noqa: F401 - re-exported
+from vramsweep.knobs.quant import count_quantised_layers
 from vramsweep.knobs.registry import ORDER, KnobHooks, register
 
 #: ``model_type`` -> the ``liger_kernel.transformers`` patch for that family (causal text LMs, Liger 0.8.5).
@@ -326,7 +327,6 @@ def _load(cfg: DictConfig, b: Any) -> dict[str, Any]:
     """``kernels=unsloth``: Unsloth's loader builds the whole trial model (quant, adapter, checkpointing)."""
     if not cfg.kernels.unsloth:
         return {}
-    from vramsweep.knobs.quant import count_quantised_layers
 
     notes: dict[str, Any] = {}
     path = b.path

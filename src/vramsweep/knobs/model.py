@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from vramsweep.embedded import ensure_embedded
 from vramsweep.hfmodel import cache_root, hf_config  # noqa: F401 - re-exported (build.model.hf_config)
 from vramsweep.knobs import registry
 from vramsweep.knobs.common import DTYPE_MAP, bnb_config, torch_dtype  # noqa: F401 - re-exported
@@ -40,8 +41,6 @@ def model_source(cfg: DictConfig) -> tuple[Path | None, Any]:
     """(weights dir, tokenizer) for the configured source; the embedded model is built/cached on demand."""
     src = cfg.model.source
     if src == "embedded":
-        from vramsweep.embedded import ensure_embedded
-
         path = ensure_embedded(cfg.model)
     elif src == "path":
         path = Path(str(cfg.model.path))

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramsweep.data.examples import IGNORE_INDEX
+
 __all__ = [
     "IdMap",
     "SlicedTokenizer",
@@ -579,8 +581,6 @@ def remap_examples(
     naming them (``fallback="error"``, with the example's document and section) or become UNK (``"unk"``).
     """
     from dataclasses import replace
-
-    from vramsweep.data.examples import IGNORE_INDEX
 
     out = []
     for e in examples:

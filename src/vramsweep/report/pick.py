@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramsweep.config.compose import ConfigError, compose, find_option, writable_conf_dir
+from vramsweep.config.errors import error_line
 from vramsweep.record.metrics import MetricName, format_value, title
 from vramsweep.record.metrics import label as metric_label
 from vramsweep.record.result import atomic_write_text
@@ -216,8 +218,6 @@ def compose_in(conf_dir: Path, overrides: list[str]) -> dict[str, Any]:
     already passed them), as a plain dict. Raises ReportError."""
     from omegaconf import OmegaConf
 
-    from vramsweep.config.compose import ConfigError, compose
-
     try:
         container = OmegaConf.to_container(compose(overrides, conf_dir=conf_dir, rules="none"), resolve=True)
     except ConfigError as exc:
@@ -246,7 +246,6 @@ def _yaml_scalar(text: str) -> Any:
 
 def build_experiment(trial: TrialRecord, conf_dir: Path) -> ExperimentSpec:
     """Group options + pinned values that make ``+experiment=<name>`` compose to ``trial.config``."""
-    from vramsweep.config.compose import find_option
 
     cfg = trial.config or {}
     overridden = set(trial.override_map)
@@ -483,8 +482,6 @@ def default_name(sweep_name: str, budget_gib: float) -> str:
 
 
 def _err(msg: str) -> int:
-    from vramsweep.config.errors import error_line
-
     print(error_line("pick", msg), file=sys.stderr)
     return 2
 
@@ -544,8 +541,6 @@ def run_pick(
                 f"--name {name!r} must be letters, digits, '_' or '-' (it becomes experiment/<name>.yaml in the conf dir)"
             )
     if conf_dir is None:
-        from vramsweep.config.compose import ConfigError, writable_conf_dir
-
         try:
             conf = writable_conf_dir()
         except ConfigError as exc:

@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.record.metrics import METRICS, MetricName, column, scaled
 from vramsweep.record.status import Status
+from vramsweep.report.load import TrialRecord, override_dict
 
 #: Environment variable naming the sweep folder (set by the sweeper for its trials; optional).
 SWEEP_DIR_ENV = "VRAMSWEEP_SWEEP_DIR"
@@ -80,7 +81,6 @@ def varied_params(overrides: list[str] | tuple[str, ...], config: dict) -> dict[
     """Each overridden knob as ``{key: value}`` with the value the trial ran with (typed from the
     composed config; a config group gives its option name): ``quant=nf4`` -> ``{"quant": "nf4"}``,
     ``adapter.r=16`` -> ``{"adapter.r": 16}``. Deletions and ``hydra.*``/``sweep.*`` are skipped."""
-    from vramsweep.report.load import TrialRecord, override_dict
 
     rec = TrialRecord(
         number=-1, status=Status.OK.value, overrides=[str(o) for o in overrides or ()], config=config

@@ -35,8 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.record.metrics import MetricName, column
-from vramsweep.report.load import SweepData, TrialRecord, safe_url
+from vramsweep.record.result import atomic_write_text
+from vramsweep.report.build import build_report
+from vramsweep.report.load import SweepData, TrialRecord, load_sweep, safe_url
+from vramsweep.report.plots import pareto_figure
 from vramsweep.report.tables import Report, Table, metric_cells, pareto_front
+from vramsweep.report.wandb_run import design_role
 
 STATE_FILE = "summary_run.json"
 LOCK_FILE = ".summary.lock"
@@ -94,8 +98,6 @@ def _masked(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _role(t: TrialRecord) -> str | None:
-    from vramsweep.report.wandb_run import design_role
-
     return design_role(t.design)
 
 
@@ -168,8 +170,6 @@ def _read_state(folder: Path) -> dict[str, Any]:
 
 
 def _write_state(folder: Path, state: dict[str, Any]) -> None:
-    from vramsweep.record.result import atomic_write_text
-
     atomic_write_text(folder / STATE_FILE, json.dumps(state, indent=1, sort_keys=True) + "\n")
 
 
@@ -307,8 +307,6 @@ def _live_plots(sweep: SweepData, out: Path) -> list[Path]:
     """The Pareto plot as PNG only (the SVGs and the other plots are ``vramsweep report``'s job: a live
     update must stay cheap)."""
     try:
-        from vramsweep.report.plots import pareto_figure
-
         fig = pareto_figure(sweep)
         if fig is None:
             return []
@@ -339,8 +337,6 @@ def update_sweep_summary(
         fp = _fingerprint(folder)
         if not force and _read_state(wdir).get("fingerprint") == fp:
             return None
-        from vramsweep.report.build import build_report
-        from vramsweep.report.load import load_sweep
 
         sweep = load_sweep(str(folder))
         if not sweep.trials:

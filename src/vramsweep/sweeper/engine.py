@@ -29,8 +29,14 @@ import warnings
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
-from vramsweep.sweeper.isolation import make_runner
+from vramsweep.config.errors import error_line
+from vramsweep.preflight import check_fault_env, check_named_options, preflight_sweep
+from vramsweep.record.diskfull import disk_full_reason
+from vramsweep.report.wandb_summary import SummaryUpdater
+from vramsweep.sweeper.fastpath import finished_study
+from vramsweep.sweeper.isolation import effective_preload, make_runner
 from vramsweep.sweeper.launch import LauncherRunner
+from vramsweep.sweeper.maxctx import run_max_context
 from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
     DEFAULT_SEARCH_TRIALS,
     IDENTITY,
@@ -46,7 +52,8 @@ from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
     total_trials,
 )
 from vramsweep.sweeper.progress import Progress, fmt_override, plural
-from vramsweep.sweeper.storage import COPY_OF, JOB_LOST, RETRY_OF, requeue_lost
+from vramsweep.sweeper.storage import COPY_OF, JOB_LOST, RETRY_OF, requeue_lost, sqlite_path
+from vramsweep.sweeper.storage_check import check_storage
 from vramsweep.sweeper.study import StudyBook
 from vramsweep.sweeper.workers import RunState, WorkerPool
 
@@ -98,8 +105,6 @@ class Sweep:
             return 0
         wandb_summary = None
         if self.plan.wandb:
-            from vramsweep.report.wandb_summary import SummaryUpdater
-
             wandb_summary = SummaryUpdater(s.sweep_dir, on_warning=self.progress.say)
         pool = WorkerPool(self.book, self.runner, state, self.progress, wandb_summary)
         stop_beat = threading.Event()
@@ -136,9 +141,6 @@ class Sweep:
             try:
                 pool.run_worker(i)
             except BaseException as exc:  # a bug, not a trial failure: stop the sweep, say why
-                from vramsweep.preflight import sqlite_path
-                from vramsweep.record.diskfull import disk_full_reason
-
                 full = disk_full_reason(exc, sqlite_path(self.settings.storage) or self.settings.sweep_dir)
                 if full is not None:  # the study or a result could not be written: one line, no traceback
                     state.abort_reason = full
@@ -280,14 +282,8 @@ def run_sweep(
     from optuna.exceptions import ExperimentalWarning
 
     warnings.filterwarnings("ignore", category=ExperimentalWarning)
-    from vramsweep.config.errors import error_line
-    from vramsweep.preflight import check_fault_env, check_named_options, preflight_sweep
-    from vramsweep.sweeper.fastpath import finished_study
-    from vramsweep.sweeper.storage_check import check_storage
 
     if str((task_cfg.get("sweep") or {}).get("design")) == "max_context":
-        from vramsweep.sweeper.maxctx import run_max_context
-
         try:
             check_fault_env()
             check_named_options(arguments)
@@ -320,8 +316,6 @@ def checkpoint_wal(url: str) -> None:
     import contextlib
     import sqlite3
 
-    from vramsweep.sweeper.storage import sqlite_path
-
     path = sqlite_path(url)
     if path is None or not path.is_file():
         return
@@ -338,7 +332,6 @@ def _numbers(numbers: list[int]) -> str:
 
 def _fork_how(preload: list[str]) -> str:
     """How the fork server starts trials on this host (CUDA hosts leave out CUDA-initialising modules)."""
-    from vramsweep.sweeper.isolation import effective_preload
 
     modules, left_out = effective_preload(preload)
     text = f"fork server (preloads {', '.join(modules) or 'nothing'}"

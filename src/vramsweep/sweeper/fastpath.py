@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from vramsweep.sweeper.plan import IDENTITY, Plan, name_sweep, pinned_settings, plan_design, total_trials
+from vramsweep.sweeper.space import merge_overrides, parse_params
+from vramsweep.sweeper.storage import JOB_LOST, RETRIES, SLOT, make_storage, requeue_lost, sqlite_path
+
 
 def finished_study(
     sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]
@@ -27,13 +31,6 @@ def finished_study(
 def _finished_study(
     sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]
 ) -> tuple[Any, Any] | None:
-    from vramsweep.sweeper.plan import IDENTITY, Plan, name_sweep, pinned_settings, plan_design, total_trials
-    from vramsweep.sweeper.space import (
-        merge_overrides,
-        parse_params,
-    )
-    from vramsweep.sweeper.storage import JOB_LOST, RETRIES, SLOT, requeue_lost, sqlite_path
-
     settings, cli_fixed = pinned_settings(sweeper_cfg, task_cfg, arguments)
     dims, fixed_params = parse_params(settings.params)
     fixed = merge_overrides(fixed_params, cli_fixed)
@@ -47,8 +44,6 @@ def _finished_study(
         return None
     import optuna
     from optuna.trial import TrialState
-
-    from vramsweep.sweeper.storage import make_storage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.load_study(

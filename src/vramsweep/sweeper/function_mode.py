@@ -20,9 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
+from vramsweep.sweeper.samplers import make_sampler
+from vramsweep.sweeper.settings import _param_str, check_sweeper_settings
 from vramsweep.sweeper.space import (
     Param,
     cli_sweep_params,
+    grid_points,
     merge_overrides,
     override_key,
     parse_params,
@@ -68,9 +71,6 @@ def _custom(path: str | None) -> Callable[[Any, Any], Any] | None:
 
 def _sampler(spec: Any, seed: int | None, dims: Sequence[Param], n_jobs: int, n_objectives: int) -> Any:
     import optuna
-
-    from vramsweep.sweeper.samplers import make_sampler
-    from vramsweep.sweeper.space import grid_points
 
     if spec is None:
         return optuna.samplers.TPESampler(seed=seed)
@@ -122,7 +122,6 @@ class FunctionPlan:
 
 def plan_function_sweep(settings: dict[str, Any], arguments: list[str]) -> FunctionPlan:
     """Every ``hydra.sweeper.*`` setting checked and the space parsed; :class:`ConfigError` otherwise."""
-    from vramsweep.sweeper.settings import _param_str, check_sweeper_settings
 
     sampler_spec = settings.get("sampler")
     if isinstance(sampler_spec, dict) and not sampler_spec.get("name") and not sampler_spec.get("_target_"):

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vramsweep.config.compose import hydra_state
+from vramsweep.sweeper.outcome import signal_reason
 from vramsweep.sweeper.trialproc import (
     RunReport,
     TrialSpec,
@@ -251,8 +253,6 @@ class ProcessRunner(Runner):
         if timed_out:
             reason = f"timeout: trial ran longer than hydra.sweeper.timeout_s={timeout_s:g} s and was killed"
         else:
-            from vramsweep.sweeper.outcome import signal_reason
-
             reason = signal_reason(exitcode)
         return report_from_json(parent_side_result(spec, reason, wall), wall, exitcode)
 
@@ -272,7 +272,6 @@ class InProcessRunner(Runner):
     ) -> RunReport:
         Path(spec.result_path).parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        from vramsweep.config.compose import hydra_state
 
         with hydra_state():  # the sweeper's Hydra app state survives the trial's own composes
             result = execute(spec)

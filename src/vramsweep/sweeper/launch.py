@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vramsweep.record.result import write_result
 from vramsweep.sweeper.isolation import Runner
 from vramsweep.sweeper.trialproc import (
     SPEC_ENV,
@@ -246,8 +247,6 @@ class LauncherRunner(Runner):
             reason = f"launcher job ended without a result (job status {status}{f': {why}' if why else ''})"
         res = parent_side_result(spec, reason[:1000], wall)
         if req.lost is not None:  # not a trial outcome: the sweep retries the point
-            from vramsweep.record.result import write_result
-
             res["meta"]["lost_job"] = req.lost
             write_result(spec.result_path, res)
         return report_from_json(res, wall, None)

@@ -31,10 +31,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramsweep.config.compose import ConfigError, compose
+from vramsweep.config.errors import error_line
+from vramsweep.config.rules import validate
+from vramsweep.estimate import max_context as predict
 from vramsweep.record.feasibility import feasible
 from vramsweep.record.metrics import MetricName as M
+from vramsweep.record.result import atomic_write_json, atomic_write_text, write_result
 from vramsweep.record.status import Status
 from vramsweep.record.units import GIB
+from vramsweep.sweeper.isolation import make_runner
+from vramsweep.sweeper.settings import DEFAULT_PRELOAD, DEFAULT_TRIAL_FN, SweepConfig, check_sweeper_settings
+from vramsweep.sweeper.space import override_key
+from vramsweep.sweeper.trialproc import TrialSpec
 
 
 def _fits(result: dict[str, Any], budget_bytes: int) -> bool | None:
@@ -67,8 +76,6 @@ class _Prober:
                 self.known[tuple(res.get("overrides") or [])] = res
 
     def probe(self, overrides: list[str], tokens: int) -> dict[str, Any]:
-        from vramsweep.sweeper.trialproc import TrialSpec
-
         over = [*overrides, f"context.max_tokens={tokens}"]
         if tuple(over) in self.known:
             return self.known[tuple(over)]
@@ -98,7 +105,6 @@ class _Prober:
         rep = self.runner.run(spec, timeout_s=self.s.get("timeout_s"))
         res = rep.result
         res.setdefault("meta", {})["max_context_probe"] = {"tokens": tokens}
-        from vramsweep.record.result import write_result
 
         write_result(spec.result_path, res)
         self.known[tuple(over)] = res
@@ -253,11 +259,6 @@ def plan_max_context(
 ) -> MaxContextPlan:
     """Check everything (bounds, every config composes and passes the rules, a budget) and predict each
     config's max context; raise ``ConfigError`` before anything is written."""
-    from vramsweep.config.compose import ConfigError, compose
-    from vramsweep.config.rules import validate
-    from vramsweep.estimate import max_context as predict
-    from vramsweep.sweeper.settings import SweepConfig, check_sweeper_settings
-    from vramsweep.sweeper.space import override_key
 
     check_sweeper_settings(sweeper_cfg)  # every hydra.sweeper.* key: type and range (timeout_s, n_jobs, ...)
     sweep = SweepConfig.from_dict(task_cfg.get("sweep"))
@@ -303,7 +304,6 @@ def plan_max_context(
 def _write_tables(sweep_dir: Path, plan: MaxContextPlan, rows: list[dict[str, Any]], known: dict) -> str:
     """``max_context.json``/``.md``/``.csv`` from the rows so far (after each config: a budget-limited run
     keeps what it finished); returns the Markdown table."""
-    from vramsweep.record.result import atomic_write_json, atomic_write_text
 
     device = next(
         (
@@ -342,10 +342,6 @@ def run_max_context(
     sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str], *, runner=None
 ) -> int:
     """Run a ``max_context`` sweep; 0 done, 2 bad config (nothing written)."""
-    from vramsweep.config.compose import ConfigError
-    from vramsweep.config.errors import error_line
-    from vramsweep.sweeper.isolation import make_runner
-    from vramsweep.sweeper.settings import DEFAULT_PRELOAD, DEFAULT_TRIAL_FN
 
     def say(text: str) -> None:
         print(text, flush=True)

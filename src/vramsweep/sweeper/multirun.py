@@ -8,6 +8,17 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from vramsweep.config.compose import (
+    ConfigError,
+    hydra_state,
+    list_options,
+    packaged_conf_dir,
+    translate_hydra_error,
+)
+from vramsweep.config.errors import error_line
+from vramsweep.config.schema import register_configs
+from vramsweep.sweeper.trialproc import execute, load_spec
+
 SWEEP_DIR = "${results_dir}/sweeps/${oc.select:sweep.name,multirun}"
 #: Set by the sweeper when Hydra hands over to it (tells Hydra's own input errors from ours).
 SWEEPER_STARTED = False
@@ -31,7 +42,6 @@ def translate_args(args: list[str]) -> list[str]:
     Raises:
         ConfigError: ``hydra.sweep.dir`` and ``hydra.sweeper.sweep_dir`` both given and different.
     """
-    from vramsweep.config.compose import ConfigError
 
     out = []
     for a in args:
@@ -59,7 +69,6 @@ def check_option_names(args: list[str]) -> None:
     Raises:
         ConfigError: an unknown name, with the known ones.
     """
-    from vramsweep.config.compose import ConfigError, list_options
 
     for a in args:
         key, eq, text = a.partition("=")
@@ -121,8 +130,6 @@ def _task(cfg: Any) -> Any:
 
     spec_path = os.environ.get("VRAMSWEEP_TRIAL_SPEC")
     if spec_path:
-        from vramsweep.sweeper.trialproc import execute, load_spec
-
         return execute(load_spec(spec_path)).get("status")
     from omegaconf import OmegaConf
 
@@ -133,8 +140,6 @@ def _task(cfg: Any) -> Any:
 
 def _command_line_error(exc: Exception) -> int:
     """Hydra rejected the command line before our sweeper ran: one line, exit 2 (like ``vramsweep train``)."""
-    from vramsweep.config.compose import translate_hydra_error
-    from vramsweep.config.errors import error_line
 
     print(error_line("train", str(translate_hydra_error(exc))), file=sys.stderr)
     return 2
@@ -189,9 +194,6 @@ def run_multirun(args: list[str], *, flags: list[str] | None = None, multirun: b
         the exit code: 0 done, 1 aborted (failure-rate cap, Ctrl-C) or Hydra error, 2 bad config/space.
     """
     import hydra
-
-    from vramsweep.config.compose import ConfigError, hydra_state, packaged_conf_dir
-    from vramsweep.config.schema import register_configs
 
     try:
         check_option_names(list(args))

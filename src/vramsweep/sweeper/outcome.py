@@ -26,11 +26,13 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from vramsweep.config.compose import ConfigError
+from vramsweep.config.rules import UnsupportedError
 from vramsweep.record.feasibility import over_budget_gib, result_budget_gib
 from vramsweep.record.metrics import LOSS_METRICS, METRIC_KEYS, SCALAR_METRICS, empty_metrics
 from vramsweep.record.metrics import MetricName as M
-from vramsweep.record.result import new_result
-from vramsweep.record.schema import SCHEMA_VERSION
+from vramsweep.record.result import _clean, new_result
+from vramsweep.record.schema import SCHEMA_VERSION, ResultSchemaError, TrialResult
 from vramsweep.record.status import STATUSES, Status
 from vramsweep.sweeper.settings import Objective
 
@@ -164,8 +166,6 @@ def _checked(result: dict[str, Any], *, sweep: str, trial: int, overrides: list[
     """``result`` if it follows the contract (:class:`~vramsweep.record.schema.TrialResult`); else an
     ``error`` result whose reason names the bad key (its config kept): a trial function's bad value is
     that trial's failure, never the sweep's."""
-    from vramsweep.record.result import _clean
-    from vramsweep.record.schema import ResultSchemaError, TrialResult
 
     try:
         TrialResult.from_json(_clean(result))
@@ -186,8 +186,6 @@ def result_from_exception(
     exc: BaseException, *, sweep: str, trial: int, overrides: list[str]
 ) -> dict[str, Any]:
     """A trial function raised: classify (contract says it should not, so this is the safety net)."""
-    from vramsweep.config.compose import ConfigError
-    from vramsweep.config.rules import UnsupportedError
 
     name = type(exc).__name__
     text = str(exc).strip() or name

@@ -16,14 +16,15 @@ import time
 from typing import Any
 
 from vramsweep.record.metrics import MetricName as M
+from vramsweep.record.result import new_result
 from vramsweep.record.status import Status
 from vramsweep.sweeper.isolation import cuda_host, make_runner
+from vramsweep.sweeper.settings import DEFAULT_PRELOAD
 from vramsweep.sweeper.trialproc import TrialSpec
 
 
 def noop_trial(overrides: list[str], **_: Any) -> dict[str, Any]:
     """Imports what a real trial imports (``VRAMSWEEP_PRELOAD``) and returns ``ok`` at once (overhead probe)."""
-    from vramsweep.record.result import new_result
 
     for name in [m for m in os.environ.get("VRAMSWEEP_PRELOAD", "").split(",") if m]:
         try:
@@ -45,8 +46,6 @@ def measure_overhead(
     """
     import statistics
     import tempfile
-
-    from vramsweep.sweeper.settings import DEFAULT_PRELOAD
 
     modules = list(DEFAULT_PRELOAD if preload is None else preload)
     os.environ["VRAMSWEEP_PRELOAD"] = ",".join(modules)  # what the no-op trial imports (free when preloaded)

@@ -13,8 +13,11 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from vramsweep.config.compose import compose
 from vramsweep.sweeper.design import DesignPoint, build_design, design_choices
-from vramsweep.sweeper.settings import Settings, resolve_settings
+from vramsweep.sweeper.multirun import check_option_names, translate_args
+from vramsweep.sweeper.samplers import make_pruner, make_sampler
+from vramsweep.sweeper.settings import Settings, SweeperConf, resolve_settings
 from vramsweep.sweeper.space import (
     Param,
     cli_sweep_params,
@@ -23,6 +26,7 @@ from vramsweep.sweeper.space import (
     parse_params,
     space_size,
 )
+from vramsweep.sweeper.validate import compose_base, int_keys, validate_design, validate_space
 
 DEFAULT_SEARCH_TRIALS = 20
 
@@ -139,8 +143,6 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
     """Parse and validate everything; raise ConfigError before anything is written."""
     from optuna.exceptions import ExperimentalWarning
 
-    from vramsweep.sweeper.validate import compose_base, int_keys, validate_design, validate_space
-
     warnings.filterwarnings("ignore", category=ExperimentalWarning)  # TPE's `group`, metric names
 
     settings, cli_fixed = pinned_settings(sweeper_cfg, task_cfg, arguments, say=True)
@@ -174,7 +176,6 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
                 file=sys.stderr,
             )
             n_total = int(size)
-        from vramsweep.sweeper.samplers import make_sampler
 
         make_sampler(
             settings.sampler,
@@ -182,7 +183,6 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
             n_jobs=settings.n_jobs,
             n_objectives=len(settings.objectives),
         )  # fail now on a bad sampler spec
-    from vramsweep.sweeper.samplers import make_pruner
 
     make_pruner(settings.pruner, active=True)
     if (
@@ -248,7 +248,6 @@ def _space_text(d: dict[str, Any] | None) -> str:
 def _pruner_chosen(settings: Settings) -> bool:
     """Whether the user chose the pruner (a warning about it is actionable); the default one on a
     default search without intermediate evals simply never prunes, which is fine."""
-    from vramsweep.sweeper.settings import SweeperConf
 
     return settings.pruner != SweeperConf.pruner
 
@@ -261,9 +260,6 @@ def compose_sweep(args: list[str]) -> tuple[dict[str, Any], dict[str, Any], list
         :func:`plan_sweep` (tests and tools use this to check sweep files).
     """
     from omegaconf import OmegaConf
-
-    from vramsweep.config.compose import compose
-    from vramsweep.sweeper.multirun import check_option_names, translate_args
 
     check_option_names(args)
     args = translate_args(args)

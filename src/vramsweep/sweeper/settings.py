@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramsweep.config.compose import ConfigError
 from vramsweep.record.metrics import OBJECTIVE_METRICS, PRUNABLE_METRICS, is_objective
 from vramsweep.record.metrics import MetricName as M
+from vramsweep.record.result import is_quality_metric, metric_direction
 
 #: Samplers accepted by short name (``hydra.sweeper.sampler=<name>``).
 SAMPLERS = ("tpe", "random", "grid", "nsga2", "gp")
@@ -225,8 +227,6 @@ def check_setting(key: str, value: Any) -> None:
     """Raise :class:`ConfigError` unless ``hydra.sweeper.<key>=value`` has the type and range of its rule."""
     import math
 
-    from vramsweep.config.compose import ConfigError
-
     rule = SETTING_RULES.get(key)
     if rule is None:
         raise ConfigError(
@@ -286,7 +286,6 @@ def check_setting(key: str, value: Any) -> None:
 def check_sweeper_settings(sweeper: dict[str, Any]) -> None:
     """Type and range of every ``hydra.sweeper.*`` key given (:data:`SETTING_RULES`), plus the rules that
     tie two keys or a key's format: before the sweep is planned, any folder made or any trial run."""
-    from vramsweep.config.compose import ConfigError
 
     for k, v in sweeper.items():
         if k in ("_target_", "_recursive_", "_convert_", "_partial_", "defaults"):
@@ -448,8 +447,6 @@ def mask_url(url: str) -> str:
 
 
 def _as_list(value: Any, what: str) -> list:
-    from vramsweep.config.compose import ConfigError
-
     if value is None:
         return []
     if isinstance(value, str):
@@ -466,8 +463,6 @@ def parse_objectives(raw: Any, direction: Any = None) -> list[Objective]:
     :func:`vramsweep.record.metrics.direction`), ``[{metric: m, direction: d}]`` and ``{m: d}``.
     ``direction`` (str or list) overrides the directions in order.
     """
-    from vramsweep.config.compose import ConfigError
-    from vramsweep.record.result import metric_direction
 
     items: list[tuple[str, str | None]] = []
     if raw is None:
@@ -528,22 +523,17 @@ def default_repeats(design: str, objectives: list[Objective]) -> int:
     ablation/stacking design with a quality objective (eval loss moves by run-to-run noise as much as by
     many knobs: one seed cannot tell them apart), else 1 (memory is deterministic; speed repeats cost
     as much as they help on a shared machine, so a sweep asks for them explicitly)."""
-    from vramsweep.record.result import is_quality_metric
 
     quality = any(is_quality_metric(o.metric) for o in objectives)
     return QUALITY_REPEATS if design in ("ablation", "stacking") and quality else 1
 
 
 def _check_choice(value: Any, allowed: tuple[str, ...], key: str) -> None:
-    from vramsweep.config.compose import ConfigError
-
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not known", key=key, allowed=list(allowed))
 
 
 def _check_spec(spec: Any, allowed: tuple[str, ...], key: str) -> Any:
-    from vramsweep.config.compose import ConfigError
-
     if isinstance(spec, str):
         _check_choice(spec.lower(), allowed, key)
         return spec.lower()
@@ -602,7 +592,6 @@ class SweepConfig:
     @classmethod
     def from_dict(cls, node: dict[str, Any] | None) -> SweepConfig:
         """Parse a composed ``sweep:`` node; :class:`ConfigError` names an unknown key or a bad value."""
-        from vramsweep.config.compose import ConfigError
 
         node = dict(node or {})
         known = sorted(cls.__dataclass_fields__)
@@ -635,7 +624,6 @@ class SweepConfig:
 
 def sweeper_conf(sweeper: dict[str, Any]) -> SweeperConf:
     """``hydra.sweeper.*`` as a :class:`SweeperConf`: unknown keys, types and ranges checked."""
-    from vramsweep.config.compose import ConfigError
 
     conf = SweeperConf()
     known = set(SweeperConf.__dataclass_fields__)
@@ -653,7 +641,6 @@ def sweeper_conf(sweeper: dict[str, Any]) -> SweeperConf:
 
 def _sampler_spec(conf: SweeperConf) -> Any:
     """``hydra.sweeper.sampler`` checked; hydra-optuna-sweeper's GridSampler config means our grid."""
-    from vramsweep.config.compose import ConfigError
 
     sampler = None if conf.sampler is None else _check_spec(conf.sampler, SAMPLERS, "hydra.sweeper.sampler")
     if isinstance(sampler, dict) and str(sampler.get("_target_", "")).endswith("GridSampler"):
@@ -696,8 +683,6 @@ def _choose_design(
 
 
 def _check_design_parts(sweep: SweepConfig, design: str, params: dict[str, str]) -> None:
-    from vramsweep.config.compose import ConfigError
-
     if design == "ablation" and not (sweep.baseline or sweep.factors):
         raise ConfigError("sweep.design=ablation needs sweep.baseline and sweep.factors", key="sweep.factors")
     if design == "stacking" and not sweep.stack:
@@ -711,7 +696,6 @@ def _check_design_parts(sweep: SweepConfig, design: str, params: dict[str, str])
 
 def _storage_url(conf: SweeperConf, sweep_dir: Path) -> str:
     """The study's storage URL (default: ``sqlite:///<sweep dir>/study.db``), checked and normalised."""
-    from vramsweep.config.compose import ConfigError
 
     storage = conf.storage or f"sqlite:///{sweep_dir / 'study.db'}"
     if storage in ("memory", ":memory:"):
@@ -746,7 +730,6 @@ def resolve_settings(
 
     The design: :func:`_choose_design`.
     """
-    from vramsweep.config.compose import ConfigError
 
     conf = sweeper_conf(sweeper)
     sweep = SweepConfig.from_dict(task_cfg.get("sweep"))

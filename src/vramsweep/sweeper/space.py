@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vramsweep.config.compose import ConfigError
+from vramsweep.config.compose import ConfigError, list_options
 
 Scalar = str | int | float | bool | None
 
@@ -143,8 +143,6 @@ def expand_glob(key: str, text: str) -> str:
         ConfigError: ``glob`` over a key that is not a config group, or matching no option.
     """
     from hydra.core.override_parser.types import ValueType
-
-    from vramsweep.config.compose import list_options
 
     ov = _parse(f"{key}={text}")
     if ov.value_type != ValueType.GLOB_CHOICE_SWEEP:

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from vramsweep.config.compose import ConfigError
 from vramsweep.preflight import sqlite_path  # noqa: F401 - re-exported (storage.sqlite_path)
 
 log = logging.getLogger("vramsweep.sweeper")
@@ -188,8 +189,6 @@ def load_or_create_study(settings: Any, sampler: Any, pruner: Any) -> Any:
         ConfigError: the study exists with other objectives (use another ``study_name``).
     """
     import optuna
-
-    from vramsweep.config.compose import ConfigError
 
     directions = [o.direction for o in settings.objectives]
     names = [o.metric for o in settings.objectives]

@@ -18,6 +18,8 @@ import os
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
+from vramsweep.preflight import check_writable, sqlite_path
+from vramsweep.sweeper.settings import mask_url
 
 #: Seconds to wait for a database server before the sweep is refused (libpq/pymysql ``connect_timeout``).
 CONNECT_TIMEOUT_S = 5
@@ -48,9 +50,6 @@ def check_storage(url: str, *, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
 
 
 def _check_sqlite(url: str) -> None:
-    from vramsweep.preflight import check_writable, sqlite_path
-    from vramsweep.sweeper.settings import mask_url
-
     path = sqlite_path(url)
     shown = mask_url(url)
     if path is None:
@@ -73,8 +72,6 @@ def _check_sqlite(url: str) -> None:
 
 def _check_server(url: str, timeout_s: float) -> None:
     import sqlalchemy
-
-    from vramsweep.sweeper.settings import mask_url
 
     shown = mask_url(url)
     try:

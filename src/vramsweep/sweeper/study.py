@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
+from vramsweep.record.result import atomic_write_json, write_result
 from vramsweep.record.status import Status
 from vramsweep.sweeper.design import design_choices
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY, Outcome, user_attrs
 from vramsweep.sweeper.plan import IDENTITY, NOT_IDENTITY, Plan, identity_diff
+from vramsweep.sweeper.samplers import make_pruner, make_sampler
 from vramsweep.sweeper.space import merge_overrides, override_key, params_to_overrides, space_size, suggest
 from vramsweep.sweeper.storage import (
     COPY_OF,
@@ -36,15 +38,17 @@ from vramsweep.sweeper.storage import (
     SLOT,
     is_stale,
     load_or_create_study,
+    make_storage,
     pop_slot,
     process_identity,
     remaining_slots,
     requeue_lost,
+    sqlite_path,
     storage_lock,
     top_up,
     trial_counts,
 )
-from vramsweep.sweeper.trialproc import RunReport, TrialSpec, _load_child_result
+from vramsweep.sweeper.trialproc import RunReport, TrialSpec, _load_child_result, parent_side_result
 
 #: After this many re-proposed points in a row for one slot, the slot gets an unmeasured point at random.
 DEDUP_PATIENCE = 3
@@ -120,7 +124,6 @@ class StudyBook:
 
     def stored_identity(self) -> dict[str, Any] | None:
         """The identity stored with this sweep's study, without creating storage or study (``None``: new)."""
-        from vramsweep.sweeper.storage import make_storage, sqlite_path
 
         path = sqlite_path(self.settings.storage)
         if path is not None and not path.is_file():
@@ -162,9 +165,6 @@ class StudyBook:
         """Create the folder, ``sweep.json`` and the study; reconcile stale trials; top up the slots.
         Returns how many trials of the study are finished already (a resumed sweep)."""
         import optuna
-
-        from vramsweep.record.result import atomic_write_json
-        from vramsweep.sweeper.samplers import make_pruner, make_sampler
 
         s = self.settings
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -331,8 +331,6 @@ class StudyBook:
 
     def lost_result(self, spec: TrialSpec, reason: str, retries: int, trial_id: int) -> dict[str, Any]:
         """The result JSON of a lost trial (``meta.retries`` = earlier losses of its point); marks it lost."""
-        from vramsweep.record.result import write_result
-        from vramsweep.sweeper.trialproc import parent_side_result
 
         res = parent_side_result(spec, reason, 0.0)
         res["meta"]["retries"] = retries
@@ -366,7 +364,6 @@ class StudyBook:
         """Record in a retried point's result JSON how many earlier trials of it were lost."""
         if not job.retries or job.duplicate_of is not None:
             return
-        from vramsweep.record.result import write_result
 
         report.result.setdefault("meta", {})["retries"] = job.retries
         path = self.result_path(job.number)
@@ -468,8 +465,6 @@ class StudyBook:
             return job
 
     def _copy_duplicate(self, job: Job) -> RunReport:
-        from vramsweep.record.result import write_result
-
         res = copy.deepcopy(job.source or {})
         res["trial"] = job.number
         meta = res.setdefault("meta", {})

@@ -28,9 +28,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramsweep.config.compose import compose
+from vramsweep.record.diskfull import disk_full_reason
 from vramsweep.record.metrics import MetricName as M
+from vramsweep.record.result import atomic_write_json, new_result, write_result
 from vramsweep.record.status import Status
+from vramsweep.record.units import GIB
+from vramsweep.sweeper.outcome import Outcome, classify, normalise_result, result_from_exception
+from vramsweep.sweeper.samplers import make_pruner
 from vramsweep.sweeper.settings import Objective
+from vramsweep.sweeper.storage import make_storage
 
 
 @dataclass
@@ -106,9 +113,6 @@ class StorageReporter:
     def _open(self) -> Any:
         import optuna
 
-        from vramsweep.sweeper.samplers import make_pruner
-        from vramsweep.sweeper.storage import make_storage
-
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         storage = make_storage(self.spec.storage, child=True)
@@ -151,7 +155,6 @@ def finalize(
     pruned_at: int | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Add the sweep's meta (design, retry, curve) and the Optuna outcome to a normalised result."""
-    from vramsweep.sweeper.outcome import classify
 
     meta = result["meta"]
     meta["design"] = spec.design
@@ -175,9 +178,6 @@ def preflight_result(spec: TrialSpec, cfg: Any) -> dict[str, Any] | None:
     point (``cfg``, composed from ``spec.overrides``) exceeds ``hardware.budget_gib`` (+10 % margin), else
     ``None`` (run the trial)."""
     from omegaconf import OmegaConf
-
-    from vramsweep.record.result import new_result
-    from vramsweep.record.units import GIB
 
     try:
         from vramsweep.estimate import preflight
@@ -205,15 +205,12 @@ def preflight_result(spec: TrialSpec, cfg: Any) -> dict[str, Any] | None:
 
 def execute(spec: TrialSpec) -> dict[str, Any]:
     """Run the trial function and write the result JSON. Never raises (failures become statuses)."""
-    from vramsweep.sweeper.outcome import normalise_result, result_from_exception
 
     t0 = time.perf_counter()
     reporter = StorageReporter(spec)
     try:
         cfg = raw = None
         if spec.preflight:
-            from vramsweep.config.compose import compose
-
             cfg = compose(spec.overrides, rules="none")  # the trial gets this config: composed once
             raw = preflight_result(spec, cfg)
         if raw is None:
@@ -250,8 +247,6 @@ def execute(spec: TrialSpec) -> dict[str, Any]:
 def _write_or_disk_full(result: dict[str, Any], spec: TrialSpec) -> dict[str, Any]:
     """Write the result JSON; on a full disk the trial ends ``error`` with the one-line reason
     ``no space left on device: <path>`` (told to Optuna by the sweeper; the JSON cannot be written)."""
-    from vramsweep.record.diskfull import disk_full_reason
-    from vramsweep.record.result import write_result
 
     try:
         write_result(spec.result_path, result)
@@ -342,8 +337,6 @@ def save_spec(spec: TrialSpec, path: str) -> None:
     """Write a spec as JSON (launcher isolation: the job finds it through ``VRAMSWEEP_TRIAL_SPEC``)."""
     import dataclasses
 
-    from vramsweep.record.result import atomic_write_json
-
     data = dataclasses.asdict(spec)
     if not isinstance(spec.pruner, str | dict):  # an instantiated pruner: rebuilt from its class (defaults)
         data["pruner"] = {"_target_": f"{type(spec.pruner).__module__}.{type(spec.pruner).__qualname__}"}
@@ -385,9 +378,6 @@ def child_main(spec: TrialSpec) -> None:
 
 
 def _write_bad_fork_result(spec: TrialSpec) -> None:
-    from vramsweep.record.result import new_result, write_result
-    from vramsweep.sweeper.outcome import normalise_result
-
     res = normalise_result(
         new_result(
             status=Status.ERROR.value,
@@ -421,8 +411,6 @@ def _load_child_result(path: str) -> dict[str, Any] | None:
 
 def parent_side_result(spec: TrialSpec, reason: str, wall_s: float) -> dict[str, Any]:
     """The result the sweeper writes for a trial process that died without one."""
-    from vramsweep.record.result import new_result
-    from vramsweep.sweeper.outcome import normalise_result
 
     res = normalise_result(
         new_result(
@@ -445,6 +433,4 @@ def parent_side_result(spec: TrialSpec, reason: str, wall_s: float) -> dict[str,
 
 
 def report_from_json(result: dict[str, Any], wall_s: float, exitcode: int | None) -> RunReport:
-    from vramsweep.sweeper.outcome import Outcome
-
     return RunReport(result, Outcome.from_dict(result["meta"]["optuna"]), wall_s, exitcode)

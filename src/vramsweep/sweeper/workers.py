@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vramsweep.record.diskfull import NO_SPACE
+from vramsweep.record.result import write_result
 from vramsweep.sweeper.outcome import Outcome
 from vramsweep.sweeper.progress import Progress, trial_line
 from vramsweep.sweeper.storage import HEARTBEAT, JOB_LOST, LOST, storage_lock
@@ -152,7 +153,6 @@ class WorkerPool:
         a trial outcome. The trial is closed (marked lost) and its point re-enqueued into its slot, up to
         ``retry_stale`` times in this run; a later run of the same command retries it again. A job that
         could not be submitted, with no retry left, stops the sweep (the launcher is down: say so)."""
-        from vramsweep.record.result import write_result
 
         book, state, s = self.book, self.state, self.settings
         tid = job.trial._trial_id
