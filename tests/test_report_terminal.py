@@ -123,3 +123,37 @@ def test_trials_table_of_a_grid_drops_empty_columns(tmp_path: Path, capsys) -> N
     header = next(ln for ln in out.splitlines() if ln.startswith("| trial"))
     assert "task" not in header and "peak GiB" in header
     assert "task_score (null in every row)" in out
+
+
+def test_pick_prints_candidates_within_120_columns_and_keeps_every_column_in_its_file(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """``vramsweep pick``'s candidates table was ~130 characters wide with a task-score column that was
+    empty in every row: on screen the empty column and then the derived ``ppl`` go (one note says so and
+    where every column is); production.md keeps them all."""
+    from test_report import _conf_copy
+    from vramsweep.report import run_pick
+
+    conf = _conf_copy(tmp_path, monkeypatch)
+    knobs = ["quant=nf4_dq adapter=rslora", "quant=none adapter=dora", "quant=fp4 adapter=full"]
+    res = [
+        result(
+            i,
+            [f"{k.split()[0]}", k.split()[1], "optimizer=paged_adamw_8bit"],
+            peak=10.0 + i,
+            tps=500,
+            loss=1.5,
+        )
+        for i, k in enumerate(knobs)
+    ]
+    folder = write_sweep(tmp_path / "sw", res, budget_gib=16)
+    assert run_pick(str(folder), budget_gib=16, conf_dir=str(conf)) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= WIDTH, out
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert "task score" not in table[0] and "ppl" not in table[0]
+    assert "quant=nf4_dq adapter=rslora" in out or "…" in table[2]  # clipped only past 120 columns
+    note = next(line for line in out.splitlines() if line.startswith("Left out (null in every row):"))
+    assert "task score" in note and "Every column:" in note and "production.md" in out
+    prod = (folder / "production.md").read_text()
+    assert "task score" in prod and "ppl" in prod

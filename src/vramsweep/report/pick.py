@@ -43,6 +43,7 @@ from vramsweep.record.result import atomic_write_text
 from vramsweep.report.load import ReportError, SweepData, TrialRecord, load_sweep, safe_url
 from vramsweep.report.stats import NOISE, UNKNOWN, compare
 from vramsweep.report.tables import Column, Table, gib, metric_cells, metric_column
+from vramsweep.report.terminal import compact, wrap
 
 #: Top-level config keys never pinned (where results go, run name, the sweep that produced the trial).
 UNPINNED_TOP = ("results_dir", "name", "sweep", "hydra")
@@ -353,7 +354,7 @@ def candidates_table(
             metric_column(_TPS),
             metric_column(_LOSS),
             Column("quality vs best", lambda r: r["quality_vs_best"], False),
-            metric_column(_PPL),
+            metric_column(_PPL, kind="detail"),  # exp(eval loss): left out first on a narrow terminal
             metric_column(_TASK),
         ],
         rows,
@@ -632,16 +633,21 @@ def run_pick(
         return _err(f"cannot write {prod_path}: {exc}")
 
     print(
-        f"Picked trial {winner.number:04d} of {sweep.name} for {budget_gib:g} GiB (prefer {prefer}): "
-        f"peak {_show(winner, _PEAK, unit=True)} (headroom {gib(budget_gib - winner.peak_gib)} GiB), "
-        f"{_show(winner, _TPS, 'n/a')} {metric_label(_TPS)}, {title(_LOSS)} {_show(winner, _LOSS, 'n/a')}"
+        wrap(
+            f"Picked trial {winner.number:04d} of {sweep.name} for {budget_gib:g} GiB (prefer {prefer}): "
+            f"peak {_show(winner, _PEAK, unit=True)} (headroom {gib(budget_gib - winner.peak_gib)} GiB), "
+            f"{_show(winner, _TPS, 'n/a')} {metric_label(_TPS)}, {title(_LOSS)} {_show(winner, _LOSS, 'n/a')}"
+        )
     )
     why = quality_note(winner, ranked, tiers) if prefer == "quality" else None
     if why:
         print(f"quality: {why}")
-    print(candidates_table(sweep, ranked, budget_gib, tiers=tiers).markdown())
+    shown, notes = compact(candidates_table(sweep, ranked, budget_gib, tiers=tiers))
+    print(shown)
+    if notes:
+        print(wrap(f"{' '.join(notes)} Every column: {prod_path}."))
     for w in warnings:
-        print(f"vramsweep pick: warning: {w}", file=sys.stderr)
+        print(wrap(f"vramsweep pick: warning: {w}"), file=sys.stderr)
     print(f"{'overwrote' if existed else 'wrote'} {exp_path}")
     print(f"wrote {prod_path}")
     print(f"train it: {train_command(name, conf)}")

@@ -143,6 +143,27 @@ def terminal_view(
     return _render(table, cols, rows), notes
 
 
+def compact(table: Table, width: int = WIDTH) -> tuple[str, list[str]]:
+    """A short table (``pick``'s candidates) as printed on the terminal: metric columns that are null in every
+    row left out, then derived (``detail``) columns if it is wider than ``width``, then the widest label
+    column clipped; returns the table and the notes that say what was left out (the file written beside it
+    keeps every column)."""
+    empty = {m for m, why in uninformative(table).items() if why == "null in every row"}
+    cols = [c for c in table.columns if c.metric not in empty]
+    notes = []
+    if empty:
+        notes.append(
+            f"Left out (null in every row): {', '.join(c.header for c in table.columns if c.metric in empty)}."
+        )
+    details = [c for c in cols if c.kind == "detail"]
+    if details and _width(_render(table, cols, table.rows)) > width:
+        cols = [c for c in cols if c.kind != "detail"]
+        notes.append(f"Left out to fit the terminal: {', '.join(c.header for c in details)}.")
+    if _width(_render(table, cols, table.rows)) > width:
+        cols = _clip_labels(table, cols, table.rows, width)
+    return _render(table, cols, table.rows), notes
+
+
 def wrap(line: str, width: int = WIDTH, indent: str = "  ") -> str:
     """A printed line wrapped at ``width`` (continuation lines indented)."""
     if len(line) <= width:
