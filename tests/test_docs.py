@@ -26,7 +26,7 @@ DOCS = sorted((REPO / "docs").rglob("*.md"))
 #: at most this many README lines (issue 31.1)
 README_MAX_LINES = 250
 #: prefixes of repository paths that docs may name; each named path must exist
-PATH_RE = re.compile(r"(?<![\w./-])((?:src|docs|scripts|bench|tests)/[\w./-]*[\w/])")
+PATH_RE = re.compile(r"(?<![\w./-])((?:src|docs|scripts|bench|tests|conf|sweeps)/[\w./-]*[\w/])")
 #: sweep-grammar functions: their arguments are values, not overrides
 SWEEP_FUNCS = re.compile(r"^(choice|range|interval|tag|glob)\(")
 #: first line of an output that shows a command failing on purpose (``$ vramsweep train quant=nf5``)
@@ -233,6 +233,8 @@ def paths(text: str) -> set[str]:
     for m in PATH_RE.finditer(text):
         p = m.group(1).rstrip(".")
         if any(c in text[m.end() : m.end() + 1] for c in "<*{") or "NNNN" in p:
+            continue
+        if p.startswith("conf/experiment/"):  # what `vramsweep pick` writes into a user's conf dir
             continue
         out.add(p)
     return out
