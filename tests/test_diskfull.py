@@ -85,7 +85,10 @@ def test_sweep_stops_with_one_line_when_the_disk_fills(tmp_path, monkeypatch, ca
             raise _enospc(str(path))
         return real(path, result)
 
+    import vramsweep.sweeper.trialproc as tp
+
     monkeypatch.setattr(rr, "write_result", write)
+    monkeypatch.setattr(tp, "write_result", write)  # where the trial process writes its result
     monkeypatch.chdir(tmp_path)
     code = main(
         [

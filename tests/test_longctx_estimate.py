@@ -81,7 +81,9 @@ def test_trial_records_host_oom_before_building(tmp_path, monkeypatch):
 
     monkeypatch.setattr(preflight, "available_host_bytes", lambda: 4 * GIB)
     built = []
-    monkeypatch.setattr("vramsweep.knobs.build_model", lambda *a, **k: built.append(1))
+    monkeypatch.setattr(
+        "vramsweep.trial.build_model", lambda *a, **k: built.append(1)
+    )  # where the trial calls it
     cfg = _cfg(*STACK, "context.max_tokens=32768", f"results_dir={tmp_path}")
     res = run_trial(cfg, overrides=[], result_path=tmp_path / "r.json")
     assert res["status"] == "host_oom", res["reason"]
