@@ -45,7 +45,9 @@ class SweepsConfigSource(ConfigSource):
             header = ConfigSource._get_header_dict(f.read(512))
             f.seek(0)
             cfg = OmegaConf.load(f)
-        return ConfigResult(config=cfg, path=f"{self.scheme()}://{self.path}", provider=self.provider, header=header)
+        return ConfigResult(
+            config=cfg, path=f"{self.scheme()}://{self.path}", provider=self.provider, header=header
+        )
 
     def available(self) -> bool:
         return os.path.isdir(self.path)
