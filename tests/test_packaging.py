@@ -30,9 +30,10 @@ def test_cited_docs_exist():
 def test_non_editable_install_trains_and_picks_from_another_folder(
     tmp_path: Path, embedded_model_dir
 ) -> None:
-    """``pip install .`` (a wheel, not editable) ships the packaged conf: from a user's project folder
-    with its own ``./conf``, a config composes and a real trial runs, ``pick`` writes
-    ``./conf/experiment/`` (not into the installed package) and the experiment composes back."""
+    """``pip install .`` (a wheel, not editable) ships conf/ and sweeps/: from a user's project folder
+    with its own ``./conf``, a config and a shipped sweep compose, a real trial runs, ``report`` reads it,
+    ``pick`` writes ``./conf/experiment/`` (not into the installed package) and the experiment composes
+    back."""
     from conftest import FAST
     from test_user_conf import user_conf
 
@@ -104,6 +105,8 @@ def test_non_editable_install_trains_and_picks_from_another_folder(
     trials = [json.loads(p.read_text()) for p in sorted((sweep / "trials").glob("*.json"))]
     assert [t["status"] for t in trials] == ["ok"], trials
     assert trials[0]["config"]["hardware"]["name"] == "mine" and trials[0]["metrics"]["peak_memory_bytes"] > 0
+    out = run("report", str(sweep))
+    assert "wrote (in" in out and (sweep / "ablation.md").is_file() and (sweep / "ablation.csv").is_file()
     out = run("pick", str(sweep), "--budget-gib", "4", "--name", "prod")
     assert "train it: vramsweep train +experiment=prod" in out
     assert (project / "conf" / "experiment" / "prod.yaml").is_file()
