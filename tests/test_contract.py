@@ -355,11 +355,19 @@ def test_the_session_check_fails_a_test_that_writes_a_malformed_result(tmp_path)
     here = Path(__file__).resolve().parent
     shutil.copy(here / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_inner.py").write_text(
-        "from vramsweep.record.result import new_result, write_result\n\n"
+        "import os\n"
+        "import pytest\n"
+        "from vramsweep.record.result import RESULT_LOG_ENV, new_result, write_result\n"
+        "from vramsweep.record.schema import ResultSchemaError\n\n"
         "def test_good(tmp_path):\n"
         "    write_result(tmp_path / 'r.json', new_result(status='ok'))\n\n"
-        "def test_bad(tmp_path):\n"
-        "    write_result(tmp_path / 'r.json', new_result(status='ok') | {'trial': 'three'})\n"
+        "def test_refused(tmp_path):\n"  # the writer refuses a malformed result before writing it
+        "    with pytest.raises(ResultSchemaError):\n"
+        "        write_result(tmp_path / 'r.json', new_result(status='ok') | {'trial': 'three'})\n"
+        "    assert not (tmp_path / 'r.json').exists()\n\n"
+        "def test_bad(tmp_path):\n"  # a bad result that got written anyway (a writer of another kind)
+        "    with open(os.environ[RESULT_LOG_ENV], 'a') as fh:\n"
+        "        fh.write(f\"bad\\t{tmp_path}/r.json\\tresult.trial='three'\\n\")\n"
     )
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
@@ -370,5 +378,5 @@ def test_the_session_check_fails_a_test_that_writes_a_malformed_result(tmp_path)
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert "2 passed, 1 error" in out, out  # test_bad's call passes; its teardown (the check) errors
+    assert "3 passed, 1 error" in out, out  # test_bad's call passes; its teardown (the check) errors
     assert "ERROR" in out and "test_bad" in out and "result.trial='three'" in out, out
