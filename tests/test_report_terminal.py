@@ -141,8 +141,8 @@ def test_pick_prints_candidates_within_120_columns_and_keeps_every_column_in_its
             i,
             [f"{k.split()[0]}", k.split()[1], "optimizer=paged_adamw_8bit"],
             peak=10.0 + i,
-            tps=500,
-            loss=1.5,
+            tps=500 + i,
+            loss=1.5 + i / 100,
         )
         for i, k in enumerate(knobs)
     ]
@@ -153,7 +153,48 @@ def test_pick_prints_candidates_within_120_columns_and_keeps_every_column_in_its
     table = [line for line in out.splitlines() if line.startswith("|")]
     assert "task score" not in table[0] and "ppl" not in table[0]
     assert "quant=nf4_dq adapter=rslora" in out or "…" in table[2]  # clipped only past 120 columns
-    note = next(line for line in out.splitlines() if line.startswith("Left out (null in every row):"))
-    assert "task score" in note and "Every column:" in note and "production.md" in out
+    note = next(line for line in out.splitlines() if line.startswith("Left out (no information):"))
+    assert "task_score (null in every row)" in note and "Every column:" in note and "production.md" in out
     prod = (folder / "production.md").read_text()
     assert "task score" in prod and "ppl" in prod
+
+
+def test_pick_names_an_ablation_point_by_its_change(tmp_path: Path, monkeypatch, capsys) -> None:
+    """An ablation's candidates are named by what they change (``checkpointing=on (seed 1)``), not by every
+    knob of the sweep, which clipped them to ``quant=none …`` on the terminal."""
+    from test_report import _conf_copy
+    from vramsweep.report import run_pick
+
+    conf = _conf_copy(tmp_path, monkeypatch)
+    base = ["quant=none", "adapter=lora", "optimizer=adamw", "attention=sdpa", "checkpointing=off"]
+    points = [
+        ([], {"kind": "ablation", "role": "baseline", "change": [], "repeat": 0}),
+        (
+            ["checkpointing=on"],
+            {"kind": "ablation", "role": "factor", "change": ["checkpointing=on"], "repeat": 0},
+        ),
+        (
+            ["checkpointing=on"],
+            {"kind": "ablation", "role": "factor", "change": ["checkpointing=on"], "repeat": 1},
+        ),
+        (["quant=nf4"], {"kind": "ablation", "role": "factor", "change": ["quant=nf4"], "repeat": 0}),
+    ]
+    res = []
+    for i, (change, design) in enumerate(points):
+        over = [o for o in base if o.split("=")[0] not in {c.split("=")[0] for c in change}] + change
+        res.append(
+            result(i, [*over, f"train.seed={design['repeat']}"], peak=1 + i, tps=100, loss=1.0, design=design)
+        )
+    folder = write_sweep(tmp_path / "sw", res, budget_gib=16, design="ablation")
+    assert run_pick(str(folder), budget_gib=16, conf_dir=str(conf)) == 0
+    rows = {
+        line.split("|")[2].strip(): line.split("|")[3].strip()
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("|") and line.split("|")[1].strip().isdigit()
+    }
+    assert rows == {
+        "0": "(baseline)",
+        "1": "checkpointing=on",
+        "2": "checkpointing=on (seed 1)",
+        "3": "quant=nf4",
+    }

@@ -318,6 +318,20 @@ def verify_experiment(conf_dir: Path, name: str, trial: TrialRecord, spec: Exper
 # ---------------------------------------------------------------------------------------------
 # production.md
 # ---------------------------------------------------------------------------------------------
+def point_label(sweep: SweepData, trial: TrialRecord, knobs: list[str]) -> str:
+    """What a trial's config is, shortest first: an ablation point's change (``checkpointing=on``,
+    ``(baseline)``), a stacking step's added knob (``+kernels=liger``), else the sweep's varying knobs; a
+    seed repeat is marked ``(seed N)``."""
+    d = trial.design or {}
+    repeat = f" (seed {d['repeat']})" if d.get("repeat") else ""
+    if d.get("kind") == "ablation":
+        change = " ".join(str(o) for o in d.get("change") or [])
+        return ("(baseline)" if d.get("role") == "baseline" or not change else change) + repeat
+    if d.get("kind") == "stacking":
+        return (f"+{d['added']}" if d.get("added") else "(baseline)") + repeat
+    return sweep.knob_label(trial, knobs)
+
+
 def candidates_table(
     sweep: SweepData,
     ranked: list[TrialRecord],
@@ -333,7 +347,7 @@ def candidates_table(
         {
             "rank": i + 1,
             "trial": t.number,
-            "knobs": sweep.knob_label(t, knobs),
+            "knobs": point_label(sweep, t, knobs),
             **metric_cells(t, [_PEAK]),
             "headroom_gib": None if t.peak_gib is None else budget_gib - t.peak_gib,
             **metric_cells(t, [_TPS, _LOSS, _PPL, _TASK]),
@@ -641,7 +655,7 @@ def run_pick(
     )
     why = quality_note(winner, ranked, tiers) if prefer == "quality" else None
     if why:
-        print(f"quality: {why}")
+        print(wrap(f"quality: {why}"))
     shown, notes = compact(candidates_table(sweep, ranked, budget_gib, tiers=tiers))
     print(shown)
     if notes:
@@ -693,7 +707,7 @@ def _nothing_fits(
         [
             {
                 "trial": t.number,
-                "knobs": sweep.knob_label(t, knobs),
+                "knobs": point_label(sweep, t, knobs),
                 **metric_cells(t, [_PEAK, _TPS, _LOSS]),
                 "why": why,
             }

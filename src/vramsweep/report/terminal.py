@@ -144,16 +144,16 @@ def terminal_view(
 
 
 def compact(table: Table, width: int = WIDTH) -> tuple[str, list[str]]:
-    """A short table (``pick``'s candidates) as printed on the terminal: metric columns that are null in every
-    row left out, then derived (``detail``) columns if it is wider than ``width``, then the widest label
-    column clipped; returns the table and the notes that say what was left out (the file written beside it
-    keeps every column)."""
-    empty = {m for m, why in uninformative(table).items() if why == "null in every row"}
+    """A short table (``pick``'s candidates) as printed on the terminal: metric columns with no information
+    (null, or the same, in every row: :func:`uninformative`) left out, then derived (``detail``) columns
+    if it is wider than ``width``, then the widest label column clipped. Returns the table and the notes
+    that say what was left out (the file written beside it keeps every column)."""
+    empty = uninformative(table)
     cols = [c for c in table.columns if c.metric not in empty]
     notes = []
     if empty:
         notes.append(
-            f"Left out (null in every row): {', '.join(c.header for c in table.columns if c.metric in empty)}."
+            "Left out (no information): " + "; ".join(f"{m} ({why})" for m, why in empty.items()) + "."
         )
     details = [c for c in cols if c.kind == "detail"]
     if details and _width(_render(table, cols, table.rows)) > width:
