@@ -169,3 +169,24 @@ def test_trial_forked_after_cuda_init_fails_with_a_reason(tmp_path, monkeypatch)
     T._write_bad_fork_result(spec)
     res = json.loads(Path(spec.result_path).read_text())
     assert res["status"] == "error" and "isolation=spawn" in res["reason"]
+
+
+def test_a_trial_started_after_ctrl_c_is_killed_at_once(tmp_path, monkeypatch, tests_on_path):
+    """Ctrl-C (``kill_all``) racing a trial's start: the trial process is killed as it starts instead of
+    running unseen (a hanging trial then hung the sweep, and the suite's Ctrl-C test, for good)."""
+    import time
+
+    monkeypatch.setenv("VRAMSWEEP_FAKE", json.dumps({"faults": {"0": "hang"}}))
+    runner = R.ProcessRunner("forkserver", ["fakes"])
+    runner.start()
+    try:
+        runner.kill_all()  # Ctrl-C arrives before the worker's trial process is registered
+        spec = _spec(tmp_path, "fakes:fake_trial")
+        spec.env = dict(os.environ)
+        t0 = time.perf_counter()
+        report = runner.run(spec, tick_s=0.2, timeout_s=120)
+        wall = time.perf_counter() - t0
+    finally:
+        runner.stop()
+    assert wall < 60, f"the hanging trial ran for {wall:.0f} s after Ctrl-C"
+    assert report.result["status"] == "error" and "SIGKILL" in report.result["reason"], report.result

@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -149,8 +150,13 @@ class ProcessRunner(Runner):
         self.fork_probe: dict[str, Any] = {}
         self.pulled_in: list[str] = []
         self._live: set[Any] = set()
+        #: set by :meth:`kill_all` (Ctrl-C): a trial started after it is killed at once, so a trial whose
+        #: process was being started while Ctrl-C arrived cannot outlive the sweep
+        self._killing = False
+        self._live_lock = threading.Lock()
 
     def start(self) -> None:
+        self._killing = False
         if self.method != "forkserver":
             return
         import tempfile
@@ -211,7 +217,10 @@ class ProcessRunner(Runner):
         """Nothing to do: the fork server stays warm for the next sweep in this process and exits with it."""
 
     def kill_all(self) -> None:  # noqa: B027 - optional hook
-        for proc in list(self._live):
+        with self._live_lock:
+            self._killing = True
+            live = list(self._live)
+        for proc in live:
             with contextlib.suppress(Exception):
                 proc.kill()
 
@@ -228,8 +237,11 @@ class ProcessRunner(Runner):
         Path(spec.result_path).parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         proc = self.ctx.Process(target=child_main, args=(spec,), name=f"vramsweep-trial-{spec.number}")
-        proc.start()
-        self._live.add(proc)
+        with self._live_lock:  # kill_all() either sees this process or has set _killing before it started
+            proc.start()
+            self._live.add(proc)
+            if self._killing:
+                proc.kill()
         timed_out = False
         while True:
             proc.join(tick_s)
