@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -21,6 +22,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # The suite composes from the packaged conf only (a developer's own conf dir must not change results).
 os.environ.pop("VRAMSWEEP_CONFIG_DIR", None)
+# A suite started in the background by a non-interactive shell inherits SIGINT ignored (POSIX), and Python
+# then never raises KeyboardInterrupt: the Ctrl-C tests (interrupt_main, SIGINT to a sweeper process) would
+# wait forever. Python's own handler back; processes the tests start inherit the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # Test doubles (tests/fakes.py, ...) are importable by the trial and sweeper processes tests start too.
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
