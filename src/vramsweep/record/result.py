@@ -111,6 +111,14 @@ def atomic_write_json(path: str | os.PathLike, data: Any) -> Path:
     return atomic_write_text(path, _dumps(data))
 
 
+def checked_json(result: TrialResult | dict[str, Any]) -> dict[str, Any]:
+    """The JSON a result is written as (NaN/inf as null), checked against the contract:
+    :class:`~vramsweep.record.schema.ResultSchemaError` names the first bad key."""
+    data = _clean(result.to_json() if isinstance(result, TrialResult) else result)
+    TrialResult.from_json(data)
+    return data
+
+
 def write_result(path: str | os.PathLike, result: TrialResult | dict[str, Any]) -> Path:
     """Write a trial result JSON atomically (the one way results are written).
 
@@ -123,8 +131,7 @@ def write_result(path: str | os.PathLike, result: TrialResult | dict[str, Any]) 
     (:func:`vramsweep.record.schema.check_result`) and ``ok <path>`` or ``bad <path> <error>`` appended to
     that file.
     """
-    data = _clean(result.to_json() if isinstance(result, TrialResult) else result)
-    TrialResult.from_json(data)  # ResultSchemaError before anything is written
+    data = checked_json(result)  # ResultSchemaError before anything is written
     text = json.dumps(data, indent=2, allow_nan=False) + "\n"
     out = atomic_write_text(path, text)
     log = os.environ.get(RESULT_LOG_ENV)

@@ -517,6 +517,108 @@ def _check_args(
     return None
 
 
+def _target_conf(name: str | None, conf_dir: str | None) -> Path:
+    """The conf dir ``experiment/<name>.yaml`` goes into; :class:`ReportError` for a bad name or folder."""
+    if name is not None and not NAME_RE.match(name):
+        raise ReportError(
+            f"--name {name!r} must be letters, digits, '_' or '-' (it becomes experiment/<name>.yaml in the conf dir)"
+        )
+    if conf_dir is None:
+        try:
+            conf = writable_conf_dir()
+        except ConfigError as exc:
+            raise ReportError(str(exc)) from None
+    else:
+        conf = Path(conf_dir).expanduser().resolve()
+    if conf.exists() and not conf.is_dir():
+        raise ReportError(f"the conf dir {conf} is not a folder")
+    return conf
+
+
+def _pin_warnings(winner: TrialRecord, spec: Any) -> list[str]:
+    """What the pinned experiment cannot promise (said on stderr and in production.md)."""
+    warnings: list[str] = []
+    if spec.skipped:
+        warnings.append(
+            "not pinned (unknown to this conf, so this checkout cannot set them): " + ", ".join(spec.skipped)
+        )
+    if not winner.config:
+        warnings.append(f"trial {winner.number:04d} has no recorded config: pinned from its overrides only")
+    if winner.memory_kind == "cpu_tracked":
+        warnings.append(
+            "peak measured on CPU (tracked tensors): a GPU adds CUDA context and allocator slack; "
+            "compare `vramsweep estimate` for the target card"
+        )
+    return warnings
+
+
+def _pinned_header(
+    command: str,
+    sweep: SweepData,
+    winner: TrialRecord,
+    prefer: str,
+    n_ranked: int,
+    limit: float,
+    min_tokens_per_s: float | None,
+    name: str,
+    conf: Path,
+) -> list[str]:
+    """The comment lines at the top of the experiment file: how, when and why it was pinned."""
+    return [
+        f"Pinned by `{command}`",
+        f"on {_dt.datetime.now(_dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}: trial {winner.number} of sweep '{sweep.name}', "
+        f"{_criterion(prefer)}",
+        f"among {n_ranked} ok trial(s) with peak <= {limit:g} GiB"
+        + (f" and tokens/s >= {min_tokens_per_s:g}" if min_tokens_per_s is not None else "")
+        + ".",
+        f"Measured: peak {_show(winner, _PEAK, unit=True)}, {title(_TPS)} {_show(winner, _TPS, 'n/a')}, "
+        f"{title(_LOSS)} {_show(winner, _LOSS, 'n/a')}.",
+        f"Train it: {train_command(name, conf)}",
+    ]
+
+
+def _print_pick(
+    sweep: SweepData,
+    winner: TrialRecord,
+    ranked: list[TrialRecord],
+    tiers: dict[int, QualityTier],
+    budget_gib: float,
+    prefer: str,
+    prod_path: Path,
+    warnings: list[str],
+) -> None:
+    """The terminal's account of the pick (120 columns): the winner, why, the candidates, the warnings."""
+    print(
+        wrap(
+            f"Picked trial {winner.number:04d} of {sweep.name} for {budget_gib:g} GiB (prefer {prefer}): "
+            f"peak {_show(winner, _PEAK, unit=True)} (headroom {gib(budget_gib - winner.peak_gib)} GiB), "
+            f"{_show(winner, _TPS, 'n/a')} {metric_label(_TPS)}, {title(_LOSS)} {_show(winner, _LOSS, 'n/a')}"
+        )
+    )
+    why = quality_note(winner, ranked, tiers) if prefer == "quality" else None
+    if why:
+        print(wrap(f"quality: {why}"))
+    shown, notes = compact(candidates_table(sweep, ranked, budget_gib, tiers=tiers))
+    print(shown)
+    if notes:
+        print(wrap(f"{' '.join(notes)} Every column: {prod_path}."))
+    for w in warnings:
+        print(wrap(f"vramsweep pick: warning: {w}"), file=sys.stderr)
+
+
+def _write_experiment(
+    exp_path: Path, conf: Path, name: str, spec: Any, header: list[str], winner: TrialRecord
+) -> list[str]:
+    """Write ``experiment/<name>.yaml`` and compose it back; returns the values it does not reproduce.
+    ``OSError``: not written; :class:`ReportError`: it does not compose (the file is removed)."""
+    atomic_write_text(exp_path, experiment_yaml(spec, header))
+    try:
+        return verify_experiment(conf, name, winner, spec)
+    except ReportError:
+        exp_path.unlink(missing_ok=True)
+        raise
+
+
 def run_pick(
     target: str,
     *,
@@ -551,20 +653,8 @@ def run_pick(
         return _err(problem)
     if name is not None:
         name = name[:-5] if name.endswith(".yaml") else name
-        if not NAME_RE.match(name):
-            return _err(
-                f"--name {name!r} must be letters, digits, '_' or '-' (it becomes experiment/<name>.yaml in the conf dir)"
-            )
-    if conf_dir is None:
-        try:
-            conf = writable_conf_dir()
-        except ConfigError as exc:
-            return _err(str(exc))
-    else:
-        conf = Path(conf_dir).expanduser().resolve()
-    if conf.exists() and not conf.is_dir():
-        return _err(f"the conf dir {conf} is not a folder")
     try:
+        conf = _target_conf(name, conf_dir)
         sweep = load_sweep(target, study=study)
     except ReportError as exc:
         return _err(str(exc))
@@ -582,40 +672,15 @@ def run_pick(
         spec = build_experiment(winner, conf)
     except ReportError as exc:
         return _err(f"cannot pin trial {winner.number:04d}: {exc}")
-    warnings: list[str] = []
-    if spec.skipped:
-        warnings.append(
-            "not pinned (unknown to this conf, so this checkout cannot set them): " + ", ".join(spec.skipped)
-        )
-    if not winner.config:
-        warnings.append(f"trial {winner.number:04d} has no recorded config: pinned from its overrides only")
-    if winner.memory_kind == "cpu_tracked":
-        warnings.append(
-            "peak measured on CPU (tracked tensors): a GPU adds CUDA context and allocator slack; "
-            "compare `vramsweep estimate` for the target card"
-        )
-    header = [
-        f"Pinned by `{command}`",
-        f"on {_dt.datetime.now(_dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}: trial {winner.number} of sweep '{sweep.name}', "
-        f"{_criterion(prefer)}",
-        f"among {len(ranked)} ok trial(s) with peak <= {limit:g} GiB"
-        + (f" and tokens/s >= {min_tokens_per_s:g}" if min_tokens_per_s is not None else "")
-        + ".",
-        f"Measured: peak {_show(winner, _PEAK, unit=True)}, {title(_TPS)} {_show(winner, _TPS, 'n/a')}, "
-        f"{title(_LOSS)} {_show(winner, _LOSS, 'n/a')}.",
-        f"Train it: {train_command(name, conf)}",
-    ]
-    exp_dir = conf / "experiment"
-    exp_path = exp_dir / f"{name}.yaml"
+    warnings = _pin_warnings(winner, spec)
+    header = _pinned_header(command, sweep, winner, prefer, len(ranked), limit, min_tokens_per_s, name, conf)
+    exp_path = conf / "experiment" / f"{name}.yaml"
     existed = exp_path.exists()
     try:
-        atomic_write_text(exp_path, experiment_yaml(spec, header))
+        diffs = _write_experiment(exp_path, conf, name, spec, header, winner)
     except OSError as exc:
         return _err(f"cannot write {exp_path}: {exc}")
-    try:
-        diffs = verify_experiment(conf, name, winner, spec)
     except ReportError as exc:
-        exp_path.unlink(missing_ok=True)
         print(
             f"vramsweep pick: error: the experiment for trial {winner.number:04d} does not compose, removed {exp_path}: {exc}",
             file=sys.stderr,
@@ -646,22 +711,7 @@ def run_pick(
     except OSError as exc:
         return _err(f"cannot write {prod_path}: {exc}")
 
-    print(
-        wrap(
-            f"Picked trial {winner.number:04d} of {sweep.name} for {budget_gib:g} GiB (prefer {prefer}): "
-            f"peak {_show(winner, _PEAK, unit=True)} (headroom {gib(budget_gib - winner.peak_gib)} GiB), "
-            f"{_show(winner, _TPS, 'n/a')} {metric_label(_TPS)}, {title(_LOSS)} {_show(winner, _LOSS, 'n/a')}"
-        )
-    )
-    why = quality_note(winner, ranked, tiers) if prefer == "quality" else None
-    if why:
-        print(wrap(f"quality: {why}"))
-    shown, notes = compact(candidates_table(sweep, ranked, budget_gib, tiers=tiers))
-    print(shown)
-    if notes:
-        print(wrap(f"{' '.join(notes)} Every column: {prod_path}."))
-    for w in warnings:
-        print(wrap(f"vramsweep pick: warning: {w}"), file=sys.stderr)
+    _print_pick(sweep, winner, ranked, tiers, budget_gib, prefer, prod_path, warnings)
     print(f"{'overwrote' if existed else 'wrote'} {exp_path}")
     print(f"wrote {prod_path}")
     print(f"train it: {train_command(name, conf)}")

@@ -31,8 +31,8 @@ from vramsweep.config.rules import UnsupportedError
 from vramsweep.record.feasibility import over_budget_gib, result_budget_gib
 from vramsweep.record.metrics import LOSS_METRICS, METRIC_KEYS, SCALAR_METRICS, empty_metrics
 from vramsweep.record.metrics import MetricName as M
-from vramsweep.record.result import _clean, new_result
-from vramsweep.record.schema import SCHEMA_VERSION, ResultSchemaError, TrialResult
+from vramsweep.record.result import checked_json, new_result
+from vramsweep.record.schema import SCHEMA_VERSION, ResultSchemaError
 from vramsweep.record.status import STATUSES, Status
 from vramsweep.sweeper.settings import Objective
 
@@ -168,7 +168,7 @@ def _checked(result: dict[str, Any], *, sweep: str, trial: int, overrides: list[
     that trial's failure, never the sweep's."""
 
     try:
-        TrialResult.from_json(_clean(result))
+        checked_json(result)
     except ResultSchemaError as exc:
         out = new_result(
             status=Status.ERROR,
