@@ -96,7 +96,8 @@ def make(model_name: str, tokens: int, steps: int):
     for _ in range(steps):
         ids = torch.randint(3, vocab, (1, tokens), generator=g)
         batches.append({"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids),
-                        "no_padding": True, "n_tokens": tokens, "n_targets": tokens - 1})  # fmt: skip
+                        "no_padding": True, "n_tokens": tokens, "n_targets": tokens - 1,
+                        "n_loss_tokens": tokens - 1})  # fmt: skip
     return model, loss_fn, params, opt, sched, batches
 
 

@@ -61,7 +61,7 @@ def _prepared(overrides, steps):
     _, tok = model_source(cfg)
     data = build_trial_data(cfg, tok)
     built = build_model(cfg)
-    micro = micro_batches(data.train, int(cfg.train.micro_batch), steps, int(cfg.train.seed))
+    micro = micro_batches(data.train, int(cfg.train.micro_batch), 1, steps, int(cfg.train.seed))
     batches = [collate_batch(b, data.pad_id) for b in micro]
     params = [p for p in built.model.parameters() if p.requires_grad]
     opt, _ = build_optimizer(cfg, params)

@@ -46,6 +46,7 @@ def _loop(steps=4, ga=2, nan_at=None, log=None, device="cpu", max_grad_norm=1.0)
             "input_ids": torch.randn(4, 8, generator=g),
             "labels": torch.randn(4, 1, generator=g),
             "no_padding": True,
+            "n_loss_tokens": 4,  # equal weights: the step loss is the mean of the micro-batch means
         }
         for _ in range(steps * ga)
     ]

@@ -103,27 +103,35 @@ def random_token_data(cfg: DictConfig):
     )
 
 
-def micro_batches(examples: list, batch_size: int, count: int, seed: int) -> list[list]:
-    """``count`` micro-batches cycling through a seeded shuffle; the two longest go first (fail fast:
-    an OOM shows on step 0, and the tracked warm-up steps see the worst case)."""
+def micro_batches(examples: list, micro_batch: int, grad_accum: int, steps: int, seed: int) -> list[list]:
+    """``steps * grad_accum`` micro-batches of ``micro_batch`` examples, grouped by optimizer step.
+
+    Step ``k`` takes the next ``micro_batch * grad_accum`` examples of a seeded shuffle (reshuffled at
+    each pass over the data), so a step holds the same examples whatever the ``micro_batch x grad_accum``
+    split: with token-weighted accumulation (:func:`vramsweep.loop.token_weights`) the split changes
+    memory and speed, not the maths. Whole steps are then reordered, never micro-batches across steps:
+    the two steps holding the longest examples go first (fail fast: an OOM shows on step 0, and the
+    tracked warm-up steps see the worst case), and inside a step the examples go longest first (its first
+    micro-batch is its widest; rows of like length share a micro-batch, so less padding)."""
     rng = random.Random(seed)
     order = list(range(len(examples)))
     rng.shuffle(order)
-    out: list[list] = []
+    per_step = micro_batch * grad_accum
+    grouped: list[list] = []
     pos = 0
-    while len(out) < count:
-        batch = []
-        for _ in range(batch_size):
+    for _ in range(steps):
+        step = []
+        for _ in range(per_step):
             if pos % len(order) == 0 and pos:
                 rng.shuffle(order)
-            batch.append(examples[order[pos % len(order)]])
+            step.append(examples[order[pos % len(order)]])
             pos += 1
-        out.append(batch)
-    lengths = [max(len(e.input_ids) for e in b) for b in out]
-    ranked = sorted(range(len(out)), key=lambda i: (-lengths[i], i))
-    first = ranked[: min(2, len(out))]
-    rest = [i for i in range(len(out)) if i not in first]
-    return [out[i] for i in first + rest]
+        grouped.append(sorted(step, key=lambda e: -len(e.input_ids)))  # stable: ties keep their order
+    longest = [len(s[0].input_ids) for s in grouped]
+    ranked = sorted(range(len(grouped)), key=lambda i: (-longest[i], i))
+    first = ranked[: min(2, len(grouped))]
+    ordered = [grouped[i] for i in first + [i for i in range(len(grouped)) if i not in first]]
+    return [s[k : k + micro_batch] for s in ordered for k in range(0, per_step, micro_batch)]
 
 
 def _spread(items: list, n: int) -> list:
@@ -145,14 +153,22 @@ def eval_subset(examples: list, n: int) -> list:
     return [examples[i] for i in sorted(picked)]
 
 
-def collate_batch(examples: list, pad_id: int) -> dict:
+def collate_batch(examples: list, pad_id: int, width: int | None = None) -> dict:
+    """A collated micro-batch with the host-side counts the loop and the timing read (no device reads).
+
+    Packed rows (``data.packing``) get ``position_ids`` and ``packed: True``: the loop then passes no
+    attention mask, so the model builds its block-diagonal mask from the positions."""
     from vramsweep.data.examples import collate
 
-    b = collate(examples, pad_id)
+    b = collate(examples, pad_id, width)
     b["fact_spans"] = [list(e.fact_spans) for e in examples]
     # Counted once here, on the host, so the loop never reads device tensors for bookkeeping.
     b["n_tokens"] = int(b["attention_mask"].sum())
     b["n_targets"] = int((b["labels"] != -100).sum())
+    # The tokens the causal-LM loss averages over (labels shift by one: position 0 predicts nothing):
+    # each micro-batch's weight in its optimizer step (vramsweep.loop.token_weights).
+    b["n_loss_tokens"] = int((b["labels"][:, 1:] != -100).sum())
+    b["packed"] = "position_ids" in b
     b["no_padding"] = b["n_tokens"] == int(b["attention_mask"].numel())
     return b
 

@@ -20,7 +20,9 @@ from typing import Any
 
 from vramsweep.measure.steps import StepClock
 
-LossFn = Callable[[Any, Any, Any], Any]  # (input_ids, attention_mask | None, labels) -> mean loss
+# (input_ids, attention_mask | None, labels, **kw) -> mean loss over the trained tokens; ``kw`` is
+# ``position_ids=`` for packed rows (data/packing.py), empty otherwise
+LossFn = Callable[..., Any]
 
 
 class Diverged(RuntimeError):
@@ -84,7 +86,9 @@ class Loop:
     model: Any
     optimizer: Any
     scheduler: Any
-    batches: Sequence[dict]  # collated micro-batches (data_prep.collate_batch), steps * grad_accum of them
+    # collated micro-batches (data_prep.collate_batch), steps * grad_accum of them, each with its
+    # ``n_loss_tokens`` (the tokens its mean loss averages over: the token weights of the step)
+    batches: Sequence[dict]
     loss_fn: LossFn
     device: Any
     steps: int
@@ -96,11 +100,31 @@ class Loop:
 
 def to_device(batch: dict, device: Any, non_blocking: bool = False) -> tuple[Any, Any, Any]:
     """(input_ids, mask, labels) on ``device``; no mask for an unpadded batch, so SDPA can take its
-    causal fast path (flash)."""
+    causal fast path (flash), nor for packed rows (their positions give the model its mask)."""
     ids = batch["input_ids"].to(device, non_blocking=non_blocking)
     labels = batch["labels"].to(device, non_blocking=non_blocking)
-    mask = None if batch["no_padding"] else batch["attention_mask"].to(device, non_blocking=non_blocking)
+    no_mask = batch["no_padding"] or batch.get("packed", False)
+    mask = None if no_mask else batch["attention_mask"].to(device, non_blocking=non_blocking)
     return ids, mask, labels
+
+
+def loss_kwargs(batch: dict, device: Any, non_blocking: bool = False) -> dict[str, Any]:
+    """The loss function's keyword arguments for ``batch``: ``position_ids`` for packed rows (they restart
+    at each example: the model masks attention across examples and the positions restart), else none."""
+    if not batch.get("packed", False):
+        return {}
+    return {"position_ids": batch["position_ids"].to(device, non_blocking=non_blocking)}
+
+
+def token_weights(micro: Sequence[dict]) -> list[float]:
+    """The weight of each micro-batch's mean loss in its optimizer step: its trained tokens over the
+    step's (``n_loss_tokens``, counted on the host by collate), so the step's loss is the sum of its token
+    losses over the step's trained tokens, as one batch of all its rows would give (not the mean of the
+    micro-batches' means, which weighs a token of a short micro-batch more). All zero when the step has
+    no trained token."""
+    counts = [int(b["n_loss_tokens"]) for b in micro]
+    n = sum(counts)
+    return [c / n if n else 0.0 for c in counts]
 
 
 def _enter(stack: contextlib.ExitStack, contexts: Sequence[AbstractContextManager | None]) -> None:
@@ -150,7 +174,8 @@ class _PendingLoss:
 
 def fit(loop: Loop, callbacks: Sequence[Callback] = ()) -> list[float]:
     """Run the optimizer steps; returns the per-step losses (each the exact value of the step's loss,
-    summed on the device over its micro-batches).
+    summed on the device over its micro-batches, each micro-batch's mean weighted by its share of the
+    step's trained tokens: :func:`token_weights`).
 
     The loop adds no host sync inside a step, and reads each step's loss one step late: step k's loss is
     copied to the host without blocking (:class:`_PendingLoss`) and read after step k+1's work is issued,
@@ -197,15 +222,21 @@ def fit(loop: Loop, callbacks: Sequence[Callback] = ()) -> list[float]:
         with contextlib.ExitStack() as stack:
             _enter(stack, [fn(step) for fn in step_context])
             total = None
-            for k in range(ga):
-                batch = loop.batches[step * ga + k]
+            micro = loop.batches[step * ga : (step + 1) * ga]
+            weights = token_weights(micro)
+            for batch, w in zip(micro, weights, strict=True):
                 for fn in on_micro_batch:
                     fn(step, batch)
                 with clock.phase("h2d"):
                     ids, mask, labels = to_device(batch, loop.device, cuda)
+                    kw = loss_kwargs(batch, loop.device, cuda)
                 with clock.phase("forward"):
                     # Keep only the loss: holding the output would pin the logits through backward.
-                    loss = loop.loss_fn(ids, mask, labels) / ga
+                    loss = loop.loss_fn(ids, mask, labels, **kw)
+                    if w == 0.0:  # no trained token here: the mean is 0/0; it adds nothing to the step
+                        loss = loss.nan_to_num(0.0) * 0.0
+                    elif w != 1.0:
+                        loss = loss * w
                 with clock.phase("backward"):
                     loss.backward()
                 total = loss.detach() if total is None else total + loss.detach()

@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.config.compose import ConfigError, check_rules, compose
 from vramsweep.config.rules import UnsupportedError, validate
+from vramsweep.data.packing import pack_examples, packing_stats
 from vramsweep.data_prep import collate_batch, eval_batches, micro_batches, trial_data
 from vramsweep.estimate import estimate
 from vramsweep.knobs import build_model, build_optimizer, build_scheduler
@@ -383,6 +384,15 @@ def _reestimate(cfg: DictConfig, result: dict, first_batch) -> None:
         result["meta"]["estimate_error"] = f"{type(exc).__name__}: {exc}"
 
 
+def _rows(cfg: DictConfig, train: list) -> tuple[list, int | None]:
+    """The training rows: the examples, or (``data.packing``) the examples packed into rows padded to
+    ``context.max_tokens`` (the width); evaluation stays unpacked."""
+    if not bool(cfg.data.get("packing", False)):
+        return train, None
+    width = int(cfg.context.max_tokens)
+    return pack_examples(train, width, int(cfg.train.seed)), width
+
+
 def prepare(cfg: DictConfig, result: dict) -> Prepared:
     """Data -> (vocab slice) -> model -> collated micro-batches and eval batches, as the config says."""
 
@@ -394,13 +404,19 @@ def prepare(cfg: DictConfig, result: dict) -> Prepared:
     result["meta"]["build"] = built.notes
     result["meta"]["data"] = data.stats
     pad_id = _remap(cfg, built, data, tokenizer)
-    micro = micro_batches(data.train, int(t.micro_batch), int(t.steps) * int(t.grad_accum), int(t.seed))
+    rows, width = _rows(cfg, data.train)
+    if width is not None:
+        result["meta"]["data"]["packing"] = packing_stats(rows, width)
+    micro = micro_batches(rows, int(t.micro_batch), int(t.grad_accum), int(t.steps), int(t.seed))
     _reestimate(cfg, result, micro[0])
-    batches = [collate_batch(b, pad_id) for b in micro]  # collated up front, like a prefetching loader
+    batches = [collate_batch(b, pad_id, width) for b in micro]  # collated up front, like a prefetching loader
+    slots = sum(int(b["attention_mask"].numel()) for b in batches)
+    result["meta"]["data"]["padding_fraction"] = round(1 - sum(b["n_tokens"] for b in batches) / slots, 4)
     if built.device.type == "cuda":  # pinned host copies: the per-step host->device copy is asynchronous
         for b in batches:
-            for k in ("input_ids", "attention_mask", "labels"):
-                b[k] = b[k].pin_memory()
+            for k in ("input_ids", "attention_mask", "labels", "position_ids"):
+                if k in b:
+                    b[k] = b[k].pin_memory()
     return Prepared(built, batches, eval_batches(data.eval, int(t.eval_batches), pad_id))
 
 
@@ -419,8 +435,8 @@ class _Faults(Callback):
         _fault("error", step)
 
     def wrap(self, loss_fn):
-        def fn(ids, mask, labels):
-            loss = loss_fn(ids, mask, labels)
+        def fn(ids, mask, labels, **kw):
+            loss = loss_fn(ids, mask, labels, **kw)
             return loss * float("nan") if os.environ.get("VRAMSWEEP_FAULT") == f"nan@{self.step}" else loss
 
         return fn

@@ -287,6 +287,7 @@ def _rules_combinations(cfg: DictConfig) -> None:
                 "kernels=none tiling=on",
             ],
         )
+    _rules_packing(cfg)
     if cfg.kernels.liger and cfg.kernels.unsloth:
         raise ConfigError(
             "kernels: Liger and Unsloth cannot both be on (Unsloth patches the same modules)",
@@ -345,6 +346,39 @@ def _rules_combinations(cfg: DictConfig) -> None:
                     key=f"data.{key}",
                     allowed=["<path to .jsonl>"],
                 )
+
+
+def _rules_packing(cfg: DictConfig) -> None:
+    if not bool(cfg.data.get("packing", False)):
+        return
+    if cfg.data.source == "random":
+        raise ConfigError(
+            "data.packing=true with data=random: random rows are already exactly context.max_tokens long",
+            key="data.packing",
+            allowed=["false"],
+        )
+    if cfg.kernels.unsloth:
+        raise ConfigError(
+            "data.packing=true cannot be combined with kernels=unsloth: Unsloth's forward builds its own "
+            "attention masks and would attend across the packed examples",
+            key="data.packing",
+            allowed=["false", "kernels=none", "kernels=liger"],
+        )
+    from vramsweep.knobs.step import PACKED_MASK_MAX_TOKENS, packed_mask_cap
+
+    impl, t = str(cfg.attention.implementation), int(cfg.context.max_tokens)
+    if packed_mask_cap(cfg) is not None and t > PACKED_MASK_MAX_TOKENS:
+        raise ConfigError(
+            f"data.packing=true with attention={impl} at context.max_tokens={t}: the block-diagonal mask is "
+            f"T x T per row ({t * t / 2**30:.2f} GiB of booleans per row, plus SDPA's float copy); above "
+            f"{PACKED_MASK_MAX_TOKENS} tokens pack with varlen FlashAttention-2 (no mask)",
+            key="attention",
+            allowed=[
+                "flash_attention_2",
+                f"context.max_tokens<={PACKED_MASK_MAX_TOKENS}",
+                "data.packing=false",
+            ],
+        )
 
 
 def _rules_machine(cfg: DictConfig) -> None:

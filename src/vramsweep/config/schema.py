@@ -182,6 +182,7 @@ class DataConfig:
     num_eval_docs: int = 6
     seed: int = 1234
     instructions: str = "Write the next section of this grant report."
+    packing: bool = False  # training examples packed into rows of context.max_tokens (data/packing.py)
 
 
 @dataclass

@@ -46,6 +46,7 @@ class Example:
     target_section: int
     n_context_tokens: int
     fact_spans: list[tuple[int, int]] = field(default_factory=list)
+    segments: list[int] | None = None  # a packed row: the length of each example in it (data/packing.py)
 
 
 def _encode(tokenizer: Any, text: str, *, offsets: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
@@ -163,25 +164,40 @@ def build_examples(
     return out
 
 
-def collate(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a batch to its longest example.
+def collate(examples: Sequence[Example], pad_id: int, width: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-pad a batch to its longest example (or to ``width``).
 
     Returns:
         ``input_ids`` (padded with ``pad_id``), ``labels`` (padded with -100) and ``attention_mask``
-        (1 on real tokens), all ``torch.long`` of shape ``[batch, longest]``.
+        (1 on real tokens), all ``torch.long`` of shape ``[batch, longest]``; for packed rows
+        (:attr:`Example.segments` set) also ``position_ids``, restarting at 0 for each example and for the
+        padding after them (:func:`vramsweep.data.packing.position_ids`).
     """
     if not examples:
         raise ValueError("collate needs at least one example")
-    width = max(len(e.input_ids) for e in examples)
+    longest = max(len(e.input_ids) for e in examples)
+    width = longest if width is None else int(width)
+    if width < longest:
+        raise ValueError(f"collate width {width} is shorter than the longest example ({longest})")
     input_ids = torch.full((len(examples), width), int(pad_id), dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(examples), width), dtype=torch.long)
+    packed = any(e.segments is not None for e in examples)
+    if packed:
+        from vramsweep.data.packing import position_ids
+
+        positions = torch.tensor(
+            [position_ids(e.segments or [len(e.input_ids)], width) for e in examples], dtype=torch.long
+        )
     for row, e in enumerate(examples):
         n = len(e.input_ids)
         input_ids[row, :n] = torch.tensor(e.input_ids, dtype=torch.long)
         labels[row, :n] = torch.tensor(e.labels, dtype=torch.long)
         mask[row, :n] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
+    out = {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
+    if packed:
+        out["position_ids"] = positions
+    return out
 
 
 def examples_stats(examples: Sequence[Example]) -> dict[str, float | int]:

@@ -32,7 +32,7 @@ from vramsweep.estimate.calibration import (
 from vramsweep.estimate.cli import run_calibrate, run_estimate
 from vramsweep.estimate.dims import ModelDims, model_dims
 from vramsweep.knobs import registry
-from vramsweep.knobs.step import budget_bytes
+from vramsweep.knobs.step import budget_bytes, packed_mask_cap
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.units import GIB
 
@@ -162,6 +162,8 @@ def max_context(
     if hi is None:
         hi = int(rope_plan(cfg)["positions"] or 0)  # the model's positions, x rope.factor with rope scaling
         hi = hi if hi > 0 else 1 << 20
+        if (cap := packed_mask_cap(cfg)) is not None:
+            hi = min(hi, cap)  # the rules refuse longer packed rows on eager/sdpa (quadratic mask)
     hi = max(1, int(hi))
 
     def est_at(tokens: int) -> dict[str, Any]:

@@ -51,8 +51,9 @@ def with_causal_fast_path(fn, model: Any, cfg: Any = None):
     if mapping is None:
         return fn
 
-    def loss(ids, mask, labels):
-        return fn(ids, mapping if mask is None else mask, labels)
+    def loss(ids, mask, labels, **kw):
+        # packed rows (position_ids given) keep mask=None: the model builds the block mask from them
+        return fn(ids, mapping if mask is None and not kw else mask, labels, **kw)
 
     loss.fast_path = True  # for tests and notes
     return loss

@@ -79,7 +79,7 @@ def _chunked_loss(cfg: Any, model: Any):
     from vramsweep.longctx.loss import causal_lm_loss
 
     chunk = int(cfg.tiling.loss_chunk_tokens)
-    return lambda ids, mask, labels: causal_lm_loss(model, ids, mask, labels, chunk_tokens=chunk)
+    return lambda ids, mask, labels, **kw: causal_lm_loss(model, ids, mask, labels, chunk_tokens=chunk, **kw)
 
 
 register(

@@ -172,7 +172,8 @@ def run_build(cfg: Any, b: Build) -> Build:
 
 
 def loss_fn(cfg: Any, model: Any) -> Callable[..., Any]:
-    """The training loss ``fn(input_ids, attention_mask, labels) -> mean loss over target tokens``:
+    """The training loss ``fn(input_ids, attention_mask, labels, **kw) -> mean loss over target tokens``
+    (``kw``: ``position_ids`` of packed rows, passed to the model):
     the active provider's, or the model's own; then every active ``wrap_loss`` around it (attention's
     causal fast path for an unpadded batch)."""
     hooks = active(cfg)
@@ -183,8 +184,8 @@ def loss_fn(cfg: Any, model: Any) -> Callable[..., Any]:
         fn = owners[0].loss(cfg, model)
     else:
 
-        def fn(ids, mask, labels):
-            return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        def fn(ids, mask, labels, **kw):
+            return model(input_ids=ids, attention_mask=mask, labels=labels, **kw).loss
 
     for h in hooks:
         if h.wrap_loss is not None:

@@ -22,10 +22,36 @@ def budget_bytes(cfg: Any) -> int | None:
     return int(gib * GIB) if gib > 0 else None
 
 
+#: The longest packed row eager/SDPA attention accepts: their block-diagonal mask is a (rows, 1, T, T)
+#: tensor (a bool one and, for SDPA, its compute-dtype copy: 768 MiB per row at 16,384 tokens in bf16,
+#: 3 GiB at 32,768), quadratic where everything else grows linearly; FlashAttention-2 packs through
+#: position_ids (varlen) and keeps no mask. The rules refuse longer rows; ``max_context`` stops there.
+PACKED_MASK_MAX_TOKENS = 16_384
+
+
+def packed(cfg: Any) -> bool:
+    """``data.packing``: rows of exactly ``context.max_tokens`` (data/packing.py)."""
+    return bool(cfg.get("data", {}).get("packing", False))
+
+
+def packed_mask_cap(cfg: Any) -> int | None:
+    """:data:`PACKED_MASK_MAX_TOKENS` when the config packs rows under a masked attention (eager/sdpa),
+    else None (no packing, or varlen FlashAttention-2)."""
+    if packed(cfg) and str(cfg.attention.implementation) != "flash_attention_2":
+        return PACKED_MASK_MAX_TOKENS
+    return None
+
+
 def _estimate(cfg: Any, e: Estimating) -> dict[str, Any]:
     s = int(e.seq_len) if e.seq_len is not None else int(cfg.context.max_tokens)
     device = str(cfg.hardware.device)
-    e.note(f"every micro-batch is {s} tokens long (context.max_tokens): an upper bound for shorter documents")
+    if packed(cfg):
+        s = int(cfg.context.max_tokens)  # a packed row is always padded to the full length
+        e.note(f"data.packing: every row is exactly {s} tokens (context.max_tokens)")
+    else:
+        e.note(
+            f"every micro-batch is {s} tokens long (context.max_tokens): an upper bound for shorter documents"
+        )
     if device == "cuda":
         e.note(
             "CUDA: the peak is the caching allocator's reserved memory (what the budget and the emulated cap "
@@ -40,8 +66,9 @@ def _estimate(cfg: Any, e: Estimating) -> dict[str, Any]:
         "seq_len": s,
         "device": device,
         "overhead": int(cfg.hardware.overhead_bytes) if device == "cuda" else 0,
-        # documents of different lengths in one micro-batch are padded (arch models train on random ids)
-        "padded_batches": int(cfg.train.micro_batch) > 1 and cfg.model.source != "arch",
+        # documents of different lengths in one micro-batch are padded (arch models train on random ids);
+        # packed rows get a block-diagonal (b,1,s,s) mask from their positions, like a padding mask
+        "padded_batches": (int(cfg.train.micro_batch) > 1 or packed(cfg)) and cfg.model.source != "arch",
         "budget": budget_bytes(cfg),
         "allocator": device == "cuda",
     }

@@ -89,14 +89,17 @@ def causal_lm_loss(
     labels: torch.Tensor,
     *,
     chunk_tokens: int,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The causal-LM training loss of a Hugging Face ``*ForCausalLM`` (or a PEFT wrapper of one) through
     :func:`chunked_linear_cross_entropy`: the decoder runs, ``lm_head`` never produces full logits.
 
     Same value as ``model(input_ids, attention_mask, labels=labels).loss`` (HF shifts labels by one and
-    averages over target tokens)."""
+    averages over target tokens); ``position_ids`` of packed rows reach the decoder (its block mask)."""
     lm = causal_lm_of(model)
-    out = lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    out = lm.model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )
     hidden = out.last_hidden_state[:, :-1, :]
     target = labels[:, 1:]
     head = lm.get_output_embeddings()

@@ -1,0 +1,130 @@
+"""Packing (``data.packing``): examples in rows of ``context.max_tokens``, positions restarting per example,
+attention never crossing examples; a packed step's loss and gradients equal its examples' unpacked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_accumulation import _examples, _KeepGrads, _rel, _step_grads
+from vramsweep.config import ConfigError, compose
+from vramsweep.config.rules import validate
+from vramsweep.data.examples import IGNORE_INDEX
+from vramsweep.data.packing import pack_examples, packing_stats, position_ids
+from vramsweep.data_prep import collate_batch
+from vramsweep.knobs import build_model
+from vramsweep.knobs.registry import loss_fn
+from vramsweep.loop import Loop, fit
+
+pytestmark = pytest.mark.usefixtures("embedded_model_dir")
+
+_LT = [(70, 58), (250, 239), (40, 9), (180, 120), (33, 20)]
+
+
+def test_best_fit_decreasing_is_deterministic_and_keeps_every_token():
+    ex = _examples([(n, n // 2) for n in (120, 90, 60, 60, 45, 30, 200, 10)])
+    a = pack_examples(ex, 256, seed=1)
+    assert [r.doc_id for r in a] == [r.doc_id for r in pack_examples(ex, 256, seed=1)]
+    assert all(len(r.input_ids) <= 256 for r in a)
+    assert sorted(d for r in a for d in r.doc_id.split("+")) == sorted(e.doc_id for e in ex)
+    assert sum(len(r.input_ids) for r in a) == sum(len(e.input_ids) for e in ex)
+    # 615 tokens: at least 3 rows of 256, and best fit finds 3
+    assert len(a) == 3
+    st = packing_stats(a, 256)
+    assert st["rows"] == 3 and st["examples"] == 8
+    assert st["padding_fraction"] == pytest.approx(1 - 615 / 768)
+
+
+def test_labels_are_masked_at_every_boundary_and_positions_restart():
+    ex = _examples([(5, 5), (4, 4), (3, 3)])
+    (row,) = pack_examples(ex, 16, seed=0)
+    starts = [0]
+    for n in row.segments[:-1]:
+        starts.append(starts[-1] + n)
+    for s in starts[1:]:
+        assert row.labels[s] == IGNORE_INDEX  # never predicted from the previous example's last token
+    assert sum(1 for t in row.labels if t != IGNORE_INDEX) == 12 - 2
+    assert position_ids(row.segments, 16)[starts[1] : starts[1] + 3] == [0, 1, 2]
+    b = collate_batch([row], 0, 16)
+    assert b["packed"] and b["input_ids"].shape == (1, 16)
+    assert b["position_ids"][0, 12:].tolist() == [0, 1, 2, 3]  # the padding is a segment of its own
+    assert b["n_tokens"] == 12 and b["n_loss_tokens"] == 12 - 3
+
+
+def _packed_step(overrides, rows, width):
+    cfg = compose(["train.dtype=fp32", *overrides])
+    torch.manual_seed(0)
+    model = build_model(cfg).model
+    model.eval()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    keep = _KeepGrads(params)
+    batch = collate_batch(rows, 0, width)
+    loop = Loop(model=model, optimizer=opt, scheduler=sched, batches=[batch], loss_fn=loss_fn(cfg, model),
+                device=torch.device("cpu"), steps=1, grad_accum=1, params=params)  # fmt: skip
+    return fit(loop, [keep])[0], keep.grads
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["attention=sdpa"],
+        ["attention=eager"],
+        ["attention=sdpa", "tiling=loss", "tiling.loss_chunk_tokens=64"],
+    ],
+    ids=["sdpa", "eager", "sdpa_tiled_loss"],
+)
+def test_a_packed_step_equals_its_examples_unpacked(overrides):
+    ex = _examples(_LT)
+    rows = pack_examples(ex, 320, seed=0)
+    assert len(rows) < len(ex) and any(len(r.segments) > 1 for r in rows)
+    packed_loss, packed = _packed_step(overrides, rows, 320)
+    ref_loss, ref = _step_grads(overrides, ex, micro_batch=len(ex), grad_accum=1)
+    assert _rel(packed, ref) < 1e-5, f"relative gradient difference {_rel(packed, ref):.2e}"
+    assert packed_loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+def test_without_restarting_positions_the_rows_attend_across_examples():
+    """The exactness test above can fail: with positions 0..T-1 over the whole row (plain concatenation)
+    the loss differs from the unpacked one."""
+    ex = _examples(_LT)
+    rows = pack_examples(ex, 320, seed=0)
+    for r in rows:
+        r.segments = [len(r.input_ids)]  # one segment: causal attention over the whole row
+    naive_loss, _ = _packed_step(["attention=sdpa"], rows, 320)
+    ref_loss, _ = _step_grads(["attention=sdpa"], ex, micro_batch=len(ex), grad_accum=1)
+    assert abs(naive_loss - ref_loss) > 1e-3
+
+
+def test_the_rules_refuse_a_quadratic_mask_and_name_varlen_fa2():
+    with pytest.raises(ConfigError, match="flash_attention_2") as e:
+        validate(compose(["data.packing=true", "attention=sdpa", "context.max_tokens=32768"]), machine=False)
+    assert "data.packing" in str(e.value) or "attention" in str(e.value)
+    with pytest.raises(ConfigError, match="data.packing"):
+        validate(compose(["data=random", "data.packing=true"]), machine=False)
+    validate(compose(["data.packing=true", "context.max_tokens=512"]), machine=False)
+
+
+def test_the_estimate_counts_full_rows_and_the_mask():
+    from vramsweep.estimate import estimate
+
+    base = ["context.max_tokens=1024", "train.micro_batch=1"]
+    plain = estimate(compose(base), seq_len=300)
+    packed = estimate(compose([*base, "data.packing=true"]), seq_len=300)
+    assert packed["peak_memory_bytes"] > plain["peak_memory_bytes"]
+    full = estimate(compose(base), seq_len=1024)
+    assert packed["peak_memory_bytes"] >= full["peak_memory_bytes"]  # a row is always 1024 long
+
+
+def test_max_context_stops_where_the_rules_refuse_packed_rows():
+    from vramsweep.estimate import max_context
+    from vramsweep.knobs.step import PACKED_MASK_MAX_TOKENS
+
+    over = ["model=qwen3_0_6b", "hardware.budget_gib=100", "quant=nf4_dq", "checkpointing=on"]
+    free = max_context(compose(over))["max_tokens"]
+    assert free > PACKED_MASK_MAX_TOKENS  # a 0.6B model in 100 GiB fits far more than 16k tokens
+    got = max_context(compose([*over, "data.packing=true"]))["max_tokens"]
+    assert got <= PACKED_MASK_MAX_TOKENS
+    cfg = compose([*over, "data.packing=true", f"context.max_tokens={got}"])
+    validate(cfg, machine=False)  # what max_context proposes, the rules accept
