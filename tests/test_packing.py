@@ -9,8 +9,8 @@ import torch
 from test_accumulation import _examples, _KeepGrads, _rel, _step_grads
 from vramsweep.config import ConfigError, compose
 from vramsweep.config.rules import validate
-from vramsweep.data.examples import IGNORE_INDEX
-from vramsweep.data.packing import pack_examples, packing_stats, position_ids
+from vramsweep.data.examples import IGNORE_INDEX, position_ids
+from vramsweep.data.packing import pack_examples, packing_stats
 from vramsweep.data_prep import collate_batch
 from vramsweep.knobs import build_model
 from vramsweep.knobs.registry import loss_fn
@@ -118,8 +118,8 @@ def test_the_estimate_counts_full_rows_and_the_mask():
 
 
 def test_max_context_stops_where_the_rules_refuse_packed_rows():
+    from vramsweep.config.packing import PACKED_MASK_MAX_TOKENS
     from vramsweep.estimate import max_context
-    from vramsweep.knobs.step import PACKED_MASK_MAX_TOKENS
 
     over = ["model=qwen3_0_6b", "hardware.budget_gib=100", "quant=nf4_dq", "checkpointing=on"]
     free = max_context(compose(over))["max_tokens"]

@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from vramsweep.config.errors import ConfigError
+from vramsweep.config.packing import PACKED_MASK_MAX_TOKENS, packed_mask_cap
 from vramsweep.config.paths import list_options
 from vramsweep.config.schema import (
     DTYPES,
@@ -364,8 +365,6 @@ def _rules_packing(cfg: DictConfig) -> None:
             key="data.packing",
             allowed=["false", "kernels=none", "kernels=liger"],
         )
-    from vramsweep.knobs.step import PACKED_MASK_MAX_TOKENS, packed_mask_cap
-
     impl, t = str(cfg.attention.implementation), int(cfg.context.max_tokens)
     if packed_mask_cap(cfg) is not None and t > PACKED_MASK_MAX_TOKENS:
         raise ConfigError(

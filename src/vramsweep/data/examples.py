@@ -164,6 +164,15 @@ def build_examples(
     return out
 
 
+def position_ids(segments: Sequence[int], width: int) -> list[int]:
+    """Positions restarting at 0 for each segment; the padding after them is one more segment."""
+    out: list[int] = []
+    for n in segments:
+        out.extend(range(n))
+    out.extend(range(width - len(out)))
+    return out
+
+
 def collate(examples: Sequence[Example], pad_id: int, width: int | None = None) -> dict[str, torch.Tensor]:
     """Right-pad a batch to its longest example (or to ``width``).
 
@@ -171,7 +180,7 @@ def collate(examples: Sequence[Example], pad_id: int, width: int | None = None) 
         ``input_ids`` (padded with ``pad_id``), ``labels`` (padded with -100) and ``attention_mask``
         (1 on real tokens), all ``torch.long`` of shape ``[batch, longest]``; for packed rows
         (:attr:`Example.segments` set) also ``position_ids``, restarting at 0 for each example and for the
-        padding after them (:func:`vramsweep.data.packing.position_ids`).
+        padding after them (:func:`position_ids`).
     """
     if not examples:
         raise ValueError("collate needs at least one example")
@@ -184,8 +193,6 @@ def collate(examples: Sequence[Example], pad_id: int, width: int | None = None) 
     mask = torch.zeros((len(examples), width), dtype=torch.long)
     packed = any(e.segments is not None for e in examples)
     if packed:
-        from vramsweep.data.packing import position_ids
-
         positions = torch.tensor(
             [position_ids(e.segments or [len(e.input_ids)], width) for e in examples], dtype=torch.long
         )

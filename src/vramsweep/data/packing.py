@@ -94,12 +94,3 @@ def packing_stats(rows: Sequence[Example], max_tokens: int) -> dict[str, float |
         "row_tokens": max_tokens,
         "padding_fraction": (1 - real / slots) if slots else 0.0,
     }
-
-
-def position_ids(segments: Sequence[int], width: int) -> list[int]:
-    """Positions restarting at 0 for each segment; the padding after them is one more segment."""
-    out: list[int] = []
-    for n in segments:
-        out.extend(range(n))
-    out.extend(range(width - len(out)))
-    return out

@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from vramsweep.config.packing import packed_mask_cap
 from vramsweep.config.rope import plan as rope_plan
 from vramsweep.estimate.analytic import Estimate, Knobs, estimate_knobs
 from vramsweep.estimate.calibration import (
@@ -32,7 +33,7 @@ from vramsweep.estimate.calibration import (
 from vramsweep.estimate.cli import run_calibrate, run_estimate
 from vramsweep.estimate.dims import ModelDims, model_dims
 from vramsweep.knobs import registry
-from vramsweep.knobs.step import budget_bytes, packed_mask_cap
+from vramsweep.knobs.step import budget_bytes
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.units import GIB
 
