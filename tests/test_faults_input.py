@@ -133,3 +133,123 @@ def test_sweep_node_as_a_list_is_one_line(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "sweep: is a list, not a mapping" in err[0], err
     assert sorted(Path(tmp_path).rglob("*")) == before
+
+
+CASES_VALUES: list[tuple[str, str, list[str], dict[str, str], str]] = [
+    # item 5 / 8: the model's positions (0 raised ZeroDivisionError; -1 blamed context.max_tokens "32..-1")
+    (
+        "positions-0",
+        "train",
+        ["model.max_position_embeddings=0"],
+        {},
+        "model.max_position_embeddings=0 is out of range",
+    ),
+    (
+        "positions-neg",
+        "train",
+        ["model.max_position_embeddings=-1"],
+        {},
+        "model.max_position_embeddings=-1 is out",
+    ),
+    (
+        "positions-neg-estimate",
+        "estimate",
+        ["model.max_position_embeddings=-1"],
+        {},
+        "model.max_position_embeddings",
+    ),
+    # item 8: hardware.* ranges
+    (
+        "hw-flops-neg",
+        "train",
+        ["hardware.peak_bf16_flops=-1"],
+        {},
+        "hardware.peak_bf16_flops=-1.0 is out of range",
+    ),
+    (
+        "hw-bandwidth-neg",
+        "estimate",
+        ["hardware.bandwidth_bytes_per_s=-1"],
+        {},
+        "hardware.bandwidth_bytes_per_s",
+    ),
+    (
+        "hw-overhead-neg",
+        "estimate",
+        ["hardware.overhead_bytes=-1"],
+        {},
+        "hardware.overhead_bytes=-1 is out of range",
+    ),
+    (
+        "hw-budget-above-memory",
+        "estimate",
+        ["hardware=rtx4080_16gb", "hardware.budget_gib=100"],
+        {},
+        "hardware.budget_gib=100 is above the card's memory (hardware.memory_gib=16)",
+    ),
+    ("schema-name", "estimate", ["quant=base_quant"], {}, "unknown option quant=base_quant"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case_id", "verb", "argv", "env", "needle"), CASES_VALUES, ids=[c[0] for c in CASES_VALUES]
+)
+def test_values_refused_naming_their_own_key(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, needle):
+    check_bad_input(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, needle)
+    assert "context.max_tokens" not in capsys.readouterr().err
+
+
+def test_a_users_base_named_option_is_listed_and_composes(tmp_path, capsys, monkeypatch):
+    """Only the schema ``base_<group>`` is hidden; a user's ``quant/base_mine.yaml`` was hidden and refused."""
+    monkeypatch.chdir(tmp_path)
+    conf = tmp_path / "uc" / "quant"
+    conf.mkdir(parents=True)
+    (conf / "base_mine.yaml").write_text("defaults:\n  - base_quant\n  - _self_\nname: none\n")
+    assert main(["estimate", f"--config-dir={tmp_path / 'uc'}", "quant=nope"]) == 2
+    err = capsys.readouterr().err
+    assert "base_mine" in err and "base_quant" not in err, err
+    assert main(["estimate", f"--config-dir={tmp_path / 'uc'}", "quant=base_mine"]) == 0, (
+        capsys.readouterr().err
+    )
+
+
+def _calibration_sweep(folder: Path) -> Path:
+    import json
+
+    from test_estimate import SMALL, _fake_result
+
+    (folder / "trials").mkdir(parents=True)
+    factors = {"layers": 1.1, "attention": 1.0, "logits": 1.0}
+    for i, s in enumerate((64, 128, 256)):
+        r = _fake_result([*SMALL, f"context.max_tokens={s}"], factors, folder, i)
+        (folder / "trials" / f"{i:04d}.json").write_text(json.dumps(r))
+    return folder
+
+
+def test_calibrate_writes_results_calibration_not_into_the_folder_it_reads(tmp_path, monkeypatch, capsys):
+    """docs/ESTIMATOR.md: ``results/calibration/<hardware>.json``; a folder outside ``sweeps/`` got a
+    ``calibration/`` written into itself."""
+    monkeypatch.chdir(tmp_path)
+    sweep = _calibration_sweep(tmp_path / "elsewhere" / "mysweep")
+    assert main(["estimate", "--calibrate", str(sweep)]) == 0, capsys.readouterr().err
+    assert not (sweep / "calibration").exists()
+    assert (tmp_path / "results" / "calibration" / "cpu.json").is_file()
+
+
+def test_calibrate_into_a_read_only_results_folder_is_one_line(tmp_path, monkeypatch, capsys):
+    """The write refused (EACCES, injected: the suite may run as root) -> one line, exit 2, no traceback."""
+    monkeypatch.chdir(tmp_path)
+    sweep = _calibration_sweep(tmp_path / "res" / "sweeps" / "s")
+
+    def refuse(path, data):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr("vramsweep.estimate.calibration.atomic_write_json", refuse)
+    code = main(["estimate", "--calibrate", str(sweep)])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert (
+        code == 2
+        and len(err) == 1
+        and err[0].startswith("vramsweep estimate: error: --calibrate: cannot write")
+    )
+    assert "res/calibration/cpu.json (Permission denied)" in err[0], err

@@ -154,8 +154,8 @@ def check_internal_options(overrides: list[str]) -> None:
         if not eq or key not in CONFIG_GROUPS:
             continue
         for v in value.replace("choice(", "").rstrip(")").split(","):
-            if v.strip().startswith("base_"):
-                allowed = [o for o in list_options(key) if not o.startswith("base_")]
+            if v.strip() == f"base_{key}":  # the schema only: a user's base_mine.yaml is an option
+                allowed = list_options(key)
                 raise ConfigError(f"unknown option {key}={v.strip()}", key=key, allowed=allowed)
 
 

@@ -146,7 +146,7 @@ def check_jsonl(path: str | os.PathLike, *, key: str = "data.path") -> None:
 def check_option(group: str, name: str, *, hint: str = "") -> None:
     """Raise unless ``<group>/<name>.yaml`` is on the config search path (names the options; shared with
     the sweeper)."""
-    opts = [o for o in list_options(group) if not o.startswith("base_")]
+    opts = list_options(group)
     if name not in opts:
         raise ConfigError(
             f"unknown {group} '{name}'" + (f" ({hint})" if hint else ""),

@@ -114,12 +114,20 @@ def group_dirs(group: str, conf_dir: str | os.PathLike[str] | None = None) -> li
 
 
 def list_options(group: str, conf_dir: str | os.PathLike[str] | None = None) -> list[str]:
-    """Options of a config group across the search path (``base_*`` schema names are not files)."""
+    """Options of a config group across the search path: its YAML files. The group's schema
+    ``base_<group>`` (Hydra's ConfigStore, not a file) is never one, even as a user's file of that name; a
+    user's ``base_mine.yaml`` is an option like any other."""
     names: set[str] = set()
     for d in group_dirs(group, conf_dir):
         if d.is_dir():
             names.update(p.stem for p in d.glob("*.yaml"))
+    names.discard(schema_name(group))
     return sorted(names)
+
+
+def schema_name(group: str) -> str:
+    """The ConfigStore name of a group's schema (``quant`` -> ``base_quant``): not a selectable option."""
+    return f"base_{group.rsplit('/', 1)[-1]}"
 
 
 def find_option(group: str, name: str, conf_dir: str | os.PathLike[str] | None = None) -> Path | None:
