@@ -216,7 +216,8 @@ def print_result(res: dict, path: object) -> None:
     est = res.get("estimate") or {}
     if est.get(M.PEAK_MEMORY_BYTES):
         print(f"estimate: {est[M.PEAK_MEMORY_BYTES] / MIB:.1f} MiB")
-    print(f"result: {path}")
+    written = (res.get("meta") or {}).get("result_path")
+    print(f"result: {path}" if written else f"result: not written ({res.get('reason') or 'unknown reason'})")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -253,6 +254,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from vramsweep.trial import default_result_path, run_trial
 
     path = default_result_path(cfg, overrides)
+    try:  # the run folder made now: a name or folder that cannot be written fails before the training
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return _err(f"results_dir: cannot create the run folder {path.parent}: {exc.strerror or exc}")
     res = run_trial(cfg, result_path=path, overrides=overrides)
     print_result(res, path)
 
