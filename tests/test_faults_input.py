@@ -253,3 +253,42 @@ def test_calibrate_into_a_read_only_results_folder_is_one_line(tmp_path, monkeyp
         and err[0].startswith("vramsweep estimate: error: --calibrate: cannot write")
     )
     assert "res/calibration/cpu.json (Permission denied)" in err[0], err
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # json raises RecursionError, not ValueError, past ~1,000 levels
+
+
+def _one_line(capsys, verb: str) -> str:
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith(f"vramsweep {verb}: error: "), err
+    return err[0]
+
+
+def test_deeply_nested_json_in_a_data_file_names_file_and_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "deep.jsonl"
+    data.write_text('{"id": "a", "sections": ' + DEEP + "}\n")
+    before = sorted(tmp_path.rglob("*"))
+    assert main(["train", "data=jsonl", f"data.path={data}", f"results_dir={tmp_path}/r"]) == 2
+    assert f"{data}:1: invalid JSON: nested too deeply" in _one_line(capsys, "train")
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("verb", ["report", "pick", "calibrate"])
+def test_deeply_nested_result_file_is_a_note_not_a_traceback(tmp_path, capsys, monkeypatch, verb):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    sweep = tmp_path / "s"
+    (sweep / "trials").mkdir(parents=True)
+    (sweep / "sweep.json").write_text(json.dumps({"name": "s"}))
+    (sweep / "trials" / "0000.json").write_text(DEEP)
+    argv = {
+        "report": ["report", str(sweep)],
+        "pick": ["pick", str(sweep), "--budget-gib", "16", "--config-dir", str(tmp_path / "conf")],
+        "calibrate": ["estimate", "--calibrate", str(sweep)],
+    }[verb]
+    assert main(argv) == 2  # the only result is unreadable: nothing to report, said in one line
+    line = _one_line(capsys, argv[0])
+    if verb == "report":
+        assert "skipped 0000.json: unreadable (ValueError: JSON nested too deeply" in line, line

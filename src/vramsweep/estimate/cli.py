@@ -11,6 +11,7 @@ from vramsweep.config import ConfigError, compose
 from vramsweep.config.errors import error_line
 from vramsweep.config.rules import check_fault_env, validate
 from vramsweep.record.metrics import MetricName as M
+from vramsweep.record.result import read_json_file
 from vramsweep.record.units import GIB, MIB
 
 ROWS = ("params", "grads", "optimizer", "activations", "logits", "overhead")
@@ -164,9 +165,8 @@ def _load_results(sweep_dir: Path) -> list[dict]:
     out = []
     for f in files:
         try:
-            with open(f) as fh:
-                out.append(json.load(fh))
-        except (OSError, ValueError):
+            out.append(read_json_file(f))
+        except (OSError, ValueError):  # unreadable, or nested too deeply: not a usable trial
             continue
     return out
 

@@ -16,7 +16,6 @@ Nothing here raises on bad *data* (missing keys, NaN, unreadable files become no
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable
@@ -29,6 +28,7 @@ from vramsweep.config.paths import check_path_names
 from vramsweep.record import feasibility
 from vramsweep.record.metrics import SCALAR_METRICS, direction
 from vramsweep.record.metrics import MetricName as M
+from vramsweep.record.result import loads_json, read_json_file
 from vramsweep.record.schema import ResultSchemaError, TrialResult
 from vramsweep.record.status import Status
 from vramsweep.record.units import GIB
@@ -451,8 +451,7 @@ def safe_url(url: str) -> str:
 
 
 def _read_json(path: Path) -> Any:
-    with open(path) as fh:
-        return json.load(fh)
+    return read_json_file(path)  # too-deep nesting: ValueError, a note like any unreadable file
 
 
 def _load_result_files(folder: Path, notes: list[str]) -> dict[int, TrialRecord]:
@@ -650,7 +649,7 @@ def record_from_frozen(trial: Any, metric_names: list[str], base_folder: Path | 
     result = ua.get("result")
     if isinstance(result, str):
         try:
-            result = json.loads(result)
+            result = loads_json(result)
         except ValueError:
             result = None
     path = None
