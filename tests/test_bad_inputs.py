@@ -363,7 +363,7 @@ SWEEPER_BAD: list[tuple[str, str]] = [
     ("direction=[minimize,sideways]", "hydra.sweeper.direction="),
     ("sweep_dir=", "hydra.sweeper.sweep_dir='' is empty"),
     ("storage=", "hydra.sweeper.storage='' is empty"),
-    ("custom_search_space=nodot", "hydra.sweeper.custom_search_space='nodot' must be 'module.function'"),
+    ("custom_search_space=nodot", "hydra.sweeper.custom_search_space='nodot' does not resolve"),
     ("dedup=maybe", "hydra.sweeper.dedup=maybe"),
     ("progress=sometimes", "hydra.sweeper.progress=sometimes"),
     ("preload=5", "hydra.sweeper.preload=5"),

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -237,3 +238,85 @@ def test_a_fixed_command_line_value_pins_a_param(tmp_path):
     assert "y" not in res["best_params"], res
     overrides = [yaml.safe_load(f.read_text()) for f in out.glob("*/.hydra/overrides.yaml")]
     assert overrides and all("y=0" in o for o in overrides), overrides
+
+
+# --- issue 40 item 10: upstream's plugin tests that failed against our sweeper
+UPSTREAM_SPHERE = SPHERE.replace(
+    "    y: float = cfg.y\n",
+    '    y: float = cfg.y\n    if cfg.get("error", False):\n        raise RuntimeError("cfg.error is True")\n',
+)
+UPSTREAM_SPHERE_CONF = (
+    SPHERE_CONF + "z: 1\n\n# if true, simulate a failure by raising an exception\nerror: false\n"
+)
+
+
+def _run_named_app(
+    tmp_path: Path, name: str, code: str, conf: str, *args: str
+) -> subprocess.CompletedProcess:
+    """Like :func:`_run_app` with the app's own file name (upstream's ``custom-search-space-objective.py``)."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / name).write_text(code)
+    (tmp_path / "conf" / "config.yaml").write_text(conf)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, str(tmp_path)]))
+    return subprocess.run(
+        [sys.executable, name, "--multirun", f"hydra.sweep.dir={tmp_path / 'out'}", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_custom_search_space_by_upstreams_hyphenated_module_name(tmp_path):
+    """Upstream's conf says ``custom_search_space: custom-search-space-objective.configure``, which
+    ``hydra.utils.get_method`` resolves; we exited 2 ("must be 'module.function'")."""
+    conf = CUSTOM_CONF.replace("app.configure", "custom-search-space-objective.configure")
+    p = _run_named_app(tmp_path, "custom-search-space-objective.py", CUSTOM, conf, "hydra.sweeper.n_trials=4")
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = yaml.safe_load((tmp_path / "out" / "optimization_results.yaml").read_text())
+    assert {"z", "+w"} <= set(res["best_params"]) and abs(
+        res["best_params"]["z"] - res["best_params"]["x"]
+    ) <= 0.5
+
+
+def test_a_custom_search_space_that_does_not_resolve_exits_2_before_any_trial(tmp_path):
+    conf = CUSTOM_CONF.replace("app.configure", "app.no_such_function")
+    p = _run_named_app(tmp_path, "app.py", CUSTOM, conf)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "hydra.sweeper.custom_search_space='app.no_such_function' does not resolve" in p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "out").exists()
+
+
+def test_motpe_says_in_one_line_that_it_runs_tpe(tmp_path):
+    """Upstream's ``test_example_with_removed_motpe``: stderr names 'motpe' and "sampler was removed in
+    Optuna 4.0" (we mapped it to TPE without a word)."""
+    conf = MULTI_CONF.replace("sampler: nsgaii", "sampler: motpe")
+    p = _run_named_app(tmp_path, "app.py", MULTI, conf, "hydra.sweeper.n_trials=3")
+    assert p.returncode == 0, p.stderr[-2000:]
+    said = [ln for ln in p.stderr.splitlines() if "sampler was removed in Optuna 4.0" in ln]
+    assert len(said) == 1 and "motpe" in said[0] and "TPESampler" in said[0], p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("max_failure_rate", (0.5, 1.0))
+def test_failure_rate_stderr_wording_as_upstream(tmp_path, max_failure_rate):
+    """Upstream's ``test_failure_rate``: under ``max_failure_rate=1.0`` failures are warnings and
+    ``RuntimeError: cfg.error is True`` is not in stderr; below 1.0 the abort carries it."""
+    p = _run_named_app(
+        tmp_path,
+        "sphere.py",
+        UPSTREAM_SPHERE,
+        UPSTREAM_SPHERE_CONF,
+        "hydra.sweeper.n_trials=4",
+        "hydra.sweeper.n_jobs=2",
+        "hydra/sweeper/sampler=random",
+        "hydra.sweeper.sampler.seed=123",
+        f"hydra.sweeper.max_failure_rate={max_failure_rate}",
+        "error=true",
+    )
+    error_string = "RuntimeError: cfg.error is True"
+    if max_failure_rate < 1.0:
+        assert p.returncode == 1 and error_string in p.stderr, p.stderr[-2000:]
+    else:
+        assert error_string not in p.stderr, p.stderr[-2000:]
+        assert "cfg.error is True" in p.stderr  # still said, as a warning per trial

@@ -490,3 +490,29 @@ def test_sweep_with_wandb_logger_keeps_the_summary_run_current(tmp_path: Path) -
     assert run.job_type == "sweep-summary"
     table = _table(run.path.parent, _history_entry(run, "trials"))
     assert len(table["data"]) == run.summary["n_trials"] >= 2
+
+
+@pytest.mark.parametrize("status", ["ok", "oom"])
+def test_summary_says_status_as_tags_do_and_why_mfu_is_missing(tmp_path: Path, status: str) -> None:
+    """Issue 40 item 12, read back from the run file: a real trial's result holds ``Status`` members, which
+    W&B wrote by name (``"OK"``); ``mfu: null`` is dropped by W&B's reader, so ``mfu/reason`` must say why."""
+    from vramsweep.record.status import Status
+    from vramsweep.report.wandb_run import start_logger
+
+    res = new_result(sweep="sw", trial=3, overrides=["quant=nf4"], config={})
+    logger = start_logger(_cfg(tmp_path), name="sw-0003", group="sw", result=res)
+    assert logger is not None, res["meta"]["wandb"]
+    _finished(res, status)
+    res["status"] = Status(status)
+    res["metrics"]["mfu"] = None
+    reason = "device 'cpu' is not in the peak table (vramsweep.measure.flops.DEVICE_PEAKS)"
+    if status == "ok":
+        res["meta"]["mfu"] = {"device": "cpu", "flops_per_token": 1.2e9, "reason": reason}
+    else:
+        res["meta"].pop("mfu", None)
+    logger.finish(res)
+    run = offline_runs(tmp_path / "results" / "wandb")[0]
+    assert run.summary["status"] == status and f"status:{status}" in run.tags
+    assert "mfu" not in run.summary
+    want = reason if status == "ok" else "not measured (trial status oom)"
+    assert run.summary["mfu/reason"] == want

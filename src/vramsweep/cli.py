@@ -154,8 +154,8 @@ def check_internal_options(overrides: list[str]) -> None:
         if not eq or key not in CONFIG_GROUPS:
             continue
         for v in value.replace("choice(", "").rstrip(")").split(","):
-            if v.strip().startswith("base_"):
-                allowed = [o for o in list_options(key) if not o.startswith("base_")]
+            if v.strip() == f"base_{key}":  # the schema only: a user's base_mine.yaml is an option
+                allowed = list_options(key)
                 raise ConfigError(f"unknown option {key}={v.strip()}", key=key, allowed=allowed)
 
 
@@ -216,7 +216,8 @@ def print_result(res: dict, path: object) -> None:
     est = res.get("estimate") or {}
     if est.get(M.PEAK_MEMORY_BYTES):
         print(f"estimate: {est[M.PEAK_MEMORY_BYTES] / MIB:.1f} MiB")
-    print(f"result: {path}")
+    written = (res.get("meta") or {}).get("result_path")
+    print(f"result: {path}" if written else f"result: not written ({res.get('reason') or 'unknown reason'})")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -253,6 +254,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from vramsweep.trial import default_result_path, run_trial
 
     path = default_result_path(cfg, overrides)
+    try:  # the run folder made now: a name or folder that cannot be written fails before the training
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return _err(f"results_dir: cannot create the run folder {path.parent}: {exc.strerror or exc}")
     res = run_trial(cfg, result_path=path, overrides=overrides)
     print_result(res, path)
 

@@ -24,6 +24,7 @@ Checks:
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import ConfigError, list_options
+from vramsweep.config.paths import check_path_names
 from vramsweep.config.rules import FAULT_KINDS, FAULT_RE, check_fault_env  # noqa: F401 - re-exported
 from vramsweep.data.documents import format_section, load_jsonl
 from vramsweep.data_prep import load_documents
@@ -57,11 +59,36 @@ def _existing_ancestor(path: Path) -> Path:
     return p
 
 
+def _short(text: str, n: int = 80) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _check_links(target: Path, key: str, what: str) -> None:
+    """A symlink on the way that resolves nowhere (a loop, a dangling link): ``exists()`` says False, the
+    probe would run in a folder above it and pass, and the first real write fail after the work."""
+    p = target.absolute()
+    while True:
+        if p.is_symlink() and not p.exists():
+            try:
+                p.resolve(strict=True)
+                why = "does not resolve"
+            except RuntimeError:
+                why = "is a symlink loop"
+            except OSError as exc:
+                why = "is a symlink loop" if exc.errno == errno.ELOOP else "is a dangling symlink"
+            raise ConfigError(f"{what}: {p} {why}", key=key, allowed=["<a writable folder>"])
+        if p.parent == p:
+            return
+        p = p.parent
+
+
 def check_writable(path: str | os.PathLike, *, key: str = "results_dir", label: str | None = None) -> Path:
     """Raise unless files can be created at ``path`` (or, when it does not exist yet, where it would be
     created). A probe file is written and removed; no folder is created. Returns the probed folder."""
     target = Path(str(path))
-    what = label or f"{key}={str(path)!r}"
+    what = label or f"{key}={_short(str(path))!r}"
+    check_path_names(target, key, what)  # a name over 255 bytes: OSError at the first stat, not a line
+    _check_links(target, key, what)
     where = _existing_ancestor(target)
     if not where.is_dir():
         raise ConfigError(
@@ -119,7 +146,7 @@ def check_jsonl(path: str | os.PathLike, *, key: str = "data.path") -> None:
 def check_option(group: str, name: str, *, hint: str = "") -> None:
     """Raise unless ``<group>/<name>.yaml`` is on the config search path (names the options; shared with
     the sweeper)."""
-    opts = [o for o in list_options(group) if not o.startswith("base_")]
+    opts = list_options(group)
     if name not in opts:
         raise ConfigError(
             f"unknown {group} '{name}'" + (f" ({hint})" if hint else ""),
@@ -526,9 +553,13 @@ def check_cache(cfg: Any) -> None:
         return
     root = cache_path()
     label = (
-        f"{CACHE_ENV}={root}" if os.environ.get(CACHE_ENV) else f"the cache folder {root} ({CACHE_ENV} unset)"
+        f"{CACHE_ENV}={_short(str(root))}"
+        if os.environ.get(CACHE_ENV)
+        else f"the cache folder {root} ({CACHE_ENV} unset)"
     )
     allowed = [f"{CACHE_ENV}=<a writable folder with free space>"]
+    check_path_names(root, CACHE_ENV, label)
+    _check_links(root, CACHE_ENV, label)
     where = _existing_ancestor(root)
     if not where.is_dir():
         raise ConfigError(f"{label}: {where} is a file, not a folder", key=CACHE_ENV, allowed=allowed)

@@ -93,12 +93,27 @@ def _fault(kind: str, step: int) -> None:
         }[kind]
 
 
+#: the longest run name in UTF-8 bytes (the run folder adds a 23-byte time stamp; a name holds 255 bytes)
+RUN_NAME_BYTES = 120
+
+
 def run_name(overrides: list[str] | tuple[str, ...]) -> str:
+    """A run's folder-safe name from its overrides: separators replaced, at most :data:`RUN_NAME_BYTES`
+    bytes of UTF-8 (an 80-character CJK file name is 240 bytes: cut at characters, it was ``File name too
+    long`` at the result write); a cut name ends in ``-`` and 8 hex digits of the full name's SHA-1, so two
+    long names that share a prefix stay two folders."""
     if not overrides:
         return "default"
-    keep = [o.replace("/", "_").replace("=", "-").replace(",", "_") for o in overrides]
-    name = "_".join(keep)
-    return name[:120]
+    keep = [o.replace("/", "_").replace("\\", "_").replace("=", "-").replace(",", "_") for o in overrides]
+    name = "".join(c if c.isprintable() and c != "\x00" else "_" for c in "_".join(keep))
+    raw = name.encode("utf-8")  # surrogates are not printable: already replaced
+    if len(raw) <= RUN_NAME_BYTES:
+        return name
+    import hashlib
+
+    digest = hashlib.sha1(raw).hexdigest()[:8]
+    head = raw[: RUN_NAME_BYTES - 9].decode("utf-8", "ignore")  # "ignore": never half a character
+    return f"{head}-{digest}"
 
 
 def default_result_path(cfg: DictConfig, overrides) -> Path:
@@ -688,11 +703,10 @@ def _write(record: TrialResult, result_path: str | os.PathLike) -> None:
     try:
         write_result(result_path, record)
         record.meta.result_path = str(result_path)
-    except OSError as exc:
+    except OSError as exc:  # the measurement is lost with the file: say so, never a traceback
         full = disk_full_reason(exc, result_path)
-        if full is None:
-            raise
-        record.status, record.reason = Status.ERROR, full
+        why = full or f"cannot write the result {result_path}: {exc.strerror or type(exc).__name__}"
+        record.status, record.reason = Status.ERROR, why
         record.meta.result_path = None
 
 

@@ -30,7 +30,7 @@ SAMPLER_GROUP = {
     "random": "optuna.samplers.RandomSampler",
     "cmaes": "optuna.samplers.CmaEsSampler",
     "nsgaii": "optuna.samplers.NSGAIISampler",
-    "motpe": "optuna.samplers.TPESampler",
+    "motpe": "vramsweep.sweeper.samplers.motpe_sampler",  # removed in Optuna 4.0: TPE, said in one line
     "qmc": "optuna.samplers.QMCSampler",
     "grid": "optuna.samplers.GridSampler",
     "gp": "optuna.samplers.GPSampler",

@@ -151,7 +151,7 @@ def translate_hydra_error(exc: Exception) -> ConfigError:
         if group.startswith("hydra/"):  # Hydra's own groups: the options its installed plugins register
             allowed = hydra_group_options(group)
         else:
-            allowed = [o for o in list_options(group) if not o.startswith("base_")]
+            allowed = list_options(group)
         if not opt:
             return ConfigError(f"{group}= needs an option", key=group, allowed=allowed)
         hint = PLUGIN_PACKAGES.get(group, {}).get(opt.split("_")[0])
@@ -189,7 +189,7 @@ def check_deletions(overrides: Sequence[str]) -> None:
                 raise ConfigError(
                     f"{ov}: the {key} group is required and cannot be removed; choose an option with {key}=<option>",
                     key=key,
-                    allowed=[o for o in list_options(key) if not o.startswith("base_")],
+                    allowed=list_options(key),
                 )
 
 

@@ -20,6 +20,26 @@ _PACKAGE = Path(__file__).resolve().parents[1]  # .../vramsweep
 SWEEP_GROUP = "sweep"
 
 
+#: The longest file or folder name (one path component) in bytes on Linux, macOS and Windows file systems.
+NAME_MAX = 255
+
+
+def check_path_names(path: str | os.PathLike[str], key: str, label: str | None = None) -> None:
+    """:class:`ConfigError` naming ``key`` when a component of ``path`` is over :data:`NAME_MAX` bytes (the
+    OS refuses it with ``File name too long``, at the first look or after the work was done). ``label``
+    replaces ``key`` at the start of the message."""
+    for part in Path(os.fspath(path)).parts:
+        size = len(part.encode("utf-8", "surrogateescape"))
+        if size > NAME_MAX:
+            shown = part[:24] + "..." if len(part) > 24 else part
+            raise ConfigError(
+                f"{label or key}: the name {shown!r} is {size} bytes long; one file or folder name holds at "
+                f"most {NAME_MAX} bytes",
+                key=key,
+                allowed=[f"path components of 1..{NAME_MAX} bytes"],
+            )
+
+
 def _shipped(name: str) -> Path:
     """A checkout's top-level ``<name>/`` (``<root>/src/vramsweep`` is this package), else the copy a wheel
     ships inside the package."""
@@ -52,6 +72,7 @@ def user_conf_dir() -> Path | None:
         return explicit
     env = os.environ.get(CONFIG_DIR_ENV)
     if env:
+        check_path_names(env, CONFIG_DIR_ENV)
         path = Path(env).expanduser().resolve()
         if not path.is_dir():
             raise ConfigError(f"{CONFIG_DIR_ENV}={env}: no such folder", key=CONFIG_DIR_ENV)
@@ -67,6 +88,7 @@ def writable_conf_dir() -> Path:
 
 def use_conf_dir(path: str | os.PathLike[str]) -> Path:
     """Make ``path`` the user's conf dir for this process and its children (``--config-dir``)."""
+    check_path_names(path, "--config-dir")
     p = Path(path).expanduser().resolve()
     if not p.is_dir():
         raise ConfigError(f"--config-dir {path}: no such folder", key="--config-dir")
@@ -92,12 +114,20 @@ def group_dirs(group: str, conf_dir: str | os.PathLike[str] | None = None) -> li
 
 
 def list_options(group: str, conf_dir: str | os.PathLike[str] | None = None) -> list[str]:
-    """Options of a config group across the search path (``base_*`` schema names are not files)."""
+    """Options of a config group across the search path: its YAML files. The group's schema
+    ``base_<group>`` (Hydra's ConfigStore, not a file) is never one, even as a user's file of that name; a
+    user's ``base_mine.yaml`` is an option like any other."""
     names: set[str] = set()
     for d in group_dirs(group, conf_dir):
         if d.is_dir():
             names.update(p.stem for p in d.glob("*.yaml"))
+    names.discard(schema_name(group))
     return sorted(names)
+
+
+def schema_name(group: str) -> str:
+    """The ConfigStore name of a group's schema (``quant`` -> ``base_quant``): not a selectable option."""
+    return f"base_{group.rsplit('/', 1)[-1]}"
 
 
 def find_option(group: str, name: str, conf_dir: str | os.PathLike[str] | None = None) -> Path | None:

@@ -109,6 +109,8 @@ def check_values(cfg: DictConfig) -> None:
         "head_dim",
     ):
         _check_range(cfg, f"model.{k}", 1, 10**7, integer=True)
+    # the positions are the model's own: 0 divided (ZeroDivisionError), -1 was blamed on context.max_tokens
+    _check_range(cfg, "model.max_position_embeddings", 32, 10**8, integer=True)
     if cfg.model.num_heads % cfg.model.num_kv_heads:
         raise ConfigError(
             f"model.num_kv_heads={cfg.model.num_kv_heads} must divide model.num_heads={cfg.model.num_heads}",
@@ -154,6 +156,16 @@ def check_values(cfg: DictConfig) -> None:
     _check_choice(cfg, "hardware.device", ("cpu", "cuda"))
     _check_range(cfg, "hardware.budget_gib", 0.0, 1e5)
     _check_range(cfg, "hardware.memory_gib", 0.0, 1e5)
+    _check_range(cfg, "hardware.peak_bf16_flops", 0.0, 1e18)  # 0 = no peak known (MFU null, with why)
+    _check_range(cfg, "hardware.bandwidth_bytes_per_s", 0.0, 1e16)
+    _check_range(cfg, "hardware.overhead_bytes", 0, 1e16, integer=True)
+    mem, budget = float(cfg.hardware.memory_gib), float(cfg.hardware.budget_gib)
+    if mem > 0 and budget > mem:
+        raise ConfigError(
+            f"hardware.budget_gib={budget:g} is above the card's memory (hardware.memory_gib={mem:g})",
+            key="hardware.budget_gib",
+            allowed=[f"[0, {mem:g}]"],
+        )
     if int(cfg.quant.bits) == 4 and int(cfg.quant.blocksize) != 64:
         # transformers builds bitsandbytes' Linear4bit without a block size: 64 is what runs, so another
         # value would change the estimate but not the model

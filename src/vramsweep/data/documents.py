@@ -187,6 +187,10 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{p}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+            except RecursionError:
+                raise ValueError(
+                    f"{p}:{lineno}: invalid JSON: nested too deeply (over ~1,000 levels)"
+                ) from None
             try:
                 doc = normalize_document(obj, default_id=f"{p.stem}:{lineno}")
             except ValueError as e:

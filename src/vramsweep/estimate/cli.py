@@ -11,6 +11,7 @@ from vramsweep.config import ConfigError, compose
 from vramsweep.config.errors import error_line
 from vramsweep.config.rules import check_fault_env, validate
 from vramsweep.record.metrics import MetricName as M
+from vramsweep.record.result import read_json_file
 from vramsweep.record.units import GIB, MIB
 
 ROWS = ("params", "grads", "optimizer", "activations", "logits", "overhead")
@@ -164,9 +165,8 @@ def _load_results(sweep_dir: Path) -> list[dict]:
     out = []
     for f in files:
         try:
-            with open(f) as fh:
-                out.append(json.load(fh))
-        except (OSError, ValueError):
+            out.append(read_json_file(f))
+        except (OSError, ValueError):  # unreadable, or nested too deeply: not a usable trial
             continue
     return out
 
@@ -176,7 +176,7 @@ def run_calibrate(sweep_dir: str) -> int:
 
     Results are read from ``<sweep>/trials/*.json`` (or any ``result.json`` below the folder); the
     constants go to ``<results_dir>/calibration/<device>.json`` where ``results_dir`` is the folder
-    above ``sweeps/``. Returns 0 when at least one device was calibrated,
+    above ``sweeps/`` (for a folder elsewhere, ``results/``). Returns 0 when at least one device was calibrated,
     2 when the folder does not exist or no trial was usable (one error line).
     """
     from vramsweep.estimate.calibration import calibrate, save_calibration
@@ -186,7 +186,9 @@ def run_calibrate(sweep_dir: str) -> int:
         print(f"vramsweep estimate: error: --calibrate {sweep_dir} is not a folder", file=sys.stderr)
         return 2
     results = _load_results(d)
-    results_dir = d.parent.parent if d.parent.name == "sweeps" else d
+    # docs/ESTIMATOR.md: <results_dir>/calibration/ -- the folder above sweeps/, else the default results/
+    # (never calibration/ inside the folder it reads)
+    results_dir = d.parent.parent if d.parent.name == "sweeps" else Path("results")
     keys = sorted(
         {
             (
@@ -206,7 +208,16 @@ def run_calibrate(sweep_dir: str) -> int:
             skipped.append(key)
             continue
         fit["source"] = str(d)
-        path = save_calibration(results_dir, key, fit)
+        try:
+            path = save_calibration(results_dir, key, fit)
+        except OSError as exc:  # a read-only results folder: one line, not a traceback
+            where = Path(results_dir) / "calibration"
+            print(
+                f"vramsweep estimate: error: --calibrate: cannot write {where}/{key}.json "
+                f"({exc.strerror or type(exc).__name__}); run it where {where} is writable",
+                file=sys.stderr,
+            )
+            return 2
         before, after = fit["mean_abs_error_before"], fit["mean_abs_error_after"]
         print(
             f"{key}: {fit['n_trials']} trials, constants {fit['constants']}, mean |error| "

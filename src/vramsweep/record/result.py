@@ -146,9 +146,23 @@ def write_result(path: str | os.PathLike, result: TrialResult | dict[str, Any]) 
     return out
 
 
-def load_result(path: str | os.PathLike) -> dict[str, Any]:
+def loads_json(text: str) -> Any:
+    """``json.loads``; nesting too deep for Python's parser (``RecursionError`` past ~1,000 levels, a
+    traceback in every reader) is a ``ValueError`` like any other unreadable JSON."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read (over ~1,000 levels of [ or {)") from None
+
+
+def read_json_file(path: str | os.PathLike) -> Any:
+    """A JSON file through :func:`loads_json` (``OSError`` or ``ValueError`` when unreadable)."""
     with open(path) as fh:
-        return json.load(fh)
+        return loads_json(fh.read())
+
+
+def load_result(path: str | os.PathLike) -> dict[str, Any]:
+    return read_json_file(path)
 
 
 __all__ = [

@@ -16,7 +16,6 @@ Nothing here raises on bad *data* (missing keys, NaN, unreadable files become no
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable
@@ -24,9 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramsweep.config.errors import ConfigError
+from vramsweep.config.paths import check_path_names
 from vramsweep.record import feasibility
 from vramsweep.record.metrics import SCALAR_METRICS, direction
 from vramsweep.record.metrics import MetricName as M
+from vramsweep.record.result import loads_json, read_json_file
 from vramsweep.record.schema import ResultSchemaError, TrialResult
 from vramsweep.record.status import Status
 from vramsweep.record.units import GIB
@@ -449,8 +451,7 @@ def safe_url(url: str) -> str:
 
 
 def _read_json(path: Path) -> Any:
-    with open(path) as fh:
-        return json.load(fh)
+    return read_json_file(path)  # too-deep nesting: ValueError, a note like any unreadable file
 
 
 def _load_result_files(folder: Path, notes: list[str]) -> dict[int, TrialRecord]:
@@ -471,6 +472,14 @@ def _load_result_files(folder: Path, notes: list[str]) -> dict[int, TrialRecord]
             continue
         stem_number = int(path.stem) if path.stem.isdigit() else None
         rec = TrialRecord.from_result(data, number=stem_number, path=str(path))
+        if stem_number is not None and rec.number != stem_number:
+            # the sweeper names each file by its trial: the name wins, the field is a note (never a second
+            # count of trial <field>, nor the real trial <field> dropped)
+            notes.append(
+                f'{path.name} says "trial": {data.get("trial")!r}; counted as trial {stem_number:04d}, '
+                "its file name"
+            )
+            rec.number = stem_number
         if rec.number < 0:
             notes.append(f"skipped {path.name}: no trial number")
             continue
@@ -492,12 +501,55 @@ SQLITE_MAGIC = b"SQLite format 3\x00"
 
 def _sqlite_ro_uri(path: Path) -> str:
     """A SQLite URI that cannot write: ``immutable=1`` for a closed database (no lock, no ``-wal``/``-shm``
-    files created), ``mode=ro`` while a writer's ``-wal``/``-journal`` exists (a sweep still running: its
-    last commits are in the ``-wal``)."""
+    files created); while a writer's ``-wal``/``-journal`` exists (a sweep still running: its last commits
+    are in the ``-wal``), a snapshot of the database and that file (:func:`_snapshot`) is read instead, since
+    even a ``mode=ro`` reader writes the live ``-shm`` (the WAL index that readers mark)."""
     from urllib.parse import quote
 
     live = any(Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-journal"))
-    return f"file:{quote(str(path.resolve()))}?{'mode=ro' if live else 'immutable=1'}"
+    if live:
+        return f"file:{quote(str(_snapshot(path)))}"
+    return f"file:{quote(str(path.resolve()))}?immutable=1"
+
+
+#: temporary folders of live-database snapshots (removed when the process exits)
+_SNAPSHOTS: list[Any] = []
+
+
+def _snapshot(path: Path, tries: int = 5) -> Path:
+    """A private copy of a live database with its ``-wal``/``-journal`` (no ``-shm``: the copy rebuilds its
+    own index), taken when neither file changed during the copy (a writer may commit meanwhile)."""
+    import shutil
+    import tempfile
+
+    tmp = tempfile.TemporaryDirectory(prefix="vramsweep-report-")
+    _SNAPSHOTS.append(tmp)
+    copy = Path(tmp.name) / path.name
+    sides = ("-wal", "-journal")
+
+    def stamp() -> list[tuple[int, int] | None]:
+        out: list[tuple[int, int] | None] = []
+        for p in [path, *(Path(f"{path}{s}") for s in sides)]:
+            try:
+                st = p.stat()
+                out.append((st.st_size, st.st_mtime_ns))
+            except FileNotFoundError:
+                out.append(None)
+        return out
+
+    for _ in range(tries):
+        before = stamp()
+        for s in sides:
+            Path(f"{copy}{s}").unlink(missing_ok=True)
+            if Path(f"{path}{s}").exists():
+                try:
+                    shutil.copyfile(f"{path}{s}", f"{copy}{s}")
+                except FileNotFoundError:  # checkpointed and removed meanwhile
+                    pass
+        shutil.copyfile(path, copy)
+        if stamp() == before:
+            break
+    return copy
 
 
 def _check_sqlite_study(path: Path, url: str) -> None:
@@ -597,7 +649,7 @@ def record_from_frozen(trial: Any, metric_names: list[str], base_folder: Path | 
     result = ua.get("result")
     if isinstance(result, str):
         try:
-            result = json.loads(result)
+            result = loads_json(result)
         except ValueError:
             result = None
     path = None
@@ -688,6 +740,10 @@ def load_sweep(target: str, *, study: str | None = None) -> SweepData:
     target = str(target)
     if "://" in target:
         return _load_storage(target, study)
+    try:
+        check_path_names(target, "the report target", f"{target[:80]}{'...' if len(target) > 80 else ''}")
+    except ConfigError as exc:  # a name over 255 bytes: exists() would raise "File name too long"
+        raise ReportError(str(exc)) from None
     path = Path(target).expanduser()
     if not path.exists():
         raise ReportError(f"no such sweep folder: {path}")

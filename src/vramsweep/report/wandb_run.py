@@ -8,7 +8,7 @@ the trial carries on and ``meta.wandb`` says why. Every later W&B call is guarde
 What a W&B user gets (docs/WANDB.md):
 
 * ``job_type="trial"``, ``group=<sweep>``, name ``<sweep>-<trial>``;
-* tags ``status:<status>``, ``design:<baseline|ablation|stacking|search>``, ``quant:<name>``,
+* tags ``status:<status>``, ``design:<baseline|ablation|stacking|grid|search>``, ``quant:<name>``,
   ``kernels:<name>``, ``adapter:<name>`` (the status tag is added at finish);
 * config: ``trial``, ``sweep``, every overridden knob as a top-level key (``quant: nf4``,
   ``adapter.r: 16``), ``overrides``, ``design`` and the whole composed config under ``config``;
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -110,11 +111,17 @@ def summary_of(result: dict) -> dict[str, Any]:
     metrics = result.get("metrics") or {}
     meta = result.get("meta") or {}
     s: dict[str, Any] = {k: v for k, v in metrics.items() if _finite(v)}
-    s["status"] = result.get("status")
+    status = result.get("status")
+    # the value, as tags and tables say it: W&B writes an Enum member by its name ("OK")
+    s["status"] = str(status.value if isinstance(status, Enum) else status)
     s["reason"] = str(result.get("reason") or "")[:1000]  # always there (docs/WANDB.md): "" when ok
     mfu = MetricName.MFU.value  # a plain str key (W&B and JSON take it as it is)
+    info = meta.get(mfu)
     if not _finite(metrics.get(mfu)):
-        s[mfu] = None  # not measured (no device peak): the key is there, the reason in mfu/*
+        # no `mfu: null` (W&B's reader drops null summary values): why it is missing, always
+        s.pop(mfu, None)
+        why = info.get("reason") if isinstance(info, dict) else None
+        s[f"{mfu}/reason"] = str(why or f"not measured (trial status {s['status']})")
     if metrics.get(MetricName.MEMORY_KIND):
         s["memory/kind"] = metrics[MetricName.MEMORY_KIND]
     peak_name = MetricName.PEAK_MEMORY_BYTES
@@ -147,7 +154,6 @@ def summary_of(result: dict) -> dict[str, Any]:
         # ones in history), eval/ppl, train/tokens_per_s
         if m.wandb and _finite(metrics.get(m.name)):
             s[m.wandb] = metrics[m.name]
-    info = meta.get(mfu)
     if isinstance(info, dict):
         for k, v in info.items():
             if _finite(v) or isinstance(v, str):

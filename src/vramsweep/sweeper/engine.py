@@ -52,6 +52,7 @@ from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
     total_trials,
 )
 from vramsweep.sweeper.progress import Progress, fmt_override, plural
+from vramsweep.sweeper.settings import SweepConfig
 from vramsweep.sweeper.storage import COPY_OF, JOB_LOST, RETRY_OF, requeue_lost, sqlite_path
 from vramsweep.sweeper.storage_check import check_storage
 from vramsweep.sweeper.study import StudyBook
@@ -283,6 +284,13 @@ def run_sweep(
 
     warnings.filterwarnings("ignore", category=ExperimentalWarning)
 
+    try:
+        SweepConfig.from_dict(
+            task_cfg.get("sweep")
+        )  # `sweep:` as a list or a string: one line, not a traceback
+    except ConfigError as exc:
+        print(error_line("train", str(exc)), file=sys.stderr)
+        return 2
     if str((task_cfg.get("sweep") or {}).get("design")) == "max_context":
         try:
             check_fault_env()

@@ -12,7 +12,6 @@ name or ``_target_`` incl. ``GridSampler``/``CmaEsSampler``; a missing optional 
 
 from __future__ import annotations
 
-import importlib
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -21,7 +20,7 @@ from typing import Any
 
 from vramsweep.config.compose import ConfigError
 from vramsweep.sweeper.samplers import make_sampler
-from vramsweep.sweeper.settings import _param_str, check_sweeper_settings
+from vramsweep.sweeper.settings import _param_str, check_sweeper_settings, resolve_custom_search_space
 from vramsweep.sweeper.space import (
     Param,
     cli_sweep_params,
@@ -51,22 +50,8 @@ def _directions(raw: Any) -> list[str]:
 
 
 def _custom(path: str | None) -> Callable[[Any, Any], Any] | None:
-    if not path:
-        return None
-    from hydra.utils import get_method
-
-    try:
-        return get_method(str(path))
-    except Exception:
-        pass
-    mod, _, fn = str(path).replace(":", ".").rpartition(".")
-    try:
-        return getattr(importlib.import_module(mod), fn)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigError(
-            f"hydra.sweeper.custom_search_space={path!r} cannot be imported: {exc}",
-            key="hydra.sweeper.custom_search_space",
-        ) from exc
+    """The ``custom_search_space`` function: any path ``hydra.utils.get_method`` resolves, as upstream."""
+    return resolve_custom_search_space(str(path)) if path else None
 
 
 def _sampler(spec: Any, seed: int | None, dims: Sequence[Param], n_jobs: int, n_objectives: int) -> Any:
@@ -174,6 +159,7 @@ def run_function_sweep(
     )
     launcher = launcher_factory()
     done = failures = 0
+    last_error = ""
     while done < plan.n_trials:
         trials, overrides = [], []
         for _ in range(min(plan.n_jobs, plan.n_trials - done)):  # each point suggested before the next ask
@@ -185,16 +171,21 @@ def run_function_sweep(
                 values = _values(ret, len(plan.directions))
             except Exception as exc:
                 failures += 1
-                trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:1000])
+                last_error = f"{type(exc).__name__}: {exc}"
+                trial.set_user_attr("error", last_error[:1000])
                 _tell(study, trial, state=optuna.trial.TrialState.FAIL)
-                print(f"vramsweep: trial {trial.number} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                # upstream's wording: a tolerated failure is a warning with the message; only an abort
+                # raises the app's exception (`RuntimeError: ...`), so the abort line below carries it
+                print(
+                    f"vramsweep: trial {trial.number} failed ({type(exc).__name__}): {exc}", file=sys.stderr
+                )
                 continue
             _tell(study, trial, values)
         done += len(trials)
         if failures and failures / done > plan.max_failure_rate:
             print(
                 f"vramsweep: ABORTED: {failures}/{done} trials failed > "
-                f"hydra.sweeper.max_failure_rate={plan.max_failure_rate}",
+                f"hydra.sweeper.max_failure_rate={plan.max_failure_rate}; last error: {last_error}",
                 file=sys.stderr,
             )
             return 1

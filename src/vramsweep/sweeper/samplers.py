@@ -67,6 +67,28 @@ def _instantiate(spec: dict[str, Any], what: str) -> Any:
     return obj
 
 
+#: said once per process (a sweep instantiates its sampler to check it, then to run it)
+_MOTPE_SAID: list[bool] = []
+
+
+def motpe_sampler(**kwargs: Any) -> Any:
+    """``hydra/sweeper/sampler=motpe`` (hydra-optuna-sweeper's group): Optuna 4.0 removed ``MOTPESampler``;
+    its ``TPESampler`` handles several objectives, so that is what runs, and stderr says so in one line."""
+    import sys
+
+    import optuna
+
+    if not _MOTPE_SAID:
+        _MOTPE_SAID.append(True)
+        print(
+            "vramsweep: note: the 'motpe' sampler was removed in Optuna 4.0; hydra/sweeper/sampler=motpe runs "
+            "TPESampler, which handles multi-objective optimization (hydra/sweeper/sampler=tpe says so directly)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return optuna.samplers.TPESampler(**kwargs)
+
+
 def make_sampler(spec: Any, *, seed: int | None, n_jobs: int, n_objectives: int) -> Any:
     """The Optuna sampler for a search design.
 
@@ -99,7 +121,10 @@ def make_sampler(spec: Any, *, seed: int | None, n_jobs: int, n_objectives: int)
             return optuna.samplers.GPSampler(**kw)
         if name == "grid":  # only reached for a fixed design: points are enqueued, the sampler is idle
             return optuna.samplers.RandomSampler(seed=seed)
-    except TypeError as exc:
+    except (
+        TypeError,
+        ValueError,
+    ) as exc:  # an unknown keyword, or Optuna's range check (n_startup_trials=-1)
         raise ConfigError(f"hydra.sweeper.sampler={spec}: {exc}", key="hydra.sweeper.sampler") from exc
     raise ConfigError(
         f"unknown sampler {name!r}",
@@ -134,7 +159,10 @@ def make_pruner(spec: Any, *, active: bool) -> Any:
             return optuna.pruners.HyperbandPruner(**kw)
         if name == "none":
             return optuna.pruners.NopPruner()
-    except TypeError as exc:
+    except (
+        TypeError,
+        ValueError,
+    ) as exc:  # an unknown keyword, or Optuna's range check (n_startup_trials=-1)
         raise ConfigError(f"hydra.sweeper.pruner={spec}: {exc}", key="hydra.sweeper.pruner") from exc
     raise ConfigError(
         f"unknown pruner {name!r}", key="hydra.sweeper.pruner", allowed=["median", "sha", "hyperband", "none"]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
+from vramsweep.config.paths import NAME_MAX
 from vramsweep.record.metrics import OBJECTIVE_METRICS, PRUNABLE_METRICS, is_objective
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import is_quality_metric, metric_direction
@@ -299,11 +300,19 @@ def check_sweeper_settings(sweeper: dict[str, Any]) -> None:
             allowed=[DEFAULT_TRIAL_FN],
         )
     css = sweeper.get("custom_search_space")
-    if css is not None and not re.fullmatch(r"[\w.]+\.\w+", str(css)):
-        raise ConfigError(
-            f"hydra.sweeper.custom_search_space={css!r} must be 'module.function'",
-            key="hydra.sweeper.custom_search_space",
-        )
+    if css is not None:
+        resolve_custom_search_space(str(css))
+    devices = sweeper.get("cuda_devices")
+    if devices:
+        bad = [d for d in devices if not re.fullmatch(r"\d+|GPU-[0-9A-Fa-f-]+|MIG-[\w/-]+", str(d).strip())]
+        if bad:
+            raise ConfigError(
+                f"hydra.sweeper.cuda_devices={list(devices)} has {bad[0]!r}, not a device",
+                key="hydra.sweeper.cuda_devices",
+                allowed=["device indices >= 0, e.g. [0,1]", "GPU-<uuid>", "MIG-<uuid>"],
+            )
+    for module in sweeper.get("preload") or []:
+        _check_importable(str(module))
     hb = sweeper.get("heartbeat_s", SweeperConf.heartbeat_s)
     grace = sweeper.get("grace_s", SweeperConf.grace_s)
     if float(grace) < 2 * float(hb):
@@ -312,6 +321,41 @@ def check_sweeper_settings(sweeper: dict[str, Any]) -> None:
             "(a live worker would look dead)",
             key="hydra.sweeper.grace_s",
             allowed=[f">= {2 * float(hb):g}"],
+        )
+
+
+def resolve_custom_search_space(path: str) -> Any:
+    """``hydra.sweeper.custom_search_space`` as upstream resolves it: any dotted path
+    ``hydra.utils.get_method`` finds (``custom-search-space-objective.configure`` included; ``module:function``
+    too). :class:`ConfigError` names the key when it does not resolve to a function."""
+    from hydra.utils import get_method
+
+    key = "hydra.sweeper.custom_search_space"
+    try:
+        fn = get_method(path.replace(":", "."))
+    except Exception as exc:  # get_method wraps ImportError/AttributeError in its own messages
+        why = " ".join(ln.strip() for ln in str(exc).splitlines() if ln.strip())[:300] or type(exc).__name__
+        raise ConfigError(
+            f"{key}={path!r} does not resolve ({why})",
+            key=key,
+            allowed=["a dotted path to a function fn(cfg, trial), e.g. my_app.configure"],
+        ) from exc
+    return fn
+
+
+def _check_importable(module: str) -> None:
+    """A ``preload`` module must exist (found without importing it: the sweeper process stays light)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(
+            f"hydra.sweeper.preload has {module!r}, a module that cannot be imported",
+            key="hydra.sweeper.preload",
+            allowed=["importable module names, e.g. " + ", ".join(DEFAULT_PRELOAD[:2])],
         )
 
 
@@ -593,6 +637,12 @@ class SweepConfig:
     def from_dict(cls, node: dict[str, Any] | None) -> SweepConfig:
         """Parse a composed ``sweep:`` node; :class:`ConfigError` names an unknown key or a bad value."""
 
+        if node is not None and not isinstance(node, dict):
+            raise ConfigError(
+                f"sweep: is a {type(node).__name__}, not a mapping",
+                key="sweep",
+                allowed=["sweep: {name: ..., design: ..., objectives: ...} (docs/CONTRACTS.md)"],
+            )
         node = dict(node or {})
         known = sorted(cls.__dataclass_fields__)
         for k in node:
@@ -732,12 +782,25 @@ def resolve_settings(
     """
 
     conf = sweeper_conf(sweeper)
+    if conf.custom_search_space:
+        raise ConfigError(
+            f"hydra.sweeper.custom_search_space={conf.custom_search_space!r} is for function mode (a Hydra app "
+            "that returns its objective); vramsweep's trials take their space from hydra.sweeper.params",
+            key="hydra.sweeper.custom_search_space",
+            allowed=["null", "hydra.sweeper.params entries"],
+        )
     sweep = SweepConfig.from_dict(task_cfg.get("sweep"))
     named = bool(sweep.name or conf.study_name)
     # sweep.name=<x> on the command line arrives as study_name (it names the folder and the study)
     name = str(conf.study_name or sweep.name or "multirun")
-    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name) or name in (".", ".."):
         raise ConfigError(f"sweep.name={name!r} must be a plain file name", key="sweep.name")
+    if len(name.encode()) > NAME_MAX:
+        raise ConfigError(
+            f"sweep.name is {len(name.encode())} bytes long; a folder name holds at most {NAME_MAX}",
+            key="sweep.name",
+            allowed=[f"a plain file name of 1..{NAME_MAX} bytes"],
+        )
     design, reason, sampler = _choose_design(
         sweep, conf, _sampler_spec(conf), dict(cli_params or {}), sweep_file or name
     )

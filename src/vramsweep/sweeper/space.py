@@ -1,9 +1,15 @@
 """Search space: Hydra override grammar -> Optuna distributions, grids and trial overrides.
 
-``choice(a,b)`` / ``a,b`` -> categorical; ``range(8,33,8)`` over ints -> ``IntDistribution(step)``
-(ordinal for TPE), over floats -> categorical; ``interval(lo,hi)`` -> float (int when the target
-config node is an int or the ``int`` tag is given); ``tag(log, interval(...))`` -> log scale.
-A value that is not a sweep is a fixed override applied to every trial.
+As hydra-optuna-sweeper reads the grammar (its distribution table is ``tests/test_sweeper_space.py``):
+``choice(a,b)`` / ``a,b`` -> categorical; ``shuffle(range(...))`` -> categorical over the range's values
+(in sorted order, so a sweep's identity does not depend on the shuffle); ``range(8,33,8)`` over ints ->
+``IntDistribution(step)`` (ordinal for TPE); a range with a float start, stop or step
+(``range(0.5, 5.5, step=1)``) -> ``FloatDistribution(step)``; ``interval(lo,hi)`` -> float;
+``int(interval(1,5))`` (also under ``tag(log, ...)``, or the ``int`` tag, or a target config node that is
+an int) -> ``IntDistribution``; ``tag(log, interval(...))`` -> log scale. A range's stop is excluded, as
+Hydra's grammar (and its basic sweeper and our grid) enumerate it: upstream passes the stop itself as the
+distribution's high (docs/SWEEPS.md, deliberate differences). A value that is not a sweep is a fixed
+override applied to every trial.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ class Param:
         kind: ``choice`` | ``range`` | ``interval``.
         values: the discrete values (choice/range), typed; non-scalars are stored as override text.
         low/high/log/integer: interval bounds.
-        step: range step (int ranges).
+        step: range step (an int for int ranges, a float for float ranges).
     """
 
     key: str
@@ -39,7 +45,7 @@ class Param:
     high: float | None = None
     log: bool = False
     integer: bool = False
-    step: int | None = None
+    step: int | float | None = None
 
     @property
     def discrete(self) -> bool:
@@ -57,6 +63,8 @@ class Param:
         """The Optuna distribution of this dimension."""
         from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
+        if self.kind == "range" and isinstance(self.step, float):
+            return FloatDistribution(float(self.values[0]), float(self.values[-1]), step=self.step)
         if self.kind == "range" and self.step is not None:
             return IntDistribution(int(self.values[0]), int(self.values[-1]), step=self.step)
         if self.discrete:
@@ -182,23 +190,13 @@ def parse_params(params: dict[str, str], *, int_keys: Sequence[str] = ()) -> tup
         value = ov.value()
         if ov.is_choice_sweep():
             raw = list(ov.sweep_iterator())
+            _no_nested_sweep(key, text, raw)
             vals = [_scalar(v) for v in raw]
             if len(set(map(repr, vals))) != len(vals):
                 raise ConfigError(f"search space {key}: choice has a repeated value", key=key)
             dims.append(Param(key, "choice", values=vals, texts=[format_value(v) for v in raw]))
         elif ov.is_range_sweep():
-            vals = list(ov.sweep_iterator())
-            if not vals:
-                raise ConfigError(f"search space {key}: empty range", key=key)
-            if all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
-                step = vals[1] - vals[0] if len(vals) > 1 else 1
-                if step <= 0:
-                    vals = sorted(vals)
-                    step = vals[1] - vals[0] if len(vals) > 1 else 1
-                dims.append(Param(key, "range", values=vals, texts=[str(v) for v in vals], step=int(step)))
-            else:
-                fvals = [float(v) for v in vals]
-                dims.append(Param(key, "range", values=fvals, texts=[format_value(v) for v in fvals]))
+            dims.append(_range_param(key, text, ov))
         elif ov.is_interval_sweep():
             tags = set(getattr(value, "tags", set()) or set())
             unknown = tags - {"log", "int"}
@@ -207,7 +205,9 @@ def parse_params(params: dict[str, str], *, int_keys: Sequence[str] = ()) -> tup
                     f"search space {key}: unknown tag(s) {sorted(unknown)}", key=key, allowed=["log", "int"]
                 )
             low, high = float(value.start), float(value.end)
-            integer = "int" in tags or key in int_keys
+            # ``int(interval(1, 5))`` keeps int bounds (a plain ``interval(1, 5)`` has float ones), as upstream
+            int_bounds = all(type(b) is int for b in (value.start, value.end))
+            integer = "int" in tags or key in int_keys or int_bounds
             if integer and not (low.is_integer() and high.is_integer()):
                 raise ConfigError(
                     f"search space {key}: integer interval needs integer bounds, got ({low}, {high})", key=key
@@ -220,6 +220,40 @@ def parse_params(params: dict[str, str], *, int_keys: Sequence[str] = ()) -> tup
         else:  # pragma: no cover - grammar has no other sweep kinds
             raise ConfigError(f"search space {key}: unsupported sweep '{text}'", key=key)
     return dims, fixed
+
+
+def _no_nested_sweep(key: str, text: str, raw: Sequence[Any]) -> None:
+    """A choice's values are plain values: ``choice(choice(8,16),32)`` is refused, naming the key."""
+    from hydra.core.override_parser.types import Sweep
+
+    if any(isinstance(v, Sweep) for v in raw):
+        raise ConfigError(
+            f"search space {key}={text}: a choice cannot hold another sweep (choice/range/interval)",
+            key=key,
+            allowed=["choice(a,b,...) of plain values", "one sweep per key"],
+        )
+
+
+def _range_param(key: str, text: str, ov: Any) -> Param:
+    """A ``range(...)`` dimension: int steps, float steps, or (under ``shuffle``) a categorical."""
+    value = ov.value()
+    if value.step == 0:
+        raise ConfigError(
+            f"search space {key}={text}: range step 0 never reaches the stop",
+            key=key,
+            allowed=["a non-zero step, e.g. range(1, 10, 1)"],
+        )
+    vals = list(ov.sweep_iterator())
+    if not vals:
+        raise ConfigError(f"search space {key}: empty range", key=key)
+    vals = sorted(vals)  # shuffle() and negative steps: the same values in one canonical order
+    if value.shuffle:  # upstream: a categorical over the range's values (never low/high of a shuffled list)
+        return Param(key, "choice", values=list(vals), texts=[format_value(v) for v in vals])
+    step = abs(value.step)
+    if all(type(v) is int for v in vals):
+        return Param(key, "range", values=vals, texts=[str(v) for v in vals], step=int(step))
+    fvals = [float(v) for v in vals]
+    return Param(key, "range", values=fvals, texts=[format_value(v) for v in fvals], step=float(step))
 
 
 def cli_sweep_params(arguments: Sequence[str]) -> tuple[dict[str, str], list[str]]:
@@ -287,6 +321,8 @@ def params_to_overrides(params: dict[str, Any], dims: Sequence[Param] = ()) -> l
 
 def suggest(trial: Any, d: Param) -> Any:
     """Ask an Optuna trial for ``d``'s value (int steps, categorical choices, int/float intervals)."""
+    if d.kind == "range" and isinstance(d.step, float):
+        return trial.suggest_float(d.key, float(d.values[0]), float(d.values[-1]), step=d.step)
     if d.kind == "range" and d.step is not None:
         return trial.suggest_int(d.key, int(d.values[0]), int(d.values[-1]), step=d.step)
     if d.discrete:

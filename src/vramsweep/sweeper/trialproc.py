@@ -402,7 +402,7 @@ def _load_child_result(path: str) -> dict[str, Any] | None:
     try:
         with open(path) as fh:
             data = json.load(fh)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if isinstance(data, dict) and isinstance((data.get("meta") or {}).get("optuna"), dict):
         return data

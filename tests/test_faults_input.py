@@ -1,0 +1,294 @@
+"""Bad input that still got a traceback or was accepted (issue 40 items 5, 7, 8): each case exits 2 with one
+line ``vramsweep <verb>: error: ...`` naming the key, and writes nothing (the harness of
+``tests/test_bad_inputs.py``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from test_bad_inputs import FAKE
+from test_bad_inputs import test_bad_input as check_bad_input
+from vramsweep.cli import main
+
+LONG = "n" * 256  # one byte over a file name's limit
+SWEEP = ["-m", "adapter.r=8,16", *FAKE]
+UNNAMED = ["-m", "adapter.r=8,16", *FAKE[:2]]  # without study_name, so sweep.name names the sweep
+
+# (id, verb, argv with {placeholders}, env, substring of the one line)
+CASES: list[tuple[str, str, list[str], dict[str, str], str]] = [
+    # item 5: a path component over 255 bytes (was OSError: File name too long)
+    ("long-results-dir", "train", [f"results_dir={{root}}/{LONG}"], {}, "is 256 bytes long"),
+    ("long-results-dir-cjk", "train", ["results_dir='{root}/" + "資" * 86 + "'"], {}, "is 258 bytes long"),
+    ("long-cache", "train", [], {"VRAMSWEEP_CACHE": f"/tmp/{LONG}"}, "VRAMSWEEP_CACHE=/tmp/nnn"),
+    ("long-report", "report", [f"{{root}}/{LONG}"], {}, "is 256 bytes long"),
+    ("long-config-dir", "train", [f"--config-dir={{root}}/{LONG}"], {}, "--config-dir: the name"),
+    ("long-sweep-name", "train", [*UNNAMED, f"sweep.name={LONG}"], {}, "sweep.name is 256 bytes long"),
+    # item 7: sweep.name=.. wrote into results_dir itself
+    (
+        "sweep-name-dotdot",
+        "train",
+        [*UNNAMED, "sweep.name=.."],
+        {},
+        "sweep.name='..' must be a plain file name",
+    ),
+    ("sweep-name-dot", "train", [*UNNAMED, "sweep.name=."], {}, "sweep.name='.' must be a plain file name"),
+    # item 5: search-space syntax and sweeper settings that raised
+    (
+        "range-step-0",
+        "train",
+        ["-m", "adapter.r=range(1,10,0)", *FAKE],
+        {},
+        "adapter.r=range(1,10,0): range step 0",
+    ),
+    (
+        "nested-choice",
+        "train",
+        ["-m", "adapter.r=choice(choice(8,16),32)", *FAKE],
+        {},
+        "a choice cannot hold another sweep",
+    ),
+    (
+        "pruner-negative",
+        "train",
+        [*SWEEP, "hydra.sweeper.sampler=tpe", "hydra.sweeper.pruner={name:median,n_startup_trials:-1}"],
+        {},
+        "hydra.sweeper.pruner={'name': 'median', 'n_startup_trials': -1}: Number of startup trials",
+    ),
+    # item 8: values accepted or the wrong key named
+    (
+        "cuda-devices-negative",
+        "train",
+        [*SWEEP, "hydra.sweeper.cuda_devices=[-1]"],
+        {},
+        "has '-1', not a device",
+    ),
+    (
+        "preload-missing",
+        "train",
+        [*SWEEP, "hydra.sweeper.preload=[no_such_module_xyz]"],
+        {},
+        "hydra.sweeper.preload has 'no_such_module_xyz', a module that cannot be imported",
+    ),
+    (
+        "custom-search-space-unresolved",
+        "train",
+        [*SWEEP, "hydra.sweeper.custom_search_space=no_such_mod.configure"],
+        {},
+        "hydra.sweeper.custom_search_space='no_such_mod.configure' does not resolve",
+    ),
+    (
+        "custom-search-space-in-trial-mode",
+        "train",
+        [*SWEEP, "hydra.sweeper.custom_search_space=os.path.join"],
+        {},
+        "is for function mode",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case_id", "verb", "argv", "env", "needle"), CASES, ids=[c[0] for c in CASES])
+def test_refused_in_one_line_with_nothing_written(
+    tmp_path, capsys, monkeypatch, case_id, verb, argv, env, needle
+):
+    check_bad_input(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, needle)
+
+
+def test_a_symlink_loop_under_results_dir_is_refused_before_the_trial(tmp_path, capsys, monkeypatch):
+    """The pre-flight probed the first existing folder above the loop and passed; the result write failed
+    after the training."""
+    monkeypatch.chdir(tmp_path)
+    os.symlink(tmp_path / "b", tmp_path / "a")
+    os.symlink(tmp_path / "a", tmp_path / "b")
+    before = sorted(Path(tmp_path).rglob("*"))
+    assert main(["train", f"results_dir={tmp_path / 'a' / 'res'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1
+        and err[0].startswith("vramsweep train: error: results_dir=")
+        and "symlink loop" in err[0]
+    )
+    assert sorted(Path(tmp_path).rglob("*")) == before
+
+
+def test_sweep_node_as_a_list_is_one_line(tmp_path, capsys, monkeypatch):
+    """A user's sweep file whose ``sweep:`` is a list: ``AttributeError: 'list' object has no attribute 'get'``."""
+    monkeypatch.chdir(tmp_path)
+    conf = tmp_path / "uc" / "sweep"
+    conf.mkdir(parents=True)
+    (conf / "lst.yaml").write_text("# @package _global_\nsweep:\n  - a\n  - b\n")
+    before = sorted(Path(tmp_path).rglob("*"))
+    code = main(
+        [
+            "train",
+            "-m",
+            f"--config-dir={tmp_path / 'uc'}",
+            "sweep=lst",
+            *FAKE[:2],
+            f"results_dir={tmp_path}/r",
+        ]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "sweep: is a list, not a mapping" in err[0], err
+    assert sorted(Path(tmp_path).rglob("*")) == before
+
+
+CASES_VALUES: list[tuple[str, str, list[str], dict[str, str], str]] = [
+    # item 5 / 8: the model's positions (0 raised ZeroDivisionError; -1 blamed context.max_tokens "32..-1")
+    (
+        "positions-0",
+        "train",
+        ["model.max_position_embeddings=0"],
+        {},
+        "model.max_position_embeddings=0 is out of range",
+    ),
+    (
+        "positions-neg",
+        "train",
+        ["model.max_position_embeddings=-1"],
+        {},
+        "model.max_position_embeddings=-1 is out",
+    ),
+    (
+        "positions-neg-estimate",
+        "estimate",
+        ["model.max_position_embeddings=-1"],
+        {},
+        "model.max_position_embeddings",
+    ),
+    # item 8: hardware.* ranges
+    (
+        "hw-flops-neg",
+        "train",
+        ["hardware.peak_bf16_flops=-1"],
+        {},
+        "hardware.peak_bf16_flops=-1.0 is out of range",
+    ),
+    (
+        "hw-bandwidth-neg",
+        "estimate",
+        ["hardware.bandwidth_bytes_per_s=-1"],
+        {},
+        "hardware.bandwidth_bytes_per_s",
+    ),
+    (
+        "hw-overhead-neg",
+        "estimate",
+        ["hardware.overhead_bytes=-1"],
+        {},
+        "hardware.overhead_bytes=-1 is out of range",
+    ),
+    (
+        "hw-budget-above-memory",
+        "estimate",
+        ["hardware=rtx4080_16gb", "hardware.budget_gib=100"],
+        {},
+        "hardware.budget_gib=100 is above the card's memory (hardware.memory_gib=16)",
+    ),
+    ("schema-name", "estimate", ["quant=base_quant"], {}, "unknown option quant=base_quant"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case_id", "verb", "argv", "env", "needle"), CASES_VALUES, ids=[c[0] for c in CASES_VALUES]
+)
+def test_values_refused_naming_their_own_key(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, needle):
+    check_bad_input(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, needle)
+    assert "context.max_tokens" not in capsys.readouterr().err
+
+
+def test_a_users_base_named_option_is_listed_and_composes(tmp_path, capsys, monkeypatch):
+    """Only the schema ``base_<group>`` is hidden; a user's ``quant/base_mine.yaml`` was hidden and refused."""
+    monkeypatch.chdir(tmp_path)
+    conf = tmp_path / "uc" / "quant"
+    conf.mkdir(parents=True)
+    (conf / "base_mine.yaml").write_text("defaults:\n  - base_quant\n  - _self_\nname: none\n")
+    assert main(["estimate", f"--config-dir={tmp_path / 'uc'}", "quant=nope"]) == 2
+    err = capsys.readouterr().err
+    assert "base_mine" in err and "base_quant" not in err, err
+    assert main(["estimate", f"--config-dir={tmp_path / 'uc'}", "quant=base_mine"]) == 0, (
+        capsys.readouterr().err
+    )
+
+
+def _calibration_sweep(folder: Path) -> Path:
+    import json
+
+    from test_estimate import SMALL, _fake_result
+
+    (folder / "trials").mkdir(parents=True)
+    factors = {"layers": 1.1, "attention": 1.0, "logits": 1.0}
+    for i, s in enumerate((64, 128, 256)):
+        r = _fake_result([*SMALL, f"context.max_tokens={s}"], factors, folder, i)
+        (folder / "trials" / f"{i:04d}.json").write_text(json.dumps(r))
+    return folder
+
+
+def test_calibrate_writes_results_calibration_not_into_the_folder_it_reads(tmp_path, monkeypatch, capsys):
+    """docs/ESTIMATOR.md: ``results/calibration/<hardware>.json``; a folder outside ``sweeps/`` got a
+    ``calibration/`` written into itself."""
+    monkeypatch.chdir(tmp_path)
+    sweep = _calibration_sweep(tmp_path / "elsewhere" / "mysweep")
+    assert main(["estimate", "--calibrate", str(sweep)]) == 0, capsys.readouterr().err
+    assert not (sweep / "calibration").exists()
+    assert (tmp_path / "results" / "calibration" / "cpu.json").is_file()
+
+
+def test_calibrate_into_a_read_only_results_folder_is_one_line(tmp_path, monkeypatch, capsys):
+    """The write refused (EACCES, injected: the suite may run as root) -> one line, exit 2, no traceback."""
+    monkeypatch.chdir(tmp_path)
+    sweep = _calibration_sweep(tmp_path / "res" / "sweeps" / "s")
+
+    def refuse(path, data):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr("vramsweep.estimate.calibration.atomic_write_json", refuse)
+    code = main(["estimate", "--calibrate", str(sweep)])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert (
+        code == 2
+        and len(err) == 1
+        and err[0].startswith("vramsweep estimate: error: --calibrate: cannot write")
+    )
+    assert "res/calibration/cpu.json (Permission denied)" in err[0], err
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # json raises RecursionError, not ValueError, past ~1,000 levels
+
+
+def _one_line(capsys, verb: str) -> str:
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith(f"vramsweep {verb}: error: "), err
+    return err[0]
+
+
+def test_deeply_nested_json_in_a_data_file_names_file_and_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "deep.jsonl"
+    data.write_text('{"id": "a", "sections": ' + DEEP + "}\n")
+    before = sorted(tmp_path.rglob("*"))
+    assert main(["train", "data=jsonl", f"data.path={data}", f"results_dir={tmp_path}/r"]) == 2
+    assert f"{data}:1: invalid JSON: nested too deeply" in _one_line(capsys, "train")
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("verb", ["report", "pick", "calibrate"])
+def test_deeply_nested_result_file_is_a_note_not_a_traceback(tmp_path, capsys, monkeypatch, verb):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    sweep = tmp_path / "s"
+    (sweep / "trials").mkdir(parents=True)
+    (sweep / "sweep.json").write_text(json.dumps({"name": "s"}))
+    (sweep / "trials" / "0000.json").write_text(DEEP)
+    argv = {
+        "report": ["report", str(sweep)],
+        "pick": ["pick", str(sweep), "--budget-gib", "16", "--config-dir", str(tmp_path / "conf")],
+        "calibrate": ["estimate", "--calibrate", str(sweep)],
+    }[verb]
+    assert main(argv) == 2  # the only result is unreadable: nothing to report, said in one line
+    line = _one_line(capsys, argv[0])
+    if verb == "report":
+        assert "skipped 0000.json: unreadable (ValueError: JSON nested too deeply" in line, line
