@@ -301,3 +301,79 @@ def test_longctx_exactness_check_runs_on_cpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "verdict: PASS" in proc.stdout
     assert proc.stdout.count('"ok": true') == 7
+
+
+# ============================================================== issue 37.3: the bundle, checked before the loan
+def _packed_bundle(path: Path, dists: dict[str, str], wanted: list[str] | None = None) -> Path:
+    """A packed bundle whose BUNDLE.json lists ``{name: version}`` (and the WANTED list it was built from)."""
+    import io
+    import tarfile
+
+    manifest = {
+        "python": "3.12",
+        "dists": {n: {"dist": n, "version": v, "top": [n]} for n, v in dists.items()},
+    }
+    if wanted is not None:
+        manifest["wanted"] = wanted
+    data = json.dumps(manifest).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:xz") as tar:
+        info = tarfile.TarInfo("gpu_bundle/BUNDLE.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def _wanted_dists(b) -> dict[str, str]:
+    from packaging.requirements import Requirement
+
+    return {b.norm(Requirement(w).name): str(Requirement(w).specifier).lstrip("=") for w in b.WANTED}
+
+
+def test_bundle_pins_what_the_fork_server_and_data_stack_import():
+    b = _load("gpu_bundle")
+    assert {"torchao==0.18.0", "datasets==4.8.5", "pyarrow==26.0.1"} <= set(b.WANTED)
+
+
+def test_bundle_manifest_is_checked_against_wanted(tmp_path, capsys):
+    b = _load("gpu_bundle")
+    good = _wanted_dists(b)
+    assert b.manifest_mismatches({"dists": {b.norm(k): {"version": v} for k, v in good.items()}}) == []
+    stale = {**good, "torchao": "0.17.0"}
+    stale.pop("pyarrow")
+    bad = b.manifest_mismatches({"dists": {k: {"version": v} for k, v in stale.items()}, "wanted": ["x==1"]})
+    assert any("torchao: wanted ==0.18.0, bundle has 0.17.0" in line for line in bad), bad
+    assert any("pyarrow" in line and "not in the bundle" in line for line in bad), bad
+    assert any("another WANTED list" in line for line in bad), bad
+    # found in wheels/ before the shared copy; the streamed manifest decides the exit status
+    _packed_bundle(tmp_path / "shared" / "gpu-bundle" / b.BUNDLE_FILE, stale)
+    assert b.find_bundle(tmp_path) == (tmp_path / "shared" / "gpu-bundle" / b.BUNDLE_FILE).resolve()
+    assert b.main(["verify", "--root", str(tmp_path)]) == 1
+    assert "does NOT match" in capsys.readouterr().out
+    _packed_bundle(tmp_path / "wheels" / b.BUNDLE_FILE, good, list(b.WANTED))
+    assert b.find_bundle(tmp_path) == (tmp_path / "wheels" / b.BUNDLE_FILE).resolve()
+    assert b.main(["verify", "--root", str(tmp_path)]) == 0
+    assert "manifest matches" in capsys.readouterr().out
+    assert b.main(["verify", "--root", str(tmp_path / "empty" / "repo")]) == 3
+
+
+def test_smoke_refuses_a_stale_bundle_before_anything_runs(tmp_path):
+    """A GPU run (PYTHON given: no CUDA probe in the shell) with a bundle that does not match WANTED stops with
+    exit 2 before extracting or running anything; --plan says the same without stopping."""
+    import subprocess
+
+    b = _load("gpu_bundle")
+    stale = _packed_bundle(tmp_path / "stale.tar.xz", {**_wanted_dists(b), "torchao": "0.17.0"})
+    env = {
+        **__import__("os").environ,
+        "PYTHON": sys.executable,
+        "VRAMSWEEP_GPU_BUNDLE": str(stale),
+        "VRAMSWEEP_CACHE": str(tmp_path / "cache"),
+    }
+    script = str(ROOT / "scripts" / "gpu_smoke.sh")
+    proc = subprocess.run(["bash", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "torchao: wanted ==0.18.0, bundle has 0.17.0" in proc.stdout and "rebuild" in proc.stderr
+    assert not (tmp_path / "cache").exists()  # nothing extracted
+    plan = subprocess.run(["bash", script, "--plan"], capture_output=True, text=True, timeout=120, env=env)
+    assert plan.returncode == 0 and "does NOT match" in plan.stdout, plan.stdout + plan.stderr
