@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Launch: bash scripts/gpu_smoke.sh [--out DIR] [--bundle FILE] [--wheels DIR] [--budget-s 470] [-- overrides]
+# Launch: bash scripts/gpu_smoke.sh [--out DIR] [--bundle FILE] [--wheels DIR] [--budget-s 540] [-- overrides]
 #         bash scripts/gpu_smoke.sh --dry-run [--out DIR]     (CPU, embedded tiny model, tiny steps)
 #         bash scripts/gpu_smoke.sh --plan [--dry-run]        (print the time plan only)
 #         bash scripts/gpu_smoke.sh --maxctx [--budget-s 470] (GPU: sweeps/max_context_16gb.yaml instead)
 #
-# One-shot GPU smoke test (issues 7, 10, 25); 470 s on one H200 by a plan whose phase caps sum to <= the
+# One-shot GPU smoke test (issues 7, 10, 25, 37); 540 s on one H200 by a plan whose phase caps sum to <= the
 # budget (printed first; a phase stops at its cap, a point it did not reach is "not run"). No network:
 #   1. makes what the image lacks importable, offline: the bundle from scripts/fetch_gpu_wheels.sh, found in
 #      wheels/ or the shared prebuilt copy and its manifest checked against gpu_bundle.py's WANTED list
@@ -25,6 +25,8 @@
 # (CI runs it). Exit status: 0 when every trial ended in a recorded status (ok / oom / unsupported are
 # all results), 1 when a sweep or the report failed, 2 on bad usage.
 set -euo pipefail
+# The budget is hard from here (bundle extraction included): gpu_smoke.py counts from this instant.
+export VRAMSWEEP_SMOKE_T0="${VRAMSWEEP_SMOKE_T0:-$(date +%s.%N)}"
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
 ROOT="$(cd "$HERE/.." && pwd)"
