@@ -252,6 +252,14 @@ ENV_MODULES = {
 
 
 # ------------------------------------------------------------------------------------------ environment
+def plots_note(env: dict[str, Any]) -> str | None:
+    """Why the smoke has no plots, when matplotlib is missing (neither the GPU image nor the bundle has it:
+    the report writes its tables and skips pareto.png / memory_breakdown.png)."""
+    if (env.get("versions") or {}).get("matplotlib"):
+        return None
+    return "plots: skipped (matplotlib is in neither the image nor the bundle); the tables are complete"
+
+
 def installed_version(module: str, dist: str) -> str | None:
     """``dist``'s version from its metadata when ``module`` is importable here, without importing it (a cold
     ``import unsloth`` from a fresh bundle takes longer than the probe's cap); None when it is absent."""
@@ -814,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
         ["model=tiny", "hardware=cpu"] if args.dry_run else ["model=qwen3_8b", "hardware=rtx4080_16gb"]
     )
     iso = [f"hydra.sweeper.isolation={args.isolation}"] if args.isolation else []
-    notes: list[str] = []
+    notes: list[str] = [n for n in (plots_note(env),) if n]
     why_not_run: dict[str, str] = {}
 
     # 0. Long-context exactness on the device (unproven on a GPU): seconds, before anything long.

@@ -118,6 +118,8 @@ export PYTHONUNBUFFERED=1
 #    $VRAMSWEEP_CACHE/gpu_bundle/, every distribution the image already has set aside (the image's copy
 #    wins), the folder put on PYTHONPATH (trial processes inherit it);
 # 2. else loose wheels in --wheels DIR, installed with pip --no-index.
+# matplotlib is in neither the image nor the bundle: not required; the report then writes tables only and
+# the summary says the plots were skipped.
 if [ "$DRY" = 0 ]; then
   if [ -n "$BUNDLE" ] && [ -f "$BUNDLE" ]; then
     BDIR="$VRAMSWEEP_CACHE/gpu_bundle"
@@ -142,7 +144,7 @@ EOF
   MISSING="$("$PY" - <<'EOF'
 import importlib.util
 need = {"bitsandbytes": "bitsandbytes", "liger_kernel": "liger-kernel", "pynvml": "nvidia-ml-py",
-        "hydra": "hydra-core", "omegaconf": "omegaconf", "optuna": "optuna", "matplotlib": "matplotlib",
+        "hydra": "hydra-core", "omegaconf": "omegaconf", "optuna": "optuna",
         "sqlalchemy": "sqlalchemy", "accelerate": "accelerate", "psutil": "psutil", "tqdm": "tqdm"}
 print(" ".join(dist for mod, dist in need.items() if importlib.util.find_spec(mod) is None))
 EOF

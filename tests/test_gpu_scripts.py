@@ -446,3 +446,10 @@ def test_smoke_refuses_a_stale_bundle_before_anything_runs(tmp_path):
     assert not (tmp_path / "cache").exists()  # nothing extracted
     plan = subprocess.run(["bash", script, "--plan"], capture_output=True, text=True, timeout=120, env=env)
     assert plan.returncode == 0 and "does NOT match" in plan.stdout, plan.stdout + plan.stderr
+
+
+def test_smoke_skips_plots_without_matplotlib_and_says_so(smoke):
+    """Issue 37.8: neither the GPU image nor the bundle has matplotlib; the smoke no longer requires it."""
+    assert "plots: skipped" in smoke.plots_note({"versions": {"matplotlib": None}})
+    assert smoke.plots_note({"versions": {"matplotlib": "3.10"}}) is None
+    assert '"matplotlib"' not in (ROOT / "scripts" / "gpu_smoke.sh").read_text()
