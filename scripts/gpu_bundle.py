@@ -11,6 +11,9 @@ resolution, so nothing CUDA-sized is downloaded. The wheels are unzipped into on
 ``BUNDLE.json`` manifest lists each distribution with its files, and the folder is packed as one
 ``gpu_bundle.tar.xz`` (refused above ``--max-mib``).
 
+``verify`` (anywhere, before a loan): find the packed bundle (``$VRAMSWEEP_GPU_BUNDLE``, ``wheels/``, the shared
+prebuilt copy) and check its ``BUNDLE.json`` against :data:`WANTED`; ``gpu_smoke.sh --dry-run`` prints it.
+
 ``activate DIR`` (on the GPU box, run with the image's Python *before* DIR is on the path): every bundled
 distribution that the image already has is moved out of DIR to ``DIR.shadowed/`` (the image's copy wins;
 PYTHONPATH puts DIR first), and the kept ones are printed.
@@ -42,7 +45,11 @@ WANTED = [
     "unsloth==2026.10.9",
     "unsloth_zoo==2026.10.9",
     "trl==1.15.0",
-    "datasets<5",
+    # transitive, pinned (issue 37.3): what the fork server imports (transformers imports torchao when it is
+    # importable) and the data stack must not change with a rebuild
+    "datasets==4.8.5",
+    "torchao==0.18.0",
+    "pyarrow==26.0.1",
 ]
 #: The image: these and their whole dependency closure are never bundled.
 IMAGE = ["torch==2.11.0+image", "triton==3.6.0+image", "transformers==5.17.0", "peft==0.21.0"]
@@ -238,7 +245,7 @@ def build(args: argparse.Namespace) -> int:
         tops = sorted({n.split("/")[0] for n in keep})
         manifest[norm(dist)] = {"dist": dist, "version": version, "wheel": whl.name, "top": tops}
     (site / MANIFEST).write_text(
-        json.dumps({"python": args.python_version, "dists": manifest}, indent=1) + "\n"
+        json.dumps({"python": args.python_version, "wanted": WANTED, "dists": manifest}, indent=1) + "\n"
     )
     out = dest / BUNDLE_FILE
     tmp = out.with_suffix(".tmp")
@@ -304,6 +311,96 @@ def check(args: argparse.Namespace) -> int:
     ok, text = carry_check(ROOT, size, args.max_mib)
     print(f"gpu_bundle: {text}" + ("" if bundle.is_file() else f" (no bundle at {bundle})"))
     return 0 if ok else 1
+
+
+#: Where a prebuilt bundle is looked for, in order (after ``$VRAMSWEEP_GPU_BUNDLE``): the checkout's git-ignored
+#: ``wheels/`` (carried to a device run by naming it), then the team's shared prebuilt copy (a ``shared/``
+#: folder in the checkout, or the one beside it).
+BUNDLE_PLACES = ("wheels", "shared/gpu-bundle", "../shared/gpu-bundle")
+
+
+def find_bundle(root: Path = ROOT, explicit: str | None = None) -> Path | None:
+    """The bundle to use: ``explicit`` (or ``$VRAMSWEEP_GPU_BUNDLE``) if given, else the first of
+    :data:`BUNDLE_PLACES` under ``root`` that holds :data:`BUNDLE_FILE`; None when there is none."""
+    import os
+
+    explicit = explicit or os.environ.get("VRAMSWEEP_GPU_BUNDLE") or None
+    if explicit:
+        return Path(explicit) if Path(explicit).is_file() else None
+    for place in BUNDLE_PLACES:
+        path = (root / place / BUNDLE_FILE).resolve()
+        if path.is_file():
+            return path
+    return None
+
+
+def read_manifest(bundle: Path) -> dict:
+    """``BUNDLE.json`` of a packed bundle, read by streaming the archive up to it (it is packed first, so
+    this costs milliseconds, not the minute a full extraction takes)."""
+    with tarfile.open(bundle, "r|*") as tar:
+        for member in tar:
+            if member.name == f"gpu_bundle/{MANIFEST}":
+                fh = tar.extractfile(member)
+                if fh is not None:
+                    return json.loads(fh.read())
+    raise ValueError(f"{bundle}: no gpu_bundle/{MANIFEST} in the archive")
+
+
+def manifest_mismatches(manifest: dict, wanted: list[str] | None = None) -> list[str]:
+    """What does not match between a bundle's manifest and ``wanted`` (default :data:`WANTED`): a wanted
+    distribution missing or in a version outside its specifier, and (for a manifest that records the list it
+    was built from) a differing list. Empty when the bundle is what today's WANTED list builds."""
+    from packaging.requirements import Requirement
+    from packaging.version import InvalidVersion, Version
+
+    wanted = list(WANTED if wanted is None else wanted)
+    dists = manifest.get("dists") or {}
+    out = []
+    for line in wanted:
+        req = Requirement(line)
+        info = dists.get(norm(req.name))
+        if info is None:
+            out.append(f"{req.name}: wanted {req.specifier or 'any'}, not in the bundle")
+            continue
+        try:
+            ok = req.specifier.contains(Version(info["version"]), prereleases=True)
+        except InvalidVersion:
+            ok = False
+        if not ok:
+            out.append(f"{req.name}: wanted {req.specifier}, bundle has {info['version']}")
+    recorded = manifest.get("wanted")
+    if recorded is not None and sorted(recorded) != sorted(wanted):
+        gone, new = sorted(set(recorded) - set(wanted)), sorted(set(wanted) - set(recorded))
+        out.append(f"built from another WANTED list (not wanted now: {gone or '-'}; new: {new or '-'})")
+    return out
+
+
+def verify(args: argparse.Namespace) -> int:
+    """``verify``: find the bundle and check its manifest against WANTED (exit 0 when it matches, 1 when it
+    does not, 3 when there is no bundle); one line per finding, for the smoke's ``--dry-run`` to print."""
+    root = Path(args.root).resolve()
+    bundle = find_bundle(root, args.bundle)
+    if bundle is None:
+        where = args.bundle or ", ".join(f"{p}/{BUNDLE_FILE}" for p in BUNDLE_PLACES)
+        print(f"gpu_bundle: NO bundle ({where}); build it: bash scripts/fetch_gpu_wheels.sh (~15 min of CPU)")
+        return 3
+    try:
+        manifest = read_manifest(bundle)
+    except (OSError, ValueError, tarfile.TarError) as exc:
+        print(f"gpu_bundle: bundle {bundle} unreadable: {exc}")
+        return 1
+    bad = manifest_mismatches(manifest)
+    size = bundle.stat().st_size / 2**20
+    head = f"gpu_bundle: bundle {bundle} ({size:.1f} MiB, {len(manifest.get('dists') or {})} distributions)"
+    if bad:
+        print(f"{head}: manifest does NOT match scripts/gpu_bundle.py's WANTED list; rebuild it:")
+        for line in bad:
+            print(f"gpu_bundle:   {line}")
+        return 1
+    print(f"{head}: manifest matches scripts/gpu_bundle.py's WANTED list ({len(WANTED)} requirements)")
+    if args.print_path:
+        print(f"BUNDLE={bundle}")
+    return 0
 
 
 def bundle_requirements(folder: Path) -> dict[str, list[tuple[str, str]]]:
@@ -387,8 +484,12 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("check", help="the tree + the bundle against the device run's carry limit")
     c.add_argument("--bundle", default=str(ROOT / "wheels" / BUNDLE_FILE))
     c.add_argument("--max-mib", type=float, default=64.0)
+    v = sub.add_parser("verify", help="find the bundle and check its manifest against WANTED")
+    v.add_argument("--bundle", default=None, help="this file instead of the usual places")
+    v.add_argument("--root", default=str(ROOT))
+    v.add_argument("--print-path", action="store_true", help="also print BUNDLE=<path> when it matches")
     args = p.parse_args(argv)
-    return {"build": build, "activate": activate, "check": check}[args.cmd](args)
+    return {"build": build, "activate": activate, "check": check, "verify": verify}[args.cmd](args)
 
 
 if __name__ == "__main__":

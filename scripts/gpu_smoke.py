@@ -68,9 +68,10 @@ STEP_TIME_DRY = [
 PROFILE_TOKENS = (1024, 4096)
 
 # ------------------------------------------------------------------------------------------ time plan
-#: The smoke's wall-clock budget on a GPU: one device call (<= 600 s) inside a 15-minute loan with ~1 min
-#: of start-up, leaving ~6 minutes for a second, shorter call.
-DEFAULT_BUDGET_S = 470.0
+#: The smoke's wall-clock budget on a GPU: one device call (<= 600 s) inside a 15-minute loan, 540 s of work
+#: plus its start (issue 37.9), leaving the rest of the loan for a rerun of a single step. Hard: it counts from
+#: the shell's start (``VRAMSWEEP_SMOKE_T0``: bundle extraction included) to the last file written.
+DEFAULT_BUDGET_S = 540.0
 #: Seconds per sweep trial, slot to slot, measured on 2026-12-01 (10 spawn trials, H200, Qwen3-8B
 #: nf4_dq, <= 4,096 tokens; tests/fixtures/gpu_2026-12-01/smoke_timing.json): first start to last finish
 #: 185.4 s = 18.5 s per trial (slowest slot 27.8 s, int8).
@@ -82,6 +83,28 @@ TRIAL_S = 28.0
 #: CLI start, study creation and the first trial's interpreter (2026-12-01: 22.9 s from the sweep's stamp
 #: to trial 0's start, 6-7 s of it that trial's spawn).
 SWEEP_STARTUP_S = 25.0
+#: A cold interpreter's start before a trial can build anything (2026-12-01: 6-7 s of each spawn trial).
+SPAWN_S = 7.0
+#: Extracting + activating the 47.1 MiB bundle, in the shell before this driver (inside the budget): 22.9 s
+#: measured on 2 shared CPU cores at load 9 (2026-12-02, python tarfile, 254 MiB out), x 1.3.
+EXTRACT_S = 30.0
+#: The environment probe imports torch only (versions come from importlib.metadata, so a cold ``import
+#: unsloth`` from a fresh bundle cannot time it out): 10 s measured for ``import torch`` + the metadata reads
+#: on 2 shared CPU cores (2026-12-02), + CUDA init and NVML (unmeasured): 30 s.
+ENV_S = 30.0
+#: Measured 2026-12-01 (H200, 15 GiB cap, nf4_dq + liger + checkpointing=on): 6,337 tokens/s at 12,288 tokens.
+LONG_TOKENS_PER_S = 6337.0
+#: The long-context probe's steps (``train.steps=3``) at its context length.
+LONG_STEPS, LONG_TOKENS = 3, 16384
+#: One long-context trial: a sweep trial's slot plus its steps at 16,384 tokens at the measured rate, with the
+#: margin (offload's host copies are unmeasured on a GPU): 28 + 1.5 x 3 x 16,384 / 6,337 = 39.6 s.
+LONG_TRIAL_S = TRIAL_S + TRIAL_MARGIN * LONG_STEPS * LONG_TOKENS / LONG_TOKENS_PER_S
+#: bench/step_time.py: two cold interpreters, each building the model and stepping (a spawn trial's measured
+#: 18.5 s + its 7 s start), with the margin: 1.5 x 2 x (7 + 18.5) = 76.5 s.
+STEP_TIME_S = TRIAL_MARGIN * 2 * (SPAWN_S + MEASURED_TRIAL_S)
+#: Signal grace of a phase stopped at its cap, taken out of the cap (SIGINT: the sweeper closes its trials
+#: and writes their results; SIGTERM; SIGKILL), so a cut phase ends by its cap.
+GRACE_S = (20.0, 5.0, 2.0)
 
 
 class Phase(NamedTuple):
@@ -116,7 +139,16 @@ def plan(n_points: int, *, n_long: int = 1 + len(LONG_FACTORS), scale: float = 1
     """The smoke's phases and their caps (``scale`` = budget / :data:`DEFAULT_BUDGET_S`). A phase is
     stopped at its cap; a sweep point it did not reach is reported "not run"."""
     phases = [
-        Phase("env", 40, "versions, device, driver (a throwaway process: no CUDA context kept)"),
+        Phase(
+            "bundle",
+            EXTRACT_S,
+            "extract + activate the bundle, in the shell (22.9 s measured on 2 CPU cores; 0 when extracted)",
+        ),
+        Phase(
+            "env",
+            ENV_S,
+            "versions from importlib.metadata, device, driver (a throwaway process importing torch only)",
+        ),
         Phase(
             "exact",
             25,
@@ -134,12 +166,18 @@ def plan(n_points: int, *, n_long: int = 1 + len(LONG_FACTORS), scale: float = 1
             f"{SWEEP}: {n_points} points x {TRIAL_S:.0f} s + {SWEEP_STARTUP_S:.0f} s start-up, unproven first",
         ),
         Phase(
-            "long", n_long * 50, f"{LONG_SWEEP}: {n_long} point(s) x 50 s (offload + tiling at 16,384 tokens)"
+            "long",
+            SWEEP_STARTUP_S + n_long * LONG_TRIAL_S,
+            f"{LONG_SWEEP}: {n_long} point(s) x {LONG_TRIAL_S:.0f} s ({TRIAL_S:.0f} s + {LONG_STEPS} steps of "
+            f"{LONG_TOKENS:,} tokens at {LONG_TOKENS_PER_S:,.0f} tok/s x {TRIAL_MARGIN}) + {SWEEP_STARTUP_S:.0f} s start-up",
         ),
         Phase(
-            "step_time", 60, "bench/step_time.py: baseline at 1,024 vs 4,096 tokens, host vs device per step"
+            "step_time",
+            STEP_TIME_S,
+            f"bench/step_time.py: 1,024 vs 4,096 tokens, host vs device; 2 cold interpreters x "
+            f"({SPAWN_S:.0f} s start + {MEASURED_TRIAL_S} s build and steps) x {TRIAL_MARGIN}",
         ),
-        Phase("report", 20, "vramsweep report + summary + bundle"),
+        Phase("report", 20, "vramsweep report (its own cap) + summary + bundle"),
     ]
     return [Phase(p.name, p.cap_s * scale, p.what) for p in phases]
 
@@ -196,24 +234,52 @@ DRY_ARCH = [
 #: The dry run divides every ``context.max_tokens`` of the design by this (floor 128): same knobs, CPU-sized.
 DRY_CONTEXT_DIVISOR = 8
 GIB = 1024**3
-ENV_MODULES = (
-    "transformers",
-    "peft",
-    "bitsandbytes",
-    "liger_kernel",
-    "flash_attn",
-    "pynvml",
-    "triton",
-    "optuna",
-    "hydra",
-    "unsloth",
-)
+#: Module -> distribution whose version the environment probe reads (importlib.metadata: nothing imported).
+ENV_MODULES = {
+    "transformers": "transformers",
+    "peft": "peft",
+    "bitsandbytes": "bitsandbytes",
+    "liger_kernel": "liger-kernel",
+    "flash_attn": "flash-attn",
+    "pynvml": "nvidia-ml-py",
+    "triton": "triton",
+    "optuna": "optuna",
+    "hydra": "hydra-core",
+    "unsloth": "unsloth",
+    "torchao": "torchao",
+    "matplotlib": "matplotlib",
+}
 
 
 # ------------------------------------------------------------------------------------------ environment
+def plots_note(env: dict[str, Any]) -> str | None:
+    """Why the smoke has no plots, when matplotlib is missing (neither the GPU image nor the bundle has it:
+    the report writes its tables and skips pareto.png / memory_breakdown.png)."""
+    if (env.get("versions") or {}).get("matplotlib"):
+        return None
+    return "plots: skipped (matplotlib is in neither the image nor the bundle); the tables are complete"
+
+
+def installed_version(module: str, dist: str) -> str | None:
+    """``dist``'s version from its metadata when ``module`` is importable here, without importing it (a cold
+    ``import unsloth`` from a fresh bundle takes longer than the probe's cap); None when it is absent."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec(module) is None:
+            return None
+    except (ImportError, ValueError):
+        return None
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "installed"
+
+
 def probe_environment() -> dict[str, Any]:
-    """Versions, device and allocator settings (run in a throwaway process: it may initialise CUDA)."""
-    import importlib
+    """Versions, device and allocator settings (run in a throwaway process: it may initialise CUDA). Only
+    torch is imported; the other versions are read from their metadata (:func:`installed_version`)."""
     import platform
 
     import torch
@@ -226,14 +292,8 @@ def probe_environment() -> dict[str, Any]:
         "alloc_conf": {k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")},
         "versions": {},
     }
-    for mod in ENV_MODULES:
-        try:
-            m = importlib.import_module(mod)
-            env["versions"][mod] = str(getattr(m, "__version__", "installed"))
-        except Exception as exc:  # missing, or importable only with a GPU
-            env["versions"][mod] = (
-                None if isinstance(exc, ImportError) else f"import failed: {type(exc).__name__}"
-            )
+    for mod, dist in ENV_MODULES.items():
+        env["versions"][mod] = installed_version(mod, dist)
     if env["cuda_available"]:
         props = torch.cuda.get_device_properties(0)
         env.update(
@@ -324,9 +384,19 @@ class NoiseFilter:
         return True
 
 
+def grace_plan(budget_s: float) -> tuple[float, tuple[float, float, float]]:
+    """``(run_s, (sigint, sigterm, sigkill) grace)`` of a phase capped at ``budget_s``: the grace of
+    :data:`GRACE_S`, shrunk for a short cap (at most 30 % of it), is taken out of the cap, so a phase that is
+    stopped still ends by ``budget_s``."""
+    total = sum(GRACE_S)
+    factor = min(1.0, 0.3 * max(budget_s, 0.0) / total)
+    grace = tuple(g * factor for g in GRACE_S)
+    return max(budget_s - sum(grace), 0.0), grace  # type: ignore[return-value]
+
+
 def run_logged(cmd: list[str], budget_s: float, log: Path, *, tee: bool = False) -> tuple[int, bool, str]:
     """Run ``cmd`` in its own process group, output filtered (:class:`NoiseFilter`) into ``log`` (and the
-    console with ``tee``); SIGINT/SIGTERM/SIGKILL it when over ``budget_s``.
+    console with ``tee``); SIGINT/SIGTERM/SIGKILL it so that it has ended by ``budget_s`` (:func:`grace_plan`).
 
     Returns:
         ``(exit code, timed_out, filtered output)``.
@@ -362,13 +432,14 @@ def run_logged(cmd: list[str], budget_s: float, log: Path, *, tee: bool = False)
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
+        run_s, graces = grace_plan(budget_s)
         try:
-            rc = proc.wait(timeout=max(budget_s, 1.0))
+            rc = proc.wait(timeout=max(run_s, 0.1))
         except subprocess.TimeoutExpired:
             timed_out = True
-            fh.write(f"\ngpu_smoke: over the {budget_s:.0f} s budget: interrupting\n")
+            fh.write(f"\ngpu_smoke: at {run_s:.0f} s of its {budget_s:.0f} s cap: interrupting\n")
             fh.flush()
-            for sig, grace in ((signal.SIGINT, 60), (signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            for sig, grace in zip((signal.SIGINT, signal.SIGTERM, signal.SIGKILL), graces, strict=True):
                 try:
                     os.killpg(proc.pid, sig)
                 except ProcessLookupError:
@@ -379,7 +450,7 @@ def run_logged(cmd: list[str], budget_s: float, log: Path, *, tee: bool = False)
                 except subprocess.TimeoutExpired:
                     continue
             rc = proc.wait()
-        reader.join(10)
+        reader.join(1)
         if flt.dropped:
             fh.write(f"gpu_smoke: left out {flt.dropped} harmless line(s) (Liger's Ascend backend probe)\n")
     return int(rc), timed_out, "".join(kept)
@@ -407,12 +478,11 @@ def run_sweep(
     return rc, timed_out
 
 
-def run_report(python: str, sweep_dir: Path, out: Path, log: Path) -> int:
+def run_report(python: str, sweep_dir: Path, out: Path, log: Path, cap_s: float) -> tuple[int, bool]:
+    """``vramsweep report`` within ``cap_s`` (the report phase's cap): ``(exit code, cut at the cap)``."""
     cmd = [python, "-m", "vramsweep.cli", "report", str(sweep_dir), "--out", str(out)]
-    with open(log, "a") as fh:
-        fh.write(f"\n$ {' '.join(cmd)}\n")
-        fh.flush()
-        return subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, timeout=600).returncode
+    rc, timed_out, _ = run_logged(cmd, cap_s, log)
+    return rc, timed_out
 
 
 def load_trials(sweep_dir: Path) -> list[dict[str, Any]]:
@@ -608,8 +678,9 @@ def bundle(
 
 
 def cut_by_time(result: dict[str, Any]) -> bool:
-    """A trial the smoke's time cap interrupted (the sweeper closes it ``interrupted (Ctrl-C)``)."""
-    return str(result.get("reason") or "").startswith("interrupted")
+    """A trial the smoke's time cap interrupted (the sweeper closes it ``interrupted (Ctrl-C)``), or one the
+    sweeper killed at its ``timeout_s`` (an Unsloth point building cold): "not run", never a failure."""
+    return str(result.get("reason") or "").startswith(("interrupted", "timeout:"))
 
 
 def not_run_rows(
@@ -642,9 +713,10 @@ def verdict(
     errors = [r for r in ran if r.get("status") not in RESULT_STATUSES]
     baseline = [r for r in ran if ((r.get("meta") or {}).get("design") or {}).get("role") == "baseline"]
     problems = []
-    if sweep_rc != 0 and not timed_out:
+    over = [r for r in trials if str(r.get("reason") or "").startswith("timeout:")]
+    if sweep_rc != 0 and not timed_out and not over:
         problems.append(f"the sweep exited {sweep_rc}")
-    missing = (expected or 0) - len(ran)
+    missing = (expected or 0) - len(ran) - len(over)
     if missing > 0 and not timed_out:
         problems.append(f"{len(ran)}/{expected} trials finished")
     if errors:
@@ -657,8 +729,10 @@ def verdict(
         return False, "; ".join(problems)
     why = "every trial that ran recorded a result and the baseline trained"
     cut = max(missing, 0) if timed_out else 0
-    if cut or not_run:
-        why += f"; not run: {cut + len(not_run)} point(s)" + (" (time cap)" if cut else "")
+    if cut or not_run or over:
+        why += f"; not run: {cut + len(not_run) + len(over)} point(s)" + (" (time cap)" if cut else "")
+        if over:
+            why += f" ({len(over)} over the trial timeout_s)"
     return True, why
 
 
@@ -713,7 +787,9 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     log = work / "smoke.log"
     t0 = time.perf_counter()
-    deadline = t0 + args.budget_s
+    # hard: the shell's start (bundle extraction included) counts; the plan's caps shrink to what is left
+    shell_t0 = float(os.environ.get("VRAMSWEEP_SMOKE_T0") or time.time())
+    deadline = t0 + args.budget_s - max(0.0, time.time() - shell_t0)
 
     def left(reserve: float = 0.0) -> float:
         return deadline - time.perf_counter() - reserve
@@ -722,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
         """A phase's cap, never past what the later phases' caps leave of the budget."""
         return max(0.0, min(phases[name].cap_s, left(sum(phases[n].cap_s for n in later))))
 
-    env = environment(python, phases["env"].cap_s)
+    env = environment(python, cap("env", "exact", "weights", "sweep", "long", "step_time", "report"))
     if "error" in env:
         print(f"gpu_smoke: cannot import torch with {python}:\n{env['error']}", file=sys.stderr)
         return 1
@@ -746,7 +822,7 @@ def main(argv: list[str] | None = None) -> int:
         ["model=tiny", "hardware=cpu"] if args.dry_run else ["model=qwen3_8b", "hardware=rtx4080_16gb"]
     )
     iso = [f"hydra.sweeper.isolation={args.isolation}"] if args.isolation else []
-    notes: list[str] = []
+    notes: list[str] = [n for n in (plots_note(env),) if n]
     why_not_run: dict[str, str] = {}
 
     # 0. Long-context exactness on the device (unproven on a GPU): seconds, before anything long.
@@ -908,13 +984,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # 6. Report, summary, bundle.
     report_dir = work / "report"
-    report_rc = run_report(python, sweep_dir, report_dir, log) if trials else 1
+    report_rc, report_cut = (
+        run_report(python, sweep_dir, report_dir, log, max(0.0, left(2.0))) if trials else (1, False)
+    )
     command = "bash scripts/gpu_smoke.sh" + (" --dry-run" if args.dry_run else "")
     rows = summary_rows(trials)
     cut_reason = f"cut at the sweep's {phases['sweep'].cap_s:.0f} s cap"
     for row, r in zip(rows, trials, strict=True):
         if cut_by_time(r):
-            row.update(status=NOT_RUN, reason=cut_reason)
+            own = str(r.get("reason") or "").splitlines()[0]
+            row.update(status=NOT_RUN, reason=own if own.startswith("timeout:") else cut_reason)
     rows += not_run_rows(points, trials, why_not_run, cut_reason)
     md = render_summary(
         rows, env, trials, dry=args.dry_run, command=command, when=when, sweep_rc=rc, timed_out=timed_out
@@ -937,7 +1016,9 @@ def main(argv: list[str] | None = None) -> int:
             False,
             f"{why}; error in long-context trial(s) " + ", ".join(str(r.get("trial")) for r in long_errors),
         )
-    if report_rc != 0:
+    if report_cut:
+        why += "; the report: not run (cut at its cap; the summary above is complete)"
+    elif report_rc != 0:
         ok, why = False, f"{why}; the report failed (exit {report_rc}, see smoke.log)"
     md += f"\nVerdict: {'PASS' if ok else 'FAIL'}: {why}. Wall time {time.perf_counter() - t0:.0f} s.\n"
     with open(log, "a") as fh:

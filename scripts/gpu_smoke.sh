@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Launch: bash scripts/gpu_smoke.sh [--out DIR] [--bundle FILE] [--wheels DIR] [--budget-s 470] [-- overrides]
+# Launch: bash scripts/gpu_smoke.sh [--out DIR] [--bundle FILE] [--wheels DIR] [--budget-s 540] [-- overrides]
 #         bash scripts/gpu_smoke.sh --dry-run [--out DIR]     (CPU, embedded tiny model, tiny steps)
 #         bash scripts/gpu_smoke.sh --plan [--dry-run]        (print the time plan only)
 #         bash scripts/gpu_smoke.sh --maxctx [--budget-s 470] (GPU: sweeps/max_context_16gb.yaml instead)
 #
-# One-shot GPU smoke test (issues 7, 10, 25); 470 s on one H200 by a plan whose phase caps sum to <= the
+# One-shot GPU smoke test (issues 7, 10, 25, 37); 540 s on one H200 by a plan whose phase caps sum to <= the
 # budget (printed first; a phase stops at its cap, a point it did not reach is "not run"). No network:
-#   1. makes what the image lacks importable, offline: wheels/gpu_bundle.tar.xz from
-#      scripts/fetch_gpu_wheels.sh (extracted once, on PYTHONPATH), else loose wheels in --wheels DIR;
+#   1. makes what the image lacks importable, offline: the bundle from scripts/fetch_gpu_wheels.sh, found in
+#      wheels/ or the shared prebuilt copy and its manifest checked against gpu_bundle.py's WANTED list
+#      (--dry-run says so; a GPU run refuses a stale one), extracted once, on PYTHONPATH; else loose
+#      wheels in --wheels DIR;
 #   2. writes the random-weights folder kernels=unsloth loads for the Qwen3-8B architecture (once, cached,
 #      8 threads, within its cap; else the Unsloth points are "not run");
 #   3. runs sweeps/gpu_smoke.yaml: a random-init Qwen3-8B architecture under a 16 GiB cap
@@ -23,6 +25,8 @@
 # (CI runs it). Exit status: 0 when every trial ended in a recorded status (ok / oom / unsupported are
 # all results), 1 when a sweep or the report failed, 2 on bad usage.
 set -euo pipefail
+# The budget is hard from here (bundle extraction included): gpu_smoke.py counts from this instant.
+export VRAMSWEEP_SMOKE_T0="${VRAMSWEEP_SMOKE_T0:-$(date +%s.%N)}"
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
 ROOT="$(cd "$HERE/.." && pwd)"
@@ -33,13 +37,13 @@ PLAN=0
 MAXCTX=0
 MAXCTX_BUDGET=470
 WHEELS="${VRAMSWEEP_WHEELS:-$ROOT/wheels}"
-BUNDLE="${VRAMSWEEP_GPU_BUNDLE:-$ROOT/wheels/gpu_bundle.tar.xz}"
+BUNDLE="${VRAMSWEEP_GPU_BUNDLE:-}"   # empty: the first of wheels/, shared/gpu-bundle/, ../shared/gpu-bundle/
 ARGS=()
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
     --plan) PLAN=1 ;;
-    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   esac
 done
 # --wheels/--bundle are consumed here (the install happens before Python runs); the rest goes to gpu_smoke.py.
@@ -55,6 +59,8 @@ done
 
 if [ "$PLAN" = 1 ]; then   # the plan needs no GPU, bundle or venv beyond PyYAML
   if [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"; else PY="${PYTHON:-python3}"; fi
+  if [ -n "$BUNDLE" ]; then "$PY" "$HERE/gpu_bundle.py" verify --bundle "$BUNDLE" || true
+  else "$PY" "$HERE/gpu_bundle.py" verify || true; fi
   exec "$PY" "$HERE/gpu_smoke.py" "${ARGS[@]+"${ARGS[@]}"}"
 fi
 
@@ -79,6 +85,26 @@ else
 fi
 echo "gpu_smoke: python $PY"
 
+# The bundle is a precondition of the loan (issue 37.3): found and its manifest checked against
+# scripts/gpu_bundle.py's WANTED list before anything runs; the dry run says so, a GPU run refuses a stale one.
+VERIFY_ARGS=(verify --print-path)
+if [ -n "$BUNDLE" ]; then VERIFY_ARGS+=(--bundle "$BUNDLE"); fi
+set +e
+VERIFY_OUT="$("$PY" "$HERE/gpu_bundle.py" "${VERIFY_ARGS[@]}")"
+VERIFY_RC=$?
+set -e
+echo "$VERIFY_OUT" | grep -v '^BUNDLE=' || true
+BUNDLE="$(echo "$VERIFY_OUT" | sed -n 's/^BUNDLE=//p')"
+if [ "$DRY" = 1 ]; then
+  case "$VERIFY_RC" in
+    0) echo "gpu_smoke: --dry-run: bundle ready for the loan (not extracted here; carry it as wheels/gpu_bundle.tar.xz)" ;;
+    *) echo "gpu_smoke: --dry-run: the bundle is NOT ready: a GPU run would stop here (exit 2)" ;;
+  esac
+elif [ "$VERIFY_RC" = 1 ]; then
+  echo "gpu_smoke: the bundle does not match scripts/gpu_bundle.py's WANTED list: rebuild it (bash scripts/fetch_gpu_wheels.sh)" >&2
+  exit 2
+fi
+
 PYTHONPATH_IMAGE="${PYTHONPATH:-}"
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"   # works without `pip install -e .`
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -92,8 +118,10 @@ export PYTHONUNBUFFERED=1
 #    $VRAMSWEEP_CACHE/gpu_bundle/, every distribution the image already has set aside (the image's copy
 #    wins), the folder put on PYTHONPATH (trial processes inherit it);
 # 2. else loose wheels in --wheels DIR, installed with pip --no-index.
+# matplotlib is in neither the image nor the bundle: not required; the report then writes tables only and
+# the summary says the plots were skipped.
 if [ "$DRY" = 0 ]; then
-  if [ -f "$BUNDLE" ]; then
+  if [ -n "$BUNDLE" ] && [ -f "$BUNDLE" ]; then
     BDIR="$VRAMSWEEP_CACHE/gpu_bundle"
     STAMP_NOW="$(stat -c '%s %Y' "$BUNDLE")"
     if [ "$(cat "$BDIR.stamp" 2>/dev/null)" != "$STAMP_NOW" ]; then
@@ -116,7 +144,7 @@ EOF
   MISSING="$("$PY" - <<'EOF'
 import importlib.util
 need = {"bitsandbytes": "bitsandbytes", "liger_kernel": "liger-kernel", "pynvml": "nvidia-ml-py",
-        "hydra": "hydra-core", "omegaconf": "omegaconf", "optuna": "optuna", "matplotlib": "matplotlib",
+        "hydra": "hydra-core", "omegaconf": "omegaconf", "optuna": "optuna",
         "sqlalchemy": "sqlalchemy", "accelerate": "accelerate", "psutil": "psutil", "tqdm": "tqdm"}
 print(" ".join(dist for mod, dist in need.items() if importlib.util.find_spec(mod) is None))
 EOF

@@ -190,3 +190,86 @@ def test_a_trial_started_after_ctrl_c_is_killed_at_once(tmp_path, monkeypatch, t
         runner.stop()
     assert wall < 60, f"the hanging trial ran for {wall:.0f} s after Ctrl-C"
     assert report.result["status"] == "error" and "SIGKILL" in report.result["reason"], report.result
+
+
+# A GPU host as torchao sees it, simulated on CPU: torch.cuda says a device is there and counts the capability
+# queries; a fake torchao 0.18.0 (with its dist-info, so transformers' is_torchao_available() says yes) queries
+# the capability at import, as torchao.prototype.mx_formats.kernels does.
+_GPU_HOST_PRELOAD = """
+import json, os, sys
+import torch
+calls = []
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 1
+torch.cuda.get_device_capability = lambda *a, **k: (calls.append(1), (9, 0))[1]
+from vramsweep.sweeper import isolation as R
+from vramsweep.sweeper.settings import DEFAULT_PRELOAD
+if sys.argv[1] == "preload":
+    modules, left_out = R.effective_preload(list(DEFAULT_PRELOAD), cuda=True)
+    os.environ["VRAMSWEEP_PRELOAD"] = ",".join(modules)
+    import vramsweep.sweeper.zygote as Z
+    failed = Z.FAILED
+else:
+    import importlib
+    modules, left_out, failed = [sys.argv[1]], [], {}
+    importlib.import_module(sys.argv[1])
+print(json.dumps({"calls": len(calls), "torchao": "torchao" in sys.modules, "modules": modules,
+                  "left_out": left_out, "failed": failed}))
+"""
+
+
+def _fake_torchao(root: Path) -> Path:
+    pkg = root / "torchao"
+    (pkg / "prototype" / "safetensors").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        'import torch\n__version__ = "0.18.0"\ntorch.cuda.get_device_capability()\n'
+    )
+    (pkg / "prototype" / "__init__.py").write_text("")
+    (pkg / "prototype" / "safetensors" / "__init__.py").write_text("")
+    (pkg / "prototype" / "safetensors" / "safetensors_support.py").write_text(
+        "def flatten_tensor_state_dict(*a, **k):\n    return a\n"
+    )
+    meta = root / "torchao-0.18.0.dist-info"
+    meta.mkdir()
+    meta.joinpath("METADATA").write_text("Metadata-Version: 2.1\nName: torchao\nVersion: 0.18.0\n")
+    return root
+
+
+def _gpu_host_import(tmp_path: Path, what: str) -> dict:
+    import subprocess
+    import sys
+
+    fake = _fake_torchao(tmp_path / "site")
+    src = Path(R.__file__).resolve().parents[2]
+    env = {**os.environ, "VRAMSWEEP_CUDA_HOST": "1", "PYTHONPATH": os.pathsep.join([str(src), str(fake)])}
+    env.pop("VRAMSWEEP_ZYGOTE_STATUS", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _GPU_HOST_PRELOAD, what], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_torchao_simulation_queries_the_device_through_modeling_utils(tmp_path):
+    """The control: with the fake torchao importable, transformers.modeling_utils (a CUDA-safe extra until
+    issue 37.1) imports it and queries the device once, as the real torchao 0.18.0 does on the card."""
+    got = _gpu_host_import(tmp_path, "transformers.modeling_utils")
+    assert got["torchao"] is True and got["calls"] == 1, got
+
+
+def test_cuda_host_preload_with_torchao_importable_never_queries_the_device(tmp_path):
+    """Issue 37.1: the CUDA-host default preload, with torchao importable (the GPU bundle), imports nothing that
+    calls torch.cuda.get_device_capability(): the zygote stays fork-safe and trials are forked, not spawned."""
+    got = _gpu_host_import(tmp_path, "preload")
+    assert got["calls"] == 0 and got["torchao"] is False, got
+    assert {"transformers.modeling_utils", "transformers.models.auto.modeling_auto"} <= set(got["left_out"])
+    assert "transformers" in got["modules"] and "accelerate" in got["modules"] and not got["failed"], got
+
+
+def test_pulls_in_is_host_dependent(monkeypatch):
+    """Without torchao importable, modeling_utils stays in the CUDA host's preload (its imports come warm)."""
+    monkeypatch.setattr(R, "importable", lambda name: False)
+    assert "transformers.modeling_utils" in R.effective_preload(list(DEFAULT_PRELOAD), cuda=True)[0]
+    monkeypatch.setattr(R, "importable", lambda name: name == "torchao")
+    modules, left_out = R.effective_preload(list(DEFAULT_PRELOAD), cuda=True)
+    assert "transformers.modeling_utils" not in modules and "transformers.modeling_utils" in left_out

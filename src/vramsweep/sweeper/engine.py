@@ -344,5 +344,5 @@ def _fork_how(preload: list[str]) -> str:
     modules, left_out = effective_preload(preload)
     text = f"fork server (preloads {', '.join(modules) or 'nothing'}"
     if left_out:
-        text += f"; not {', '.join(left_out)}: they initialise CUDA on import"
+        text += f"; not {', '.join(left_out)}: they initialise CUDA on import, or import a module that does"
     return text + ")"

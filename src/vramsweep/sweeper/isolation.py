@@ -62,6 +62,25 @@ CUDA_INIT_MODULES = (
 #: What a CUDA host's fork server preloads instead: the heavy, CUDA-free parts peft would have pulled in
 #: (most of peft's import time), so a trial only pays for peft's own modules and bitsandbytes.
 CUDA_SAFE_EXTRAS = ("transformers.modeling_utils", "transformers.models.auto.modeling_auto", "accelerate")
+#: CUDA-free modules that import a :data:`CUDA_INIT_MODULES` member whenever it is importable: transformers'
+#: quantizer registry (``quantizers/auto.py`` -> ``quantizer_torchao.py``) imports torchao when it is
+#: installed, and torchao 0.18's ``prototype.mx_formats.kernels`` calls ``torch.cuda.get_device_capability()``
+#: at import (the GPU bundle ships torchao). On a CUDA host where one of the right-hand modules is
+#: importable, the left-hand one is left out of the preload too (the trial imports it after the fork).
+PULLS_IN = {
+    "transformers.modeling_utils": ("torchao",),
+    "transformers.models.auto.modeling_auto": ("torchao",),
+}
+
+
+def importable(name: str) -> bool:
+    """Whether top-level module ``name`` could be imported here, found without importing it."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def cuda_host() -> bool:
@@ -87,19 +106,20 @@ def effective_preload(preload: list[str], *, cuda: bool | None = None) -> tuple[
     """The fork server's preload for this host: ``(modules, left_out)``.
 
     On a CUDA host the modules of :data:`CUDA_INIT_MODULES` (and their submodules) are left out and the
-    CUDA-free :data:`CUDA_SAFE_EXTRAS` added in their place (when the list asked for one of them).
+    CUDA-free :data:`CUDA_SAFE_EXTRAS` added in their place (when the list asked for one of them); a module
+    of :data:`PULLS_IN` whose CUDA-initialising import is importable on this host is left out as well.
     """
     if not (cuda_host() if cuda is None else cuda):
         return list(preload), []
+    pulls = {m for m, deps in PULLS_IN.items() if any(importable(d) for d in deps)}
 
     def unsafe(name: str) -> bool:
-        return any(name == m or name.startswith(m + ".") for m in CUDA_INIT_MODULES)
+        return name in pulls or any(name == m or name.startswith(m + ".") for m in CUDA_INIT_MODULES)
 
-    keep = [m for m in preload if not unsafe(m)]
-    left_out = [m for m in preload if unsafe(m)]
-    if left_out:
-        keep += [m for m in CUDA_SAFE_EXTRAS if m not in keep]
-    return keep, left_out
+    candidates = list(preload)
+    if any(unsafe(m) for m in preload):
+        candidates += [m for m in CUDA_SAFE_EXTRAS if m not in candidates]
+    return [m for m in candidates if not unsafe(m)], [m for m in candidates if unsafe(m)]
 
 
 class Runner(abc.ABC):
