@@ -46,6 +46,8 @@ from vramsweep.measure.flops import device_peak, trial_mfu
 from vramsweep.measure.quality import QualityMeter
 from vramsweep.measure.steps import StepClock
 from vramsweep.preflight import check_host_memory
+from vramsweep.production.length import apply_epochs
+from vramsweep.production.outputs import LossLog, RunFolder, run_folder_for, save_outputs, write_config
 from vramsweep.record.diskfull import disk_full_reason
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import new_result, write_result
@@ -325,7 +327,9 @@ class _PeriodicEval(Every):
             raise Pruned(f"pruned by the sweeper after {step} steps (eval_loss {ev.loss:.4f})")
 
 
-def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> None:
+def _train(
+    cfg: DictConfig, result: dict, reporter: Reporter | None, logger, run: RunFolder | None = None
+) -> None:
     """Run :func:`_train_steps` under the CUDA memory monitor (cap, reset, NVML) on CUDA profiles; the
     monitor's meta (cap, allocator settings, per-phase peaks) is recorded even when the trial fails."""
     cuda_mon = None
@@ -334,7 +338,7 @@ def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> 
         cuda_mon.start()
         result["meta"]["cuda"] = cuda_mon.meta()
     try:
-        _train_steps(cfg, result, reporter, logger, cuda_mon)
+        _train_steps(cfg, result, reporter, logger, cuda_mon, run)
     finally:
         if cuda_mon is not None:
             cuda_mon.stop()
@@ -349,6 +353,8 @@ class Prepared:
     built: Any
     batches: list[dict]
     evals: list
+    tokenizer: Any = None  # the base tokenizer (saved with the run's outputs)
+    base_path: Any = None  # the weights folder the model was loaded from (None: random weights)
 
 
 def _kept_vocab(cfg: DictConfig, tokenizer, data) -> list[int] | None:
@@ -390,6 +396,8 @@ def prepare(cfg: DictConfig, result: dict) -> Prepared:
     source = model_source(cfg)  # (weights dir, tokenizer): the tokenizer is loaded once per trial
     tokenizer = source[1]
     data = trial_data(cfg, tokenizer)
+    if (steps := apply_epochs(cfg, len(data.train))) is not None:  # train.epochs: the run's length
+        result["meta"]["steps_from_epochs"] = {"epochs": float(t.epochs), "steps": steps}
     built = build_model(cfg, keep_ids=_kept_vocab(cfg, tokenizer, data), source=source)
     result["meta"]["build"] = built.notes
     result["meta"]["data"] = data.stats
@@ -401,7 +409,8 @@ def prepare(cfg: DictConfig, result: dict) -> Prepared:
         for b in batches:
             for k in ("input_ids", "attention_mask", "labels"):
                 b[k] = b[k].pin_memory()
-    return Prepared(built, batches, eval_batches(data.eval, int(t.eval_batches), pad_id))
+    evals = eval_batches(data.eval, int(t.eval_batches), pad_id)
+    return Prepared(built, batches, evals, tokenizer=tokenizer, base_path=source[0])
 
 
 class _Faults(Callback):
@@ -498,8 +507,11 @@ def _final_eval(result: dict, run_eval, eval_s: float) -> None:
         raise Diverged(f"final eval loss is {final.loss}")
 
 
-def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logger, cuda_mon) -> None:
-    """Prepare, evaluate, :func:`vramsweep.loop.fit` with the trial's callbacks, measure, evaluate."""
+def _train_steps(
+    cfg: DictConfig, result: dict, reporter: Reporter | None, logger, cuda_mon, run: RunFolder | None = None
+) -> None:
+    """Prepare, evaluate, :func:`vramsweep.loop.fit` with the trial's callbacks, measure, evaluate; with a
+    run folder, log the losses and save the adapter (docs/RUNS.md)."""
     import torch
 
     m, meta, t = result["metrics"], result["meta"], cfg.train
@@ -537,18 +549,24 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
     progress = _TrialProgress(steps, cfg, timing, m)
     wandb_rows = [_WandbRows(logger, scheduler, timing, m)] if logger is not None else []
     evals = _PeriodicEval(cfg, run_eval, timing, progress, m, logger, reporter)
+    outputs = [LossLog(run, scheduler)] if run is not None else []
     # the model's own loss, or the chunked one (tiling.loss_chunk_tokens)
     loop = Loop(model, optimizer, scheduler, prep.batches, faults.wrap(loss_fn(cfg, model)), device, steps)
     loop.grad_accum, loop.max_grad_norm = int(t.grad_accum), float(t.max_grad_norm)
     loop.clock, loop.params = timing.clock, params
     try:
-        fit(loop, [tracking, timing, faults, grads, progress, *wandb_rows, _TrainLoss(timing, m), evals])
+        fit(
+            loop,
+            [tracking, timing, faults, grads, progress, *wandb_rows, _TrainLoss(timing, m), evals, *outputs],
+        )
     finally:
         progress.close()
     tracking.close()  # every step was a tracked one: keep the tracked peak anyway
     _record_throughput(cfg, result, prep.built, timing)
     _record_memory(result, model, optimizer, grads, cuda_mon)
     _final_eval(result, run_eval, eval_s)
+    if run is not None and run.save_adapter:
+        meta["outputs"] = save_outputs(run, cfg, model, prep.tokenizer, prep.built.id_map, prep.base_path)
 
 
 def run_trial(
@@ -562,7 +580,10 @@ def run_trial(
     design: dict | None = None,
 ) -> dict:
     """Run one trial: its :class:`~vramsweep.record.schema.TrialResult` is written atomically to
-    ``result_path`` and returned as the result dict (``to_json()``; plus ``meta.result_path``)."""
+    ``result_path`` and returned as the result dict (``to_json()``; plus ``meta.result_path``).
+
+    A ``train`` run (no ``sweep``/``trial``) keeps its run folder, ``result_path``'s parent: config,
+    loss log, adapter, tokenizer (:mod:`vramsweep.production.outputs`)."""
 
     started = datetime.now(UTC)
     t0 = time.perf_counter()
@@ -593,7 +614,10 @@ def run_trial(
             group=sweep,
             result=result,
         )
-        _train(cfg, result, reporter, logger)
+        run = run_folder_for(cfg, result_path, sweep_trial=sweep is not None or trial is not None)
+        if run is not None:
+            write_config(run, result["config"])
+        _train(cfg, result, reporter, logger, run)
     except BaseException as exc:  # noqa: BLE001 - failures are data
         if isinstance(exc, KeyboardInterrupt):
             raise
