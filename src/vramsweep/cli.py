@@ -252,7 +252,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     from vramsweep.trial import default_result_path, run_trial
 
-    path = default_result_path(cfg, overrides)
+    try:
+        path = default_result_path(cfg, overrides)  # train.resume=auto refuses a changed config here
+    except ConfigError as exc:
+        return _err(str(exc))
     res = run_trial(cfg, result_path=path, overrides=overrides)
     print_result(res, path)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import math
 import os
 import random
@@ -46,6 +47,13 @@ from vramsweep.measure.flops import device_peak, trial_mfu
 from vramsweep.measure.quality import QualityMeter
 from vramsweep.measure.steps import StepClock
 from vramsweep.preflight import check_host_memory
+from vramsweep.production.checkpoint import (
+    Checkpointer,
+    Preempted,
+    Resume,
+    latest_checkpoint,
+    load_checkpoint,
+)
 from vramsweep.production.length import apply_epochs
 from vramsweep.production.outputs import LossLog, RunFolder, run_folder_for, save_outputs, write_config
 from vramsweep.record.diskfull import disk_full_reason
@@ -103,8 +111,25 @@ def run_name(overrides: list[str] | tuple[str, ...]) -> str:
 
 
 def default_result_path(cfg: DictConfig, overrides) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    return Path(str(cfg.results_dir)) / "runs" / f"{stamp}_{run_name(overrides)}" / "result.json"
+    """``<run folder>/result.json``: ``train.output_dir`` when set; with ``train.resume=auto``, the newest
+    ``<results_dir>/runs/*_<name>`` of the same overrides (``train.resume`` aside); else a new stamped folder.
+    Resuming checks the run's pinned config first (``ConfigError`` naming the keys that differ)."""
+    from vramsweep.production.checkpoint import check_same_config
+
+    same = [o for o in overrides if not o.lstrip("+").startswith("train.resume=")]
+    runs = Path(str(cfg.results_dir)) / "runs"
+    folder = None
+    if cfg.train.get("output_dir"):
+        folder = Path(str(cfg.train.output_dir))
+    elif str(cfg.train.get("resume", "never")) == "auto" and runs.is_dir():
+        mine = sorted(p for p in runs.iterdir() if p.is_dir() and p.name.endswith(f"_{run_name(same)}"))
+        folder = mine[-1] if mine else None
+    if folder is not None and str(cfg.train.get("resume", "never")) == "auto":
+        check_same_config(folder, OmegaConf.to_container(cfg, resolve=True))
+    if folder is None:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        folder = runs / f"{stamp}_{run_name(same)}"
+    return folder / "result.json"
 
 
 def source_revision() -> str | None:
@@ -214,7 +239,7 @@ class _TrialProgress(Callback):
     """A live line for a single trial on a terminal (step k/N, loss, tokens/s, peak, ETA); silent when
     stderr is not a TTY (sweep trials log to files; CI logs stay short) or ``VRAMSWEEP_PROGRESS=0``."""
 
-    def __init__(self, steps: int, cfg: DictConfig, timing: Timing, m: dict):
+    def __init__(self, steps: int, cfg: DictConfig, timing: Timing, m: dict, initial: int = 0):
         import sys
 
         self.bar = None
@@ -223,7 +248,9 @@ class _TrialProgress(Callback):
         if sys.stderr.isatty() and os.environ.get("VRAMSWEEP_PROGRESS", "1") != "0":
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=steps, desc="train", unit="step", leave=False, dynamic_ncols=True)
+            self.bar = tqdm(
+                total=steps, initial=initial, desc="train", unit="step", leave=False, dynamic_ncols=True
+            )
 
     def phase(self, name: str) -> None:
         if self.bar is not None:
@@ -525,12 +552,17 @@ def _train_steps(
     def run_eval(meter=None):
         return evaluate(model, prep.evals, device, causal_lm=causal_lm_of, meter=meter)
 
+    resume = _resume_point(cfg, run, result)
     if cuda_mon is not None:
         cuda_mon.phase("initial_eval")  # the build's peak stays in meta.cuda.phases.setup
     t_eval = time.perf_counter()
-    first = run_eval()
-    m[M.INITIAL_EVAL_LOSS], m[M.INITIAL_TASK_SCORE] = first.loss, first.task_score
+    if resume is None:
+        first = run_eval()
+        m[M.INITIAL_EVAL_LOSS], m[M.INITIAL_TASK_SCORE] = first.loss, first.task_score
+    else:  # the metrics so far (initial eval, peak of the first steps, intermediate evals) are the run's
+        m.update(resume.state["metrics"])
     eval_s = time.perf_counter() - t_eval
+    start = resume.next_step if resume is not None else 0
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, meta["optimizer"] = build_optimizer(cfg, params)
@@ -538,35 +570,85 @@ def _train_steps(
     if cuda_mon is not None:
         cuda_mon.phase("train")  # peak_memory_bytes = the training steps' reserved peak
     steps, warm = int(t.steps), int(t.measure_warmup_steps)
-    tracker = TensorMemoryTracker(model, optimizer) if device.type == "cpu" else None
+    tracker = TensorMemoryTracker(model, optimizer) if device.type == "cpu" and start == 0 else None
     # Step 0 is always tracked on CPU (so there is a peak however measure_warmup_steps is set); timing
     # starts after the tracked steps.
     tracked = max(warm, 1) if tracker is not None else 0
-    timing = Timing(StepClock(cuda=device.type == "cuda"), timed_from=max(warm, tracked))
+    timing = Timing(StepClock(cuda=device.type == "cuda"), timed_from=max(warm, tracked, start))
     scheduler = build_scheduler(cfg, optimizer)
+    if resume is not None:
+        resume.apply(model, optimizer, scheduler)
     faults, grads = _Faults(), _Grads(params)
     tracking = CpuMemoryTracking(tracker, tracked, _PeakRecorder(m, meta, optimizer))
-    progress = _TrialProgress(steps, cfg, timing, m)
+    progress = _TrialProgress(steps, cfg, timing, m, initial=start)
     wandb_rows = [_WandbRows(logger, scheduler, timing, m)] if logger is not None else []
     evals = _PeriodicEval(cfg, run_eval, timing, progress, m, logger, reporter)
-    outputs = [LossLog(run, scheduler)] if run is not None else []
+    train_loss = _TrainLoss(timing, m)
+    outputs: list[Callback] = []
+    ckpt = None
+    if run is not None:
+        rows = resume.state["losses"] if resume is not None else []
+        train_loss.losses = [r["loss"] for r in rows]
+        log = LossLog(run, scheduler, rows)
+        outputs.append(log)
+        if run.production:
+            state = _state_so_far(log, m, logger)
+            ckpt = Checkpointer(
+                run.path,
+                int(t.save_every),
+                int(t.keep_checkpoints),
+                model,
+                optimizer,
+                scheduler,
+                state,
+                steps,
+            )
+            outputs.append(ckpt)
     # the model's own loss, or the chunked one (tiling.loss_chunk_tokens)
     loop = Loop(model, optimizer, scheduler, prep.batches, faults.wrap(loss_fn(cfg, model)), device, steps)
     loop.grad_accum, loop.max_grad_norm = int(t.grad_accum), float(t.max_grad_norm)
-    loop.clock, loop.params = timing.clock, params
+    loop.clock, loop.params, loop.start_step = timing.clock, params, start
+    if resume is not None:
+        resume.restore_rng()  # last: nothing between here and the first resumed step draws a random number
     try:
-        fit(
-            loop,
-            [tracking, timing, faults, grads, progress, *wandb_rows, _TrainLoss(timing, m), evals, *outputs],
-        )
+        fit(loop, [tracking, timing, faults, grads, progress, *wandb_rows, train_loss, evals, *outputs])
     finally:
         progress.close()
+        if ckpt is not None:
+            ckpt.close()
     tracking.close()  # every step was a tracked one: keep the tracked peak anyway
     _record_throughput(cfg, result, prep.built, timing)
     _record_memory(result, model, optimizer, grads, cuda_mon)
     _final_eval(result, run_eval, eval_s)
     if run is not None and run.save_adapter:
         meta["outputs"] = save_outputs(run, cfg, model, prep.tokenizer, prep.built.id_map, prep.base_path)
+
+
+def _resume_point(cfg: DictConfig, run: RunFolder | None, result: dict) -> Resume | None:
+    """``train.resume=auto`` in a run folder with a complete checkpoint: that checkpoint, loaded."""
+    if run is None or not run.production or str(cfg.train.resume) != "auto":
+        return None
+    path = latest_checkpoint(run.path)
+    if path is None:
+        result["meta"]["resumed_from"] = None
+        return None
+    resume = load_checkpoint(path)
+    result["meta"]["resumed_from"] = {"checkpoint": str(path), "next_step": resume.next_step}
+    return resume
+
+
+def _state_so_far(log: LossLog, m: dict, logger) -> Callable[[], dict]:
+    """What a checkpoint keeps besides tensors: the loss rows, the metrics so far, the W&B run id."""
+
+    def state() -> dict:
+        run_id = getattr(getattr(logger, "run", None), "id", None)
+        return {
+            "losses": list(log.rows),
+            "metrics": json.loads(json.dumps(m, default=str)),
+            "wandb_run_id": run_id,
+        }
+
+    return state
 
 
 def run_trial(
@@ -657,6 +739,8 @@ def _failure(exc: BaseException, result: dict) -> tuple[Status, str, bool]:
         return Status.DIVERGED, str(exc), False
     if isinstance(exc, Pruned):
         return Status.PRUNED, str(exc), False
+    if isinstance(exc, Preempted):
+        return Status.ERROR, f"preempted: {exc}", False
     if (full := disk_full_reason(exc)) is not None:
         return Status.ERROR, full, False  # one line, no traceback: the disk, not the config
     if _is_host_oom(exc):
