@@ -318,7 +318,7 @@ def _rules_combinations(cfg: DictConfig) -> None:
     if cfg.model.source == "embedded" and cfg.model.name != "tiny":
         pass  # other embedded sizes are allowed (custom dims)
     # context.max_tokens against the model's positions: _rules_rope (after model.path is checked)
-    if cfg.vocab.mode != "full" and cfg.model.source == "arch":
+    if cfg.vocab.mode != "full" and cfg.model.source == "arch" and not cfg.model.get("path"):
         raise ConfigError(
             "vocab=sliced needs a tokenizer and corpus: it works with the embedded model or model.path, not "
             f"architecture-only model={cfg.model.name}",
