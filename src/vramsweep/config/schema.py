@@ -35,6 +35,27 @@ MODEL_SOURCES = ("embedded", "path", "arch")
 MODEL_FAMILIES = ("qwen3", "llama")
 
 
+#: A trial's measurement settings, declared once: how long and how a sweep trial measures (and its seed
+#: repeat), not what the recipe trains. ``vramsweep pick`` writes the recipe without them, so a production
+#: run gets the defaults or its own ``train.epochs`` (docs/RUNS.md).
+MEASUREMENT_KEYS = (
+    "train.steps",
+    "train.epochs",
+    "train.measure_warmup_steps",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.seed",
+    "train.threads",
+    "train.save_adapter",
+    "train.output_dir",
+    "train.save_every",
+    "train.keep_checkpoints",
+    "train.resume",
+    "data.num_docs",
+    "data.num_eval_docs",
+)
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"
