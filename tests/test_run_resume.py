@@ -111,16 +111,15 @@ def test_kill_9_at_random_moments_then_resume_is_exact(tmp_path):
     rng = random.Random(1234)
     run, kills = tmp_path / "cut", 0
     while not (run / "run.json").is_file():
-        p = _cli(run, "train.resume=auto")
+        p, killed = _cli(run, "train.resume=auto"), False
         if kills < 5:
-            time.sleep(
-                rng.uniform(12.0, 40.0)
-            )  # the import and build take ~10 s here: kills land in training
+            # the import and build take ~10-30 s on a busy machine: most kills land in training
+            time.sleep(rng.uniform(12.0, 40.0))
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
-                kills += 1
+                kills, killed = kills + 1, True
         p.wait(timeout=900)
-        assert kills >= 5 or p.returncode == 0, p.stderr.read().decode()[-2000:]
+        assert killed or p.returncode == 0, p.stderr.read().decode()[-2000:]
     assert [r["loss"] for r in _losses(run)] == [r["loss"] for r in _losses(tmp_path / "whole")]
     _same_adapter(run, tmp_path / "whole")
 

@@ -72,7 +72,7 @@ def _err(msg: str, verb: str = "train") -> int:
     return 2
 
 
-VERBS = ("train", "estimate", "report", "pick")
+VERBS = ("train", "estimate", "report", "pick", "generate", "export")
 
 
 def _close(word: str, options: list[str]) -> str:
@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=main_epilog(groups),
     )
-    sub = p.add_subparsers(dest="command", metavar="{train,estimate,report,pick}")
+    sub = p.add_subparsers(dest="command", metavar="{train,estimate,report,pick,generate,export}")
     t = sub.add_parser(
         "train",
         help="run one trial (or a sweep with -m)",
@@ -365,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--headroom-gib", type=float, default=0.0)
     k.add_argument("--name", default=None, help="experiment name (<conf dir>/experiment/<name>.yaml)")
     k.set_defaults(func=cmd_pick)
+    from vramsweep.production.use import add_parsers  # generate, export (docs/RUNS.md)
+
+    add_parsers(sub)
 
     for sp, what in (
         (t, "your experiments, sweeps and extra options"),
