@@ -334,6 +334,8 @@ class _PeriodicEval(Every):
         super().__init__(int(cfg.train.eval_every), int(cfg.train.steps), self.evaluate)
         self.run_eval, self.timing, self.progress, self.m = run_eval, timing, progress, m
         self.logger, self.reporter = logger, reporter
+        self.say = False  # a production run prints an eval line (stderr) at every evaluation
+        self.steps = int(cfg.train.steps)
         m[M.INTERMEDIATE_EVAL] = []
 
     def evaluate(self, step: int) -> None:
@@ -348,6 +350,14 @@ class _PeriodicEval(Every):
         m[M.EVAL_LOSS], m[M.EVAL_PPL] = ev.loss, math.exp(min(ev.loss, 50.0))
         if self.logger is not None:
             self.logger.log({"eval/loss": ev.loss}, step=step)
+        if self.say:
+            import sys
+
+            line = f"step {step}/{self.steps}  eval_loss {ev.loss:.4f}"
+            if self.progress.bar is not None:
+                self.progress.bar.write(line, file=sys.stderr)
+            else:
+                print(line, file=sys.stderr, flush=True)
         if not math.isfinite(ev.loss):
             raise Diverged(f"eval loss is {ev.loss} at optimizer step {step}")
         if self.reporter is not None and self.reporter(step, ev.loss):
@@ -592,6 +602,7 @@ def _train_steps(
         log = LossLog(run, scheduler, rows)
         outputs.append(log)
         if run.production:
+            evals.say = True
             state = _state_so_far(log, m, logger)
             ckpt = Checkpointer(
                 run.path,

@@ -27,13 +27,17 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.loop import Callback
+from vramsweep.production.layout import (
+    ADAPTER_DIR,
+    CONFIG_FILE,
+    LOSS_LOG,
+    MODEL_DIR,
+    RUN_MANIFEST,
+    TOKENIZER_DIR,
+    read_manifest,
+)
 
-RUN_MANIFEST = "run.json"
-CONFIG_FILE = "config.yaml"
-LOSS_LOG = "losses.jsonl"
-ADAPTER_DIR = "adapter"
-MODEL_DIR = "model"
-TOKENIZER_DIR = "tokenizer"
+__all__ = ["LossLog", "RunFolder", "read_manifest", "run_folder_for", "save_outputs", "write_config"]
 
 
 @dataclass
@@ -127,11 +131,3 @@ def save_outputs(
     }
     _atomic_text(run.path / RUN_MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
-
-
-def read_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """``run.json`` of a finished run folder; ``FileNotFoundError`` naming the file when it is missing."""
-    path = Path(run_dir) / RUN_MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: not a finished vramsweep train run folder")
-    return json.loads(path.read_text())

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.errors import error_line
-from vramsweep.production.outputs import ADAPTER_DIR, MODEL_DIR, TOKENIZER_DIR, read_manifest
+from vramsweep.production.layout import ADAPTER_DIR, MODEL_DIR, TOKENIZER_DIR, read_manifest
 
 
 class UseError(ValueError):
