@@ -379,7 +379,7 @@ def worked_example() -> list[str]:
 
 def test_worked_example_is_marked_and_parses() -> None:
     cmds = worked_example()
-    assert [c.split()[1] for c in cmds] == ["train", "report", "pick", "train"], cmds
+    assert [c.split()[1] for c in cmds] == ["train", "report", "pick", "train", "generate", "export"], cmds
 
 
 @pytest.mark.slow

@@ -72,7 +72,7 @@ def _err(msg: str, verb: str = "train") -> int:
     return 2
 
 
-VERBS = ("train", "estimate", "report", "pick")
+VERBS = ("train", "estimate", "report", "pick", "generate", "export")
 
 
 def _close(word: str, options: list[str]) -> str:
@@ -253,7 +253,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     from vramsweep.trial import default_result_path, run_trial
 
-    path = default_result_path(cfg, overrides)
+    try:
+        path = default_result_path(cfg, overrides)  # train.resume=auto refuses a changed config here
+    except ConfigError as exc:
+        return _err(str(exc))
     try:  # the run folder made now: a name or folder that cannot be written fails before the training
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -306,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=main_epilog(groups),
     )
-    sub = p.add_subparsers(dest="command", metavar="{train,estimate,report,pick}")
+    sub = p.add_subparsers(dest="command", metavar="{train,estimate,report,pick,generate,export}")
     t = sub.add_parser(
         "train",
         help="run one trial (or a sweep with -m)",
@@ -367,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--headroom-gib", type=float, default=0.0)
     k.add_argument("--name", default=None, help="experiment name (<conf dir>/experiment/<name>.yaml)")
     k.set_defaults(func=cmd_pick)
+    from vramsweep.production.use import add_parsers  # generate, export (docs/RUNS.md)
+
+    add_parsers(sub)
 
     for sp, what in (
         (t, "your experiments, sweeps and extra options"),

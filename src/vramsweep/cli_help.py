@@ -11,6 +11,13 @@ VERBS = (
     ("vramsweep report <sweep dir>", "ablation tables, Pareto front, plots", "docs/READING_A_SWEEP.md"),
     ("vramsweep pick <sweep dir> --budget-gib 16", "pinned config that fits", "docs/READING_A_SWEEP.md"),
     ("vramsweep estimate [overrides]", "predicted peak memory, no weights", "docs/ESTIMATOR.md"),
+    (
+        "vramsweep train +experiment=<picked> train.epochs=1",
+        "production run: adapter, resume",
+        "docs/RUNS.md",
+    ),
+    ("vramsweep generate <run> --prompt TEXT", "generate with the run's adapter", "docs/RUNS.md"),
+    ("vramsweep export <run> [--merge] <dir>", "adapter or merged bf16 model folder", "docs/RUNS.md"),
     ("vramsweep train --cfg job [overrides]", "print the composed config, run nothing", "docs/CLI.md"),
 )
 #: docs page of each verb's ``--help``
@@ -19,6 +26,8 @@ VERB_DOCS = {
     "estimate": "docs/ESTIMATOR.md",
     "report": "docs/READING_A_SWEEP.md",
     "pick": "docs/READING_A_SWEEP.md",
+    "generate": "docs/RUNS.md",
+    "export": "docs/RUNS.md",
 }
 #: config groups documented outside docs/KNOBS.md (which covers every group)
 GROUP_DOCS = (

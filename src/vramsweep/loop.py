@@ -96,6 +96,7 @@ class Loop:
     max_grad_norm: float = 0.0
     clock: StepClock = field(default_factory=StepClock)
     params: list = field(default_factory=list)  # the trainable parameters (clipped)
+    start_step: int = 0  # first step to run (a resumed run: the checkpoint's next step)
 
 
 def to_device(batch: dict, device: Any, non_blocking: bool = False) -> tuple[Any, Any, Any]:
@@ -216,7 +217,7 @@ def fit(loop: Loop, callbacks: Sequence[Callback] = ()) -> list[float]:
         for fn in on_loss:
             fn(step, loss)
 
-    for step in range(loop.steps):
+    for step in range(loop.start_step, loop.steps):
         for fn in on_step_start:
             fn(step)
         with contextlib.ExitStack() as stack:

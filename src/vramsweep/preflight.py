@@ -190,6 +190,10 @@ def check_inputs(cfg: Any) -> None:
                 check_jsonl(str(p), key=f"data.{key}")
     if str(cfg.model.source) == "path" and cfg.model.get("path"):
         check_model_config(str(cfg.model.path))
+    if str(cfg.model.source) == "arch" and cfg.model.get("path"):
+        from vramsweep.production.weights import arch_path
+
+        arch_path(cfg.model)  # config.json matches the named architecture
 
 
 def available_host_bytes() -> int:

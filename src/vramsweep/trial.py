@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import math
 import os
 import random
@@ -47,6 +48,15 @@ from vramsweep.measure.flops import device_peak, trial_mfu
 from vramsweep.measure.quality import QualityMeter
 from vramsweep.measure.steps import StepClock
 from vramsweep.preflight import check_host_memory
+from vramsweep.production.checkpoint import (
+    Checkpointer,
+    Preempted,
+    Resume,
+    latest_checkpoint,
+    load_checkpoint,
+)
+from vramsweep.production.length import apply_epochs
+from vramsweep.production.outputs import LossLog, RunFolder, run_folder_for, save_outputs, write_config
 from vramsweep.record.diskfull import disk_full_reason
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import new_result, write_result
@@ -117,8 +127,25 @@ def run_name(overrides: list[str] | tuple[str, ...]) -> str:
 
 
 def default_result_path(cfg: DictConfig, overrides) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    return Path(str(cfg.results_dir)) / "runs" / f"{stamp}_{run_name(overrides)}" / "result.json"
+    """``<run folder>/result.json``: ``train.output_dir`` when set; with ``train.resume=auto``, the newest
+    ``<results_dir>/runs/*_<name>`` of the same overrides (``train.resume`` aside); else a new stamped folder.
+    Resuming checks the run's pinned config first (``ConfigError`` naming the keys that differ)."""
+    from vramsweep.production.checkpoint import check_same_config
+
+    same = [o for o in overrides if not o.lstrip("+").startswith("train.resume=")]
+    runs = Path(str(cfg.results_dir)) / "runs"
+    folder = None
+    if cfg.train.get("output_dir"):
+        folder = Path(str(cfg.train.output_dir))
+    elif str(cfg.train.get("resume", "never")) == "auto" and runs.is_dir():
+        mine = sorted(p for p in runs.iterdir() if p.is_dir() and p.name.endswith(f"_{run_name(same)}"))
+        folder = mine[-1] if mine else None
+    if folder is not None and str(cfg.train.get("resume", "never")) == "auto":
+        check_same_config(folder, OmegaConf.to_container(cfg, resolve=True))
+    if folder is None:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        folder = runs / f"{stamp}_{run_name(same)}"
+    return folder / "result.json"
 
 
 def source_revision() -> str | None:
@@ -228,7 +255,7 @@ class _TrialProgress(Callback):
     """A live line for a single trial on a terminal (step k/N, loss, tokens/s, peak, ETA); silent when
     stderr is not a TTY (sweep trials log to files; CI logs stay short) or ``VRAMSWEEP_PROGRESS=0``."""
 
-    def __init__(self, steps: int, cfg: DictConfig, timing: Timing, m: dict):
+    def __init__(self, steps: int, cfg: DictConfig, timing: Timing, m: dict, initial: int = 0):
         import sys
 
         self.bar = None
@@ -237,7 +264,9 @@ class _TrialProgress(Callback):
         if sys.stderr.isatty() and os.environ.get("VRAMSWEEP_PROGRESS", "1") != "0":
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=steps, desc="train", unit="step", leave=False, dynamic_ncols=True)
+            self.bar = tqdm(
+                total=steps, initial=initial, desc="train", unit="step", leave=False, dynamic_ncols=True
+            )
 
     def phase(self, name: str) -> None:
         if self.bar is not None:
@@ -321,6 +350,8 @@ class _PeriodicEval(Every):
         super().__init__(int(cfg.train.eval_every), int(cfg.train.steps), self.evaluate)
         self.run_eval, self.timing, self.progress, self.m = run_eval, timing, progress, m
         self.logger, self.reporter = logger, reporter
+        self.say = False  # a production run prints an eval line (stderr) at every evaluation
+        self.steps = int(cfg.train.steps)
         m[M.INTERMEDIATE_EVAL] = []
 
     def evaluate(self, step: int) -> None:
@@ -335,13 +366,23 @@ class _PeriodicEval(Every):
         m[M.EVAL_LOSS], m[M.EVAL_PPL] = ev.loss, math.exp(min(ev.loss, 50.0))
         if self.logger is not None:
             self.logger.log({"eval/loss": ev.loss}, step=step)
+        if self.say:
+            import sys
+
+            line = f"step {step}/{self.steps}  eval_loss {ev.loss:.4f}"
+            if self.progress.bar is not None:
+                self.progress.bar.write(line, file=sys.stderr)
+            else:
+                print(line, file=sys.stderr, flush=True)
         if not math.isfinite(ev.loss):
             raise Diverged(f"eval loss is {ev.loss} at optimizer step {step}")
         if self.reporter is not None and self.reporter(step, ev.loss):
             raise Pruned(f"pruned by the sweeper after {step} steps (eval_loss {ev.loss:.4f})")
 
 
-def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> None:
+def _train(
+    cfg: DictConfig, result: dict, reporter: Reporter | None, logger, run: RunFolder | None = None
+) -> None:
     """Run :func:`_train_steps` under the CUDA memory monitor (cap, reset, NVML) on CUDA profiles; the
     monitor's meta (cap, allocator settings, per-phase peaks) is recorded even when the trial fails."""
     cuda_mon = None
@@ -350,7 +391,7 @@ def _train(cfg: DictConfig, result: dict, reporter: Reporter | None, logger) -> 
         cuda_mon.start()
         result["meta"]["cuda"] = cuda_mon.meta()
     try:
-        _train_steps(cfg, result, reporter, logger, cuda_mon)
+        _train_steps(cfg, result, reporter, logger, cuda_mon, run)
     finally:
         if cuda_mon is not None:
             cuda_mon.stop()
@@ -365,6 +406,8 @@ class Prepared:
     built: Any
     batches: list[dict]
     evals: list
+    tokenizer: Any = None  # the base tokenizer (saved with the run's outputs)
+    base_path: Any = None  # the weights folder the model was loaded from (None: random weights)
 
 
 def _kept_vocab(cfg: DictConfig, tokenizer, data) -> list[int] | None:
@@ -415,6 +458,9 @@ def prepare(cfg: DictConfig, result: dict) -> Prepared:
     source = model_source(cfg)  # (weights dir, tokenizer): the tokenizer is loaded once per trial
     tokenizer = source[1]
     data = trial_data(cfg, tokenizer)
+    n_rows = len(_rows(cfg, data.train)[0])  # examples, or packed rows (data.packing): what an epoch covers
+    if (steps := apply_epochs(cfg, n_rows)) is not None:  # train.epochs: the run's length
+        result["meta"]["steps_from_epochs"] = {"epochs": float(t.epochs), "steps": steps}
     built = build_model(cfg, keep_ids=_kept_vocab(cfg, tokenizer, data), source=source)
     result["meta"]["build"] = built.notes
     result["meta"]["data"] = data.stats
@@ -432,7 +478,8 @@ def prepare(cfg: DictConfig, result: dict) -> Prepared:
             for k in ("input_ids", "attention_mask", "labels", "position_ids"):
                 if k in b:
                     b[k] = b[k].pin_memory()
-    return Prepared(built, batches, eval_batches(data.eval, int(t.eval_batches), pad_id))
+    evals = eval_batches(data.eval, int(t.eval_batches), pad_id)
+    return Prepared(built, batches, evals, tokenizer=tokenizer, base_path=source[0])
 
 
 class _Faults(Callback):
@@ -529,8 +576,11 @@ def _final_eval(result: dict, run_eval, eval_s: float) -> None:
         raise Diverged(f"final eval loss is {final.loss}")
 
 
-def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logger, cuda_mon) -> None:
-    """Prepare, evaluate, :func:`vramsweep.loop.fit` with the trial's callbacks, measure, evaluate."""
+def _train_steps(
+    cfg: DictConfig, result: dict, reporter: Reporter | None, logger, cuda_mon, run: RunFolder | None = None
+) -> None:
+    """Prepare, evaluate, :func:`vramsweep.loop.fit` with the trial's callbacks, measure, evaluate; with a
+    run folder, log the losses and save the adapter (docs/RUNS.md)."""
     import torch
 
     m, meta, t = result["metrics"], result["meta"], cfg.train
@@ -544,12 +594,17 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
     def run_eval(meter=None):
         return evaluate(model, prep.evals, device, causal_lm=causal_lm_of, meter=meter)
 
+    resume = _resume_point(cfg, run, result)
     if cuda_mon is not None:
         cuda_mon.phase("initial_eval")  # the build's peak stays in meta.cuda.phases.setup
     t_eval = time.perf_counter()
-    first = run_eval()
-    m[M.INITIAL_EVAL_LOSS], m[M.INITIAL_TASK_SCORE] = first.loss, first.task_score
+    if resume is None:
+        first = run_eval()
+        m[M.INITIAL_EVAL_LOSS], m[M.INITIAL_TASK_SCORE] = first.loss, first.task_score
+    else:  # the metrics so far (initial eval, peak of the first steps, intermediate evals) are the run's
+        m.update(resume.state["metrics"])
     eval_s = time.perf_counter() - t_eval
+    start = resume.next_step if resume is not None else 0
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, meta["optimizer"] = build_optimizer(cfg, params)
@@ -557,29 +612,86 @@ def _train_steps(cfg: DictConfig, result: dict, reporter: Reporter | None, logge
     if cuda_mon is not None:
         cuda_mon.phase("train")  # peak_memory_bytes = the training steps' reserved peak
     steps, warm = int(t.steps), int(t.measure_warmup_steps)
-    tracker = TensorMemoryTracker(model, optimizer) if device.type == "cpu" else None
+    tracker = TensorMemoryTracker(model, optimizer) if device.type == "cpu" and start == 0 else None
     # Step 0 is always tracked on CPU (so there is a peak however measure_warmup_steps is set); timing
     # starts after the tracked steps.
     tracked = max(warm, 1) if tracker is not None else 0
-    timing = Timing(StepClock(cuda=device.type == "cuda"), timed_from=max(warm, tracked))
+    timing = Timing(StepClock(cuda=device.type == "cuda"), timed_from=max(warm, tracked, start))
     scheduler = build_scheduler(cfg, optimizer)
+    if resume is not None:
+        resume.apply(model, optimizer, scheduler)
     faults, grads = _Faults(), _Grads(params)
     tracking = CpuMemoryTracking(tracker, tracked, _PeakRecorder(m, meta, optimizer))
-    progress = _TrialProgress(steps, cfg, timing, m)
+    progress = _TrialProgress(steps, cfg, timing, m, initial=start)
     wandb_rows = [_WandbRows(logger, scheduler, timing, m)] if logger is not None else []
     evals = _PeriodicEval(cfg, run_eval, timing, progress, m, logger, reporter)
+    train_loss = _TrainLoss(timing, m)
+    outputs: list[Callback] = []
+    ckpt = None
+    if run is not None:
+        rows = resume.state["losses"] if resume is not None else []
+        train_loss.losses = [r["loss"] for r in rows]
+        log = LossLog(run, scheduler, rows)
+        outputs.append(log)
+        if run.production:
+            evals.say = True
+            state = _state_so_far(log, m, logger)
+            ckpt = Checkpointer(
+                run.path,
+                int(t.save_every),
+                int(t.keep_checkpoints),
+                model,
+                optimizer,
+                scheduler,
+                state,
+                steps,
+            )
+            outputs.append(ckpt)
     # the model's own loss, or the chunked one (tiling.loss_chunk_tokens)
     loop = Loop(model, optimizer, scheduler, prep.batches, faults.wrap(loss_fn(cfg, model)), device, steps)
     loop.grad_accum, loop.max_grad_norm = int(t.grad_accum), float(t.max_grad_norm)
-    loop.clock, loop.params = timing.clock, params
+    loop.clock, loop.params, loop.start_step = timing.clock, params, start
+    if resume is not None:
+        resume.restore_rng()  # last: nothing between here and the first resumed step draws a random number
     try:
-        fit(loop, [tracking, timing, faults, grads, progress, *wandb_rows, _TrainLoss(timing, m), evals])
+        fit(loop, [tracking, timing, faults, grads, progress, *wandb_rows, train_loss, evals, *outputs])
     finally:
         progress.close()
+        if ckpt is not None:
+            ckpt.close()
     tracking.close()  # every step was a tracked one: keep the tracked peak anyway
     _record_throughput(cfg, result, prep.built, timing)
     _record_memory(result, model, optimizer, grads, cuda_mon)
     _final_eval(result, run_eval, eval_s)
+    if run is not None and run.save_adapter:
+        meta["outputs"] = save_outputs(run, cfg, model, prep.tokenizer, prep.built.id_map, prep.base_path)
+
+
+def _resume_point(cfg: DictConfig, run: RunFolder | None, result: dict) -> Resume | None:
+    """``train.resume=auto`` in a run folder with a complete checkpoint: that checkpoint, loaded."""
+    if run is None or not run.production or str(cfg.train.resume) != "auto":
+        return None
+    path = latest_checkpoint(run.path)
+    if path is None:
+        result["meta"]["resumed_from"] = None
+        return None
+    resume = load_checkpoint(path)
+    result["meta"]["resumed_from"] = {"checkpoint": str(path), "next_step": resume.next_step}
+    return resume
+
+
+def _state_so_far(log: LossLog, m: dict, logger) -> Callable[[], dict]:
+    """What a checkpoint keeps besides tensors: the loss rows, the metrics so far, the W&B run id."""
+
+    def state() -> dict:
+        run_id = getattr(getattr(logger, "run", None), "id", None)
+        return {
+            "losses": list(log.rows),
+            "metrics": json.loads(json.dumps(m, default=str)),
+            "wandb_run_id": run_id,
+        }
+
+    return state
 
 
 def run_trial(
@@ -593,7 +705,10 @@ def run_trial(
     design: dict | None = None,
 ) -> dict:
     """Run one trial: its :class:`~vramsweep.record.schema.TrialResult` is written atomically to
-    ``result_path`` and returned as the result dict (``to_json()``; plus ``meta.result_path``)."""
+    ``result_path`` and returned as the result dict (``to_json()``; plus ``meta.result_path``).
+
+    A ``train`` run (no ``sweep``/``trial``) keeps its run folder, ``result_path``'s parent: config,
+    loss log, adapter, tokenizer (:mod:`vramsweep.production.outputs`)."""
 
     started = datetime.now(UTC)
     t0 = time.perf_counter()
@@ -624,7 +739,10 @@ def run_trial(
             group=sweep,
             result=result,
         )
-        _train(cfg, result, reporter, logger)
+        run = run_folder_for(cfg, result_path, sweep_trial=sweep is not None or trial is not None)
+        if run is not None:
+            write_config(run, result["config"])
+        _train(cfg, result, reporter, logger, run)
     except BaseException as exc:  # noqa: BLE001 - failures are data
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -664,6 +782,8 @@ def _failure(exc: BaseException, result: dict) -> tuple[Status, str, bool]:
         return Status.DIVERGED, str(exc), False
     if isinstance(exc, Pruned):
         return Status.PRUNED, str(exc), False
+    if isinstance(exc, Preempted):
+        return Status.ERROR, f"preempted: {exc}", False
     if (full := disk_full_reason(exc)) is not None:
         return Status.ERROR, full, False  # one line, no traceback: the disk, not the config
     if _is_host_oom(exc):

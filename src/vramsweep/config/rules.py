@@ -193,6 +193,11 @@ def check_values(cfg: DictConfig) -> None:
             allowed=[f"0..{cfg.train.steps - 1}"],
         )
     _check_range(cfg, "train.threads", 0, 1024, integer=True)
+    _check_range(cfg, "train.epochs", 0.0, 1e4)  # production run (docs/RUNS.md)
+    _check_choice(cfg, "train.save_adapter", ("auto", "always", "never"))
+    _check_range(cfg, "train.save_every", 0, 10**7, integer=True)
+    _check_range(cfg, "train.keep_checkpoints", 1, 10**4, integer=True)
+    _check_choice(cfg, "train.resume", ("never", "auto"))
     _check_choice(cfg, "logger.mode", ("auto", "offline", "online"))
     _check_choice(cfg, "adapter.dtype", ("fp32", "compute"))
     _check_range(cfg, "tiling.loss_chunk_tokens", 0, 10**7, integer=True)
@@ -327,7 +332,7 @@ def _rules_combinations(cfg: DictConfig) -> None:
     if cfg.model.source == "embedded" and cfg.model.name != "tiny":
         pass  # other embedded sizes are allowed (custom dims)
     # context.max_tokens against the model's positions: _rules_rope (after model.path is checked)
-    if cfg.vocab.mode != "full" and cfg.model.source == "arch":
+    if cfg.vocab.mode != "full" and cfg.model.source == "arch" and not cfg.model.get("path"):
         raise ConfigError(
             "vocab=sliced needs a tokenizer and corpus: it works with the embedded model or model.path, not "
             f"architecture-only model={cfg.model.name}",

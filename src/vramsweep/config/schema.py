@@ -35,6 +35,27 @@ MODEL_SOURCES = ("embedded", "path", "arch")
 MODEL_FAMILIES = ("qwen3", "llama")
 
 
+#: A trial's measurement settings, declared once: how long and how a sweep trial measures (and its seed
+#: repeat), not what the recipe trains. ``vramsweep pick`` writes the recipe without them, so a production
+#: run gets the defaults or its own ``train.epochs`` (docs/RUNS.md).
+MEASUREMENT_KEYS = (
+    "train.steps",
+    "train.epochs",
+    "train.measure_warmup_steps",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.seed",
+    "train.threads",
+    "train.save_adapter",
+    "train.output_dir",
+    "train.save_every",
+    "train.keep_checkpoints",
+    "train.resume",
+    "data.num_docs",
+    "data.num_eval_docs",
+)
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"
@@ -216,6 +237,13 @@ class TrainConfig:
     eval_batches: int = 4
     measure_warmup_steps: int = 2  # excluded from tokens/s
     threads: int = 0  # torch CPU threads; 0 = torch default
+    # Production run (docs/RUNS.md): length over the data, outputs, checkpoints, resume.
+    epochs: float = 0.0  # > 0: run length in passes over the training examples (replaces steps)
+    save_adapter: str = "auto"  # auto (a train run saves, a sweep trial does not) | always | never
+    output_dir: Optional[str] = None  # the run folder (default <results_dir>/runs/<stamp>_<name>)
+    save_every: int = 0  # optimizer steps between checkpoints (0 = only on SIGTERM/SIGUSR1)
+    keep_checkpoints: int = 2  # the newest K complete checkpoints are kept
+    resume: str = "never"  # never | auto (continue from the run folder's newest complete checkpoint)
 
 
 @dataclass

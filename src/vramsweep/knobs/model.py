@@ -44,8 +44,11 @@ def model_source(cfg: DictConfig) -> tuple[Path | None, Any]:
         path = ensure_embedded(cfg.model)
     elif src == "path":
         path = Path(str(cfg.model.path))
-    else:
-        path = None
+    else:  # a named architecture: its weights from model.path (checked), else random
+        from vramsweep.production.weights import arch_path, say_random_weights
+
+        path = arch_path(cfg.model)
+        say_random_weights(cfg.model)
     tokenizer = None
     if path is not None and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         from transformers import AutoTokenizer

@@ -37,6 +37,8 @@ from typing import Any
 
 from vramsweep.config.compose import ConfigError, compose, find_option, writable_conf_dir
 from vramsweep.config.errors import error_line
+from vramsweep.config.schema import MEASUREMENT_KEYS
+from vramsweep.production.weights import random_weights
 from vramsweep.record.metrics import MetricName, format_value, title
 from vramsweep.record.metrics import label as metric_label
 from vramsweep.record.result import atomic_write_text
@@ -273,6 +275,8 @@ def build_experiment(trial: TrialRecord, conf_dir: Path) -> ExperimentSpec:
     checked: list[str] = []
     for key, value in flatten({k: v for k, v in cfg.items() if k not in UNPINNED_TOP}).items():
         section = key.split(".")[0]
+        if key in MEASUREMENT_KEYS:  # the trial's measurement budget and seed repeat, not the recipe
+            continue
         if key not in base:
             skipped.append(key)
             continue
@@ -660,6 +664,13 @@ def run_pick(
         return _err(str(exc))
     limit = budget_gib - headroom_gib
     ok = eligible(sweep, limit, min_tokens_per_s)
+    if prefer == "quality" and (rand := [t for t in ok if random_weights(t.config)]):
+        model = ((rand[0].config or {}).get("model") or {}).get("name", "?")
+        return _err(
+            f"--prefer quality: {len(rand)} eligible trial(s) of {sweep.name} trained random weights "
+            f"(model={model} without model.path), so their eval losses rank nothing; use --prefer speed, "
+            "or sweep with model.path=<Hugging Face folder>"
+        )
     tiers = quality_tiers(sweep, ok)
     ranked = sorted(ok, key=lambda t: rank_key(t, prefer, tiers))
     if not ranked:

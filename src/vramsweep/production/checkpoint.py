@@ -1,0 +1,258 @@
+"""Checkpoints of a production run and exact resume (docs/RUNS.md).
+
+1. :class:`Checkpointer` (a loop :class:`~vramsweep.loop.Callback`) stages a checkpoint after every
+   ``train.save_every``-th optimizer step, and after the step during which SIGTERM or SIGUSR1 (SLURM's
+   pre-timeout signal) arrived: the trainable tensors (safetensors), the optimizer state (8-bit and paged
+   states are ordinary tensors of its ``state_dict``), the scheduler, the RNG states (python, numpy, torch,
+   CUDA), the data position (the next step; the batches are a pure function of the config), the metrics so
+   far and the W&B run id.
+2. The loop reads a step's loss one step late, so the checkpoint is completed when its step's loss arrives:
+   ``state.json`` (losses and metrics so far), then the ``COMPLETE`` marker, fsynced, then the staging folder
+   is renamed to ``checkpoints/step-NNNNNNNN``. A folder without the marker (a kill mid-write) is never
+   used; the newest ``train.keep_checkpoints`` complete ones are kept.
+3. :func:`latest_checkpoint` + :func:`load_checkpoint` give ``train.resume=auto`` the newest complete one;
+   :func:`check_same_config` refuses a changed config, naming the keys that differ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from vramsweep.config.compose import ConfigError
+from vramsweep.loop import Callback
+
+CHECKPOINTS = "checkpoints"
+COMPLETE = "COMPLETE"
+#: Keys that may differ between a run and its resumption (how it is launched, not what it trains).
+RESUME_FREE_KEYS = ("train.resume", "train.threads", "logger.mode", "logger.dir")
+
+
+class Preempted(RuntimeError):
+    """SIGTERM/SIGUSR1 arrived: the run checkpointed and stopped (``train.resume=auto`` continues it)."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def rng_states() -> dict[str, Any]:
+    """Python, numpy, torch CPU (and every CUDA device's) RNG states."""
+    import numpy as np
+    import torch
+
+    out = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def trainable_state(model: Any) -> dict[str, Any]:
+    """The parameters that train, by name (LoRA A/B/magnitude, or every weight with ``adapter=full``)."""
+    return {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@dataclass
+class Resume:
+    """A complete checkpoint, loaded: ``next_step`` is the first optimizer step still to run."""
+
+    path: Path
+    next_step: int
+    state: dict[str, Any]  # state.json: losses, metrics, wandb id
+    tensors: dict[str, Any]  # trainable parameters
+    torch_state: dict[str, Any]  # optimizer, scheduler, rng
+
+    def apply(self, model: Any, optimizer: Any, scheduler: Any) -> None:
+        """Put the checkpoint's weights, optimizer and scheduler state into the freshly built ones."""
+        import torch
+
+        params = dict(model.named_parameters())
+        missing = sorted(set(self.tensors) - set(params))
+        if missing:
+            raise RuntimeError(f"{self.path}: checkpoint has parameters the model lacks: {missing[:3]}")
+        with torch.no_grad():
+            for n, t in self.tensors.items():
+                params[n].copy_(t)
+        optimizer.load_state_dict(self.torch_state["optimizer"])
+        scheduler.load_state_dict(self.torch_state["scheduler"])
+
+    def restore_rng(self) -> None:
+        set_rng_states(self.torch_state["rng"])
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of the run, oldest first (a folder without ``COMPLETE`` is skipped)."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.name.startswith("step-") and (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    dirs = checkpoint_dirs(run_dir)
+    return dirs[-1] if dirs else None
+
+
+def load_checkpoint(path: Path) -> Resume:
+    import torch
+    from safetensors.torch import load_file
+
+    state = json.loads((path / "state.json").read_text())
+    tensors = load_file(str(path / "trainable.safetensors"))
+    torch_state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=False)
+    return Resume(path, int(state["next_step"]), state, tensors, torch_state)
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def check_same_config(run_dir: Path, config: Any) -> None:
+    """Refuse to resume ``run_dir`` with a config other than the one it started with (``ConfigError``
+    naming the keys that differ; the launch-only keys :data:`RESUME_FREE_KEYS` may differ)."""
+    saved_path = Path(run_dir) / "config.yaml"
+    if not saved_path.is_file():
+        return
+    saved = _flat(OmegaConf.to_container(OmegaConf.load(saved_path), resolve=True))
+    now = _flat(OmegaConf.to_container(OmegaConf.create(config), resolve=True))
+    diff = sorted(
+        k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in RESUME_FREE_KEYS
+    )
+    if diff:
+        shown = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in diff[:6])
+        raise ConfigError(
+            f"train.resume=auto: the config differs from the run's in {saved_path}: {shown}"
+            f"{' ...' if len(diff) > 6 else ''}; resume with the same overrides or use another train.output_dir",
+            key="train.resume",
+            allowed=["never", "auto (with the run's own config)"],
+        )
+
+
+class Checkpointer(Callback):
+    """Checkpoints every ``every`` optimizer steps and on SIGTERM/SIGUSR1 (then :class:`Preempted`)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        every: int,
+        keep: int,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        state_so_far: Any,
+        last_step: int,
+    ):
+        self.root = Path(run_dir) / CHECKPOINTS
+        self.every, self.keep, self.last_step = int(every), int(keep), int(last_step)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.state_so_far = state_so_far  # () -> {"losses": [...], "metrics": {...}, "wandb_run_id": ...}
+        self.staged: tuple[int, Path] | None = None
+        self.signalled: str | None = None
+        self.saved: list[Path] = []
+        self._old: dict[int, Any] = {}
+        self.install_signals()
+
+    # signals ---------------------------------------------------------------------------------------
+    def install_signals(self) -> None:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            self._old[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.signalled = signal.Signals(signum).name
+
+    def close(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+    # hooks -------------------------------------------------------------------------------------------
+    def on_step_end(self, step: int) -> None:
+        due = self.every > 0 and (step + 1) % self.every == 0
+        if due or self.signalled:
+            self._stage(step)
+
+    def on_loss(self, step: int, loss: float) -> None:
+        if self.staged is not None and self.staged[0] == step:
+            self._complete()
+            if self.signalled and step + 1 < self.last_step:
+                raise Preempted(
+                    f"{self.signalled}: checkpointed after optimizer step {step + 1} in {self.saved[-1]}; "
+                    "run the same command with train.resume=auto to continue"
+                )
+
+    # writing -----------------------------------------------------------------------------------------
+    def _stage(self, step: int) -> None:
+        import torch
+        from safetensors.torch import save_file
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".staging-step-{step + 1:08d}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file(trainable_state(self.model), str(tmp / "trainable.safetensors"))
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": rng_states(),
+            },
+            tmp / "train_state.pt",
+        )
+        self.staged = (step, tmp)
+
+    def _complete(self) -> None:
+        step, tmp = self.staged  # type: ignore[misc]
+        self.staged = None
+        state = {"next_step": step + 1, **self.state_so_far()}
+        (tmp / "state.json").write_text(json.dumps(state))
+        for name in ("trainable.safetensors", "train_state.pt", "state.json"):
+            _fsync_file(tmp / name)
+        (tmp / COMPLETE).write_text(f"step {step + 1}\n")
+        _fsync_file(tmp / COMPLETE)
+        _fsync_dir(tmp)
+        final = self.root / f"step-{step + 1:08d}"
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        self.saved.append(final)
+        for old in checkpoint_dirs(self.root.parent)[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)

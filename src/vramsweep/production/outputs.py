@@ -1,0 +1,133 @@
+"""The run folder of a ``vramsweep train`` run and what is saved in it at the end (docs/RUNS.md).
+
+::
+
+    <run>/config.yaml      the composed config, pinned (written before training; resume compares with it)
+    <run>/result.json      the trial result (docs/CONTRACTS.md)
+    <run>/losses.jsonl     one row per optimizer step: {"step", "loss", "lr"}
+    <run>/adapter/         PEFT save_pretrained (adapter_config.json + adapter_model.safetensors) or, with
+                           adapter=full, <run>/model/ (the whole model, save_pretrained)
+    <run>/tokenizer/       the base tokenizer (save_pretrained: its chat template included)
+    <run>/id_map.json      vocab=sliced only: the kept ids (new id -> base id)
+    <run>/run.json         what generate/export need: the base weights folder, adapter kind, vocab, dtype, quant
+    <run>/checkpoints/     see :mod:`vramsweep.production.checkpoint`
+
+A sweep trial saves nothing by default (``train.save_adapter=auto``); ``train.save_adapter=always`` makes
+every trial save its adapter beside its result (``<trial>.run/``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from vramsweep.loop import Callback
+from vramsweep.production.layout import (
+    ADAPTER_DIR,
+    CONFIG_FILE,
+    LOSS_LOG,
+    MODEL_DIR,
+    RUN_MANIFEST,
+    TOKENIZER_DIR,
+    read_manifest,
+)
+
+__all__ = ["LossLog", "RunFolder", "read_manifest", "run_folder_for", "save_outputs", "write_config"]
+
+
+@dataclass
+class RunFolder:
+    """Where a run keeps its outputs; ``production``: a ``train`` run (checkpoints, resume, progress lines),
+    not a sweep trial."""
+
+    path: Path
+    save_adapter: bool
+    production: bool
+
+
+def run_folder_for(cfg: DictConfig, result_path: Any, *, sweep_trial: bool) -> RunFolder | None:
+    """The run folder of a trial writing ``result_path``: its parent for a ``train`` run, ``<trial>.run/``
+    beside a sweep trial's result when ``train.save_adapter=always``; None when nothing is kept."""
+    if result_path is None:
+        return None
+    mode = str(cfg.train.get("save_adapter", "auto"))
+    p = Path(result_path)
+    if sweep_trial:
+        return RunFolder(p.with_suffix(".run"), True, False) if mode == "always" else None
+    return RunFolder(p.parent, mode != "never", True)
+
+
+def write_config(run: RunFolder, config: dict) -> None:
+    """``config.yaml``: the composed config of the run (before the epochs are turned into steps)."""
+    run.path.mkdir(parents=True, exist_ok=True)
+    _atomic_text(run.path / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(config)))
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class LossLog(Callback):
+    """``losses.jsonl``: a row per optimizer step once its loss is read (``step`` = updates done)."""
+
+    def __init__(self, run: RunFolder, scheduler: Any, rows: list[dict] | None = None):
+        self.path, self.scheduler = run.path / LOSS_LOG, scheduler
+        self.rows: list[dict] = list(rows or [])
+        run.path.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "w") as f:  # a resumed run rewrites what its checkpoint had
+            f.writelines(json.dumps(r) + "\n" for r in self.rows)
+        self.lr_at: dict[int, float] = {}
+
+    def on_step_end(self, step: int) -> None:
+        self.lr_at[step] = float(self.scheduler.get_last_lr()[0])
+
+    def on_loss(self, step: int, loss: float) -> None:
+        row = {"step": step + 1, "loss": loss, "lr": self.lr_at.pop(step, None)}
+        self.rows.append(row)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def save_outputs(
+    run: RunFolder, cfg: DictConfig, model: Any, tokenizer: Any, id_map: Any, base_path: Any
+) -> dict[str, Any]:
+    """Save the trained adapter (or the whole model with ``adapter=full``), the tokenizer, the id map
+    (``vocab=sliced``) and ``run.json``; returns the manifest."""
+    run.path.mkdir(parents=True, exist_ok=True)
+    full = str(cfg.adapter.method) != "lora"
+    weights = run.path / (MODEL_DIR if full else ADAPTER_DIR)
+    if full:
+        model.save_pretrained(str(weights))
+    else:  # the adapter only: the embeddings are the base's (a sliced vocab keeps rows, it trains none)
+        model.save_pretrained(str(weights), save_embedding_layers=False)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(run.path / TOKENIZER_DIR))
+    if id_map is not None:
+        id_map.save(run.path)
+    manifest = {
+        "schema": 1,
+        "base": {
+            "name": str(cfg.model.name),
+            "source": str(cfg.model.source),
+            "path": None if base_path is None else str(base_path),
+        },
+        "adapter": str(cfg.adapter.method),
+        "weights": weights.name,
+        "vocab": str(cfg.vocab.mode),
+        "id_map": "id_map.json" if id_map is not None else None,
+        "dtype": str(cfg.train.dtype),
+        "quant": {"bits": int(cfg.quant.bits), "name": str(cfg.quant.name)},
+        "steps": int(cfg.train.steps),
+    }
+    _atomic_text(run.path / RUN_MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    return manifest

@@ -1,0 +1,183 @@
+"""``vramsweep generate <run>`` and ``vramsweep export <run> [--merge] <dir>``: use a run's model.
+
+Both read the run folder's ``run.json`` (:mod:`vramsweep.production.outputs`): the base weights folder, the
+adapter kind, the vocabulary, the dtype and quantisation. ``generate`` loads base + adapter (4-bit bases
+quantised again, as trained; a full fine-tune's ``model/``), renders the prompt or a messages file through
+the tokenizer's chat template when it has one, and decodes greedily. ``export`` copies the adapter folder
+(+ tokenizer), or with ``--merge`` folds the adapter into the **bf16** base from the run's base folder
+(QLoRA runs included: the merge never happens into 4-bit weights) and writes a folder plain
+``AutoModelForCausalLM.from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from vramsweep.config.errors import error_line
+from vramsweep.production.layout import ADAPTER_DIR, MODEL_DIR, TOKENIZER_DIR, read_manifest
+
+
+class UseError(ValueError):
+    """Bad input to generate/export (one error line, exit 2)."""
+
+
+def _manifest(run: str) -> dict[str, Any]:
+    try:
+        return read_manifest(run)
+    except FileNotFoundError as exc:
+        raise UseError(
+            f"{exc} (give the folder a vramsweep train run wrote, with run.json and adapter/)"
+        ) from None
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def load_run_model(run: str | Path, *, quantised: bool = True) -> tuple[Any, Any, dict[str, Any]]:
+    """(model, tokenizer, manifest) of a finished run: base + adapter as trained (``quantised=False``: the
+    bf16/fp16 base even for a 4-bit run, what ``--merge`` folds into)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = Path(run)
+    man = _manifest(str(run))
+    dtype = _dtype(man["dtype"])
+    tok = AutoTokenizer.from_pretrained(str(run / TOKENIZER_DIR))
+    if man["weights"] == MODEL_DIR:
+        return AutoModelForCausalLM.from_pretrained(str(run / MODEL_DIR), dtype=dtype).eval(), tok, man
+    base_path = man["base"]["path"]
+    if not base_path or not Path(base_path).is_dir():
+        raise UseError(f"{run}/run.json: the base weights folder {base_path!r} is missing")
+    kw: dict[str, Any] = {"dtype": dtype}
+    if quantised and int(man["quant"]["bits"]) in (4, 8):
+        from vramsweep.config import compose
+        from vramsweep.knobs.common import bnb_config
+
+        cfg = compose([f"quant={man['quant']['name']}"], rules="none")
+        kw["quantization_config"] = bnb_config(cfg)
+    base = AutoModelForCausalLM.from_pretrained(base_path, **kw)
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base, str(run / ADAPTER_DIR)).eval(), tok, man
+
+
+def prompt_ids(tok: Any, prompt: str | None, messages: list[dict] | None) -> list[int]:
+    """Token ids of the prompt: through the chat template when the tokenizer has one (a generation prompt
+    appended), else the plain text."""
+    if messages is None:
+        messages = [{"role": "user", "content": prompt or ""}]
+    if getattr(tok, "chat_template", None):
+        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) else out)
+    return list(tok("\n".join(str(m.get("content", "")) for m in messages))["input_ids"])
+
+
+def generate(run: str | Path, prompt: str | None, messages: list[dict] | None, max_new_tokens: int) -> str:
+    """Greedy completion of the prompt by the run's model."""
+    import torch
+
+    model, tok, man = load_run_model(run)
+    ids = prompt_ids(tok, prompt, messages)
+    if man.get("id_map") and man["weights"] == MODEL_DIR:  # a sliced full fine-tune: new ids in, old out
+        from vramsweep.knobs.vocab import IdMap
+
+        idm = IdMap.load(run)
+        x = torch.tensor([idm.encode(ids)])
+    else:
+        idm, x = None, torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
+    new = out[0, x.shape[1] :]
+    if idm is not None:
+        new = idm.new_to_old[new]
+    return tok.decode(new.tolist(), skip_special_tokens=True)
+
+
+def export(run: str | Path, out: str | Path, *, merge: bool) -> Path:
+    """Write the adapter folder (+ tokenizer) or, with ``merge``, a merged bf16 model folder to ``out``."""
+    run, out = Path(run), Path(out)
+    man = _manifest(str(run))
+    if out.exists() and any(out.iterdir()):
+        raise UseError(f"{out} exists and is not empty (give a new folder)")
+    if man.get("id_map") and man["weights"] == MODEL_DIR and merge:
+        raise UseError(
+            f"{run}: a vocab=sliced full fine-tune has only the kept embedding rows; export it without --merge "
+            "(model/ + id_map.json)"
+        )
+    if not merge:
+        shutil.copytree(run / man["weights"], out, dirs_exist_ok=True)
+        shutil.copytree(run / TOKENIZER_DIR, out, dirs_exist_ok=True)
+        if man.get("id_map"):
+            shutil.copy2(run / man["id_map"], out / man["id_map"])
+        return out
+    model, tok, _ = load_run_model(run, quantised=False)
+    if man["weights"] == ADAPTER_DIR:
+        model = model.merge_and_unload()
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    (out / "vramsweep_export.json").write_text(json.dumps({"run": str(run), "merged": True, **man}, indent=1))
+    return out
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``vramsweep generate <run> --prompt TEXT | --messages FILE``."""
+    import sys
+
+    try:
+        messages = None
+        if args.messages:
+            try:
+                messages = json.loads(Path(args.messages).read_text())
+            except (OSError, ValueError) as exc:
+                raise UseError(f"--messages {args.messages}: {exc}") from None
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise UseError(
+                    f"--messages {args.messages}: a JSON list of {{role, content}} objects is needed"
+                )
+        elif args.prompt is None:
+            raise UseError("give --prompt TEXT or --messages FILE")
+        print(generate(args.run, args.prompt, messages, int(args.max_new_tokens)))
+    except UseError as exc:
+        print(error_line("generate", str(exc)), file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``vramsweep export <run> [--merge] <dir>``."""
+    import sys
+
+    try:
+        out = export(args.run, args.out, merge=bool(args.merge))
+    except UseError as exc:
+        print(error_line("export", str(exc)), file=sys.stderr)
+        return 2
+    print(f"{'merged model' if args.merge else 'adapter'}: {out}")
+    return 0
+
+
+def add_parsers(sub: Any) -> None:
+    """Register ``generate`` and ``export`` on the CLI's subparsers."""
+    g = sub.add_parser("generate", help="generate with a train run's model (base + adapter, chat template)")
+    g.add_argument("run", help="the run folder (results/runs/<...>, with run.json)")
+    g.add_argument("--prompt", default=None, help="the user message")
+    g.add_argument("--messages", default=None, metavar="FILE", help="a JSON list of {role, content} messages")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.set_defaults(func=cmd_generate)
+    e = sub.add_parser("export", help="write a run's adapter, or with --merge a merged bf16 model folder")
+    e.add_argument("run", help="the run folder (with run.json)")
+    e.add_argument("out", help="a new (or empty) folder")
+    e.add_argument("--merge", action="store_true", help="fold the adapter into the bf16 base")
+    e.set_defaults(func=cmd_export)
