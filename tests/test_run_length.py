@@ -48,6 +48,8 @@ def test_a_run_of_half_an_epoch_trains_half_the_examples(tmp_path, capsys):
     n_train = res["meta"]["data"]["train"]["count"]
     rows = [json.loads(line) for line in (tmp_path / "run" / "losses.jsonl").read_text().splitlines()]
     assert len(rows) == got["steps"] and got["epochs"] == 0.5
-    assert got["steps"] == steps_for_epochs(n_train, 0.5, 4, 1) and got["steps"] != 4  # not FAST's train.steps
+    assert (
+        got["steps"] == steps_for_epochs(n_train, 0.5, 4, 1) and got["steps"] != 4
+    )  # not FAST's train.steps
     err = capsys.readouterr().err
     assert f"step 2/{got['steps']}  eval_loss" in err
