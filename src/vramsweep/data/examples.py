@@ -46,6 +46,7 @@ class Example:
     target_section: int
     n_context_tokens: int
     fact_spans: list[tuple[int, int]] = field(default_factory=list)
+    where: str = ""  # the record's location (``file:line``) for records read from a file
 
 
 def _encode(tokenizer: Any, text: str, *, offsets: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
