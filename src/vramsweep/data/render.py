@@ -296,21 +296,28 @@ def _fit_messages(item: Item, tok: Any, s: RenderSettings) -> list[dict]:
         else _length(tok, item, g, s)
         for g in older
     ]
-    keep = kept_lengths(whole, max(0, s.max_tokens - base), "exp_decay", s.decay, s.min_tokens_per_section)
+    room = max(0, s.max_tokens - base)
+    fixed = [w - u for w, u in zip(whole, user_len)]  # markers + assistant turns: never cut
     chosen: list[list[dict]] = []
-    for g, w, u, k in zip(older, whole, user_len, keep):
-        if k >= w:
-            chosen.append(g)
+    for m in range(len(older), 0, -1):  # the most older exchanges whose user content still gets a share
+        budget = room - sum(fixed[-m:])
+        if budget < m * max(1, s.min_tokens_per_section):
             continue
-        room = u - (w - k)
-        if room < max(1, s.min_tokens_per_section):
+        # the newest exchange is already whole (base): a 0-token stand-in takes its place, so the older ones
+        # share the budget with the weights decay**k, k = exchanges back
+        keep = kept_lengths([*user_len[-m:], 0], budget, "exp_decay", s.decay, s.min_tokens_per_section)[:-1]
+        if any(k == 0 and u > 0 for k, u in zip(keep, user_len[-m:])):
             continue
-        chosen.append(
+        chosen = [
             [
-                m if m["role"] in trained_roles else {**m, "content": _cut_content(tok, m["content"], room)}
-                for m in g
+                x if x["role"] in trained_roles else {**x, "content": _cut_content(tok, x["content"], k)}
+                for x in g
             ]
-        )
+            if k < u
+            else g
+            for g, k, u in zip(older[-m:], keep, user_len[-m:])
+        ]
+        break
     while chosen and _length(tok, item, flat([*chosen, groups[-1]]), s) > s.max_tokens:
         chosen.pop(0)
     return flat([*chosen, groups[-1]])
