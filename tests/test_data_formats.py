@@ -334,3 +334,27 @@ def test_the_shipped_chat_set_is_deterministic_and_answers_from_the_report(tok, 
     )
     assert d.stats["format"] == "messages" and len(d.train) == 4 and len(d.eval) == 2
     assert all(e.fact_spans for e in d.train)
+
+
+def test_the_instruction_prefix_can_be_empty_and_applies_to_documents_only(tok):
+    from vramsweep.data.examples import build_examples
+    from vramsweep.data.synthetic import generate_documents
+
+    doc = generate_documents(1, 1234)[:1]
+    kw = dict(max_tokens=512, truncation="tail", decay=0.5, min_tokens_per_section=16)
+    with_text = build_examples(doc, tok, instructions="Write the next section.", **kw)[0]
+    empty = build_examples(doc, tok, instructions="", **kw)[0]
+    n = len(tok("Write the next section.", add_special_tokens=False)["input_ids"])
+    assert empty.input_ids[:2] == [tok.bos_token_id, tok.sep_token_id]
+    assert trained_text(tok, empty) == trained_text(tok, with_text)
+    assert len(with_text.input_ids) - len(empty.input_ids) in (n, 0)  # 0 when tail truncation used the room
+    (chat,) = build_item_examples(items({"messages": CHAT}), tok, settings(template=tok.chat_template))
+    assert "Write the next" not in tok.decode(chat.input_ids)
+
+
+def test_vocab_slicing_keeps_the_templates_special_tokens(tok):
+    from vramsweep.knobs.vocab import kept_ids
+
+    (e,) = build_item_examples(items({"messages": CHAT}), tok, settings(template=tok.chat_template))
+    kept = set(kept_ids(tok, [e.input_ids], mode="corpus"))
+    assert {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id} <= kept and set(e.input_ids) <= kept
