@@ -358,3 +358,32 @@ def test_vocab_slicing_keeps_the_templates_special_tokens(tok):
     (e,) = build_item_examples(items({"messages": CHAT}), tok, settings(template=tok.chat_template))
     kept = set(kept_ids(tok, [e.input_ids], mode="corpus"))
     assert {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id} <= kept and set(e.input_ids) <= kept
+
+
+@pytest.mark.slow
+def test_a_four_trial_sweep_tokenizes_once(tmp_path, embedded_model_dir, monkeypatch):
+    """The pre-flight builds the examples (the one tokenizer pass); the 4 real trials read them from the cache."""
+    from vramsweep.sweeper import run_multirun
+
+    conf = tmp_path / "conf"
+    (conf / "sweep").mkdir(parents=True)
+    (conf / "sweep" / "chat4.yaml").write_text(
+        "# @package _global_\n# Launch: vramsweep train -m sweep=chat4\n"
+        "defaults:\n  - override /hydra/sweeper: vramsweep\n"
+        "sweep:\n  name: chat4\n  design: ablation\n"
+        "  objectives:\n    - {metric: peak_memory_bytes, direction: minimize}\n"
+        "  baseline: [adapter=lora]\n  factors:\n    - [adapter=rslora]\n  repeats: 2\n"
+    )
+    monkeypatch.setenv("VRAMSWEEP_CONFIG_DIR", str(conf))
+    data = write(tmp_path / "chats.jsonl", [{"messages": CHAT, "id": f"{tmp_path}-{i}"} for i in range(8)])
+    rc = run_multirun(
+        ["sweep=chat4", "data=file", f"data.path={data}", f"results_dir={tmp_path}", "train.steps=2"]
+        + ["train.measure_warmup_steps=1", "context.max_tokens=128"]
+    )
+    assert rc == 0
+    res = [
+        json.loads(p.read_text()) for p in sorted((tmp_path / "sweeps" / "chat4" / "trials").glob("*.json"))
+    ]
+    assert len(res) == 4 and all(r["status"] == "ok" for r in res)
+    assert [r["meta"]["data"]["cache"] for r in res] == ["hit"] * 4
+    assert len({r["meta"]["data"]["cache_key"] for r in res}) == 1
