@@ -89,7 +89,7 @@ def render_settings(cfg: DictConfig, tokenizer: Any, fmt: str) -> Any:
     )
 
 
-def _record_examples(cfg: DictConfig, tokenizer: Any) -> tuple[list, list, dict]:
+def _record_examples(cfg: DictConfig, tokenizer: Any, ud: Any = None) -> tuple[list, list, dict]:
     """Examples of chat / prompt-completion / alpaca / text records (the user's or the shipped chat set)."""
     from vramsweep.data.formats import normalize_records
     from vramsweep.data.render import build_item_examples
@@ -108,7 +108,7 @@ def _record_examples(cfg: DictConfig, tokenizer: Any) -> tuple[list, list, dict]
         )
         fmt, info = "messages", {"eval_from": "embedded (disjoint seed)"}
     else:
-        ud = load_user(cfg)
+        ud = ud if ud is not None else load_user(cfg)
         train_items, eval_items, fmt = ud.train, ud.eval, ud.format
         info = {"eval_from": ud.eval_from, "source_sha256": ud.sha256}
     s = render_settings(cfg, tokenizer, fmt)
@@ -137,9 +137,13 @@ def _length_distribution(examples: list) -> dict:
 def _build(cfg: DictConfig, tokenizer: Any) -> TrialData:
     from vramsweep.data.examples import build_examples, examples_stats
 
-    fmt = data_format(cfg)
+    ud = load_user(cfg) if cfg.data.source in USER_SOURCES else None  # read the file once
+    fmt = ud.format if ud is not None else data_format(cfg)
     if fmt == "documents":
-        train_docs, eval_docs = load_documents(cfg)
+        if ud is not None:
+            train_docs, eval_docs = [it.doc for it in ud.train], [it.doc for it in ud.eval]
+        else:
+            train_docs, eval_docs = load_documents(cfg)
         c = cfg.context
         kw = dict(
             max_tokens=int(c.max_tokens),
@@ -151,10 +155,10 @@ def _build(cfg: DictConfig, tokenizer: Any) -> TrialData:
         train = build_examples(train_docs, tokenizer, **kw)
         ev = build_examples(eval_docs, tokenizer, **kw)
         info: dict = {"format": "documents", "train_on": "target section"}
-        if cfg.data.source in USER_SOURCES:
-            info["source_sha256"] = load_user(cfg).sha256
+        if ud is not None:
+            info["source_sha256"] = ud.sha256
     else:
-        train, ev, info = _record_examples(cfg, tokenizer)
+        train, ev, info = _record_examples(cfg, tokenizer, ud)
     if not train:
         raise ValueError("the training documents produced no examples (need documents with >= 2 sections)")
     if not ev:
