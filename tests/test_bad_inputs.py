@@ -27,6 +27,38 @@ Usage = namedtuple("Usage", "total used free")  # shutil.disk_usage's result, fo
 DOC = {"id": "d1", "title": "t", "sections": [{"heading": "h", "text": "some text"}]}
 
 
+def _chat(*turns: tuple[str, str]) -> bytes:
+    return json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]}).encode() + b"\n"
+
+
+def _chat_inputs() -> dict[str, bytes]:
+    """Bad records of the other formats (issue 34.8)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = _chat(("user", "hi"), ("assistant", "hello"))
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"instruction": ["a", "b"], "input": ["", ""]}), buf)
+    return {
+        "chat_good.jsonl": good * 3,
+        "chat_unknown.jsonl": b'{"foo": 1, "bar": 2}\n',
+        "chat_role.jsonl": good + _chat(("user", "hi"), ("narrator", "x"), ("assistant", "y")),
+        "chat_noassistant.jsonl": good + _chat(("system", "s"), ("user", "hi")),
+        "chat_emptycontent.jsonl": good + _chat(("user", "hi"), ("assistant", "  ")),
+        "chat_mixed.jsonl": good + b'{"text": "plain"}\n',
+        "chat_latin1.json": b'[{"text": "caf\xe9"}]',
+        "alpaca_nooutput.parquet": buf.getvalue(),
+        "pc_longprompt.jsonl": json.dumps({"prompt": "word " * 200, "completion": "yes"}).encode()
+        + b"\n"
+        + json.dumps({"prompt": "q", "completion": "a"}).encode()
+        + b"\n",
+        "chat_long.jsonl": good + _chat(("user", "word " * 200), ("assistant", "fine")) + good,
+        "bad_template.jinja": b"{{ raise_exception('this template refuses') }}",
+    }
+
+
 def _inputs(root: Path) -> dict[str, Path]:
     """Every bad input file, written before the snapshot (so they do not count as 'written')."""
     d = root / "in"
@@ -45,6 +77,7 @@ def _inputs(root: Path) -> dict[str, Path]:
         "list.jsonl": b"[1, 2, 3]\n",
         "good.jsonl": (json.dumps(DOC) + "\n").encode(),
         "not_a_dir": b"x",
+        **_chat_inputs(),
     }
     out = {}
     for name, data in files.items():
@@ -104,14 +137,14 @@ CASES: list[tuple[str, str, list[str], dict[str, str], str]] = [
         "train",
         ["data=jsonl", "data.path={empty.jsonl}"],
         {},
-        "empty.jsonl:1: no documents (the file is empty)",
+        "empty.jsonl:1: no records (the file is empty)",
     ),
     (
         "jsonl-blank",
         "train",
         ["data=jsonl", "data.path={blank.jsonl}"],
         {},
-        "blank.jsonl:1: no documents (only 3 blank",
+        "blank.jsonl:1: no records (only 3 blank",
     ),
     (
         "jsonl-malformed",
@@ -140,7 +173,7 @@ CASES: list[tuple[str, str, list[str], dict[str, str], str]] = [
         "train",
         ["data=jsonl", "data.path={nosections.jsonl}"],
         {},
-        "nosections.jsonl:1: missing required field 'sections'",
+        "nosections.jsonl:1: unknown format: keys found ['id', 'title']; accepted formats: messages",
     ),
     (
         "jsonl-empty-sections",
@@ -164,6 +197,98 @@ CASES: list[tuple[str, str, list[str], dict[str, str], str]] = [
         ["data=jsonl", "data.path={good.jsonl}", "data.eval_path={root}/nope.jsonl"],
         {},
         "data.eval_path",
+    ),
+    # --- data=file, every format (issue 34.8): file:line, before any model is built
+    (
+        "fmt-unknown",
+        "train",
+        ["data=file", "data.path={chat_unknown.jsonl}"],
+        {},
+        "chat_unknown.jsonl:1: unknown format: keys found ['bar', 'foo']; accepted formats: messages",
+    ),
+    (
+        "fmt-role",
+        "train",
+        ["data=file", "data.path={chat_role.jsonl}"],
+        {},
+        "chat_role.jsonl:2: messages[1]: unknown role 'narrator'; roles are system, user, assistant, tool",
+    ),
+    (
+        "fmt-no-assistant",
+        "train",
+        ["data=file", "data.path={chat_noassistant.jsonl}"],
+        {},
+        "chat_noassistant.jsonl:2: 'messages' has no assistant turn",
+    ),
+    (
+        "fmt-empty-content",
+        "train",
+        ["data=file", "data.path={chat_emptycontent.jsonl}"],
+        {},
+        "chat_emptycontent.jsonl:2: messages[1] (assistant) has empty content",
+    ),
+    (
+        "fmt-mixed",
+        "train",
+        ["data=file", "data.path={chat_mixed.jsonl}"],
+        {},
+        "chat_mixed.jsonl:2: this record is in format 'text' but",
+    ),
+    (
+        "fmt-json-latin1",
+        "train",
+        ["data=file", "data.path={chat_latin1.json}"],
+        {},
+        "chat_latin1.json:1: not UTF-8",
+    ),
+    (
+        "fmt-parquet-column",
+        "train",
+        ["data=file", "data.path={alpaca_nooutput.parquet}", "data.format=alpaca"],
+        {},
+        "alpaca_nooutput.parquet:row 1: data.format=alpaca needs the column(s) ['output']",
+    ),
+    (
+        "fmt-template-fails",
+        "train",
+        ["data=file", "data.path={chat_good.jsonl}", "data.chat_template={bad_template.jinja}"],
+        {},
+        "chat_good.jsonl:1: the chat template failed to render this record",
+    ),
+    (
+        "fmt-no-trained-token",
+        "train",
+        ["data=file", "data.path={pc_longprompt.jsonl}", "context.max_tokens=32"],
+        {},
+        "pc_longprompt.jsonl:1: no trained token after masking",
+    ),
+    (
+        "fmt-none-too-long",
+        "train",
+        ["data=file", "data.path={chat_long.jsonl}", "context.max_tokens=64", "context.truncation=none"],
+        {},
+        "chat_long.jsonl:2: ",
+    ),
+    (
+        "fmt-train-on",
+        "train",
+        ["data=file", "data.path={chat_good.jsonl}", "data.train_on=completion"],
+        {},
+        "data.train_on=completion does not apply to format 'messages'",
+    ),
+    (
+        "fmt-num-docs",
+        "train",
+        ["data=file", "data.path={chat_good.jsonl}", "data.num_docs=8"],
+        {},
+        "data.num_docs=8 does not apply to data.source=file",
+    ),
+    (
+        "fmt-unknown-template",
+        "train",
+        ["data=file", "data.path={chat_good.jsonl}", "data.chat_template=nope"],
+        {},
+        "data.chat_template='nope' is neither a built-in template (chatml, embedded)",
     ),
     # --- model.path config.json
     (
@@ -223,7 +348,7 @@ CASES: list[tuple[str, str, list[str], dict[str, str], str]] = [
         "train",
         ["-m", "data=jsonl", "data.path={good.jsonl},{empty.jsonl}", *FAKE],
         {},
-        "empty.jsonl:1: no documents",
+        "empty.jsonl:1: no records",
     ),
     (
         "m-model-corrupt",

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig
 
-from vramsweep.data.documents import load_jsonl
 from vramsweep.data.synthetic import generate_documents
 
 EVAL_SEED_OFFSET = 100_003  # eval documents come from a disjoint seed stream
@@ -23,46 +23,181 @@ class TrialData:
     stats: dict = field(default_factory=dict)
 
 
+#: ``data.source`` values that read the user's files (``data.path`` / ``data.eval_path``).
+USER_SOURCES = ("jsonl", "file")
+
+
+def load_user(cfg: DictConfig) -> Any:
+    """The user's records (:func:`vramsweep.data.load.load_user_data`) for ``data.source=file|jsonl``."""
+    from vramsweep.data.load import load_user_data
+
+    d = cfg.data
+    return load_user_data(str(d.path), str(d.eval_path) if d.eval_path else None, str(d.format))
+
+
 def load_documents(cfg: DictConfig) -> tuple[list[dict], list[dict]]:
+    """Sectioned documents for training and held-out eval: the embedded synthetic reports, or the user's
+    documents file (ValueError when ``data.path`` holds another format)."""
     d = cfg.data
     if d.source == "embedded":
         return (
             generate_documents(int(d.num_docs), int(d.seed)),
             generate_documents(int(d.num_eval_docs), int(d.seed) + EVAL_SEED_OFFSET),
         )
-
-    docs = load_jsonl(str(d.path))
-    if d.eval_path:
-        return docs, load_jsonl(str(d.eval_path))
-    n_eval = max(1, len(docs) // 10)
-    if len(docs) < 2:
+    ud = load_user(cfg)
+    if ud.format != "documents":
         raise ValueError(
-            f"data.path={d.path}: need at least 2 documents (or data.eval_path) for a held-out eval"
+            f"data.path={d.path}: the records are in format {ud.format!r}, not sectioned documents"
         )
-    return docs[:-n_eval], docs[-n_eval:]
+    return [it.doc for it in ud.train], [it.doc for it in ud.eval]
 
 
-def build_trial_data(cfg: DictConfig, tokenizer: Any) -> TrialData:
-    """Examples for training and held-out eval, truncated to ``context.max_tokens`` as configured."""
-    from vramsweep.data.examples import build_examples, examples_stats
+def data_format(cfg: DictConfig) -> str:
+    """The format the trial's records are in (reads the user's file for ``data.format=auto``)."""
+    d = cfg.data
+    if d.source == "embedded":
+        return "documents"
+    if d.source == "embedded_chat":
+        return "messages"
+    if str(d.format) != "auto":
+        return str(d.format)
+    return str(load_user(cfg).format)
 
-    train_docs, eval_docs = load_documents(cfg)
-    c = cfg.context
-    kw = dict(
+
+def render_settings(cfg: DictConfig, tokenizer: Any, fmt: str) -> Any:
+    """:class:`vramsweep.data.render.RenderSettings` from the config; ``data.train_on`` is checked against
+    the format (ValueError naming the values that apply)."""
+    from vramsweep.data.render import RenderSettings, default_train_on, resolve_template, train_on_choices
+
+    d, c = cfg.data, cfg.context
+    train_on = str(d.train_on)
+    choices = train_on_choices(fmt)
+    if train_on == "auto":
+        train_on = default_train_on(fmt)
+    elif train_on not in choices:
+        raise ValueError(
+            f"data.train_on={train_on} does not apply to format {fmt!r}; use auto or one of {', '.join(choices)}"
+        )
+    return RenderSettings(
+        train_on=train_on,
+        template=resolve_template(d.chat_template, tokenizer),
+        enable_thinking=bool(d.enable_thinking),
         max_tokens=int(c.max_tokens),
         truncation=str(c.truncation),
         decay=float(c.decay),
         min_tokens_per_section=int(c.min_tokens_per_section),
-        instructions=str(cfg.data.instructions),
     )
-    train = build_examples(train_docs, tokenizer, **kw)
-    ev = build_examples(eval_docs, tokenizer, **kw)
+
+
+def _record_examples(cfg: DictConfig, tokenizer: Any, ud: Any = None) -> tuple[list, list, dict]:
+    """Examples of chat / prompt-completion / alpaca / text records (the user's or the shipped chat set)."""
+    from vramsweep.data.formats import normalize_records
+    from vramsweep.data.render import build_item_examples
+    from vramsweep.data.sources import Record
+
+    d = cfg.data
+    if d.source == "embedded_chat":
+        from vramsweep.data.chatset import generate_chats
+
+        def recs(n: int, seed: int, tag: str) -> list:
+            return [Record(f"{tag}:{i + 1}", r) for i, r in enumerate(generate_chats(n, seed))]
+
+        train_items = normalize_records(recs(int(d.num_docs), int(d.seed), "grant_chat"), "messages")
+        eval_items = normalize_records(
+            recs(int(d.num_eval_docs), int(d.seed) + EVAL_SEED_OFFSET, "grant_chat-eval"), "messages"
+        )
+        fmt, info = "messages", {"eval_from": "embedded (disjoint seed)"}
+    else:
+        ud = ud if ud is not None else load_user(cfg)
+        train_items, eval_items, fmt = ud.train, ud.eval, ud.format
+        info = {"eval_from": ud.eval_from, "source_sha256": ud.sha256}
+    s = render_settings(cfg, tokenizer, fmt)
+    train = build_item_examples(train_items, tokenizer, s)
+    ev = build_item_examples(eval_items, tokenizer, s)
+    info |= {
+        "format": fmt,
+        "train_on": s.train_on,
+        "chat_template": str(d.chat_template) if d.chat_template else "tokenizer",
+        "enable_thinking": s.enable_thinking,
+    }
+    return train, ev, info
+
+
+def _length_distribution(examples: list) -> dict:
+    lengths = sorted(len(e.input_ids) for e in examples)
+    if not lengths:
+        return {}
+
+    def q(p: float) -> int:
+        return lengths[min(len(lengths) - 1, int(p * (len(lengths) - 1) + 0.5))]
+
+    return {"min": lengths[0], "p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": lengths[-1]}
+
+
+def _build(cfg: DictConfig, tokenizer: Any) -> TrialData:
+    from vramsweep.data.examples import build_examples, examples_stats
+
+    ud = load_user(cfg) if cfg.data.source in USER_SOURCES else None  # read the file once
+    fmt = ud.format if ud is not None else data_format(cfg)
+    if fmt == "documents":
+        if ud is not None:
+            train_docs, eval_docs = [it.doc for it in ud.train], [it.doc for it in ud.eval]
+        else:
+            train_docs, eval_docs = load_documents(cfg)
+        c = cfg.context
+        kw = dict(
+            max_tokens=int(c.max_tokens),
+            truncation=str(c.truncation),
+            decay=float(c.decay),
+            min_tokens_per_section=int(c.min_tokens_per_section),
+            instructions=str(cfg.data.instructions),
+        )
+        train = build_examples(train_docs, tokenizer, **kw)
+        ev = build_examples(eval_docs, tokenizer, **kw)
+        info: dict = {"format": "documents", "train_on": "target section"}
+        if ud is not None:
+            info["source_sha256"] = ud.sha256
+    else:
+        train, ev, info = _record_examples(cfg, tokenizer, ud)
     if not train:
         raise ValueError("the training documents produced no examples (need documents with >= 2 sections)")
     if not ev:
         raise ValueError("the eval documents produced no examples (need documents with >= 2 sections)")
-    stats = {"train": examples_stats(train), "eval": examples_stats(ev)}
+    stats = {"train": examples_stats(train), "eval": examples_stats(ev), **info}
+    for split, ex in (("train", train), ("eval", ev)):
+        trained = stats[split]["target_tokens"]
+        stats[split]["trained_tokens"] = trained
+        stats[split]["prompt_tokens"] = stats[split]["total_tokens"] - trained
+        stats[split]["length_distribution"] = _length_distribution(ex)
     return TrialData(train=train, eval=ev, pad_id=int(tokenizer.pad_token_id), stats=stats)
+
+
+def cache_parts(cfg: DictConfig, tokenizer: Any) -> dict:
+    """What the built examples depend on (:func:`vramsweep.data.cache.cached`'s key)."""
+    from omegaconf import OmegaConf
+
+    from vramsweep.data.cache import tokenizer_fingerprint
+    from vramsweep.data.sources import source_sha256
+
+    d = OmegaConf.to_container(cfg.data, resolve=True)
+    parts = {"data": d, "context": OmegaConf.to_container(cfg.context, resolve=True)}
+    if cfg.data.source in USER_SOURCES:
+        parts["files"] = [source_sha256(str(p)) for p in (cfg.data.path, cfg.data.eval_path) if p]
+    if cfg.data.chat_template and os.path.isfile(os.path.expanduser(str(cfg.data.chat_template))):
+        parts["template_sha256"] = source_sha256(str(cfg.data.chat_template))
+    parts["tokenizer"] = tokenizer_fingerprint(tokenizer)
+    return parts
+
+
+def build_trial_data(cfg: DictConfig, tokenizer: Any) -> TrialData:
+    """Examples for training and held-out eval, truncated to ``context.max_tokens`` as configured; built once
+    per data + tokenizer + settings and then read from the tokenisation cache (:mod:`vramsweep.data.cache`).
+    ``stats["cache"]`` says ``hit`` or ``miss``."""
+    from vramsweep.data.cache import cached
+
+    data, status, key = cached(cache_parts(cfg, tokenizer), lambda: _build(cfg, tokenizer))
+    data.stats = {**data.stats, "cache": status, "cache_key": key[:16]}
+    return data
 
 
 def trial_data(cfg: DictConfig, tokenizer: Any) -> TrialData:

@@ -49,6 +49,7 @@ from vramsweep.config import compose
 from vramsweep.config.schema import DataConfig
 from vramsweep.data.documents import document_text
 from vramsweep.data.synthetic import pretrain_documents
+from vramsweep.data.templates import EMBEDDED_CHAT_TEMPLATE
 from vramsweep.hfmodel import cache_root, hf_config
 
 if TYPE_CHECKING:  # torch is imported where a model is built: the pre-flight only needs paths from here
@@ -71,6 +72,7 @@ TASK_BUDGETS = (256, 384, 512, 768, 1024, 1536, 2048)
 INFO_FILE = "vramsweep_embedded.json"
 ASSET_DIR = Path(__file__).resolve().parent / "assets" / "embedded"
 ASSET_FILES = (
+    "chat_template.jinja",
     "config.json",
     "generation_config.json",
     "model.safetensors",
@@ -340,6 +342,7 @@ def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dic
     tmp = _tmp_for(out)
     model.eval()
     model.save_pretrained(tmp)
+    tokenizer.chat_template = EMBEDDED_CHAT_TEMPLATE  # written as chat_template.jinja
     tokenizer.save_pretrained(tmp)
     info = {
         "recipe_version": RECIPE_VERSION,

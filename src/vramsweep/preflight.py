@@ -36,7 +36,7 @@ from vramsweep.config.compose import ConfigError, list_options
 from vramsweep.config.paths import check_path_names
 from vramsweep.config.rules import FAULT_KINDS, FAULT_RE, check_fault_env  # noqa: F401 - re-exported
 from vramsweep.data.documents import format_section, load_jsonl
-from vramsweep.data_prep import load_documents
+from vramsweep.data_prep import USER_SOURCES, data_format, load_documents
 from vramsweep.embedded import ASSET_DIR, _key, asset_info, embedded_dir
 from vramsweep.estimate import estimate
 from vramsweep.estimate.dims import check_model_config
@@ -130,16 +130,32 @@ def check_disk(
         )
 
 
-def check_jsonl(path: str | os.PathLike, *, key: str = "data.path") -> None:
-    """Raise ``<key>: <file>:<line>: <problem>`` unless ``path`` is a valid documents JSONL file."""
+def check_jsonl(path: str | os.PathLike, *, key: str = "data.path", fmt: str = "auto") -> None:
+    """Raise ``<key>: <file>:<line>: <problem>`` unless ``path`` is a readable data file (or dataset folder)
+    whose records all parse in one format (:mod:`vramsweep.data.sources`, :mod:`vramsweep.data.formats`;
+    sectioned documents in JSON Lines through :func:`vramsweep.data.documents.load_jsonl`)."""
+    from vramsweep.data.formats import detect_format, normalize_records
+    from vramsweep.data.sources import read_source
 
     try:
-        load_jsonl(path)
+        src = read_source(path)
+        if (
+            fmt in ("auto", "documents")
+            and src.kind == "jsonl"
+            and detect_format(src.records[0].obj) == "documents"
+        ):
+            load_jsonl(path)
+        else:
+            normalize_records(src.records, fmt)
+            if src.held_out:
+                normalize_records(src.held_out, fmt)
     except FileNotFoundError:
         raise ConfigError(
-            f"{key}={str(path)!r} does not exist", key=key, allowed=["<path to .jsonl>"]
+            f"{key}={str(path)!r} does not exist",
+            key=key,
+            allowed=["<path to .jsonl / .json / .parquet / folder>"],
         ) from None
-    except (OSError, ValueError) as exc:  # load_jsonl's messages are "<file>:<line>: <problem>"
+    except (OSError, ValueError) as exc:  # the readers' messages are "<file>:<line>: <problem>"
         raise ConfigError(f"{key}: {exc}", key=key) from None
 
 
@@ -183,11 +199,11 @@ def check_named_options(overrides: Iterable[str]) -> None:
 
 def check_inputs(cfg: Any) -> None:
     """The input files a config names: ``data=jsonl`` files and ``model.path``'s config.json."""
-    if str(cfg.data.source) == "jsonl":
+    if str(cfg.data.source) in USER_SOURCES:
         for key in ("path", "eval_path"):
             p = cfg.data.get(key)
             if p:
-                check_jsonl(str(p), key=f"data.{key}")
+                check_jsonl(str(p), key=f"data.{key}", fmt=str(cfg.data.format))
     if str(cfg.model.source) == "path" and cfg.model.get("path"):
         check_model_config(str(cfg.model.path))
     if str(cfg.model.source) == "arch" and cfg.model.get("path"):
@@ -334,7 +350,7 @@ def preflight_sweep(
         check_storage(plan.settings.storage)  # reachable and writable: connect (or probe) now, not mid-sweep
     cfg = OmegaConf.create(task_cfg)
     seen: set[tuple[str, str]] = set()
-    if str(OmegaConf.select(cfg, "data.source")) == "jsonl":
+    if str(OmegaConf.select(cfg, "data.source")) in USER_SOURCES:
         for key in ("path", "eval_path"):
             p = OmegaConf.select(cfg, f"data.{key}")
             if p:
@@ -345,7 +361,7 @@ def preflight_sweep(
         seen.add(item)
     for key, value in sorted(seen):
         if _INPUT_KEYS[key] == "jsonl":
-            check_jsonl(value, key=key)
+            check_jsonl(value, key=key, fmt=str(OmegaConf.select(cfg, "data.format") or "auto"))
         else:
             check_model_config(value, key=key)
     check_sweep_data(plan, cfg)  # after the input files parse: what the data step would fail on
@@ -449,7 +465,15 @@ def check_data(cfg: Any) -> None:
         return  # no tokenizer: the trial trains on random tokens of exactly context.max_tokens
 
     d = cfg.data
-    jsonl = str(d.source) == "jsonl"
+    jsonl = str(d.source) in USER_SOURCES
+    try:
+        fmt = data_format(cfg)
+    except (OSError, ValueError) as exc:  # check_inputs names a bad file first; kept for direct calls
+        raise ConfigError(f"data.path: {exc}", key="data.path") from None
+    if fmt != "documents":
+        if folder is not None:
+            check_records(cfg, folder)
+        return
     try:
         train, held_out = load_documents(cfg)
     except FileNotFoundError as exc:  # check_inputs names a missing file first; kept for direct calls
@@ -532,6 +556,44 @@ def check_data(cfg: Any) -> None:
             key="context.truncation",
             allowed=["head", "tail", "exp_decay", f"context.max_tokens>={need}"],
         )
+
+
+def _record_error_key(msg: str) -> tuple[str, list[str] | None]:
+    for key in ("data.chat_template", "data.train_on", "data.format", "data.eval_path"):
+        if key in msg:
+            return key, None
+    return "data.path", None
+
+
+def check_records(cfg: Any, folder: Path) -> None:
+    """Chat / prompt-completion / alpaca / text records: build the trial's examples with its tokenizer (the
+    tokenisation cache keeps them for the trial), so a template that fails to render a record, a record with
+    no trained token, a ``data.train_on`` that does not apply, a missing chat template and, with
+    ``context.truncation=none``, the longest record over ``context.max_tokens`` fail here, naming the record."""
+    from vramsweep.data.tokenizer import load_tokenizer
+    from vramsweep.data.truncation import ContextOverflowError
+    from vramsweep.data_prep import build_trial_data
+
+    try:
+        tok = load_tokenizer(folder, embedded=str(cfg.model.source) == "embedded")
+    except Exception as exc:  # noqa: BLE001 - an unreadable tokenizer fails the trial the same way
+        raise ConfigError(
+            f"model: cannot load the tokenizer in {folder}: {type(exc).__name__}: {str(exc)[:300]}",
+            key="model.path" if str(cfg.model.source) == "path" else "model",
+        ) from None
+    try:
+        build_trial_data(cfg, tok)
+    except ContextOverflowError as exc:
+        raise ConfigError(
+            f"context.truncation=none: {exc}",
+            key="context.truncation",
+            allowed=["head", "tail", "exp_decay", "a larger context.max_tokens"],
+        ) from None
+    except (OSError, ValueError) as exc:
+        key, allowed = _record_error_key(str(exc))
+        raise ConfigError(
+            str(exc) if str(exc).startswith("data.") else f"{key}: {exc}", key=key, allowed=allowed
+        ) from None
 
 
 def _cache_bytes_needed(cfg: Any) -> int:

@@ -150,9 +150,7 @@ def check_values(cfg: DictConfig) -> None:
     _check_range(cfg, "vocab.reserve", 0, 10**7, integer=True)
     if cfg.vocab.mode == "top_k":
         _check_range(cfg, "vocab.top_k", 1, 10**7, integer=True)
-    _check_choice(cfg, "data.source", ("embedded", "jsonl", "random"))
-    _check_range(cfg, "data.num_docs", 1, 10**6, integer=True)
-    _check_range(cfg, "data.num_eval_docs", 1, 10**6, integer=True)
+    _rules_data(cfg)
     _check_choice(cfg, "hardware.device", ("cpu", "cuda"))
     _check_range(cfg, "hardware.budget_gib", 0.0, 1e5)
     _check_range(cfg, "hardware.memory_gib", 0.0, 1e5)
@@ -353,16 +351,16 @@ def _rules_combinations(cfg: DictConfig) -> None:
                 key="model.path",
                 allowed=["<local HF folder with config.json>"],
             )
-    if cfg.data.source == "jsonl":
+    if cfg.data.source in ("jsonl", "file"):
         for key in ("path", "eval_path"):
             p = cfg.data[key]
             if key == "eval_path" and p is None:
                 continue
-            if not p or not os.path.isfile(str(p)):
+            if not p or not (os.path.isfile(str(p)) or os.path.isdir(str(p))):
                 raise ConfigError(
-                    f"data.{key}={p!r} is not a readable JSONL file",
+                    f"data.{key}={p!r} is not a readable data file or dataset folder",
                     key=f"data.{key}",
-                    allowed=["<path to .jsonl>"],
+                    allowed=["<path to .jsonl / .json / .parquet>", "<datasets save_to_disk folder>"],
                 )
 
 
@@ -394,6 +392,66 @@ def _rules_packing(cfg: DictConfig) -> None:
                 f"context.max_tokens<={PACKED_MASK_MAX_TOKENS}",
                 "data.packing=false",
             ],
+        )
+
+
+DATA_SOURCES = ("embedded", "embedded_chat", "file", "jsonl", "random")
+DATA_FORMATS = ("auto", "messages", "sharegpt", "prompt_completion", "alpaca", "text", "documents")
+TRAIN_ON = ("auto", "assistant", "last_assistant", "completion", "all")
+
+
+def _rules_data(cfg: DictConfig) -> None:
+    """``data.*``: choices, and the settings that apply only to some sources refused elsewhere."""
+    d = cfg.data
+    _check_choice(cfg, "data.source", DATA_SOURCES)
+    _check_choice(cfg, "data.format", DATA_FORMATS)
+    _check_choice(cfg, "data.train_on", TRAIN_ON)
+    generated = str(d.source) in ("embedded", "embedded_chat", "random")
+    for key in ("num_docs", "num_eval_docs"):
+        if generated:
+            if d.get(key) is None:
+                raise ConfigError(
+                    f"data.{key} is unset: data.source={d.source} generates its records",
+                    key=f"data.{key}",
+                    allowed=["an integer in [1, 1000000]"],
+                )
+            _check_range(cfg, f"data.{key}", 1, 10**6, integer=True)
+        elif d.get(key) is not None:
+            raise ConfigError(
+                f"data.{key}={d.get(key)} does not apply to data.source={d.source} (your records come from "
+                "data.path; the held-out ones from data.eval_path, the folder's test split or the last 10 %)",
+                key=f"data.{key}",
+                allowed=["null (leave it out)"],
+            )
+    if str(d.source) not in ("jsonl", "file"):
+        for key in ("path", "eval_path"):
+            if d.get(key):
+                raise ConfigError(
+                    f"data.{key}={d.get(key)!r} does not apply to data.source={d.source}",
+                    key=f"data.{key}",
+                    allowed=["data=file (or data=jsonl) to read your own records"],
+                )
+    fixed = {"embedded": "documents", "embedded_chat": "messages"}.get(str(d.source))
+    if fixed and str(d.format) not in ("auto", fixed):
+        raise ConfigError(
+            f"data.format={d.format} does not apply to data.source={d.source} (its records are {fixed})",
+            key="data.format",
+            allowed=["auto", fixed],
+        )
+    tpl = d.get("chat_template")
+    if tpl not in (None, "", "auto", "chatml", "embedded") and not os.path.isfile(
+        os.path.expanduser(str(tpl))
+    ):
+        raise ConfigError(
+            f"data.chat_template={tpl!r} is neither a built-in template (chatml, embedded) nor a readable Jinja file",
+            key="data.chat_template",
+            allowed=["chatml", "embedded", "<path to a .jinja file>", "null (the tokenizer's own)"],
+        )
+    if str(d.source) == "embedded" and str(d.train_on) != "auto":
+        raise ConfigError(
+            f"data.train_on={d.train_on} does not apply to sectioned documents (the target section is trained)",
+            key="data.train_on",
+            allowed=["auto"],
         )
 
 

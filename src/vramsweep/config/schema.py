@@ -196,12 +196,20 @@ class VocabConfig:
 @dataclass
 class DataConfig:
     name: str = "synthetic"
-    source: str = "embedded"  # embedded | jsonl | random (random tokens of exactly context.max_tokens)
-    path: Optional[str] = None  # JSONL file when source=jsonl
-    eval_path: Optional[str] = None
-    num_docs: int = 48  # synthetic training documents
-    num_eval_docs: int = 6
+    # embedded (synthetic documents) | embedded_chat (the shipped chat set) | file | jsonl (data.path) | random
+    source: str = "embedded"
+    path: Optional[str] = None  # .jsonl / .json / .parquet / datasets folder when source=file|jsonl
+    eval_path: Optional[str] = None  # held-out file; else a folder's test split, else the last 10 %
+    format: str = "auto"  # auto | messages | sharegpt | prompt_completion | alpaca | text | documents
+    train_on: str = "auto"  # auto | assistant | last_assistant | completion | all (docs/DATA.md)
+    chat_template: Optional[str] = None  # None: the tokenizer's own; chatml | embedded | <path to .jinja>
+    enable_thinking: bool = False  # passed to the chat template (Qwen3's thinking switch)
+    num_docs: Optional[int] = (
+        None  # generated training documents/chats (source=embedded|embedded_chat|random)
+    )
+    num_eval_docs: Optional[int] = None
     seed: int = 1234
+    # sectioned documents only: the instruction placed first in every prompt (may be "")
     instructions: str = "Write the next section of this grant report."
     packing: bool = False  # training examples packed into rows of context.max_tokens (data/packing.py)
 

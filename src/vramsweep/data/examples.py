@@ -47,6 +47,7 @@ class Example:
     n_context_tokens: int
     fact_spans: list[tuple[int, int]] = field(default_factory=list)
     segments: list[int] | None = None  # a packed row: the length of each example in it (data/packing.py)
+    where: str = ""  # the record's location (``file:line``) for records read from a file
 
 
 def _encode(tokenizer: Any, text: str, *, offsets: bool = False) -> tuple[list[int], list[tuple[int, int]]]:

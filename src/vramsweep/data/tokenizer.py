@@ -8,12 +8,14 @@ Encoding never adds special tokens on its own (no post-processor template): the 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-__all__ = ["SPECIAL_TOKENS", "train_tokenizer"]
+__all__ = ["SPECIAL_TOKENS", "load_tokenizer", "train_tokenizer"]
 
 # Fixed ids 0..4, in this order.
 SPECIAL_TOKENS: tuple[str, ...] = ("<|pad|>", "<|eos|>", "<|bos|>", "<|unk|>", "<|sep|>")
@@ -71,3 +73,16 @@ def train_tokenizer(
         model_max_length=1_000_000_000,
         clean_up_tokenization_spaces=False,
     )
+
+
+def load_tokenizer(folder: str | os.PathLike[str], *, embedded: bool = False) -> Any:
+    """``AutoTokenizer.from_pretrained(folder)``; for the embedded model, its chat template when the folder
+    predates ``chat_template.jinja`` (a cache copied from an older asset)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    if embedded and not tok.chat_template:
+        from vramsweep.data.templates import EMBEDDED_CHAT_TEMPLATE
+
+        tok.chat_template = EMBEDDED_CHAT_TEMPLATE
+    return tok

@@ -51,9 +51,9 @@ def model_source(cfg: DictConfig) -> tuple[Path | None, Any]:
         say_random_weights(cfg.model)
     tokenizer = None
     if path is not None and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-        from transformers import AutoTokenizer
+        from vramsweep.data.tokenizer import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = load_tokenizer(path, embedded=src == "embedded")
     return path, tokenizer
 
 

@@ -1,0 +1,245 @@
+"""Record formats: detected from a record's keys (or set with ``data.format``) and normalised into an :class:`Item`.
+
+=====================  =============================================================  ==========================
+format                 a record                                                       rendered as
+=====================  =============================================================  ==========================
+``messages``           ``{"messages": [{"role": "user", "content": "..."}, ...]}``    the chat template
+``sharegpt``           ``{"conversations": [{"from": "human", "value": "..."}, ...]}``  mapped onto ``messages``
+``prompt_completion``  ``{"prompt": "...", "completion": "..."}`` (strings: plain      plain text, or the chat
+                       text) or both message lists (TRL's conversational form)         template for lists
+``alpaca``             ``{"instruction": "...", "input": "...", "output": "..."}``     user / assistant turns
+``text``               ``{"text": "..."}``                                            plain text + EOS
+``documents``          ``{"sections": [{"heading": "...", "text": "..."}], ...}``      sectioned documents
+=====================  =============================================================  ==========================
+
+Roles are ``system``, ``user``, ``assistant`` and ``tool`` (sharegpt's ``human``/``gpt``/``observation``/
+``function_call`` are mapped onto them). One file holds one format: a record of another format is an error
+naming both lines. Any record may carry ``"facts"`` (strings, or objects with a ``"value"``): each whole-word
+occurrence of a value inside a trained span is a fact span for the task score. Every problem raises
+``ValueError("<file>:<line>: <problem>")``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vramsweep.data.documents import normalize_document
+from vramsweep.data.sources import Record
+
+__all__ = ["FORMATS", "ROLES", "Item", "detect_format", "normalize_records"]
+
+FORMATS: tuple[str, ...] = ("messages", "sharegpt", "prompt_completion", "alpaca", "text", "documents")
+ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "observation": "tool",
+    "tool": "tool",
+    "function_call": "assistant",
+}
+#: The keys that identify each format (all must be present), in detection order.
+_KEYS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("messages", ("messages",)),
+    ("sharegpt", ("conversations",)),
+    ("prompt_completion", ("prompt", "completion")),
+    ("alpaca", ("instruction", "output")),
+    ("documents", ("sections",)),
+    ("text", ("text",)),
+)
+_ACCEPTED = (
+    "messages (a 'messages' list), sharegpt ('conversations'), prompt_completion ('prompt' + 'completion'), "
+    "alpaca ('instruction' + 'output'), text ('text'), documents ('sections')"
+)
+
+
+@dataclass
+class Item:
+    """One normalised record.
+
+    ``kind``: ``chat`` (``messages``; the first ``n_prompt`` are the prompt of a prompt/completion record),
+    ``plain`` (``prompt`` + ``completion`` strings), ``text`` or ``document`` (``doc``, as
+    :func:`vramsweep.data.documents.normalize_document` returns it).
+    """
+
+    where: str
+    id: str
+    format: str
+    kind: str
+    messages: list[dict[str, str]] = field(default_factory=list)
+    n_prompt: int = 0
+    prompt: str = ""
+    completion: str = ""
+    text: str = ""
+    doc: dict[str, Any] | None = None
+    facts: list[str] = field(default_factory=list)
+
+
+def detect_format(obj: Any) -> str | None:
+    """The format whose keys ``obj`` has (first match in :data:`_KEYS`), or None."""
+    if not isinstance(obj, dict):
+        return None
+    for name, keys in _KEYS:
+        if all(k in obj for k in keys):
+            return name
+    return None
+
+
+def _str(obj: dict, key: str, *, empty_ok: bool = False) -> str:
+    v = obj.get(key)
+    if not isinstance(v, str):
+        raise ValueError(f"'{key}' must be a string, got {type(v).__name__}")
+    if not empty_ok and not v.strip():
+        raise ValueError(f"'{key}' is empty")
+    return v
+
+
+def _messages(raw: Any, what: str, *, sharegpt: bool = False) -> list[dict[str, str]]:
+    if not isinstance(raw, list) or not raw:
+        raise ValueError(f"'{what}' must be a non-empty list of messages")
+    rk, ck = ("from", "value") if sharegpt else ("role", "content")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise ValueError(f"{what}[{i}] must be an object, got {type(m).__name__}")
+        role = m.get(rk)
+        if sharegpt:
+            if role not in _SHAREGPT_ROLES:
+                raise ValueError(
+                    f"{what}[{i}]: unknown role {role!r}; sharegpt roles are {', '.join(_SHAREGPT_ROLES)}"
+                )
+            role = _SHAREGPT_ROLES[role]
+        elif role not in ROLES:
+            raise ValueError(f"{what}[{i}]: unknown role {role!r}; roles are {', '.join(ROLES)}")
+        content = m.get(ck)
+        if not isinstance(content, str):
+            raise ValueError(f"{what}[{i}] ({role}): '{ck}' must be a string, got {type(content).__name__}")
+        if not content.strip():
+            raise ValueError(f"{what}[{i}] ({role}) has empty content")
+        msg = {"role": role, "content": content}
+        if not sharegpt and isinstance(m.get("reasoning_content"), str):
+            msg["reasoning_content"] = m["reasoning_content"]
+        out.append(msg)
+    return out
+
+
+def _facts(obj: dict) -> list[str]:
+    raw = obj.get("facts")
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ValueError(f"'facts' must be a list, got {type(raw).__name__}")
+    out = []
+    for j, f in enumerate(raw):
+        v = f.get("value") if isinstance(f, dict) else f
+        if not isinstance(v, str) or not v:
+            raise ValueError(f"facts[{j}] must be a non-empty string or an object with a 'value' string")
+        out.append(v)
+    return out
+
+
+def _need_assistant(msgs: list[dict[str, str]], what: str) -> None:
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise ValueError(f"'{what}' has no assistant turn: nothing to train on")
+
+
+def _item(rec: Record, fmt: str) -> Item:
+    obj = rec.obj
+    rid = obj.get("id") if isinstance(obj.get("id"), str) and obj.get("id") else rec.where
+    base = dict(where=rec.where, id=rid, format=fmt)
+    if fmt == "documents":
+        doc = normalize_document(obj, default_id=rid)
+        return Item(**base, kind="document", doc=doc)
+    facts = _facts(obj)
+    if fmt in ("messages", "sharegpt"):
+        key = "messages" if fmt == "messages" else "conversations"
+        msgs = _messages(obj[key], key, sharegpt=fmt == "sharegpt")
+        _need_assistant(msgs, key)
+        return Item(**base, kind="chat", messages=msgs, facts=facts)
+    if fmt == "prompt_completion":
+        p, c = obj["prompt"], obj["completion"]
+        if isinstance(p, str) and isinstance(c, str):
+            return Item(
+                **base,
+                kind="plain",
+                prompt=_str(obj, "prompt", empty_ok=True),
+                completion=_str(obj, "completion"),
+                facts=facts,
+            )
+        if isinstance(p, list) and isinstance(c, list):
+            pm, cm = _messages(p, "prompt"), _messages(c, "completion")
+            _need_assistant(cm, "completion")
+            return Item(**base, kind="chat", messages=pm + cm, n_prompt=len(pm), facts=facts)
+        raise ValueError(
+            "'prompt' and 'completion' must both be strings or both be message lists, got "
+            f"{type(p).__name__} and {type(c).__name__}"
+        )
+    if fmt == "alpaca":
+        user = _str(obj, "instruction")
+        extra = obj.get("input") or ""
+        if not isinstance(extra, str):
+            raise ValueError(f"'input' must be a string, got {type(extra).__name__}")
+        if extra.strip():
+            user = f"{user}\n\n{extra}"
+        msgs: list[dict[str, str]] = []
+        if obj.get("system"):
+            msgs.append({"role": "system", "content": _str(obj, "system")})
+        for j, turn in enumerate(obj.get("history") or []):
+            if not (
+                isinstance(turn, list)
+                and len(turn) == 2
+                and all(isinstance(t, str) and t.strip() for t in turn)
+            ):
+                raise ValueError(f"history[{j}] must be a [question, answer] pair of non-empty strings")
+            msgs += [{"role": "user", "content": turn[0]}, {"role": "assistant", "content": turn[1]}]
+        n_prompt = len(msgs) + 1
+        msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": _str(obj, "output")}]
+        return Item(**base, kind="chat", messages=msgs, n_prompt=n_prompt, facts=facts)
+    return Item(**base, kind="text", text=_str(obj, "text"), facts=facts)
+
+
+def normalize_records(records: Sequence[Record], fmt: str = "auto") -> list[Item]:
+    """Detect (``fmt="auto"``) or check the format of every record and normalise it.
+
+    Raises:
+        ValueError: ``"<where>: <problem>"``: an unknown format (naming the keys found and the formats
+            accepted), a record of another format than the first one, or a field problem.
+    """
+    if fmt != "auto" and fmt not in FORMATS:
+        raise ValueError(f"data.format={fmt!r} is unknown; use auto or one of {', '.join(FORMATS)}")
+    out: list[Item] = []
+    first: tuple[str, str] | None = None
+    for rec in records:
+        if not isinstance(rec.obj, dict):
+            raise ValueError(f"{rec.where}: expected a JSON object, got {type(rec.obj).__name__}")
+        found = detect_format(rec.obj)
+        if fmt != "auto":
+            keys = dict(_KEYS)[fmt]
+            missing = [k for k in keys if k not in rec.obj]
+            if missing:
+                what = "column(s)" if ":row " in rec.where else "field(s)"
+                raise ValueError(
+                    f"{rec.where}: data.format={fmt} needs the {what} {missing}, missing here; the record has "
+                    f"{sorted(rec.obj)}"
+                )
+            found = fmt
+        if found is None:
+            raise ValueError(
+                f"{rec.where}: unknown format: keys found {sorted(rec.obj)}; accepted formats: {_ACCEPTED}"
+            )
+        if first is None:
+            first = (found, rec.where)
+        elif found != first[0]:
+            raise ValueError(
+                f"{rec.where}: this record is in format {found!r} but {first[1]} is {first[0]!r}: one file "
+                "holds one format (set data.format to check it)"
+            )
+        try:
+            out.append(_item(rec, found))
+        except ValueError as e:
+            raise ValueError(f"{rec.where}: {e}") from None
+    return out

@@ -1,0 +1,206 @@
+"""Where records come from: ``.jsonl``, ``.json`` (a list), ``.parquet`` or a ``datasets`` ``save_to_disk`` folder.
+
+Local files only; nothing is downloaded. Every record is returned with its location (``file:line`` for
+JSON Lines and JSON, ``file:row N`` for Parquet and dataset folders) so that each later problem names it.
+A ``DatasetDict`` folder with a ``test`` (or ``validation``) split gives the held-out records.
+
+Parquet and dataset folders are read with ``pyarrow`` / ``datasets``, the libraries that write them (the
+formats TRL, axolotl and LLaMA-Factory read); they are imported only for those sources.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Record", "Source", "SOURCE_KINDS", "read_source", "source_sha256"]
+
+#: What ``data.path`` may name.
+SOURCE_KINDS = (".jsonl", ".json", ".parquet", "<datasets save_to_disk folder>")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One input record and where it is (``file:line`` or ``file:row N``)."""
+
+    where: str
+    obj: Any
+
+
+@dataclass
+class Source:
+    """The records of one ``data.path``; ``held_out``: a dataset folder's test split (else None)."""
+
+    records: list[Record]
+    sha256: str
+    held_out: list[Record] | None = None
+    kind: str = ""
+    columns: list[str] = field(default_factory=list)
+
+
+def source_sha256(path: str | os.PathLike[str]) -> str:
+    """sha256 of a file, or of a folder's files (names and bytes, sorted)."""
+    p = Path(path)
+    h = hashlib.sha256()
+    files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
+    for q in files:
+        if p.is_dir():
+            h.update(str(q.relative_to(p)).encode() + b"\0")
+        with open(q, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _guess_encoding(raw: bytes) -> str:
+    try:
+        raw.decode("cp1252")
+        return "; it looks like Windows-1252/Latin-1"
+    except UnicodeDecodeError:
+        return ""
+
+
+def _decode(p: Path, raw: bytes, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{p}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+            f"{_guess_encoding(raw)}: save the file as UTF-8"
+        ) from None
+
+
+def _read_jsonl(p: Path) -> list[Record]:
+    out: list[Record] = []
+    blank = 0
+    with p.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            elif lineno == 1 and raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+                raise ValueError(
+                    f"{p}:1: the file is UTF-16 (byte-order mark {raw[:2].hex()}); save it as UTF-8"
+                )
+            line = _decode(p, raw, lineno)
+            if not line.strip():
+                blank += 1
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+            out.append(Record(f"{p}:{lineno}", obj))
+    if not out:
+        raise ValueError(
+            f"{p}:1: no records ({f'only {blank} blank line(s)' if blank else 'the file is empty'})"
+        )
+    return out
+
+
+def _read_json(p: Path) -> list[Record]:
+    raw = p.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    text = ""
+    for lineno, line in enumerate(raw.split(b"\n"), start=1):
+        _decode(p, line, lineno)  # names the first line that is not UTF-8
+    text = raw.decode("utf-8")
+    dec = json.JSONDecoder()
+
+    def line_of(pos: int) -> int:
+        return text.count("\n", 0, pos) + 1
+
+    def skip(pos: int) -> int:
+        while pos < len(text) and text[pos] in " \t\r\n":
+            pos += 1
+        return pos
+
+    pos = skip(0)
+    if pos >= len(text) or text[pos] != "[":
+        raise ValueError(f"{p}:{line_of(pos)}: a .json data file must hold one JSON list of records")
+    pos = skip(pos + 1)
+    out: list[Record] = []
+    while pos < len(text) and text[pos] != "]":
+        try:
+            obj, end = dec.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+        out.append(Record(f"{p}:{line_of(pos)}", obj))
+        pos = skip(end)
+        if pos < len(text) and text[pos] == ",":
+            pos = skip(pos + 1)
+        elif pos < len(text) and text[pos] != "]":
+            raise ValueError(f"{p}:{line_of(pos)}: invalid JSON: expected ',' or ']' between records")
+    if pos >= len(text):
+        raise ValueError(f"{p}:{line_of(pos)}: invalid JSON: the list is not closed with ']'")
+    return out
+
+
+def _rows(table: Any, where: str) -> list[Record]:
+    return [Record(f"{where}:row {i + 1}", row) for i, row in enumerate(table.to_pylist())]
+
+
+def _read_parquet(p: Path) -> tuple[list[Record], list[str]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(p)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a bad file
+        raise ValueError(f"{p}:1: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
+    return _rows(table, str(p)), list(table.column_names)
+
+
+def _read_folder(p: Path) -> tuple[list[Record], list[Record] | None, list[str]]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except Exception as exc:  # noqa: BLE001 - datasets raises FileNotFoundError / ValueError / others
+        raise ValueError(
+            f"{p}: not a folder written by datasets' save_to_disk ({type(exc).__name__}: {exc})"
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):
+        splits = list(ds)
+        if "train" not in ds:
+            raise ValueError(f"{p}: the DatasetDict has splits {splits} but no 'train' split")
+        held = next((s for s in ("test", "validation", "eval") if s in ds), None)
+        train = _rows(ds["train"].data.table, f"{p}[train]")
+        cols = list(ds["train"].column_names)
+        return train, (_rows(ds[held].data.table, f"{p}[{held}]") if held else None), cols
+    return _rows(ds.data.table, str(p)), None, list(ds.column_names)
+
+
+def read_source(path: str | os.PathLike[str]) -> Source:
+    """Read every record of ``path`` (see the module docstring).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``"<file>:<line>: <problem>"``: not UTF-8, invalid JSON, an unreadable Parquet file or
+            dataset folder, an unknown file type, or no records at all.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p} does not exist")
+    held: list[Record] | None = None
+    cols: list[str] = []
+    suffix = p.suffix.lower()
+    if p.is_dir():
+        records, held, cols = _read_folder(p)
+        kind = "datasets"
+    elif suffix == ".jsonl":
+        records, kind = _read_jsonl(p), "jsonl"
+    elif suffix == ".json":
+        records, kind = _read_json(p), "json"
+    elif suffix == ".parquet":
+        (records, cols), kind = _read_parquet(p), "parquet"
+    else:
+        raise ValueError(
+            f"{p}:1: unknown data file type {suffix or '(no suffix)'!r}; use one of {', '.join(SOURCE_KINDS)}"
+        )
+    if not records:
+        raise ValueError(f"{p}:1: no records (the file is empty)")
+    return Source(records=records, sha256=source_sha256(p), held_out=held, kind=kind, columns=cols)
