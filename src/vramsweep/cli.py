@@ -73,7 +73,7 @@ def _err(msg: str, verb: str = "train") -> int:
     return 2
 
 
-VERBS = ("train", "estimate", "report", "pick")
+VERBS = ("train", "estimate", "report", "pick", "env")
 
 
 def _close(word: str, options: list[str]) -> str:
@@ -327,6 +327,14 @@ def cmd_pick(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    try:
+        from vramsweep.envreport import run_env
+    except ImportError as exc:
+        return _err(f"env is not available: {exc}", "env")
+    return run_env(as_json=args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     groups = _groups_text()
     p = Parser(
@@ -335,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=main_epilog(groups),
     )
     p.add_argument("--version", action="version", version=f"vramsweep {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{train,estimate,report,pick}")
+    sub = p.add_subparsers(dest="command", metavar="{" + ",".join(VERBS) + "}")
     t = sub.add_parser(
         "train",
         help="run one trial (or a sweep with -m)",
@@ -422,6 +430,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="experiment name, written to <conf dir>/experiment/<name>.yaml (default: <sweep>_<budget>gib)",
     )
     k.set_defaults(func=cmd_pick)
+    v = sub.add_parser(
+        "env",
+        help="Python, torch, CUDA, GPU, optional packages, and which knob options run here (for bug reports)",
+        epilog=verb_epilog("env"),
+    )
+    v.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
+    v.set_defaults(func=cmd_env)
 
     for sp, what in (
         (t, "your experiments, sweeps and extra options"),

@@ -12,6 +12,7 @@ VERBS = (
     ("vramsweep pick <sweep dir> --budget-gib 16", "pinned config that fits", "docs/READING_A_SWEEP.md"),
     ("vramsweep estimate [overrides]", "predicted peak memory, no weights", "docs/ESTIMATOR.md"),
     ("vramsweep train --cfg job [overrides]", "print the composed config, run nothing", "docs/CLI.md"),
+    ("vramsweep env", "versions, GPU, what runs here (bug reports)", "docs/CLI.md"),
 )
 #: docs page of each verb's ``--help``
 VERB_DOCS = {
@@ -19,6 +20,7 @@ VERB_DOCS = {
     "estimate": "docs/ESTIMATOR.md",
     "report": "docs/READING_A_SWEEP.md",
     "pick": "docs/READING_A_SWEEP.md",
+    "env": "docs/CLI.md",
 }
 #: config groups documented outside docs/KNOBS.md (which covers every group)
 GROUP_DOCS = (
