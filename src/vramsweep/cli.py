@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import textwrap
+from pathlib import Path
 
 from vramsweep import __version__
 from vramsweep.cli_help import main_epilog, verb_epilog
@@ -23,7 +24,7 @@ from vramsweep.config.compose import (
 )
 from vramsweep.config.errors import error_line
 from vramsweep.config.schema import CONFIG_GROUPS
-from vramsweep.noise import quiet_terminal_warnings
+from vramsweep.noise import DIGEST, quiet_terminal_warnings
 from vramsweep.preflight import check_named_options, preflight
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.metrics import format_value, label, metric, title
@@ -287,6 +288,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from vramsweep.trial import default_result_path, run_trial
 
     path = default_result_path(cfg, overrides)
+    DIGEST.use_log(Path(path).parent / "warnings.log")  # full texts of the harmless warnings shown once
     res = run_trial(cfg, result_path=path, overrides=overrides)
     print_result(res, path)
 
