@@ -47,11 +47,15 @@ test-slow: $(STAMP) ## slow end-to-end tests only
 	$(BIN)/pytest -q -m slow
 
 LATEST := .venv-latest
+# torch stays the local CPU wheel (PyPI's newest torch is a CUDA build with ~3 GB of nvidia wheels);
+# LATEST_TORCH=torch takes the newest allowed one instead.
+LATEST_TORCH ?= torch==2.13.0
 test-latest: ## the fast suite on the newest versions pyproject allows (separate venv .venv-latest; needs PyPI)
 	@command -v $(PY) >/dev/null || { echo "need $(PY)"; exit 1; }
 	test -x $(LATEST)/bin/python || $(PY) -m venv $(LATEST)
 	$(LATEST)/bin/pip install -q --upgrade pip
-	$(LATEST)/bin/pip install -q --upgrade --upgrade-strategy eager -e '.[dev]'
+	$(LATEST)/bin/pip install -q '$(LATEST_TORCH)'
+	$(LATEST)/bin/pip install -q --upgrade --upgrade-strategy eager -e '.[dev]' '$(LATEST_TORCH)'
 	$(LATEST)/bin/pip freeze --exclude-editable > $(LATEST)/freeze.txt
 	@diff constraints.txt $(LATEST)/freeze.txt | grep '^[<>]' || true
 	$(LATEST)/bin/pytest -q
