@@ -9,17 +9,17 @@ export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install demo test test-fast test-slow lint format bench clean unsloth gpu-smoke gpu-smoke-dry gpu-wheels
+.PHONY: help install demo test test-fast test-slow test-latest lint format bench clean unsloth gpu-smoke gpu-smoke-dry gpu-wheels
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@command -v $(PY) >/dev/null || { echo "need $(PY)"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP) ## create .venv and install vramsweep + dev tools
@@ -46,6 +46,21 @@ test-fast: $(STAMP) ## the fast suite only
 test-slow: $(STAMP) ## slow end-to-end tests only
 	$(BIN)/pytest -q -m slow
 
+LATEST := .venv-latest
+# torch stays the local CPU wheel (PyPI's newest torch is a CUDA build with ~3 GB of nvidia wheels);
+# LATEST_TORCH=torch takes the newest allowed one instead.
+LATEST_TORCH ?= torch==2.13.0
+test-latest: ## the fast suite on the newest versions pyproject allows (separate venv .venv-latest; needs PyPI)
+	@command -v $(PY) >/dev/null || { echo "need $(PY)"; exit 1; }
+	test -x $(LATEST)/bin/python || $(PY) -m venv $(LATEST)
+	$(LATEST)/bin/pip install -q --upgrade pip
+	$(LATEST)/bin/pip install -q '$(LATEST_TORCH)'
+	$(LATEST)/bin/pip install -q --upgrade --upgrade-strategy eager -e '.[dev]' '$(LATEST_TORCH)'
+	$(LATEST)/bin/pip freeze --exclude-editable > $(LATEST)/freeze.txt
+	@diff constraints.txt $(LATEST)/freeze.txt | grep '^[<>]' || true
+	$(LATEST)/bin/pytest -q
+
+
 bench: $(STAMP) ## overhead + sweep-efficiency benchmarks (prints measured ratios)
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/sweep_efficiency.py
@@ -63,4 +78,4 @@ gpu-wheels: $(STAMP) ## where PyPI is reachable: wheels/gpu_bundle.tar.xz (<= 64
 	bash scripts/fetch_gpu_wheels.sh
 
 clean: ## remove the venv, caches and results
-	rm -rf $(VENV) .cache results wandb .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST) .venv-py312 .cache results wandb .pytest_cache .ruff_cache

@@ -10,7 +10,9 @@ import argparse
 import os
 import sys
 import textwrap
+from pathlib import Path
 
+from vramsweep import __version__
 from vramsweep.cli_help import main_epilog, verb_epilog
 from vramsweep.config import ConfigError, compose
 from vramsweep.config.compose import (
@@ -22,7 +24,7 @@ from vramsweep.config.compose import (
 )
 from vramsweep.config.errors import error_line
 from vramsweep.config.schema import CONFIG_GROUPS
-from vramsweep.noise import quiet_terminal_warnings
+from vramsweep.noise import DIGEST, quiet_terminal_warnings
 from vramsweep.preflight import check_named_options, preflight
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.metrics import format_value, label, metric, title
@@ -72,7 +74,7 @@ def _err(msg: str, verb: str = "train") -> int:
     return 2
 
 
-VERBS = ("train", "estimate", "report", "pick", "generate", "export")
+VERBS = ("train", "estimate", "report", "pick", "generate", "export", "env")
 
 
 def _close(word: str, options: list[str]) -> str:
@@ -82,9 +84,37 @@ def _close(word: str, options: list[str]) -> str:
     return f"; did you mean {near[0]}?" if near else ""
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Epilogs as written; every flag's help ends with its default when it has one (``--prefer`` →
+    ``(default: quality)``). A help that names its default already, or a flag whose default is off/unset
+    (``store_true``, ``None``, which the help explains), is left as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or not action.option_strings
+            or default is None
+            or default is False
+            or default == argparse.SUPPRESS
+            or isinstance(action, argparse._HelpAction | argparse._VersionAction)
+        ):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with the one error shape: ``vramsweep <verb>: error: <what>`` on one line, exit 2; the usage
-    is behind ``--help`` (never printed before the error). Unknown options are charged to the verb."""
+    is behind ``--help`` (never printed before the error). Unknown options are charged to the verb.
+
+    A verb with ``overrides`` takes them anywhere after the verb, between its flags too
+    (``estimate model=qwen3_8b --json quant=nf4``); every parser (verbs added later too) uses
+    :class:`HelpFormatter`, so each flag's help shows its default."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["formatter_class"] = HelpFormatter
+        super().__init__(*args, **kwargs)
 
     def _flags(self) -> list[str]:
         return [o for a in self._actions for o in a.option_strings if o.startswith("--")]
@@ -94,6 +124,11 @@ class Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
         Parser.argv = list(sys.argv[1:] if args is None else args)
         ns, extras = self.parse_known_args(args, namespace)
+        if extras and isinstance(getattr(ns, "overrides", None), list):
+            # overrides after a flag: argparse's `overrides` positional took only the first run of them
+            late = [a for a in extras if not a.startswith("-")]
+            ns.overrides = [*ns.overrides, *late]
+            extras = [a for a in extras if a.startswith("-")]
         if extras:
             sub = self
             for action in self._actions:
@@ -261,6 +296,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         return _err(f"results_dir: cannot create the run folder {path.parent}: {exc.strerror or exc}")
+    DIGEST.use_log(Path(path).parent / "warnings.log")  # full texts of the harmless warnings shown once
     res = run_trial(cfg, result_path=path, overrides=overrides)
     print_result(res, path)
 
@@ -301,19 +337,26 @@ def cmd_pick(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    try:
+        from vramsweep.envreport import run_env
+    except ImportError as exc:
+        return _err(f"env is not available: {exc}", "env")
+    return run_env(as_json=args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     groups = _groups_text()
     p = Parser(
         prog="vramsweep",
         description="Ablation sweeps for memory-bounded LLM fine-tuning.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=main_epilog(groups),
     )
-    sub = p.add_subparsers(dest="command", metavar="{train,estimate,report,pick,generate,export}")
+    p.add_argument("--version", action="version", version=f"vramsweep {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="{" + ",".join(VERBS) + "}")
     t = sub.add_parser(
         "train",
         help="run one trial (or a sweep with -m)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EPILOG_TRAIN.format(groups=groups, docs=verb_epilog("train")),
     )
     t.add_argument("-m", "--multirun", action="store_true", help="run a sweep (use with sweep=<name>)")
@@ -341,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="predict peak memory and its breakdown (no weights needed)",
         epilog=verb_epilog("estimate"),
     )
-    e.add_argument("--json", action="store_true", help="print a JSON object")
+    e.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
     e.add_argument(
         "--calibrate", metavar="SWEEP_DIR", help="fit activation constants from a sweep's measured trials"
     )
@@ -350,29 +393,63 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the longest context.max_tokens whose estimate fits hardware.budget_gib",
     )
-    e.add_argument("overrides", nargs="*")
+    e.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=qwen3_8b quant=nf4_dq")
     e.set_defaults(func=cmd_estimate)
     r = sub.add_parser(
         "report", help="ablation tables, Pareto front, importances for a sweep", epilog=verb_epilog("report")
     )
     r.add_argument("target", help="sweep folder, or a storage URL (with --study)")
-    r.add_argument("--study", help="study name when target is a storage URL")
-    r.add_argument("--out", help="output folder (default: the sweep folder)")
+    r.add_argument("--study", help="study name when target is a storage URL (default: the only study there)")
+    r.add_argument("--out", metavar="DIR", help="output folder (default: the sweep folder)")
     r.add_argument("--wandb", action="store_true", help="also log a sweep-summary W&B run")
     r.set_defaults(func=cmd_report)
     k = sub.add_parser(
         "pick", help="write a pinned production config that fits a memory budget", epilog=verb_epilog("pick")
     )
-    k.add_argument("target", help="sweep folder")
-    k.add_argument("--budget-gib", type=float, required=True)
-    k.add_argument("--min-tokens-per-s", type=float, default=None)
-    k.add_argument("--prefer", choices=("quality", "speed"), default="quality")
-    k.add_argument("--headroom-gib", type=float, default=0.0)
-    k.add_argument("--name", default=None, help="experiment name (<conf dir>/experiment/<name>.yaml)")
+    k.add_argument("target", help="sweep folder (or its sweep.json / study.db)")
+    k.add_argument(
+        "--budget-gib",
+        type=float,
+        required=True,
+        metavar="GIB",
+        help="memory budget the config's measured peak must fit, in GiB (required)",
+    )
+    k.add_argument(
+        "--min-tokens-per-s",
+        type=float,
+        default=None,
+        metavar="N",
+        help="only configs at least this fast (default: no floor)",
+    )
+    k.add_argument(
+        "--prefer",
+        choices=("quality", "speed"),
+        default="quality",
+        help="among the configs that fit: lowest eval loss (quality) or most tokens/s (speed)",
+    )
+    k.add_argument(
+        "--headroom-gib",
+        type=float,
+        default=0.0,
+        metavar="GIB",
+        help="keep this much of the budget free",
+    )
+    k.add_argument(
+        "--name",
+        default=None,
+        help="experiment name, written to <conf dir>/experiment/<name>.yaml (default: <sweep>_<budget>gib)",
+    )
     k.set_defaults(func=cmd_pick)
     from vramsweep.production.use import add_parsers  # generate, export (docs/RUNS.md)
 
     add_parsers(sub)
+    v = sub.add_parser(
+        "env",
+        help="Python, torch, CUDA, GPU, optional packages, and which knob options run here (for bug reports)",
+        epilog=verb_epilog("env"),
+    )
+    v.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
+    v.set_defaults(func=cmd_env)
 
     for sp, what in (
         (t, "your experiments, sweeps and extra options"),
@@ -391,6 +468,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``vramsweep`` (the console script): run a verb, return its exit code.
+
+    A reader that closes the pipe early (``vramsweep --help | head -1``) ends the command quietly with
+    exit code 141 (128 + SIGPIPE, what a shell reports for a tool killed by it), not a traceback."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # Python's recipe (docs: signal, "Note on SIGPIPE"): point stdout at devnull so that the flush at
+        # exit does not raise a second time
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 141
+
+
+def _main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

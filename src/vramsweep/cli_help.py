@@ -19,6 +19,7 @@ VERBS = (
     ("vramsweep generate <run> --prompt TEXT", "generate with the run's adapter", "docs/RUNS.md"),
     ("vramsweep export <run> [--merge] <dir>", "adapter or merged bf16 model folder", "docs/RUNS.md"),
     ("vramsweep train --cfg job [overrides]", "print the composed config, run nothing", "docs/CLI.md"),
+    ("vramsweep env", "versions, GPU, what runs here (bug reports)", "docs/CLI.md"),
 )
 #: docs page of each verb's ``--help``
 VERB_DOCS = {
@@ -28,6 +29,7 @@ VERB_DOCS = {
     "pick": "docs/READING_A_SWEEP.md",
     "generate": "docs/RUNS.md",
     "export": "docs/RUNS.md",
+    "env": "docs/CLI.md",
 }
 #: config groups documented outside docs/KNOBS.md (which covers every group)
 GROUP_DOCS = (

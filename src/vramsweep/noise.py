@@ -5,13 +5,23 @@ on every import on CPUs with AVX512-BF16 when the optional ``kernels`` package (
 kernel from the Hub) is absent; nothing in vramsweep needs it and installing it does not change any
 measurement. The record is dropped when stderr is a terminal and kept otherwise: trial logs
 (``trials/NNNN.log``), CI logs and redirected output still have it.
+
+Known-harmless warnings a user may still want to know about (:data:`HARMLESS`: bitsandbytes' LLM.int8
+cast line, torch's autograd-fallback warning for bitsandbytes' 4-bit ops, the paged-optimizer CPU
+fallback) go through :data:`DIGEST`: the first of each is shown once — one line at a terminal, the full
+text in a log — repeats are counted and the count printed at exit; ``vramsweep train`` writes the full
+texts to the run's ``warnings.log``. Any other warning passes untouched.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import re
 import sys
 import warnings
+from dataclasses import dataclass
+from pathlib import Path
 
 #: Warnings that are noise at a terminal: Liger 0.8.5 with Triton 3.6 warns on import that its Ascend (NPU)
 #: RoPE backend "cannot import name 'tanh'" — a backend for another accelerator, never used on CUDA.
@@ -53,3 +63,187 @@ def install() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _TerminalNoiseFilter) for f in logger.filters):
             logger.addFilter(_TerminalNoiseFilter(prefix))
+    install_digest()
+
+
+# ------------------------------------------------------------------------------------------------------
+# Harmless-but-worth-knowing library warnings: shown once, as one line, at a terminal; repeats counted.
+# ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Harmless:
+    """A library warning that is known to be harmless for what vramsweep runs.
+
+    Attributes:
+        key: short name (the summary line and ``warnings.log`` use it).
+        pattern: regex the message must match (``re.search``), as narrow as the library's wording allows.
+        line: the one line a terminal shows the first time.
+        why: why it is harmless (``tests/test_noise.py`` lists each with this text).
+        logger: the logger that emits it, for a ``logging`` record; ``None`` for a Python warning.
+    """
+
+    key: str
+    pattern: str
+    line: str
+    why: str
+    logger: str | None = None
+
+
+HARMLESS: tuple[Harmless, ...] = (
+    Harmless(
+        key="bnb-int8-fp16-cast",
+        logger="bitsandbytes.autograd._functions",
+        pattern=r"^MatMul8bitLt: inputs will be cast from \S+ to float16 during quantization",
+        line="bitsandbytes LLM.int8 (quant=int8) casts each matmul's 16/32-bit input to fp16 to quantise it",
+        why="LLM.int8 quantises activations from fp16 by design; bitsandbytes logs it on every matmul call "
+        "(224 lines in a 1-step trial of the tiny model), and the int8 figures we measure include the cast",
+    ),
+    Harmless(
+        key="torch-autograd-fallback-bnb",
+        pattern=r"bitsandbytes::\w+(?:\.\w+)?: an autograd kernel was not registered to the Autograd key",
+        line="torch: a bitsandbytes 4-bit op has no autograd kernel (its gradient comes from bitsandbytes' "
+        "own autograd Function)",
+        why="bitsandbytes' 4-bit custom ops are called inside its MatMul4Bit autograd.Function, whose "
+        "backward computes the input gradient; the quantised base weights are frozen, so nothing is "
+        "differentiated through the op itself (only bitsandbytes:: ops match: any other op still warns)",
+    ),
+    Harmless(
+        key="bnb-paged-optimizer-cpu",
+        pattern=r"^Paged optimizers are not supported on CPU\. Falling back to non-paged optimizer",
+        line="bitsandbytes: paged optimizers page only on CUDA; on CPU the state is ordinary tensors",
+        why="on CPU there is no unified memory to page to; the trial records `paged_fallback` in its "
+        "notes and the estimator counts the state on the host, so the figures say what ran",
+    ),
+)
+
+
+class WarningDigest:
+    """Counts :data:`HARMLESS` warnings: the first of each is shown (one line at a terminal, the full
+    text elsewhere), repeats are counted, not shown; :meth:`summary` says how many there were."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.full: dict[str, str] = {}
+        self.log_path: Path | None = None
+
+    @staticmethod
+    def match(message: str, logger: str | None = None) -> Harmless | None:
+        for h in HARMLESS:
+            if h.logger == logger and re.search(h.pattern, message):
+                return h
+        return None
+
+    def seen(self, h: Harmless, full: str) -> bool:
+        """Count one occurrence; True for the first (show it)."""
+        first = h.key not in self.counts
+        self.counts[h.key] = self.counts.get(h.key, 0) + 1
+        if first:
+            self.full[h.key] = full
+            self._write_log(h, full)
+        return first
+
+    def terminal_line(self, h: Harmless) -> str:
+        where = f"; full text: {self.log_path.name} in the run folder" if self.log_path is not None else ""
+        return f"vramsweep: harmless library warning (shown once, repeats counted{where}): {h.line}"
+
+    def use_log(self, path: Path | None) -> None:
+        """Write each first full text to ``path`` (the run's ``warnings.log``) from now on, and those
+        seen so far."""
+        self.log_path = Path(path) if path is not None else None
+        for h in HARMLESS:
+            if h.key in self.full:
+                self._write_log(h, self.full[h.key])
+
+    def _write_log(self, h: Harmless, full: str) -> None:
+        if self.log_path is None:
+            return
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.log_path.open("a", encoding="utf-8") as f:
+                f.write(f"[{h.key}] harmless: {h.why}\n{full.rstrip()}\n\n")
+        except OSError:
+            pass
+
+    def summary(self) -> str | None:
+        """``vramsweep: harmless library warnings not repeated: bnb-int8-fp16-cast x896, ...`` (None when no
+        warning repeated)."""
+        rep = {k: n for k, n in self.counts.items() if n > 1}
+        if not rep:
+            return None
+        return "vramsweep: harmless library warnings not repeated: " + ", ".join(
+            f"{k} x{n}" for k, n in rep.items()
+        )
+
+
+DIGEST = WarningDigest()
+
+
+def _at_terminal() -> bool:
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty and isatty())
+
+
+class _DigestFilter(logging.Filter):
+    """For a harmless record: the first passes (one line at a terminal), repeats are counted and dropped."""
+
+    def __init__(self, logger: str) -> None:
+        super().__init__()
+        self.logger = logger
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            text = record.getMessage()
+        except Exception:
+            return True
+        h = WarningDigest.match(text, self.logger)
+        if h is None:
+            return True
+        if not DIGEST.seen(h, f"{record.levelname} {record.name}: {text}"):
+            return False
+        if _at_terminal():
+            record.msg, record.args = DIGEST.terminal_line(h), None
+        return True
+
+
+_show_original = None
+
+
+def _showwarning(message, category, filename, lineno, file=None, line=None):  # warnings.showwarning's shape
+    h = WarningDigest.match(str(message))
+    if h is None:
+        return _show_original(message, category, filename, lineno, file, line)
+    full = warnings.formatwarning(message, category, filename, lineno, line)
+    if not DIGEST.seen(h, full):
+        return None
+    out = file if file is not None else sys.stderr
+    try:
+        out.write((DIGEST.terminal_line(h) if _at_terminal() else f"{category.__name__}: {message}") + "\n")
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _print_summary() -> None:
+    text = DIGEST.summary()
+    if text is not None:
+        try:
+            print(text, file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+
+
+def install_digest() -> None:
+    """Route :data:`HARMLESS` through :data:`DIGEST` (idempotent): a filter on each logger, a
+    ``warnings.showwarning`` wrapper for Python warnings (with an ``always`` filter for their patterns so
+    every occurrence is counted), and the repeat count printed at exit. Everything else passes untouched."""
+    global _show_original
+    for h in HARMLESS:
+        if h.logger is None:
+            warnings.filterwarnings("always", message=h.pattern.lstrip("^"))
+            continue
+        logger = logging.getLogger(h.logger)
+        if not any(isinstance(f, _DigestFilter) for f in logger.filters):
+            logger.addFilter(_DigestFilter(h.logger))
+    if _show_original is None:
+        _show_original = warnings.showwarning
+        warnings.showwarning = _showwarning
+        atexit.register(_print_summary)

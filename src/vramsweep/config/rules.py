@@ -455,18 +455,45 @@ def _rules_data(cfg: DictConfig) -> None:
         )
 
 
-def _rules_machine(cfg: DictConfig) -> None:
-    """Environment-dependent rules: raise :class:`UnsupportedError`."""
+#: closes every "needs X" message: the one command that lists what runs on this machine and why
+ENV_HINT = "`vramsweep env` lists what runs here"
+#: how to get each optional package a knob option needs
+INSTALL_HINTS = {
+    "liger_kernel": "pip install 'vramsweep[gpu]' (from a checkout: pip install -e '.[gpu]')",
+    "unsloth": "make unsloth (pip install --no-deps unsloth==2026.10.9 unsloth_zoo==2026.10.9)",
+    "flash_attn": "pip install flash-attn --no-build-isolation (CUDA only)",
+    "bitsandbytes": "pip install bitsandbytes",
+}
+
+
+def kernels_here(has_cuda: bool) -> list[str]:
+    """The ``kernels`` options this machine can run (what an allowed list may offer)."""
+    here = ["none"]
+    if has_cuda and _module_available("liger_kernel"):
+        here.append("liger")
+    if _module_available("unsloth"):
+        here.append("unsloth")
+    return here
+
+
+def check_machine(cfg: DictConfig, *, has_cuda: bool | None = None) -> None:
+    """Environment-dependent rules: raise :class:`UnsupportedError`.
+
+    ``has_cuda`` (default: :func:`cuda_available`, asked only for a CUDA profile) lets ``vramsweep env``
+    ask what a GPU profile would need without importing torch."""
     # only a CUDA profile asks torch (importing it costs seconds of a pre-flight that should take one)
-    has_cuda = cfg.hardware.device == "cuda" and cuda_available()
+    if cfg.hardware.device != "cuda":
+        has_cuda = False
+    elif has_cuda is None:
+        has_cuda = cuda_available()
     if cfg.hardware.device == "cuda" and not has_cuda:
         raise UnsupportedError(
-            f"hardware={cfg.hardware.name} needs CUDA and none is available here",
+            f"hardware={cfg.hardware.name} needs CUDA and none is available here; {ENV_HINT}",
             key="hardware",
             allowed=["cpu"],
         )
     if cfg.attention.implementation == "flash_attention_2":
-        if not has_cuda or cfg.hardware.device != "cuda":
+        if not has_cuda:
             raise UnsupportedError(
                 "attention=flash_attention_2 needs a CUDA device (hardware=<gpu profile>)",
                 key="attention",
@@ -474,33 +501,45 @@ def _rules_machine(cfg: DictConfig) -> None:
             )
         if not _module_available("flash_attn"):
             raise UnsupportedError(
-                "attention=flash_attention_2 needs the flash-attn package (not installed); attention=sdpa uses "
-                "PyTorch's FlashAttention-2 kernel on CUDA",
+                "attention=flash_attention_2 needs the flash-attn package, not installed: "
+                f"{INSTALL_HINTS['flash_attn']}; attention=sdpa uses PyTorch's FlashAttention-2 kernel on CUDA",
                 key="attention",
                 allowed=["eager", "sdpa"],
             )
     if cfg.kernels.liger:
-        if not has_cuda or cfg.hardware.device != "cuda":
+        if not has_cuda:
             raise UnsupportedError(
-                "kernels=liger needs CUDA (Triton kernels)", key="kernels", allowed=["none", "unsloth"]
+                f"kernels=liger needs CUDA (Triton kernels) and a hardware=<gpu profile>; {ENV_HINT}",
+                key="kernels",
+                allowed=[k for k in kernels_here(False) if k != "liger"],
             )
         if not _module_available("liger_kernel"):
             raise UnsupportedError(
-                "kernels=liger needs liger-kernel (pip install -e '.[gpu]')", key="kernels", allowed=["none"]
+                f"kernels=liger needs liger-kernel, not installed: {INSTALL_HINTS['liger_kernel']}; {ENV_HINT}",
+                key="kernels",
+                allowed=[k for k in kernels_here(has_cuda) if k != "liger"],
             )
     if cfg.kernels.unsloth:
         # arch-only model, fp4, vocab slicing, attention != sdpa: what Unsloth cannot honour
         check_unsloth(cfg)
         if not _module_available("unsloth"):
             raise UnsupportedError(
-                "kernels=unsloth needs unsloth (make unsloth)", key="kernels", allowed=["none", "liger"]
+                f"kernels=unsloth needs unsloth, not installed: {INSTALL_HINTS['unsloth']}; {ENV_HINT}",
+                key="kernels",
+                allowed=[k for k in kernels_here(has_cuda) if k != "unsloth"],
             )
     if cfg.quant.bits != 16 and not _module_available("bitsandbytes"):
-        raise UnsupportedError(f"quant={cfg.quant.name} needs bitsandbytes", key="quant", allowed=["none"])
+        raise UnsupportedError(
+            f"quant={cfg.quant.name} needs bitsandbytes, not installed: {INSTALL_HINTS['bitsandbytes']}; "
+            f"{ENV_HINT}",
+            key="quant",
+            allowed=["none"],
+        )
     package = _target_package(cfg.optimizer["_target_"])
     if not _module_available(package):
         raise UnsupportedError(
-            f"optimizer={cfg.optimizer.name} needs {package} ({cfg.optimizer['_target_']})",
+            f"optimizer={cfg.optimizer.name} needs {package} ({cfg.optimizer['_target_']}), not installed: "
+            f"{INSTALL_HINTS.get(package, f'pip install {package}')}; {ENV_HINT}",
             key="optimizer",
             allowed=[
                 name
@@ -669,4 +708,4 @@ def validate(cfg: DictConfig, *, machine: bool = True) -> None:
         rule(cfg)
     _rules_module_names(cfg)
     if machine:
-        _rules_machine(cfg)
+        check_machine(cfg)

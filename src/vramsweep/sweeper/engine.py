@@ -61,6 +61,16 @@ from vramsweep.sweeper.workers import RunState, WorkerPool
 log = logging.getLogger("vramsweep.sweeper")
 
 
+def dashboard_hint(storage: str) -> str | None:
+    """``vramsweep: dashboard: optuna-dashboard <storage>`` where optuna-dashboard is installed (the
+    ``dashboard`` extra installs it), else ``None``: a hint to a command that is not there only confuses."""
+    import importlib.util
+
+    if importlib.util.find_spec("optuna_dashboard") is None:
+        return None
+    return f"vramsweep: dashboard: optuna-dashboard {storage if '@' not in storage else '<storage URL>'}"
+
+
 class Sweep:
     """One sweeper process working on a study (other processes/machines may work on it too): the loop in
     the shape of Hydra's ``sweep()`` over three parts with one job each: the study book (:class:`StudyBook`:
@@ -252,9 +262,8 @@ class Sweep:
             )
         if self.state.abort_reason:
             lines.append(f"vramsweep: ABORTED: {self.state.abort_reason}")
-        lines.append(
-            f"vramsweep: dashboard: optuna-dashboard {self.settings.storage if '@' not in self.settings.storage else '<storage URL>'}"
-        )
+        if (hint := dashboard_hint(self.settings.storage)) is not None:
+            lines.append(hint)
         lines.append(f"results: {self.settings.sweep_dir}")
         waiting = self.book.waiting()
         if job_lost or waiting:  # the last line: how to retry what is left
