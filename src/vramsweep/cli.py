@@ -308,6 +308,16 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         from vramsweep.estimate import run_calibrate, run_estimate
     except ImportError as exc:
         return _err(f"the estimator is not available: {exc}", "estimate")
+    if getattr(args, "suggest", False):
+        from vramsweep.estimate.cli import run_suggest
+
+        return run_suggest(
+            list(args.overrides),
+            as_json=args.json,
+            max_context=args.max_context,
+            calibrate_dir=args.calibrate,
+            any_install=args.any_install,
+        )
     if args.calibrate:
         return run_calibrate(args.calibrate)
     return run_estimate(list(args.overrides), as_json=args.json, max_context=args.max_context)
@@ -392,6 +402,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-context",
         action="store_true",
         help="print the longest context.max_tokens whose estimate fits hardware.budget_gib",
+    )
+    e.add_argument(
+        "--suggest",
+        action="store_true",
+        help="the cheapest knob changes that fit hardware.budget_gib (with --calibrate SWEEP_DIR: calibrated)",
+    )
+    e.add_argument(
+        "--any-install",
+        action="store_true",
+        help="with --suggest: also search options whose package is not installed here (for a card elsewhere)",
     )
     e.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=qwen3_8b quant=nf4_dq")
     e.set_defaults(func=cmd_estimate)

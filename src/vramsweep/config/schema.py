@@ -224,6 +224,9 @@ class HardwareConfig:
         0.0  # the profile card's dense tensor FLOP/s (MFU uses the physical GPU's, measure/flops.py)
     )
     bandwidth_bytes_per_s: float = 0.0
+    pcie_bytes_per_s: float = (
+        0.0  # host<->device link per direction (offload cost in `estimate --suggest`); 0 = unknown
+    )
     overhead_bytes: int = (
         0  # CUDA context outside the allocator (estimator reports it; the cap does not cover it)
     )

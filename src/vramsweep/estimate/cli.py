@@ -234,3 +234,82 @@ def run_calibrate(sweep_dir: str) -> int:
     for key in skipped:
         print(f"{key}: no usable trials ({need})")
     return 0
+
+
+def run_suggest(
+    overrides: list[str],
+    *,
+    as_json: bool,
+    max_context: bool = False,
+    calibrate_dir: str | None = None,
+    any_install: bool = False,
+) -> int:
+    """CLI body of ``vramsweep estimate [overrides] --suggest``: the cheapest knob changes that fit the budget
+    (or, for a config that fits, its headroom and what the spare memory buys); 0 on success, 2 on bad input.
+
+    ``calibrate_dir``: a sweep folder whose measured trials calibrate the memory constants (as ``--calibrate``
+    does, without writing them) and the speed factors (:func:`vramsweep.estimate.suggest.fit_costs`).
+    """
+    from vramsweep.estimate.calibration import calibrate, device_key_for
+    from vramsweep.estimate.dims import check_model_config
+    from vramsweep.estimate.suggest import fit_costs, format_suggest, suggest
+
+    try:
+        cfg = compose(list(overrides), rules="none")
+        validate(cfg, machine=False)
+        check_fault_env()
+        if str(cfg.model.source) == "path":
+            check_model_config(str(cfg.model.path))
+        if float(cfg.hardware.budget_gib) <= 0:
+            raise ConfigError(
+                f"--suggest needs a memory budget, hardware.budget_gib={cfg.hardware.budget_gib} "
+                f"(hardware={cfg.hardware.name}); pick a profile with one (e.g. hardware=rtx4080_16gb) "
+                "or set hardware.budget_gib"
+            )
+        calib: dict | None = None
+        speed: dict[str, float] | None = None
+        n_speed = 0
+        if calibrate_dir is not None:
+            d = Path(calibrate_dir)
+            if not d.is_dir():
+                raise ConfigError(f"--calibrate {calibrate_dir} is not a folder")
+            results = _load_results(d)
+            if not results:
+                raise ConfigError(f"--calibrate {calibrate_dir}: no trial results in it (trials/*.json)")
+            fit = calibrate(results, device_key=device_key_for(cfg))
+            calib = fit if fit["n_trials"] else None
+            speed, n_speed = fit_costs(results)
+        res = suggest(
+            cfg,
+            with_max_context=max_context,
+            calibration=calib if calib is not None else None,
+            speed=speed,
+            any_install=any_install,
+        )
+    except ConfigError as exc:
+        print(error_line("estimate", str(exc)), file=sys.stderr)
+        return 2
+    except (OSError, KeyError, ValueError) as exc:
+        print(error_line("estimate", f"{type(exc).__name__}: {exc}"), file=sys.stderr)
+        return 2
+    if calibrate_dir is not None:
+        res["calibration_source"] = {
+            "sweep": calibrate_dir,
+            "memory_trials": int(calib["n_trials"]) if calib else 0,
+            "speed_trials": n_speed,
+            "speed_factors_fitted": sorted(speed or {}),
+        }
+    if as_json:
+        print(json.dumps(res, indent=2))
+        return 0
+    title = f"estimate --suggest ({' '.join(overrides) or 'defaults'}): model={cfg.model.name}, hardware={cfg.hardware.name}"
+    text = format_suggest(res, title)
+    if calibrate_dir is not None:
+        src = res["calibration_source"]
+        text += (
+            f"\ncalibrated from {calibrate_dir}: memory constants from {src['memory_trials']} trials, speed "
+            f"factors {', '.join(src['speed_factors_fitted']) or 'none (no knob varied enough)'} from "
+            f"{src['speed_trials']} trials; every other figure is assumed"
+        )
+    print(text)
+    return 0
