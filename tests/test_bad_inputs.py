@@ -531,7 +531,7 @@ CASES += [
         "trian",
         [],
         {},
-        "unknown verb 'trian' (allowed: train, estimate, report, pick); did you mean train?",
+        "unknown verb 'trian' (allowed: train, estimate, report, pick, generate, export, env); did you mean train?",
     ),
     ("verb-typo-report", "reprot", ["x"], {}, "did you mean report?"),
     ("verb-unknown", "fly", [], {}, "unknown verb 'fly'"),

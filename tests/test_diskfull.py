@@ -58,7 +58,7 @@ def test_trial_that_fills_the_disk_while_training(tmp_path, monkeypatch):
     from vramsweep.config import compose
     from vramsweep.trial import run_trial
 
-    def train(cfg, result, reporter, logger):
+    def train(cfg, result, reporter, logger, run=None):
         raise RuntimeError("checkpoint failed") from _enospc("/full/ckpt")
 
     monkeypatch.setattr("vramsweep.trial._train", train)

@@ -52,7 +52,10 @@ def _run(tmp_path, *overrides):
     from vramsweep.config import compose
     from vramsweep.trial import run_trial
 
-    over = [*FAST, f"results_dir={tmp_path}", *overrides]
+    fast = FAST
+    if any(o.startswith("data=jsonl") for o in overrides):  # the record counts are the file's
+        fast = [o for o in FAST if not o.startswith(("data.num_docs=", "data.num_eval_docs="))]
+    over = [*fast, f"results_dir={tmp_path}", *overrides]
     return run_trial(compose(over), result_path=tmp_path / "r.json", overrides=over)
 
 

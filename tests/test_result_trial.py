@@ -36,7 +36,7 @@ def written(monkeypatch):
 
 
 def _train_with(metrics: dict, exc: BaseException | None = None):
-    def train(cfg, result, reporter, logger):
+    def train(cfg, result, reporter, logger, run=None):
         result["metrics"].update(metrics)
         result["meta"]["stub"] = True
         if exc is not None:

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from vramsweep.cli import main
-from vramsweep.config import compose
-from vramsweep.production import weights
+from vramsweep.config import compose, weights
 
 
 def test_a_named_architecture_with_a_path_loads_its_weights(embedded_model_dir):

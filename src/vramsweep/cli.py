@@ -24,8 +24,10 @@ from vramsweep.config.compose import (
 )
 from vramsweep.config.errors import error_line
 from vramsweep.config.schema import CONFIG_GROUPS
+from vramsweep.estimate.cli import run_suggest
 from vramsweep.noise import DIGEST, quiet_terminal_warnings
 from vramsweep.preflight import check_named_options, preflight
+from vramsweep.production.use import add_parsers
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.metrics import format_value, label, metric, title
 from vramsweep.record.status import Status
@@ -309,8 +311,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     except ImportError as exc:
         return _err(f"the estimator is not available: {exc}", "estimate")
     if getattr(args, "suggest", False):
-        from vramsweep.estimate.cli import run_suggest
-
         return run_suggest(
             list(args.overrides),
             as_json=args.json,
@@ -460,7 +460,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="experiment name, written to <conf dir>/experiment/<name>.yaml (default: <sweep>_<budget>gib)",
     )
     k.set_defaults(func=cmd_pick)
-    from vramsweep.production.use import add_parsers  # generate, export (docs/RUNS.md)
 
     add_parsers(sub)
     v = sub.add_parser(

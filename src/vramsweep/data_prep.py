@@ -9,6 +9,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from vramsweep.data.cache import cached, tokenizer_fingerprint
+from vramsweep.data.chatset import generate_chats
+from vramsweep.data.formats import normalize_records
+from vramsweep.data.load import load_user_data
+from vramsweep.data.sources import Record, source_sha256
 from vramsweep.data.synthetic import generate_documents
 
 EVAL_SEED_OFFSET = 100_003  # eval documents come from a disjoint seed stream
@@ -29,7 +34,6 @@ USER_SOURCES = ("jsonl", "file")
 
 def load_user(cfg: DictConfig) -> Any:
     """The user's records (:func:`vramsweep.data.load.load_user_data`) for ``data.source=file|jsonl``."""
-    from vramsweep.data.load import load_user_data
 
     d = cfg.data
     return load_user_data(str(d.path), str(d.eval_path) if d.eval_path else None, str(d.format))
@@ -91,13 +95,10 @@ def render_settings(cfg: DictConfig, tokenizer: Any, fmt: str) -> Any:
 
 def _record_examples(cfg: DictConfig, tokenizer: Any, ud: Any = None) -> tuple[list, list, dict]:
     """Examples of chat / prompt-completion / alpaca / text records (the user's or the shipped chat set)."""
-    from vramsweep.data.formats import normalize_records
     from vramsweep.data.render import build_item_examples
-    from vramsweep.data.sources import Record
 
     d = cfg.data
     if d.source == "embedded_chat":
-        from vramsweep.data.chatset import generate_chats
 
         def recs(n: int, seed: int, tag: str) -> list:
             return [Record(f"{tag}:{i + 1}", r) for i, r in enumerate(generate_chats(n, seed))]
@@ -135,7 +136,7 @@ def _length_distribution(examples: list) -> dict:
 
 
 def _build(cfg: DictConfig, tokenizer: Any) -> TrialData:
-    from vramsweep.data.examples import build_examples, examples_stats
+    from vramsweep.data.examples import TARGET_TOKENS, build_examples, examples_stats
 
     ud = load_user(cfg) if cfg.data.source in USER_SOURCES else None  # read the file once
     fmt = ud.format if ud is not None else data_format(cfg)
@@ -165,7 +166,7 @@ def _build(cfg: DictConfig, tokenizer: Any) -> TrialData:
         raise ValueError("the eval documents produced no examples (need documents with >= 2 sections)")
     stats = {"train": examples_stats(train), "eval": examples_stats(ev), **info}
     for split, ex in (("train", train), ("eval", ev)):
-        trained = stats[split]["target_tokens"]
+        trained = stats[split][TARGET_TOKENS]
         stats[split]["trained_tokens"] = trained
         stats[split]["prompt_tokens"] = stats[split]["total_tokens"] - trained
         stats[split]["length_distribution"] = _length_distribution(ex)
@@ -175,9 +176,6 @@ def _build(cfg: DictConfig, tokenizer: Any) -> TrialData:
 def cache_parts(cfg: DictConfig, tokenizer: Any) -> dict:
     """What the built examples depend on (:func:`vramsweep.data.cache.cached`'s key)."""
     from omegaconf import OmegaConf
-
-    from vramsweep.data.cache import tokenizer_fingerprint
-    from vramsweep.data.sources import source_sha256
 
     d = OmegaConf.to_container(cfg.data, resolve=True)
     parts = {"data": d, "context": OmegaConf.to_container(cfg.context, resolve=True)}
@@ -193,7 +191,6 @@ def build_trial_data(cfg: DictConfig, tokenizer: Any) -> TrialData:
     """Examples for training and held-out eval, truncated to ``context.max_tokens`` as configured; built once
     per data + tokenizer + settings and then read from the tokenisation cache (:mod:`vramsweep.data.cache`).
     ``stats["cache"]`` says ``hit`` or ``miss``."""
-    from vramsweep.data.cache import cached
 
     data, status, key = cached(cache_parts(cfg, tokenizer), lambda: _build(cfg, tokenizer))
     data.stats = {**data.stats, "cache": status, "cache_key": key[:16]}

@@ -3,25 +3,9 @@ the local artefact cache and a transformers config from the ``model`` group's di
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 from omegaconf import DictConfig
 
-CACHE_ENV = "VRAMSWEEP_CACHE"
-
-
-def cache_path() -> Path:
-    """Where the cache is (``$VRAMSWEEP_CACHE`` or ``~/.cache/vramsweep``), without creating it."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "vramsweep"
-
-
-def cache_root() -> Path:
-    """Local cache for built artefacts (embedded model, arch weights): ``VRAMSWEEP_CACHE`` or ~/.cache."""
-    root = cache_path()
-    root.mkdir(parents=True, exist_ok=True)
-    return root
+from vramsweep.data.cache import CACHE_ENV, cache_path, cache_root  # noqa: F401 - re-exported
 
 
 def hf_config(mcfg: DictConfig):

@@ -35,8 +35,12 @@ from typing import Any
 from vramsweep.config.compose import ConfigError, list_options
 from vramsweep.config.paths import check_path_names
 from vramsweep.config.rules import FAULT_KINDS, FAULT_RE, check_fault_env  # noqa: F401 - re-exported
+from vramsweep.config.weights import arch_path
 from vramsweep.data.documents import format_section, load_jsonl
-from vramsweep.data_prep import USER_SOURCES, data_format, load_documents
+from vramsweep.data.formats import detect_format, normalize_records
+from vramsweep.data.sources import read_source
+from vramsweep.data.truncation import ContextOverflowError
+from vramsweep.data_prep import USER_SOURCES, build_trial_data, data_format, load_documents
 from vramsweep.embedded import ASSET_DIR, _key, asset_info, embedded_dir
 from vramsweep.estimate import estimate
 from vramsweep.estimate.dims import check_model_config
@@ -134,8 +138,6 @@ def check_jsonl(path: str | os.PathLike, *, key: str = "data.path", fmt: str = "
     """Raise ``<key>: <file>:<line>: <problem>`` unless ``path`` is a readable data file (or dataset folder)
     whose records all parse in one format (:mod:`vramsweep.data.sources`, :mod:`vramsweep.data.formats`;
     sectioned documents in JSON Lines through :func:`vramsweep.data.documents.load_jsonl`)."""
-    from vramsweep.data.formats import detect_format, normalize_records
-    from vramsweep.data.sources import read_source
 
     try:
         src = read_source(path)
@@ -207,8 +209,6 @@ def check_inputs(cfg: Any) -> None:
     if str(cfg.model.source) == "path" and cfg.model.get("path"):
         check_model_config(str(cfg.model.path))
     if str(cfg.model.source) == "arch" and cfg.model.get("path"):
-        from vramsweep.production.weights import arch_path
-
         arch_path(cfg.model)  # config.json matches the named architecture
 
 
@@ -452,6 +452,16 @@ def _single_section_error(
     )
 
 
+def _data_path_error(exc: Exception) -> ConfigError:
+    """A data file's problem as the one-line ``data.path`` error (with what is allowed, where it is known)."""
+    msg = str(exc)
+    if "need at least 2 documents" in msg:
+        return ConfigError(
+            msg, key="data.path", allowed=["a data.path with >= 2 documents", "data.eval_path=<jsonl>"]
+        )
+    return ConfigError(f"data.path: {msg}", key="data.path")
+
+
 def check_data(cfg: Any) -> None:
     """What the data step (:func:`vramsweep.data_prep.build_trial_data`) would raise on, found before the
     model is built: too few documents for a held-out split, train or eval documents that give no example
@@ -469,7 +479,7 @@ def check_data(cfg: Any) -> None:
     try:
         fmt = data_format(cfg)
     except (OSError, ValueError) as exc:  # check_inputs names a bad file first; kept for direct calls
-        raise ConfigError(f"data.path: {exc}", key="data.path") from None
+        raise _data_path_error(exc) from None
     if fmt != "documents":
         if folder is not None:
             check_records(cfg, folder)
@@ -479,12 +489,7 @@ def check_data(cfg: Any) -> None:
     except FileNotFoundError as exc:  # check_inputs names a missing file first; kept for direct calls
         raise ConfigError(f"data.path: {exc}", key="data.path") from None
     except (OSError, ValueError) as exc:
-        msg = str(exc)
-        if "need at least 2 documents" in msg:
-            raise ConfigError(
-                msg, key="data.path", allowed=["a data.path with >= 2 documents", "data.eval_path=<jsonl>"]
-            ) from None
-        raise ConfigError(f"data.path: {msg}", key="data.path") from None
+        raise _data_path_error(exc) from None
     sections_allowed = ["documents with >= 2 sections ({heading, text} objects)"]
     if not any(len(doc["sections"]) >= 2 for doc in train):
         what = f"data.path={d.path}" if jsonl else f"data=synthetic (data.num_docs={d.num_docs})"
@@ -571,8 +576,6 @@ def check_records(cfg: Any, folder: Path) -> None:
     no trained token, a ``data.train_on`` that does not apply, a missing chat template and, with
     ``context.truncation=none``, the longest record over ``context.max_tokens`` fail here, naming the record."""
     from vramsweep.data.tokenizer import load_tokenizer
-    from vramsweep.data.truncation import ContextOverflowError
-    from vramsweep.data_prep import build_trial_data
 
     try:
         tok = load_tokenizer(folder, embedded=str(cfg.model.source) == "embedded")

@@ -52,6 +52,7 @@ from vramsweep.production.checkpoint import (
     Checkpointer,
     Preempted,
     Resume,
+    check_same_config,
     latest_checkpoint,
     load_checkpoint,
 )
@@ -130,7 +131,6 @@ def default_result_path(cfg: DictConfig, overrides) -> Path:
     """``<run folder>/result.json``: ``train.output_dir`` when set; with ``train.resume=auto``, the newest
     ``<results_dir>/runs/*_<name>`` of the same overrides (``train.resume`` aside); else a new stamped folder.
     Resuming checks the run's pinned config first (``ConfigError`` naming the keys that differ)."""
-    from vramsweep.production.checkpoint import check_same_config
 
     same = [o for o in overrides if not o.lstrip("+").startswith("train.resume=")]
     runs = Path(str(cfg.results_dir)) / "runs"
@@ -581,13 +581,8 @@ def _train_steps(
 ) -> None:
     """Prepare, evaluate, :func:`vramsweep.loop.fit` with the trial's callbacks, measure, evaluate; with a
     run folder, log the losses and save the adapter (docs/RUNS.md)."""
-    import torch
-
     m, meta, t = result["metrics"], result["meta"], cfg.train
-    if int(t.threads) > 0:
-        torch.set_num_threads(int(t.threads))
-    random.seed(int(t.seed))
-    torch.manual_seed(int(t.seed))
+    _seed_and_threads(t)
     prep = prepare(cfg, result)
     model, device = prep.built.model, prep.built.device
 
@@ -595,15 +590,7 @@ def _train_steps(
         return evaluate(model, prep.evals, device, causal_lm=causal_lm_of, meter=meter)
 
     resume = _resume_point(cfg, run, result)
-    if cuda_mon is not None:
-        cuda_mon.phase("initial_eval")  # the build's peak stays in meta.cuda.phases.setup
-    t_eval = time.perf_counter()
-    if resume is None:
-        first = run_eval()
-        m[M.INITIAL_EVAL_LOSS], m[M.INITIAL_TASK_SCORE] = first.loss, first.task_score
-    else:  # the metrics so far (initial eval, peak of the first steps, intermediate evals) are the run's
-        m.update(resume.state["metrics"])
-    eval_s = time.perf_counter() - t_eval
+    eval_s = _initial_eval(m, run_eval, resume, cuda_mon)
     start = resume.next_step if resume is not None else 0
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -626,27 +613,8 @@ def _train_steps(
     wandb_rows = [_WandbRows(logger, scheduler, timing, m)] if logger is not None else []
     evals = _PeriodicEval(cfg, run_eval, timing, progress, m, logger, reporter)
     train_loss = _TrainLoss(timing, m)
-    outputs: list[Callback] = []
-    ckpt = None
-    if run is not None:
-        rows = resume.state["losses"] if resume is not None else []
-        train_loss.losses = [r["loss"] for r in rows]
-        log = LossLog(run, scheduler, rows)
-        outputs.append(log)
-        if run.production:
-            evals.say = True
-            state = _state_so_far(log, m, logger)
-            ckpt = Checkpointer(
-                run.path,
-                int(t.save_every),
-                int(t.keep_checkpoints),
-                model,
-                optimizer,
-                scheduler,
-                state,
-                steps,
-            )
-            outputs.append(ckpt)
+    trained = (model, optimizer, scheduler)
+    outputs, ckpt = _run_outputs(cfg, run, resume, train_loss, evals, trained, logger, m)
     # the model's own loss, or the chunked one (tiling.loss_chunk_tokens)
     loop = Loop(model, optimizer, scheduler, prep.batches, faults.wrap(loss_fn(cfg, model)), device, steps)
     loop.grad_accum, loop.max_grad_norm = int(t.grad_accum), float(t.max_grad_norm)
@@ -665,6 +633,60 @@ def _train_steps(
     _final_eval(result, run_eval, eval_s)
     if run is not None and run.save_adapter:
         meta["outputs"] = save_outputs(run, cfg, model, prep.tokenizer, prep.built.id_map, prep.base_path)
+
+
+def _seed_and_threads(t: DictConfig) -> None:
+    """``train.threads`` (when > 0) and ``train.seed`` for Python's and torch's generators."""
+    import torch
+
+    if int(t.threads) > 0:
+        torch.set_num_threads(int(t.threads))
+    random.seed(int(t.seed))
+    torch.manual_seed(int(t.seed))
+
+
+def _initial_eval(m: dict, run_eval, resume: Resume | None, cuda_mon) -> float:
+    """The eval before the first step (or, resuming, the run's metrics so far); its seconds."""
+    if cuda_mon is not None:
+        cuda_mon.phase("initial_eval")  # the build's peak stays in meta.cuda.phases.setup
+    t_eval = time.perf_counter()
+    if resume is None:
+        first = run_eval()
+        m[M.INITIAL_EVAL_LOSS], m[M.INITIAL_TASK_SCORE] = first.loss, first.task_score
+    else:  # the metrics so far (initial eval, peak of the first steps, intermediate evals) are the run's
+        m.update(resume.state["metrics"])
+    return time.perf_counter() - t_eval
+
+
+def _run_outputs(
+    cfg: DictConfig,
+    run: RunFolder | None,
+    resume: Resume | None,
+    train_loss: _TrainLoss,
+    evals: _PeriodicEval,
+    trained: tuple,
+    logger,
+    m: dict,
+) -> tuple[list[Callback], Checkpointer | None]:
+    """A run folder's callbacks: the loss log, and in a production run the checkpointer (docs/RUNS.md)."""
+    if run is None:
+        return [], None
+    rows = resume.state["losses"] if resume is not None else []
+    train_loss.losses = [r["loss"] for r in rows]
+    log = LossLog(run, trained[2], rows)
+    if not run.production:
+        return [log], None
+    evals.say = True
+    t = cfg.train
+    ckpt = Checkpointer(
+        run.path,
+        int(t.save_every),
+        int(t.keep_checkpoints),
+        *trained,
+        _state_so_far(log, m, logger),
+        int(t.steps),
+    )
+    return [log, ckpt], ckpt
 
 
 def _resume_point(cfg: DictConfig, run: RunFolder | None, result: dict) -> Resume | None:

@@ -20,17 +20,39 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["CACHE_VERSION", "cached", "data_cache_dir", "tokenizer_fingerprint"]
+__all__ = [
+    "CACHE_ENV",
+    "CACHE_VERSION",
+    "cache_path",
+    "cache_root",
+    "cached",
+    "data_cache_dir",
+    "tokenizer_fingerprint",
+]
 
 #: Bump when rendering, masking or truncation changes what a key's examples are.
 CACHE_VERSION = 1
 T = TypeVar("T")
 
 
+CACHE_ENV = "VRAMSWEEP_CACHE"
+
+
+def cache_path() -> Path:
+    """Where the cache is (``$VRAMSWEEP_CACHE`` or ``~/.cache/vramsweep``), without creating it."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "vramsweep"
+
+
+def cache_root() -> Path:
+    """Local cache for built artefacts (embedded model, arch weights): ``VRAMSWEEP_CACHE`` or ~/.cache."""
+    root = cache_path()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
 def data_cache_dir() -> Path:
     """``<cache>/data`` (created)."""
-    from vramsweep.hfmodel import cache_root
-
     d = cache_root() / "data"
     d.mkdir(parents=True, exist_ok=True)
     return d
@@ -80,8 +102,6 @@ def cached(
     Returns:
         (value, ``"hit"`` or ``"miss"``, key).
     """
-    from vramsweep.hfmodel import cache_path
-
     key = cache_key(parts)
     d = folder if folder is not None else cache_path() / "data"
     created = [q for q in (d, *d.parents) if not q.exists()]

@@ -208,6 +208,10 @@ def collate(examples: Sequence[Example], pad_id: int, width: int | None = None) 
     return out
 
 
+#: The summary key of the tokens that carry a loss (labels other than IGNORE_INDEX).
+TARGET_TOKENS = "target_tokens"
+
+
 def examples_stats(examples: Sequence[Example]) -> dict[str, float | int]:
     """Summary numbers for logs and result JSONs (lengths in tokens)."""
     n = len(examples)
@@ -218,7 +222,7 @@ def examples_stats(examples: Sequence[Example]) -> dict[str, float | int]:
             "max_length": 0,
             "min_length": 0,
             "total_tokens": 0,
-            "target_tokens": 0,
+            TARGET_TOKENS: 0,
             "mean_context_tokens": 0.0,
             "frac_with_facts": 0.0,
             "fact_spans": 0,
@@ -230,7 +234,7 @@ def examples_stats(examples: Sequence[Example]) -> dict[str, float | int]:
         "max_length": max(lengths),
         "min_length": min(lengths),
         "total_tokens": sum(lengths),
-        "target_tokens": sum(sum(1 for t in e.labels if t != IGNORE_INDEX) for e in examples),
+        TARGET_TOKENS: sum(sum(1 for t in e.labels if t != IGNORE_INDEX) for e in examples),
         "mean_context_tokens": sum(e.n_context_tokens for e in examples) / n,
         "frac_with_facts": sum(1 for e in examples if e.fact_spans) / n,
         "fact_spans": sum(len(e.fact_spans) for e in examples),

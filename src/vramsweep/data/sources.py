@@ -74,6 +74,10 @@ def _decode(p: Path, raw: bytes, lineno: int) -> str:
         ) from None
 
 
+#: A record nested deeper than Python's JSON decoder recurses.
+_TOO_DEEP = "invalid JSON: nested too deeply (over ~1,000 levels)"
+
+
 def _read_jsonl(p: Path) -> list[Record]:
     out: list[Record] = []
     blank = 0
@@ -93,6 +97,8 @@ def _read_jsonl(p: Path) -> list[Record]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{p}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+            except RecursionError:
+                raise ValueError(f"{p}:{lineno}: {_TOO_DEEP}") from None
             out.append(Record(f"{p}:{lineno}", obj))
     if not out:
         raise ValueError(
@@ -129,6 +135,8 @@ def _read_json(p: Path) -> list[Record]:
             obj, end = dec.raw_decode(text, pos)
         except json.JSONDecodeError as e:
             raise ValueError(f"{p}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+        except RecursionError:
+            raise ValueError(f"{p}:{line_of(pos)}: {_TOO_DEEP}") from None
         out.append(Record(f"{p}:{line_of(pos)}", obj))
         pos = skip(end)
         if pos < len(text) and text[pos] == ",":

@@ -15,6 +15,8 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from vramsweep.data.templates import EMBEDDED_CHAT_TEMPLATE
+
 __all__ = ["SPECIAL_TOKENS", "load_tokenizer", "train_tokenizer"]
 
 # Fixed ids 0..4, in this order.
@@ -82,7 +84,5 @@ def load_tokenizer(folder: str | os.PathLike[str], *, embedded: bool = False) ->
 
     tok = AutoTokenizer.from_pretrained(str(folder))
     if embedded and not tok.chat_template:
-        from vramsweep.data.templates import EMBEDDED_CHAT_TEMPLATE
-
         tok.chat_template = EMBEDDED_CHAT_TEMPLATE
     return tok

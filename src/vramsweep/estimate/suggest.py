@@ -25,7 +25,14 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from vramsweep.config import ConfigError
+from vramsweep.config.paths import _PACKAGED
+from vramsweep.config.rope import plan as rope_plan
+from vramsweep.config.rules import validate
+from vramsweep.config.schema import _SCHEMAS
+from vramsweep.estimate import estimate, model_dims
 from vramsweep.record.metrics import MetricName as M
+from vramsweep.record.status import Status
 from vramsweep.record.units import GIB
 
 #: A knob's options from "saves least" to "saves most" (only moves up the chain are suggested). ``tiling`` is
@@ -106,8 +113,6 @@ class Candidate:
 
 def _option_node(group: str, option: str) -> DictConfig:
     """``conf/<group>/<option>.yaml`` over the group's schema (what Hydra composes for ``group=option``)."""
-    from vramsweep.config.paths import _PACKAGED
-    from vramsweep.config.schema import _SCHEMAS
 
     raw = yaml.safe_load((Path(_PACKAGED) / group / f"{option}.yaml").read_text()) or {}
     raw.pop("defaults", None)
@@ -262,7 +267,6 @@ def offload_seconds(cfg: DictConfig, seq_tokens: int) -> tuple[float, float, str
     in the backward. Compute time: 4 x params x tokens FLOPs (6 with adapter=full: weight gradients too) at :data:`ASSUMED_MFU` of the card's peak. The copy
     runs on a side stream: the factor counts only the part not hidden behind the compute.
     """
-    from vramsweep.estimate import model_dims
 
     d = model_dims(cfg)
     c = 4 if str(cfg.train.dtype) == "fp32" else 2
@@ -382,7 +386,7 @@ def fit_costs(results: list[dict]) -> tuple[dict[str, float], int]:
     rows, ys = [], []
     for r in results:
         tps = (r.get("metrics") or {}).get(M.TOKENS_PER_S)
-        if r.get("status") != "ok" or not tps or not r.get("config"):
+        if r.get("status") != Status.OK or not tps or not r.get("config"):
             continue
         rows.append(_features(r["config"]))
         ys.append(-math.log(float(tps)))
@@ -434,8 +438,6 @@ def _le(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
 
 
 def _valid(cfg: DictConfig) -> str | None:
-    from vramsweep.config import ConfigError
-    from vramsweep.config.rules import validate
 
     try:
         validate(cfg, machine=False)
@@ -451,8 +453,6 @@ def _fast_invalid(c: dict[str, Any]) -> bool:
 
 def max_tokens(cfg: DictConfig, calibration: Any, *, step: int = 256, hi: int | None = None) -> int:
     """Longest ``context.max_tokens`` (to ``step`` tokens) whose estimate fits: bisection on the estimator."""
-    from vramsweep.config.rope import plan as rope_plan
-    from vramsweep.estimate import estimate
 
     hi = hi or int(rope_plan(cfg)["positions"] or 0) or (1 << 20)
 
@@ -529,7 +529,6 @@ def suggest(
     fits, ``"spare"`` instead of suggestions (largest micro-batch, adapter rank, context that still fit).
     Raises ``ValueError`` without a budget.
     """
-    from vramsweep.estimate import estimate
 
     t0 = time.perf_counter()
     base_est = estimate(cfg, calibration=calibration)
@@ -637,7 +636,6 @@ def suggest(
 def spare(cfg: DictConfig, calibration: Any) -> dict[str, Any]:
     """What a config that fits could afford (``cfg`` is changed and put back): the largest micro-batch (doubling), adapter rank (doubling, not
     for ``adapter=full``) and context (bisection) that still fit, each changed alone."""
-    from vramsweep.estimate import estimate
 
     def grow(key: str, start: int, cap: int) -> int:
         best, v = start, start * 2

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from vramsweep.config.weights import arch_path, say_random_weights
 from vramsweep.embedded import ensure_embedded
 from vramsweep.hfmodel import cache_root, hf_config  # noqa: F401 - re-exported (build.model.hf_config)
 from vramsweep.knobs import registry
@@ -45,8 +46,6 @@ def model_source(cfg: DictConfig) -> tuple[Path | None, Any]:
     elif src == "path":
         path = Path(str(cfg.model.path))
     else:  # a named architecture: its weights from model.path (checked), else random
-        from vramsweep.production.weights import arch_path, say_random_weights
-
         path = arch_path(cfg.model)
         say_random_weights(cfg.model)
     tokenizer = None

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from vramsweep.config import compose
 from vramsweep.config.errors import error_line
 from vramsweep.production.layout import ADAPTER_DIR, MODEL_DIR, TOKENIZER_DIR, read_manifest
 
@@ -56,7 +57,6 @@ def load_run_model(run: str | Path, *, quantised: bool = True) -> tuple[Any, Any
         raise UseError(f"{run}/run.json: the base weights folder {base_path!r} is missing")
     kw: dict[str, Any] = {"dtype": dtype}
     if quantised and int(man["quant"]["bits"]) in (4, 8):
-        from vramsweep.config import compose
         from vramsweep.knobs.common import bnb_config
 
         cfg = compose([f"quant={man['quant']['name']}"], rules="none")
@@ -73,8 +73,9 @@ def prompt_ids(tok: Any, prompt: str | None, messages: list[dict] | None) -> lis
     if messages is None:
         messages = [{"role": "user", "content": prompt or ""}]
     if getattr(tok, "chat_template", None):
-        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) else out)
+        # as training tokenised it (data/render.py): the rendered text, with the template's own specials
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tok(text, add_special_tokens=False)["input_ids"])
     return list(tok("\n".join(str(m.get("content", "")) for m in messages))["input_ids"])
 
 
@@ -174,7 +175,12 @@ def add_parsers(sub: Any) -> None:
     g.add_argument("run", help="the run folder (results/runs/<...>, with run.json)")
     g.add_argument("--prompt", default=None, help="the user message")
     g.add_argument("--messages", default=None, metavar="FILE", help="a JSON list of {role, content} messages")
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=64,
+        help="how many tokens to generate at most, greedily (default: %(default)s)",
+    )
     g.set_defaults(func=cmd_generate)
     e = sub.add_parser("export", help="write a run's adapter, or with --merge a merged bf16 model folder")
     e.add_argument("run", help="the run folder (with run.json)")

@@ -38,7 +38,7 @@ from typing import Any
 from vramsweep.config.compose import ConfigError, compose, find_option, writable_conf_dir
 from vramsweep.config.errors import error_line
 from vramsweep.config.schema import MEASUREMENT_KEYS
-from vramsweep.production.weights import random_weights
+from vramsweep.config.weights import random_weights
 from vramsweep.record.metrics import MetricName, format_value, title
 from vramsweep.record.metrics import label as metric_label
 from vramsweep.record.result import atomic_write_text

@@ -762,6 +762,19 @@ def _storage_url(conf: SweeperConf, sweep_dir: Path) -> str:
     return normalise_storage_url(storage)
 
 
+def _checked_name(name: str) -> str:
+    """``sweep.name``, refused unless it is a plain file name a folder can carry."""
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name) or name in (".", ".."):
+        raise ConfigError(f"sweep.name={name!r} must be a plain file name", key="sweep.name")
+    if len(name.encode()) > NAME_MAX:
+        raise ConfigError(
+            f"sweep.name is {len(name.encode())} bytes long; a folder name holds at most {NAME_MAX}",
+            key="sweep.name",
+            allowed=[f"a plain file name of 1..{NAME_MAX} bytes"],
+        )
+    return name
+
+
 def resolve_settings(
     sweeper: dict[str, Any],
     task_cfg: dict[str, Any],
@@ -792,15 +805,7 @@ def resolve_settings(
     sweep = SweepConfig.from_dict(task_cfg.get("sweep"))
     named = bool(sweep.name or conf.study_name)
     # sweep.name=<x> on the command line arrives as study_name (it names the folder and the study)
-    name = str(conf.study_name or sweep.name or "multirun")
-    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name) or name in (".", ".."):
-        raise ConfigError(f"sweep.name={name!r} must be a plain file name", key="sweep.name")
-    if len(name.encode()) > NAME_MAX:
-        raise ConfigError(
-            f"sweep.name is {len(name.encode())} bytes long; a folder name holds at most {NAME_MAX}",
-            key="sweep.name",
-            allowed=[f"a plain file name of 1..{NAME_MAX} bytes"],
-        )
+    name = _checked_name(str(conf.study_name or sweep.name or "multirun"))
     design, reason, sampler = _choose_design(
         sweep, conf, _sampler_spec(conf), dict(cli_params or {}), sweep_file or name
     )
