@@ -79,6 +79,12 @@ def test_a_run_stopped_and_resumed_ends_bitwise_equal(tmp_path, monkeypatch):
     assert res["metrics"]["eval_loss"] == whole["metrics"]["eval_loss"]
     # the newest K=1 complete checkpoint kept
     assert [p.name for p in checkpoint_dirs(tmp_path / "cut")] == ["step-00000006"]
+    # what checkpointing cost is recorded (bench/checkpoint_cost.py reads it): the resumed run wrote 2
+    cost = res["meta"]["checkpoints"]
+    assert cost["count"] == 2 and cost["seconds"] > 0
+    final = checkpoint_dirs(tmp_path / "cut")[0]
+    assert cost["bytes"] == sum(f.stat().st_size for f in final.iterdir() if f.is_file())
+    assert whole["meta"]["checkpoints"] == {"count": 0, "seconds": 0.0, "bytes": 0}
 
 
 def test_resume_with_a_changed_config_refuses_naming_the_keys(tmp_path, capsys):

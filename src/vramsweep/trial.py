@@ -614,7 +614,7 @@ def _train_steps(
     evals = _PeriodicEval(cfg, run_eval, timing, progress, m, logger, reporter)
     train_loss = _TrainLoss(timing, m)
     trained = (model, optimizer, scheduler)
-    outputs, ckpt = _run_outputs(cfg, run, resume, train_loss, evals, trained, logger, m)
+    outputs, ckpt = _run_outputs(cfg, run, resume, train_loss, evals, trained, logger, result)
     # the model's own loss, or the chunked one (tiling.loss_chunk_tokens)
     loop = Loop(model, optimizer, scheduler, prep.batches, faults.wrap(loss_fn(cfg, model)), device, steps)
     loop.grad_accum, loop.max_grad_norm = int(t.grad_accum), float(t.max_grad_norm)
@@ -666,7 +666,7 @@ def _run_outputs(
     evals: _PeriodicEval,
     trained: tuple,
     logger,
-    m: dict,
+    result: dict,
 ) -> tuple[list[Callback], Checkpointer | None]:
     """A run folder's callbacks: the loss log, and in a production run the checkpointer (docs/RUNS.md)."""
     if run is None:
@@ -683,8 +683,9 @@ def _run_outputs(
         int(t.save_every),
         int(t.keep_checkpoints),
         *trained,
-        _state_so_far(log, m, logger),
+        _state_so_far(log, result["metrics"], logger),
         int(t.steps),
+        stats=result["meta"].setdefault("checkpoints", {}),
     )
     return [log, ckpt], ckpt
 

@@ -21,6 +21,7 @@ import os
 import random
 import shutil
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,8 +176,13 @@ class Checkpointer(Callback):
         scheduler: Any,
         state_so_far: Any,
         last_step: int,
+        stats: dict | None = None,
     ):
         self.root = Path(run_dir) / CHECKPOINTS
+        #: what checkpointing cost, updated in place (the trial's ``meta.checkpoints``): count, seconds
+        #: spent writing (staging + completing), bytes of the newest checkpoint
+        self.stats = stats if stats is not None else {}
+        self.stats.update({"count": 0, "seconds": 0.0, "bytes": 0})
         self.every, self.keep, self.last_step = int(every), int(keep), int(last_step)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.state_so_far = state_so_far  # () -> {"losses": [...], "metrics": {...}, "wandb_run_id": ...}
@@ -220,6 +226,13 @@ class Checkpointer(Callback):
 
     # writing -----------------------------------------------------------------------------------------
     def _stage(self, step: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._write_staged(step)
+        finally:
+            self.stats["seconds"] = round(self.stats["seconds"] + time.perf_counter() - t0, 6)
+
+    def _write_staged(self, step: int) -> None:
         import torch
         from safetensors.torch import save_file
 
@@ -239,6 +252,15 @@ class Checkpointer(Callback):
         self.staged = (step, tmp)
 
     def _complete(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._write_complete()
+        finally:
+            self.stats["seconds"] = round(self.stats["seconds"] + time.perf_counter() - t0, 6)
+        self.stats["count"] += 1
+        self.stats["bytes"] = sum(f.stat().st_size for f in self.saved[-1].iterdir() if f.is_file())
+
+    def _write_complete(self) -> None:
         step, tmp = self.staged  # type: ignore[misc]
         self.staged = None
         state = {"next_step": step + 1, **self.state_so_far()}
