@@ -12,7 +12,8 @@ from vramsweep.config.rules import validate
 from vramsweep.data.examples import IGNORE_INDEX, position_ids
 from vramsweep.data.packing import pack_examples, packing_stats
 from vramsweep.data_prep import collate_batch
-from vramsweep.knobs import build_model
+from vramsweep.knobs import build_model, packed_attention
+from vramsweep.knobs.packed_attention import PACKED_NAMES
 from vramsweep.knobs.registry import loss_fn
 from vramsweep.loop import Loop, fit
 
@@ -51,10 +52,13 @@ def test_labels_are_masked_at_every_boundary_and_positions_restart():
     assert b["n_tokens"] == 12 and b["n_loss_tokens"] == 12 - 3
 
 
-def _packed_step(overrides, rows, width):
-    cfg = compose(["train.dtype=fp32", *overrides])
+def _packed_step(overrides, rows, width, packing=True):
+    cfg = compose(["train.dtype=fp32", *overrides, f"data.packing={str(packing).lower()}"])
     torch.manual_seed(0)
     model = build_model(cfg).model
+    if packing:  # eager/sdpa packing loads the segment-wise attention (knobs/packed_attention.py)
+        impl = str(cfg.attention.implementation)
+        assert model.config._attn_implementation == PACKED_NAMES[impl]
     model.eval()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.0)
@@ -83,6 +87,48 @@ def test_a_packed_step_equals_its_examples_unpacked(overrides):
     ref_loss, ref = _step_grads(overrides, ex, micro_batch=len(ex), grad_accum=1)
     assert _rel(packed, ref) < 1e-5, f"relative gradient difference {_rel(packed, ref):.2e}"
     assert packed_loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+def test_the_mask_path_also_equals_the_unpacked_step():
+    """Rows packed onto a model built without data.packing (transformers' dense block-diagonal mask from
+    the positions): the same numbers, so the segment-wise path and the mask path agree."""
+    ex = _examples(_LT)
+    rows = pack_examples(ex, 320, seed=0)
+    mask_loss, mask_grads = _packed_step(["attention=sdpa"], rows, 320, packing=False)
+    seg_loss, seg_grads = _packed_step(["attention=sdpa"], rows, 320)
+    assert _rel(seg_grads, mask_grads) < 1e-5
+    assert seg_loss == pytest.approx(mask_loss, rel=1e-5)
+
+
+def test_segment_attention_runs_per_example_without_a_dense_mask(monkeypatch):
+    """Every SDPA call of a packed step is causal over one segment, with no attn_mask (no T x T tensor)."""
+    ex = _examples(_LT)
+    rows = pack_examples(ex, 320, seed=0)
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen.append((q.shape[0], q.shape[2], attn_mask is None, kw.get("is_causal")))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    _packed_step(["attention=sdpa"], rows, 320)
+    segments = {n for r in rows for n in [*r.segments, 320 - len(r.input_ids)] if n}
+    assert seen and all(none for _, _, none, _ in seen)
+    assert {n for _, n, _, _ in seen} <= segments and max(n for _, n, _, _ in seen) < 320
+    assert all(b == 1 and (causal or n == 1) for b, n, _, causal in seen)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_ignoring_the_segments_attends_across_examples(monkeypatch, impl):
+    """The exactness test can fail on the segment-wise path: one segment per row (attention across the
+    packed examples) gives another loss than the unpacked step."""
+    ex = _examples(_LT)
+    rows = pack_examples(ex, 320, seed=0)
+    monkeypatch.setattr(packed_attention, "segment_bounds", lambda pos: [[(0, pos.shape[1])]] * pos.shape[0])
+    crossed, _ = _packed_step([f"attention={impl}"], rows, 320)
+    ref_loss, _ = _step_grads([f"attention={impl}"], ex, micro_batch=len(ex), grad_accum=1)
+    assert abs(crossed - ref_loss) > 1e-3
 
 
 def test_without_restarting_positions_the_rows_attend_across_examples():
