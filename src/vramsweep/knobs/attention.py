@@ -100,6 +100,11 @@ def _estimate(cfg: Any, e: Any) -> dict[str, Any]:
             "micro_batch > 1 on documents of different lengths: SDPA gets (b,1,s,s) bool + float padding masks "
             "and repeat_kv copies of k/v (no native GQA with a mask)"
         )
+    if e.fields.get("packed") and impl in ("sdpa", "eager"):
+        e.note(
+            "data.packing: segment-wise attention per packed example (knobs/packed_attention.py), causal, "
+            "no T x T mask; a row's attention costs the sum of its examples' squares"
+        )
     if impl == "flash_attention_2":
         e.note("flash_attention_2 counted like SDPA's flash kernel (q, k, v, output, fp32 log-sum-exp)")
     return {"attention": impl}

@@ -48,9 +48,16 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def _sdpa_segment(q, k, v, scaling, dropout, n_rep):
-    k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+    from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+
+    kw = {}
+    if n_rep > 1:  # as transformers' sdpa without a mask: native GQA where it can, else repeat_kv copies
+        if use_gqa_in_sdpa(None, k, v):
+            kw["enable_gqa"] = True
+        else:
+            k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
     return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout, scale=scaling, is_causal=q.shape[2] > 1
+        q, k, v, dropout_p=dropout, scale=scaling, is_causal=q.shape[2] > 1, **kw
     )
 
 
