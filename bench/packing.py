@@ -24,6 +24,7 @@ Goal: packed >= 1.5x padded trained tokens/s on CPU, eval loss within seed noise
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import random
@@ -61,6 +62,9 @@ def run_arm(cfg, examples, held_out, *, packed: bool, micro_batch: int, seed: in
     from vramsweep.measure.cpu import close_tracker
     from vramsweep.measure.eval import evaluate
 
+    if packed:  # the packed arm builds the model as data.packing=true does (segment-wise attention)
+        cfg = copy.deepcopy(cfg)
+        cfg.data.packing = True
     width = int(cfg.context.max_tokens)
     rows = pack_examples(examples, width, seed) if packed else list(examples)
     steps = math.ceil(len(rows) / micro_batch)

@@ -289,7 +289,8 @@ def collate_batch(examples: list, pad_id: int, width: int | None = None) -> dict
     """A collated micro-batch with the host-side counts the loop and the timing read (no device reads).
 
     Packed rows (``data.packing``) get ``position_ids`` and ``packed: True``: the loop then passes no
-    attention mask, so the model builds its block-diagonal mask from the positions."""
+    attention mask; the model splits each row at the positions' restarts (segment-wise attention under
+    eager/sdpa: knobs/packed_attention.py; varlen FlashAttention-2)."""
     from vramsweep.data.examples import collate
 
     b = collate(examples, pad_id, width)

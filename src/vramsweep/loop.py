@@ -101,7 +101,7 @@ class Loop:
 
 def to_device(batch: dict, device: Any, non_blocking: bool = False) -> tuple[Any, Any, Any]:
     """(input_ids, mask, labels) on ``device``; no mask for an unpadded batch, so SDPA can take its
-    causal fast path (flash), nor for packed rows (their positions give the model its mask)."""
+    causal fast path (flash), nor for packed rows (their positions give the model its segments)."""
     ids = batch["input_ids"].to(device, non_blocking=non_blocking)
     labels = batch["labels"].to(device, non_blocking=non_blocking)
     no_mask = batch["no_padding"] or batch.get("packed", False)

@@ -22,7 +22,6 @@ from typing import Any
 from omegaconf import DictConfig
 
 from vramsweep.config.errors import ConfigError
-from vramsweep.config.packing import PACKED_MASK_MAX_TOKENS, packed_mask_cap
 from vramsweep.config.paths import list_options
 from vramsweep.config.schema import (
     DTYPES,
@@ -380,19 +379,8 @@ def _rules_packing(cfg: DictConfig) -> None:
             key="data.packing",
             allowed=["false", "kernels=none", "kernels=liger"],
         )
-    impl, t = str(cfg.attention.implementation), int(cfg.context.max_tokens)
-    if packed_mask_cap(cfg) is not None and t > PACKED_MASK_MAX_TOKENS:
-        raise ConfigError(
-            f"data.packing=true with attention={impl} at context.max_tokens={t}: the block-diagonal mask is "
-            f"T x T per row ({t * t / 2**30:.2f} GiB of booleans per row, plus SDPA's float copy); above "
-            f"{PACKED_MASK_MAX_TOKENS} tokens pack with varlen FlashAttention-2 (no mask)",
-            key="attention",
-            allowed=[
-                "flash_attention_2",
-                f"context.max_tokens<={PACKED_MASK_MAX_TOKENS}",
-                "data.packing=false",
-            ],
-        )
+    # no length cap: eager/sdpa packed rows run segment-wise attention (knobs/packed_attention.py), no
+    # T x T mask; FlashAttention-2 runs varlen
 
 
 DATA_SOURCES = ("embedded", "embedded_chat", "file", "jsonl", "random")

@@ -10,9 +10,9 @@ does — so a row's token losses are exactly its examples' token losses.
 
 :func:`vramsweep.data_prep.collate_batch` gives a packed row ``position_ids`` that restart at 0 for each
 example and pads it to ``context.max_tokens`` with a trailing segment of its own; the loop then passes no
-attention mask, so transformers builds a block-diagonal causal mask from the positions (eager/SDPA; a
-``(rows, 1, T, T)`` mask) or runs FlashAttention-2's varlen kernel on them (``flash_attention_2``): no token
-attends to another example. With token-weighted accumulation (:func:`vramsweep.loop.token_weights`) the
+attention mask; under eager/SDPA the model runs :mod:`vramsweep.knobs.packed_attention` (causal attention
+per segment, split at the positions' restarts; no ``T x T`` mask), under ``flash_attention_2`` the varlen
+kernel: no token attends to another example. With token-weighted accumulation (:func:`vramsweep.loop.token_weights`) the
 loss and gradients of a packed step equal those of its examples unpacked (``tests/test_packing.py``).
 """
 

@@ -16,11 +16,12 @@ Public API::
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from omegaconf import DictConfig
 
-from vramsweep.config.packing import packed_mask_cap
+from vramsweep.config.packing import packed
 from vramsweep.config.rope import plan as rope_plan
 from vramsweep.estimate.analytic import Estimate, Knobs, estimate_knobs
 from vramsweep.estimate.calibration import (
@@ -163,11 +164,13 @@ def max_context(
     if hi is None:
         hi = int(rope_plan(cfg)["positions"] or 0)  # the model's positions, x rope.factor with rope scaling
         hi = hi if hi > 0 else 1 << 20
-        if (cap := packed_mask_cap(cfg)) is not None:
-            hi = min(hi, cap)  # the rules refuse longer packed rows on eager/sdpa (quadratic mask)
     hi = max(1, int(hi))
 
     def est_at(tokens: int) -> dict[str, Any]:
+        if packed(cfg):  # packed rows are always context.max_tokens long: that is what grows
+            at = copy.deepcopy(cfg)
+            at.context.max_tokens = tokens
+            return estimate(at, seq_len=tokens, calibration=calibration)
         return estimate(cfg, seq_len=tokens, calibration=calibration)
 
     lo_est = est_at(1)

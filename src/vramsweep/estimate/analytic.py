@@ -165,6 +165,7 @@ class Knobs:
     mlp_tile: int = 0  # tiling.mlp_tile_tokens: sequence-tiled MLP (0 = untiled)
     adapter_bytes: int = 4  # adapter.dtype: fp32 (PEFT autocast, 4) or compute (= c)
     fp32_master: bool = False  # adapter.fp32_master with 16-bit adapters: the optimizer steps fp32 copies
+    packed: bool = False  # data.packing: segment-wise attention, no 4-D mask (eager: no float causal mask)
 
     def __post_init__(self) -> None:
         if not isinstance(self.opt, OptimizerState):  # the optimizer provider gives the declared mapping
@@ -609,7 +610,8 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
     # and through backward too with checkpointing (it is an input of every checkpointed layer).
     if k.padded_batches and k.attention == "sdpa":
         fixed += b * s_len * s_len * (1 + c)
-    eager_mask = b * s_len * s_len * c if k.attention == "eager" else 0.0
+    # packed rows (segment-wise attention, knobs/packed_attention.py) build no 4-D mask at all
+    eager_mask = b * s_len * s_len * c if k.attention == "eager" and not k.packed else 0.0
     if k.checkpointing:
         fixed += eager_mask
     V = k.vocab

@@ -9,6 +9,10 @@ decoders accept a precomputed mask per layer type, so :func:`causal_mask_mapping
 (tests/test_loop.py). Eager attention needs a materialised causal mask (no fast path there), and models
 with sliding-window layers keep transformers' own masks.
 
+Packed rows (``data.packing``) under eager/sdpa load the segment-wise implementation of
+:mod:`vramsweep.knobs.packed_attention` instead (:func:`implementation`): attention per packed example,
+no T x T block mask.
+
 The ``attention`` provider (:mod:`vramsweep.knobs.registry`): ``attn_implementation`` for loading, the
 implementation the model reports after it (``meta.build.attn_implementation``), the fast path around the
 training loss, and the estimator's ``attention`` field.
@@ -62,12 +66,30 @@ def with_causal_fast_path(fn, model: Any, cfg: Any = None):
 # --- the attention provider (vramsweep.knobs.registry): attn_implementation at load, read back after it
 
 
+def implementation(cfg: Any) -> str:
+    """The ``attn_implementation`` the model is built with: ``attention.implementation``, or its
+    segment-wise variant (knobs/packed_attention.py) when ``data.packing`` packs rows under eager/sdpa."""
+    from vramsweep.config.packing import packed
+
+    impl = str(cfg.attention.implementation)
+    if packed(cfg) and impl in ("sdpa", "eager"):
+        from vramsweep.knobs.packed_attention import PACKED_NAMES, register
+
+        register()
+        return PACKED_NAMES[impl]
+    return impl
+
+
 def _load(cfg: Any, b: Any) -> dict[str, Any]:
-    b.load_kwargs["attn_implementation"] = cfg.attention.implementation
+    b.load_kwargs["attn_implementation"] = implementation(cfg)
     return {}
 
 
 def _built(cfg: Any, b: Any) -> dict[str, Any]:
+    want = implementation(cfg)
+    config = b.model.config
+    if want != str(cfg.attention.implementation) and getattr(config, "_attn_implementation", None) != want:
+        b.model.set_attn_implementation(want)  # source=arch: the skeleton was built with the plain name
     return {"attn_implementation": getattr(b.model.config, "_attn_implementation", None)}
 
 
@@ -77,6 +99,11 @@ def _estimate(cfg: Any, e: Any) -> dict[str, Any]:
         e.note(
             "micro_batch > 1 on documents of different lengths: SDPA gets (b,1,s,s) bool + float padding masks "
             "and repeat_kv copies of k/v (no native GQA with a mask)"
+        )
+    if e.fields.get("packed") and impl in ("sdpa", "eager"):
+        e.note(
+            "data.packing: segment-wise attention per packed example (knobs/packed_attention.py), causal, "
+            "no T x T mask; a row's attention costs the sum of its examples' squares"
         )
     if impl == "flash_attention_2":
         e.note("flash_attention_2 counted like SDPA's flash kernel (q, k, v, output, fp32 log-sum-exp)")

@@ -48,8 +48,9 @@ def _estimate(cfg: Any, e: Estimating) -> dict[str, Any]:
         "device": device,
         "overhead": int(cfg.hardware.overhead_bytes) if device == "cuda" else 0,
         # documents of different lengths in one micro-batch are padded (arch models train on random ids);
-        # packed rows get a block-diagonal (b,1,s,s) mask from their positions, like a padding mask
-        "padded_batches": (int(cfg.train.micro_batch) > 1 or packed(cfg)) and cfg.model.source != "arch",
+        # packed rows are full rows without a mask (segment-wise attention, knobs/packed_attention.py)
+        "padded_batches": int(cfg.train.micro_batch) > 1 and not packed(cfg) and cfg.model.source != "arch",
+        "packed": packed(cfg),
         "budget": budget_bytes(cfg),
         "allocator": device == "cuda",
     }
