@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vramsweep.config.packing import packed
 from vramsweep.knobs.registry import ORDER, KnobHooks, register
 
 FAST_PATH_IMPLEMENTATIONS = ("sdpa", "flash_attention_2")
@@ -69,7 +70,6 @@ def with_causal_fast_path(fn, model: Any, cfg: Any = None):
 def implementation(cfg: Any) -> str:
     """The ``attn_implementation`` the model is built with: ``attention.implementation``, or its
     segment-wise variant (knobs/packed_attention.py) when ``data.packing`` packs rows under eager/sdpa."""
-    from vramsweep.config.packing import packed
 
     impl = str(cfg.attention.implementation)
     if packed(cfg) and impl in ("sdpa", "eager"):
