@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -225,12 +226,18 @@ class Checkpointer(Callback):
                 )
 
     # writing -----------------------------------------------------------------------------------------
-    def _stage(self, step: int) -> None:
+    @contextlib.contextmanager
+    def _timed(self):
+        """Add the block's seconds to ``stats["seconds"]`` (also when it raises)."""
         t0 = time.perf_counter()
         try:
-            self._write_staged(step)
+            yield
         finally:
             self.stats["seconds"] = round(self.stats["seconds"] + time.perf_counter() - t0, 6)
+
+    def _stage(self, step: int) -> None:
+        with self._timed():
+            self._write_staged(step)
 
     def _write_staged(self, step: int) -> None:
         import torch
@@ -252,11 +259,8 @@ class Checkpointer(Callback):
         self.staged = (step, tmp)
 
     def _complete(self) -> None:
-        t0 = time.perf_counter()
-        try:
+        with self._timed():
             self._write_complete()
-        finally:
-            self.stats["seconds"] = round(self.stats["seconds"] + time.perf_counter() - t0, 6)
         self.stats["count"] += 1
         self.stats["bytes"] = sum(f.stat().st_size for f in self.saved[-1].iterdir() if f.is_file())
 
