@@ -9,10 +9,10 @@ export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: help install demo test test-fast test-slow test-latest lint format bench clean unsloth gpu-smoke gpu-smoke-dry gpu-wheels
+.PHONY: help install demo test test-fast test-slow test-latest test-py312 lint format bench clean unsloth gpu-smoke gpu-smoke-dry gpu-wheels
 
 help: ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PY) >/dev/null || { echo "need $(PY)"; exit 1; }
@@ -60,6 +60,26 @@ test-latest: ## the fast suite on the newest versions pyproject allows (separate
 	@diff constraints.txt $(LATEST)/freeze.txt | grep '^[<>]' || true
 	$(LATEST)/bin/pytest -q
 
+# Python 3.12 job (torch-free): vramsweep without its dependencies plus the torch-free ones, each at its
+# constraints.txt version (their own dependencies too). No torch/transformers/peft/bitsandbytes/accelerate/
+# trl/wandb: PyPI's torch is a multi-GB CUDA build and the local CPU wheel is for 3.11 only. tests/conftest.py
+# then runs only the tests marked `torchfree`; full torch runs on 3.12 are the GPU image's.
+VENV312 := .venv-py312
+TORCHFREE_DEPS := omegaconf hydra-core optuna pyyaml sqlalchemy psutil numpy tqdm pytest pytest-timeout hypothesis
+test-py312: ## torch-free tests on Python 3.12 (venv .venv-py312 without torch; skipped if no 3.12 here)
+	@py=$$(python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null \
+	  || ls -d "$$(pyenv root 2>/dev/null || echo "$${PYENV_ROOT:-$$HOME/.pyenv}")"/versions/3.12*/bin/python3.12 \
+	     2>/dev/null | sort -V | tail -1); \
+	if [ -z "$$py" ]; then echo "test-py312: SKIPPED, no Python 3.12 here (python3.12, pyenv versions/3.12*)"; exit 0; fi; \
+	set -ex; \
+	test -x $(VENV312)/bin/python || "$$py" -m venv $(VENV312); \
+	if [ ! $(VENV312)/.installed -nt constraints.txt ] || [ ! $(VENV312)/.installed -nt pyproject.toml ]; then \
+	  $(VENV312)/bin/pip install -q -c constraints.txt $(TORCHFREE_DEPS); \
+	  $(VENV312)/bin/pip install -q --no-deps -e .; \
+	  touch $(VENV312)/.installed; \
+	fi; \
+	! $(VENV312)/bin/python -c 'import torch' 2>/dev/null; \
+	$(VENV312)/bin/pytest -q -m 'torchfree and not slow and not gpu'
 
 bench: $(STAMP) ## overhead + sweep-efficiency benchmarks (prints measured ratios)
 	$(BIN)/python bench/overhead.py
@@ -78,4 +98,4 @@ gpu-wheels: $(STAMP) ## where PyPI is reachable: wheels/gpu_bundle.tar.xz (<= 64
 	bash scripts/fetch_gpu_wheels.sh
 
 clean: ## remove the venv, caches and results
-	rm -rf $(VENV) $(LATEST) .venv-py312 .cache results wandb .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST) $(VENV312) .cache results wandb .pytest_cache .ruff_cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -55,6 +56,25 @@ def results_follow_the_schema():
     bad = [line.split("\t", 1)[1] for line in result_log_lines(start) if line.startswith("bad\t")]
     if bad:
         pytest.fail("result JSON breaks the schema (docs/CONTRACTS.md): " + "; ".join(bad), pytrace=False)
+
+
+# Without torch (the Python 3.12 job: `make test-py312`) only tests marked ``torchfree`` run: modules that
+# mark none are not imported (most import torch at the top), the other tests of a module are skipped.
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+collect_ignore = (
+    []
+    if HAS_TORCH
+    else [p.name for p in Path(__file__).parent.glob("test_*.py") if "torchfree" not in p.read_text()]
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_TORCH:
+        return
+    skip = pytest.mark.skip(reason="needs torch (not installed here; only torchfree tests run)")
+    for item in items:
+        if "torchfree" not in item.keywords:
+            item.add_marker(skip)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -20,6 +20,8 @@ from vramsweep.cli import build_parser, main
 from vramsweep.config import compose, rules
 from vramsweep.config.rules import UnsupportedError
 
+pytestmark = pytest.mark.torchfree
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.torchfree
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -26,6 +26,7 @@ def test_defaults_compose_and_validate():
     assert cfg.adapter.targets == "all-linear"
 
 
+@pytest.mark.torchfree
 def test_options_are_the_option_files_no_hand_list(tmp_path):
     """A group's options are its YAML files (packaged + the user's conf dir): a new file is a new option
     for compose, the value rules and the error messages, with no list to edit."""
@@ -52,6 +53,7 @@ def _all_options():
 
 
 @pytest.mark.parametrize(("group", "option"), list(_all_options()))
+@pytest.mark.torchfree
 def test_every_option_composes(group, option):
     over = [f"{group}={option}"]
     if group == "model" and option == "local":
@@ -63,6 +65,7 @@ def test_every_option_composes(group, option):
         assert cfg[group].name == option
 
 
+@pytest.mark.torchfree
 def test_every_yaml_knob_has_a_comment():
     for path in packaged_conf_dir().glob("*/*.yaml"):
         text = path.read_text()
@@ -110,6 +113,7 @@ BAD = [
 
 
 @pytest.mark.parametrize(("overrides", "key", "allowed_hint"), BAD, ids=[" ".join(b[0]) for b in BAD])
+@pytest.mark.torchfree
 def test_bad_input_exits_2_names_key_and_allowed(overrides, key, allowed_hint, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("VRAMSWEEP_FORCE_NO_CUDA", "1")
     monkeypatch.chdir(tmp_path)
@@ -122,6 +126,7 @@ def test_bad_input_exits_2_names_key_and_allowed(overrides, key, allowed_hint, t
     assert set(Path(tmp_path).rglob("*")) == before, "a rejected config must write nothing"
 
 
+@pytest.mark.torchfree
 def test_bad_input_via_console_script_exits_2(tmp_path):
     exe = Path(sys.executable).with_name("vramsweep")
     env = dict(os.environ, VRAMSWEEP_FORCE_NO_CUDA="1")
@@ -133,6 +138,7 @@ def test_bad_input_via_console_script_exits_2(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.torchfree
 def test_unsupported_is_a_config_error_subclass():
     os.environ["VRAMSWEEP_FORCE_NO_CUDA"] = "1"
     try:
@@ -149,6 +155,7 @@ def test_unsupported_is_a_config_error_subclass():
         del os.environ["VRAMSWEEP_FORCE_NO_CUDA"]
 
 
+@pytest.mark.torchfree
 def test_help_lists_groups(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["train", "--help"])
@@ -157,6 +164,7 @@ def test_help_lists_groups(capsys):
     assert "nf4_dq" in out and "paged_adamw_8bit" in out and "flash_attention_2" in out
 
 
+@pytest.mark.torchfree
 def test_unsloth_on_a_tiny_vocab_architecture_is_refused_by_the_rules():
     """A config-only rule (it was raised while writing the weights folder, after the build started)."""
     from vramsweep.config.rules import check_unsloth
@@ -167,6 +175,7 @@ def test_unsloth_on_a_tiny_vocab_architecture_is_refused_by_the_rules():
     check_unsloth(compose(["kernels=unsloth", "model=qwen3_8b", "model.vocab_size=261"], rules="none"))
 
 
+@pytest.mark.torchfree
 def test_4bit_blocksize_other_than_64_refused():
     """The build always makes block-64 4-bit layers (transformers passes no block size to bitsandbytes):
     a quant.blocksize that would only change the estimate is refused."""

@@ -31,6 +31,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "result_json"
 # ------------------------------------------------------------------------------------------ statuses
 
 
+@pytest.mark.torchfree
 def test_status_is_a_str_enum_and_json_keeps_the_strings():
     assert STATUSES == (
         "ok",
@@ -53,6 +54,7 @@ def test_status_is_a_str_enum_and_json_keeps_the_strings():
 # ------------------------------------------------------------------------------------------ metrics
 
 
+@pytest.mark.torchfree
 def test_the_registry_is_the_one_list_of_metrics():
     # Every result carries these keys (null until measured): the file format of schema 1, unchanged.
     assert METRIC_KEYS == (
@@ -77,6 +79,7 @@ def test_the_registry_is_the_one_list_of_metrics():
         assert not (m.prunable and not m.objective), m.name
 
 
+@pytest.mark.torchfree
 def test_direction_comes_from_the_registry():
     assert direction("peak_memory_bytes") == "minimize"
     assert direction("tokens_per_s") == "maximize"
@@ -92,6 +95,7 @@ def test_direction_comes_from_the_registry():
     assert not is_objective("memory_kind")
 
 
+@pytest.mark.torchfree
 def test_sweep_objectives_take_the_registry_direction():
     from vramsweep.sweeper.settings import parse_objectives
 
@@ -124,6 +128,7 @@ def _case_result(status, peak_gib, recorded, sweep_budget):
 
 
 @pytest.mark.parametrize("status,peak,recorded,sweep_budget,want", FEASIBILITY_CASES)
+@pytest.mark.torchfree
 def test_one_feasibility_rule_for_sweeper_report_and_progress(status, peak, recorded, sweep_budget, want):
     from vramsweep.report.load import SweepData, TrialRecord
     from vramsweep.sweeper.outcome import classify
@@ -151,6 +156,7 @@ def _fixture(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.glob("*.json")))
+@pytest.mark.torchfree
 def test_result_fixture_files_load_and_round_trip(name):
     data = _fixture(name)
     typed = check_result(data)
@@ -158,6 +164,7 @@ def test_result_fixture_files_load_and_round_trip(name):
     assert isinstance(typed.status, Status)
 
 
+@pytest.mark.torchfree
 def test_a_real_trial_result_is_typed():
     r = TrialResult.from_json(_fixture("real_cpu_trial.json"))
     assert r.status is Status.OK and r.schema == 1
@@ -168,6 +175,7 @@ def test_a_real_trial_result_is_typed():
     assert r.config["quant"]["name"] == "none"
 
 
+@pytest.mark.torchfree
 def test_an_old_minimal_result_still_loads_and_round_trips():
     old = {"status": "oom", "reason": "OutOfMemoryError: x", "metrics": {"peak_memory_bytes": 5}}
     r = check_result(old)
@@ -175,6 +183,7 @@ def test_an_old_minimal_result_still_loads_and_round_trips():
     assert r.to_json() == old  # absent keys stay absent
 
 
+@pytest.mark.torchfree
 def test_unknown_keys_are_kept_verbatim():
     data = new_result(status="ok", sweep="s", trial=3)
     data["future_field"] = {"a": [1, 2]}
@@ -200,6 +209,7 @@ def test_unknown_keys_are_kept_verbatim():
         ({"meta": {"wall_s": "1s"}}, "meta.wall_s='1s' (allowed: a number or null)"),
     ],
 )
+@pytest.mark.torchfree
 def test_a_malformed_result_is_rejected_naming_the_key(change, message):
     data = new_result(status="ok") | change
     with pytest.raises(ResultSchemaError) as err:
@@ -207,6 +217,7 @@ def test_a_malformed_result_is_rejected_naming_the_key(change, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.torchfree
 def test_typed_result_built_in_code_matches_new_result():
     r = TrialResult(status=Status.ERROR, reason="x", sweep="s", trial=1, overrides=["a=1"])
     r.metrics = Metrics.from_json(new_result()["metrics"])
@@ -216,6 +227,7 @@ def test_typed_result_built_in_code_matches_new_result():
 # ------------------------------------------------------------------------------------------ the session check
 
 
+@pytest.mark.torchfree
 def test_typed_result_new_is_new_result():
     r = TrialResult.new(status="oom", reason="x", sweep="s", trial=2, overrides=("a=1",), config={"k": 1})
     assert r.status is Status.OOM and r.metrics.values == {k: None for k in METRIC_KEYS}
@@ -226,6 +238,7 @@ def test_typed_result_new_is_new_result():
         TrialResult.new(status="done")
 
 
+@pytest.mark.torchfree
 def test_setting_a_key_on_a_loaded_result_writes_it():
     old = {"status": "oom", "reason": "OutOfMemoryError: x", "metrics": {"peak_memory_bytes": 5}, "meta": {}}
     r = TrialResult.from_json(old)
@@ -243,6 +256,7 @@ def test_setting_a_key_on_a_loaded_result_writes_it():
 # ------------------------------------------------------------------------------------------ the writer
 
 
+@pytest.mark.torchfree
 def test_write_result_takes_a_trial_result(tmp_path):
     r = TrialResult.new(status=Status.DIVERGED, reason="nan", sweep="s", trial=4)
     r.metrics.values["train_loss"] = float("nan")  # JSON has no NaN: written as null
@@ -262,6 +276,7 @@ def test_write_result_takes_a_trial_result(tmp_path):
         ({"metrics": {"tokens_per_s": "fast"}}, "metrics.tokens_per_s='fast'"),
     ],
 )
+@pytest.mark.torchfree
 def test_write_result_refuses_a_result_that_breaks_the_contract_and_writes_nothing(
     tmp_path, monkeypatch, change, message
 ):
@@ -280,6 +295,7 @@ def test_write_result_refuses_a_result_that_breaks_the_contract_and_writes_nothi
     assert not (folder / "0002.json").exists() and not log.exists()
 
 
+@pytest.mark.torchfree
 def test_write_result_logs_what_it_wrote(tmp_path, monkeypatch):
     log = tmp_path / "log"
     monkeypatch.setenv(RESULT_LOG_ENV, str(log))
@@ -311,6 +327,7 @@ def test_results_written_by_sweep_processes_are_checked(tmp_path):
     assert {Path(p).parts[-5] for p in written} == {"fork", "inprocess"} and len(written) >= 4
 
 
+@pytest.mark.torchfree
 def test_report_objectives_without_direction_take_the_registry_direction():
     from vramsweep.report.load import DEFAULT_OBJECTIVES, SweepData
 
@@ -324,6 +341,7 @@ def test_report_objectives_without_direction_take_the_registry_direction():
     )
 
 
+@pytest.mark.torchfree
 def test_results_are_written_with_write_result():
     """Every result JSON goes through record.write_result (the session check sees only those)."""
     import ast

@@ -49,6 +49,7 @@ def test_env_json(capsys) -> None:
     assert set(data["options"]) == set(envreport.MACHINE_GROUPS)
 
 
+@pytest.mark.torchfree
 def test_env_imports_no_torch_and_is_quick() -> None:
     """No torch import (hence no CUDA context: the fork-server rule holds) and a couple of seconds."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}

@@ -24,6 +24,8 @@ from omegaconf import OmegaConf
 
 from vramsweep.estimate import estimate, max_context
 
+pytestmark = pytest.mark.torchfree
+
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu_2026-12-01" / "fixtures.json"
 DATA = json.loads(FIXTURES.read_text())
 CAP = int(DATA["cap_bytes"])

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
@@ -56,16 +58,19 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+@pytest.mark.torchfree
 def test_no_import_cycles_between_parts():
     cycle = find_cycle(import_graph())
     assert cycle is None, " -> ".join(cycle)
 
 
+@pytest.mark.torchfree
 def test_the_checker_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+@pytest.mark.torchfree
 def test_lower_floors_do_not_import_upper_ones():
     """record/ and data/ and measure/ and longctx/ are the floor: they import no other vramsweep part except
     record (result contract); report/ reads results, never the trial or the build."""
@@ -97,6 +102,7 @@ def module_graph() -> dict[str, set[str]]:
     return graph
 
 
+@pytest.mark.torchfree
 def test_no_import_cycles_between_modules():
     """Within a part too: e.g. build.model <-> build.kernels, config.compose <-> config.rules."""
     cycle = find_cycle(module_graph())

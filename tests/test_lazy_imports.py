@@ -13,6 +13,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.torchfree
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 #: Third-party packages whose import costs seconds or touches the GPU driver.
 HEAVY = frozenset(

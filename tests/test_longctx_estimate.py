@@ -37,6 +37,7 @@ def test_flash_backward_workspace_by_hand():
     assert attention_backward_bytes_per_token(knobs_from_cfg(compose(["attention=sdpa"]))) == 0  # CPU
 
 
+@pytest.mark.torchfree
 def test_qwen3_8b_65k_prediction_with_host_bytes_and_extrapolated_terms():
     """The 16 GB target at 65,536 tokens: the attention workspace is in the peak (the layer's backward at
     its attention is the largest moment), device and host bytes are reported, the unmeasured terms named.
@@ -60,6 +61,7 @@ def test_cpu_estimates_have_no_host_or_extrapolated_terms():
     assert est["host_bytes"] == 0 and est["extrapolated_terms"] == []
 
 
+@pytest.mark.torchfree
 def test_preflight_refuses_a_pool_larger_than_the_available_ram():
     from vramsweep.preflight import check_host_memory
 

@@ -146,6 +146,7 @@ def test_skip_matching_is_transformers(pattern):
         ({"quant.bits": 4, "quant.skip_modules": ["(x"]}, "not a valid regular expression"),
     ],
 )
+@pytest.mark.torchfree
 def test_bad_module_names_are_refused(over, needle):
     with pytest.raises(ConfigError) as ei:
         check_module_names(cfg(**over))
@@ -167,10 +168,12 @@ def test_bad_module_names_are_refused(over, needle):
         {"model.family": "llama", "adapter.targets": ["gate_proj"]},
     ],
 )
+@pytest.mark.torchfree
 def test_good_module_names_pass(over):
     check_module_names(cfg(**over))
 
 
+@pytest.mark.torchfree
 def test_model_path_reads_the_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "num_hidden_layers": 3}))
     c = cfg(**{"model.source": "path", "model.path": str(tmp_path)})

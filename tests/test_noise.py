@@ -6,6 +6,8 @@ import io
 import sys
 import warnings
 
+import pytest
+
 from vramsweep import noise
 
 LIGER = (
@@ -33,6 +35,7 @@ def _seen(stderr) -> list[str]:
     return [str(w.message) for w in caught]
 
 
+@pytest.mark.torchfree
 def test_liger_ascend_warning_dropped_at_a_terminal_only():
     assert _seen(_Tty()) == ["something actionable"]
     assert _seen(io.StringIO()) == [LIGER, "something actionable"]  # a log file keeps it
@@ -47,8 +50,6 @@ import re  # noqa: E402
 import select  # noqa: E402
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
 
 #: each filtered warning: a real message it must match, one it must not, and why it is harmless
 #: (the `why` text lives beside the pattern in vramsweep.noise.HARMLESS)
@@ -70,6 +71,7 @@ SAMPLES = {
 }
 
 
+@pytest.mark.torchfree
 def test_every_harmless_filter_is_listed_with_why_and_matches_only_its_warning():
     assert {h.key for h in noise.HARMLESS} == set(SAMPLES)
     for h in noise.HARMLESS:
@@ -114,6 +116,7 @@ def _digest_run(monkeypatch, stderr, tmp_path):
     return digest
 
 
+@pytest.mark.torchfree
 def test_harmless_warnings_once_as_one_line_at_a_terminal_repeats_counted(monkeypatch, tmp_path):
     tty = _Tty()
     digest = _digest_run(monkeypatch, tty, tmp_path)
@@ -131,6 +134,7 @@ def test_harmless_warnings_once_as_one_line_at_a_terminal_repeats_counted(monkey
     assert "MatMul8bitLt: inputs will be cast from torch.bfloat16" in log and "Paged optimizers" in log
 
 
+@pytest.mark.torchfree
 def test_harmless_warnings_keep_their_full_text_once_in_a_log(monkeypatch, tmp_path):
     out = io.StringIO()
     _digest_run(monkeypatch, out, tmp_path)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from test_report import result, write_sweep
 from vramsweep.report import run_pick
+
+pytestmark = pytest.mark.torchfree
 
 
 def _arch_config(overrides: list[str], path: str | None) -> dict:

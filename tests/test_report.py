@@ -174,6 +174,7 @@ def ablation_results(with_meta: bool) -> list[dict]:
 # report: tables
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("with_meta", [True, False], ids=["meta-design", "derived-from-sweep-json"])
+@pytest.mark.torchfree
 def test_ablation_table_known_answers(tmp_path: Path, with_meta: bool) -> None:
     folder = write_sweep(
         tmp_path / "sw",
@@ -289,6 +290,7 @@ def test_report_writes_md_csv_plots_and_prints_main_table(tmp_path: Path, capsys
     assert trials[5]["reason"].startswith("CUDA out of memory")
 
 
+@pytest.mark.torchfree
 def test_trials_table_fits_budget_and_failures(tmp_path: Path) -> None:
     # Budget from hardware.budget_gib (no sweep.json budget): 16 GiB.
     res = [
@@ -339,6 +341,7 @@ def test_budget_follows_each_trials_hardware(tmp_path: Path) -> None:
     assert pareto_figure(sweep).axes[0].get_legend_handles_labels()[1].count("budget 23 GiB") == 0
 
 
+@pytest.mark.torchfree
 def test_stacking_order_and_cumulative_deltas(tmp_path: Path) -> None:
     stack = ["quant=nf4_dq", "optimizer=paged_adamw_8bit", "checkpointing=on"]
     base = ["quant=none", "optimizer=adamw", "checkpointing=off"]
@@ -410,6 +413,7 @@ def test_stacking_order_and_cumulative_deltas(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.torchfree
 def test_all_failed_sweep(tmp_path: Path, capsys) -> None:
     res = [
         result(i, [f"adapter.r={r}"], status=s)
@@ -433,6 +437,7 @@ def test_all_failed_sweep(tmp_path: Path, capsys) -> None:
     assert list((conf / "experiment").iterdir()) == [] and not (folder / "production.md").exists()
 
 
+@pytest.mark.torchfree
 def test_single_trial(tmp_path: Path, capsys) -> None:
     folder = write_sweep(
         tmp_path / "sw", [result(0, ["quant=nf4", "adapter.r=16"], peak=1.5, tps=99.5, loss=2.5)]
@@ -454,6 +459,7 @@ def test_single_trial(tmp_path: Path, capsys) -> None:
     assert any("tokens_per_s: skipped, 1 complete trial" in n for n in report.notes)
 
 
+@pytest.mark.torchfree
 def test_empty_missing_and_bad_targets(tmp_path: Path, capsys) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -478,6 +484,7 @@ def test_empty_missing_and_bad_targets(tmp_path: Path, capsys) -> None:
     assert "Traceback" not in err and "--prefer 'cheap' is not known" in err
 
 
+@pytest.mark.torchfree
 def test_tolerates_garbage_files_and_nan(tmp_path: Path) -> None:
     r0 = result(0, ["quant=none"], peak=2.0, tps=10, loss=2.0)
     r0["metrics"]["eval_loss"] = float("nan")  # a foreign writer; JSON allows NaN literals in Python
@@ -525,6 +532,7 @@ def _rec(n: int, loss: float | None, peak: float, tps: float | None):
     return TrialRecord.from_result(result(n, [], peak=peak, tps=tps, loss=loss))
 
 
+@pytest.mark.torchfree
 def test_rank_ties() -> None:
     a, b, c, d = _rec(3, 1.5, 10, 100), _rec(1, 1.5, 10, 100), _rec(2, 1.5, 9, 50), _rec(0, 1.5, 10, 200)
     # quality: loss tie -> lower memory (2) -> higher tokens/s (0) -> lower trial number (1 before 3)
@@ -544,6 +552,7 @@ def _conf_copy(tmp_path: Path, monkeypatch) -> Path:
     return project / "conf"
 
 
+@pytest.mark.torchfree
 def test_pick_never_picks_infeasible_and_breaks_ties(tmp_path: Path, monkeypatch, capsys) -> None:
     conf = _conf_copy(tmp_path, monkeypatch)
     res = [
@@ -584,6 +593,7 @@ def test_pick_never_picks_infeasible_and_breaks_ties(tmp_path: Path, monkeypatch
     assert not (conf / "experiment" / "none.yaml").exists()
 
 
+@pytest.mark.torchfree
 def test_pick_experiment_composes_to_the_winning_config(tmp_path: Path, monkeypatch, capsys) -> None:
     from omegaconf import OmegaConf
 
@@ -638,6 +648,7 @@ def test_pick_experiment_composes_to_the_winning_config(tmp_path: Path, monkeypa
 # ---------------------------------------------------------------------------------------------
 # storage targets and W&B
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.torchfree
 def test_storage_url_and_study_db_merge(tmp_path: Path, capsys) -> None:
     import optuna
     from optuna.distributions import CategoricalDistribution

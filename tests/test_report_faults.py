@@ -7,10 +7,14 @@ import json
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import atomic_write_json, new_result
 from vramsweep.record.status import Status
 from vramsweep.report import load_sweep
+
+pytestmark = pytest.mark.torchfree
 
 
 def _ok(n: int) -> dict:

@@ -7,11 +7,15 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import atomic_write_json, new_result
 from vramsweep.record.status import Status
 from vramsweep.report import build_report, load_sweep
 from vramsweep.report.load import RUNNING, TrialRecord, as_status
+
+pytestmark = pytest.mark.torchfree
 
 
 def _ok(n: int, peak: float, tps: float) -> dict:

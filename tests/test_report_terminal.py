@@ -6,9 +6,13 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import pytest
+
 from test_report import result, write_sweep
 from vramsweep.report import build_report, load_sweep, run_report
 from vramsweep.report.terminal import WIDTH, terminal_view, uninformative
+
+pytestmark = pytest.mark.torchfree
 
 BASE = ["quant=none", "adapter=lora", "optimizer=adamw", "checkpointing=off", "attention=sdpa"]
 #: the demo sweep's factors, and what each does to (peak GiB, tokens/s, eval loss, fact acc)

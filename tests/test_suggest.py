@@ -12,6 +12,8 @@ from vramsweep.estimate import estimate
 from vramsweep.estimate import max_context as exact_max_context
 from vramsweep.estimate.suggest import COSTS, CostModel, fit_costs, suggest
 
+pytestmark = pytest.mark.torchfree
+
 Q8 = ["model=qwen3_8b", "quant=nf4_dq", "hardware=rtx4080_16gb"]
 
 

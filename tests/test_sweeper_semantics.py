@@ -292,6 +292,7 @@ def test_glob_over_a_config_group_expands_to_its_options(tmp_path, capsys):
 # ------------------------------------------------------------------------------------- 8. unknown names, report
 
 
+@pytest.mark.torchfree
 def test_unknown_sweep_name_in_a_multirun_exits_2_with_the_known_ones(tmp_path, capsys):
     assert sweep(tmp_path, "sweep=nonexistent") == 2
     err = capsys.readouterr().err
@@ -307,6 +308,7 @@ def test_unknown_sweep_name_in_a_multirun_exits_2_with_the_known_ones(tmp_path, 
         (["train", "-m", "experiment=nope", "adapter.r=4,8"], "experiment"),
     ],
 )
+@pytest.mark.torchfree
 def test_unknown_sweep_or_experiment_exits_2(tmp_path, capsys, argv, says):
     assert cli_main([*argv, f"results_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
@@ -335,6 +337,7 @@ def test_report_on_a_copied_sweep_folder_reads_the_copy(tmp_path, capsys):
 # ------------------------------------------------------------------------------------- efficiency bench
 
 
+@pytest.mark.torchfree
 def test_fake_landscape_does_not_depend_on_where_results_go():
     """The bench's landscape is reproducible: the same knobs measure the same under /tmp/a and /tmp/b."""
     from fakes import landscape, parse_overrides
@@ -369,6 +372,7 @@ def test_an_in_process_sweep_gives_the_logging_configuration_back(tmp_path):
 
 
 @pytest.mark.parametrize("cfg", ["job", "hydra", "all"])
+@pytest.mark.torchfree
 def test_cfg_over_sweep_values_without_multirun_prints_the_base(cfg, capsys):
     """`vramsweep train quant=none,nf4 --cfg job` (no -m) prints the sweep's base config and exits 0, as
     --cfg hydra|all do (it exited 2 on the list); nothing runs."""

@@ -17,6 +17,8 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from vramsweep.config.compose import ConfigError
 from vramsweep.sweeper.space import parse_params, suggest
 
+pytestmark = pytest.mark.torchfree
+
 #: (override, upstream's expected distribution, ours where it deliberately differs or None)
 UPSTREAM = [
     ("key=choice(1,2)", CategoricalDistribution([1, 2]), None),

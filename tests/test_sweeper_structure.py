@@ -14,6 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "vramsweep"
 SWEEPER = SRC / "sweeper"
 
 
+@pytest.mark.torchfree
 def test_no_function_in_sweeper_over_80_lines():
     long = []
     for path in sorted(SWEEPER.glob("*.py")):
@@ -23,6 +24,7 @@ def test_no_function_in_sweeper_over_80_lines():
     assert not long, "functions over 80 lines:\n" + "\n".join(long)
 
 
+@pytest.mark.torchfree
 def test_no_mixins_in_the_sweeper():
     """No class is a mixin or mixes several sweeper classes (a runner may implement the runner interface),
     and the loop (:class:`Sweep`) inherits from nothing."""
@@ -58,6 +60,7 @@ def test_sweep_is_composed_of_book_pool_and_state(tmp_path):
     assert not (tmp_path / "sweeps").exists()  # constructing writes nothing
 
 
+@pytest.mark.torchfree
 def test_sweep_config_fields_cover_every_packaged_sweep_file():
     from vramsweep.config.paths import packaged_sweeps_dir
     from vramsweep.sweeper.settings import SweepConfig
@@ -79,6 +82,7 @@ def test_sweep_config_fields_cover_every_packaged_sweep_file():
         ({"factors": 5}, "sweep.factors"),
     ],
 )
+@pytest.mark.torchfree
 def test_sweep_config_names_the_bad_key(node, key):
     from vramsweep.config.compose import ConfigError
     from vramsweep.sweeper.settings import SweepConfig
@@ -88,6 +92,7 @@ def test_sweep_config_names_the_bad_key(node, key):
     assert err.value.key == key
 
 
+@pytest.mark.torchfree
 def test_sweep_config_typed_values():
     from vramsweep.sweeper.settings import SweepConfig
 

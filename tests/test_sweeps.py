@@ -32,6 +32,7 @@ REQUIRED = {
 }
 
 
+@pytest.mark.torchfree
 def test_the_studies_ship():
     assert REQUIRED <= set(SWEEPS)
     assert SWEEP_DIR == ROOT / "sweeps"  # the repository's top level (a wheel ships a copy: test_packaging)

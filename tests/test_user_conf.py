@@ -148,6 +148,7 @@ def test_a_sweep_trial_with_preflight_composes_its_config_once(tmp_path: Path, m
     assert execute(spec)["status"] == "unsupported"
 
 
+@pytest.mark.torchfree
 def test_pick_writes_the_experiment_into_the_users_conf_dir(tmp_path: Path, monkeypatch, capsys) -> None:
     from test_report import result, write_sweep
 
@@ -168,6 +169,7 @@ def test_pick_writes_the_experiment_into_the_users_conf_dir(tmp_path: Path, monk
     assert (other / "experiment" / "p2.yaml").is_file()
 
 
+@pytest.mark.torchfree
 def test_a_bad_conf_dir_is_one_line_and_pick_creates_nothing_on_bad_input(
     tmp_path: Path, monkeypatch, capsys
 ) -> None:
