@@ -8,6 +8,8 @@ statistics can be checked by hand; the arithmetic is in the comments.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from test_report import _conf_copy, cells, result, write_sweep
@@ -254,22 +256,75 @@ def test_pick_counts_a_loss_within_noise_as_equal_and_takes_the_cheaper(tmp_path
     assert run_pick(str(folder), budget_gib=16, conf_dir=str(conf)) == 0
     out = capsys.readouterr().out
     # Without noise the lowest single loss (2.000, trial 0, r=64) would win; within noise r=16 is as good
-    # and needs 4 GiB less: its faster seed (460 tokens/s, trial 4) is picked. r=4 is cheaper still, but
-    # its loss is worse beyond noise.
-    assert out.startswith("Picked trial 0004 of syn"), out
+    # and needs 4 GiB less: its config (trials 1 and 4) is picked and pinned from its first repeat, trial 1
+    # (before: its faster seed, trial 4, as if the seed were a choice). r=4 is cheaper still, but its loss
+    # is worse beyond noise.
+    assert out.startswith(
+        "Picked trial 0001 of syn for 16 GiB (prefer quality; its config's 2 seed repeats averaged)"
+    )
     assert (
-        "quality: trial 0004's eval loss is within seed noise of the best config's (Δ +0.0010, p 0.55)" in out
+        "quality: the config of trials 1, 4 has an eval loss within seed noise of the best config's (Δ +0.0010, "
+        "p 0.55)" in " ".join(out.split())
     )
     rows = [ln.split("|") for ln in out.splitlines() if ln.startswith("|")]
-    quality = {r[2].strip(): r[8].strip() for r in rows if r[2].strip().isdigit()}
-    assert quality["4"] == quality["1"] == "= best (+0.0010, p 0.55)"
-    assert quality["3"] == quality["0"] == "best"
-    assert quality["5"].startswith("worse (+0.0995, p 0.0")
+    quality = {r[2].strip(): r[8].strip() for r in rows if r[1].strip().isdigit()}
+    assert list(quality) == ["1, 4", "0, 3", "2, 5"]  # one row per config, seed repeats together
+    assert quality["1, 4"] == "= best (+0.0010, p 0.55)"
+    assert quality["0, 3"] == "best"
+    assert quality["2, 5"].startswith("worse (+0.0995, p 0.0")
+    assert [r[6].strip() for r in rows if r[1].strip().isdigit()][:2] == ["455.0", "505.0"]  # mean tokens/s
     prod = (folder / "production.md").read_text()
-    assert "**Trial 4** won" in prod
+    assert "**Trial 1** won (its config: trials 1, 4)" in prod
     assert (
-        "counted as equal, and it needs 4.0000 GiB less peak memory than the best config's trial 0003" in prod
+        "counted as equal, and it needs 4.0000 GiB less peak memory than the best config (trials 0, 3)"
+        in prod
     )
+    exp = (conf / "experiment" / "syn_16gib.yaml").read_text()
+    assert "adapter:\n  r: 16" in exp and not re.search(r"^\s+seed:", exp, re.M)
+
+
+def _two_configs_same_peak(load_of_faster: list[float]) -> list[dict]:
+    """r=16 and r=64, 2 seeds each, the same peak and equal-within-noise losses; r=64 is faster on paper,
+    with its two trials' 1-minute load averages (2 CPUs) as given."""
+    res = []
+    for seed in range(2):
+        for r, tps, loss in ((16, 400.0, [2.000, 2.002][seed]), (64, 900.0, [2.001, 2.003][seed])):
+            res.append(
+                result(len(res), [f"adapter.r={r}", f"train.seed={seed}"], peak=6.0, tps=tps, loss=loss)
+            )
+            if r == 64:
+                res[-1]["meta"]["timing_conditions"] = {
+                    "cpu_count": 2,
+                    "torch_threads": 2,
+                    "loadavg": [load_of_faster[seed], 1.0, 1.0],
+                }
+    return res
+
+
+@pytest.mark.parametrize(
+    "load, winner, says",
+    [
+        # unloaded: the same peak, so the faster config wins the tie, and the output says it was speed
+        ([0.5, 0.5], 1, "with the same peak memory it is faster, measured without load (900.0 vs 400.0"),
+        # the faster figures were measured under load (load 9 on 2 CPUs): they break no tie; before, the
+        # loaded 900 tokens/s won it. The best config (lowest mean loss, r=16) stays.
+        ([9.0, 9.0], 0, None),
+    ],
+    ids=["speed-decides", "loaded-speed-breaks-no-tie"],
+)
+def test_pick_breaks_a_quality_tie_on_speed_only_when_measured_without_load(
+    tmp_path, monkeypatch, capsys, load, winner, says
+):
+    conf = _conf_copy(tmp_path, monkeypatch)
+    folder = write_sweep(tmp_path / "sw", _two_configs_same_peak(load), budget_gib=16)
+    assert run_pick(str(folder), budget_gib=16, conf_dir=str(conf)) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith(f"Picked trial {winner:04d} of syn"), out
+    if says:
+        assert says in out, out
+    else:
+        assert "900.0 !" in out, out  # shown, marked as measured under load
+    assert ("quality:" in out) == bool(says)
 
 
 def test_every_trial_under_load_is_one_line_and_leaves_no_speed_importances(tmp_path):

@@ -168,26 +168,50 @@ def _on_a_pty(argv: list[str], cwd: Path, timeout: float) -> str:
 
 
 @pytest.mark.slow
-def test_a_quantised_trial_on_a_terminal_prints_each_harmless_warning_once(tmp_path):
-    """``vramsweep train quant=int8 optimizer=paged_adamw_8bit`` on a pty: before, 224 MatMul8bitLt lines
-    and the fallback's source line for one step; now one line each, and the count at the end (~1 min)."""
+@pytest.mark.parametrize(
+    "knobs, shown, logged",
+    [
+        # before: 224 MatMul8bitLt lines and the paged fallback's source line for one step
+        (
+            "quant=int8 optimizer=paged_adamw_8bit",
+            2,
+            ["MatMul8bitLt: inputs will be cast", "Paged optimizers"],
+        ),
+        # before: torch's 919-character "autograd kernel was not registered ... silently incorrect" text; with
+        # this machine's torch + bitsandbytes it is not raised at all (None: at most its one line)
+        ("quant=nf4", None, ["an autograd kernel was not registered"]),
+    ],
+    ids=["int8-paged", "nf4"],
+)
+def test_a_quantised_trial_on_a_terminal_prints_each_harmless_warning_once(tmp_path, knobs, shown, logged):
+    """A 3-step quantised trial on a pty: one line per harmless warning, repeats counted, nothing else that
+    looks like a warning; the full texts in the run's warnings.log (~1 min each)."""
     src = str(Path(__file__).resolve().parents[1] / "src")
     os.environ["PYTHONPATH"] = os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])
     out = _on_a_pty(
         [sys.executable, "-c", "import sys; from vramsweep.cli import main; sys.exit(main())", "train"]
-        + "quant=int8 optimizer=paged_adamw_8bit train.steps=1 train.warmup_steps=0 context.max_tokens=32 "
+        + knobs.split()
+        + "train.steps=3 train.warmup_steps=0 context.max_tokens=32 "
         "train.micro_batch=1 train.eval_batches=1 train.measure_warmup_steps=0".split(),
         tmp_path,
         timeout=600,
     )
     lines = out.splitlines()
-    warned = [ln for ln in lines if re.search(r"warning|MatMul8bitLt|get_state_buffer", ln, re.I)]
+    warned = [
+        ln
+        for ln in lines
+        if re.search(r"warning|MatMul8bitLt|get_state_buffer|autograd kernel|silently", ln, re.I)
+    ]
     assert "status: ok" in lines, out[-2000:]
-    assert len([ln for ln in warned if ln.startswith("vramsweep: harmless library warning (")]) == 2, warned
-    assert re.search(
-        r"^vramsweep: harmless library warnings not repeated: bnb-int8-fp16-cast x\d+$", out, re.M
-    )
-    assert len(warned) == 3, warned  # the two lines and the count: nothing else
-    run = Path(re.search(r"^result: (.+)/result\.json$", out, re.M).group(1))
-    log = (tmp_path / run / "warnings.log").read_text()
-    assert "MatMul8bitLt: inputs will be cast" in log and "Paged optimizers are not supported on CPU" in log
+    once = [ln for ln in warned if ln.startswith("vramsweep: harmless library warning (")]
+    counted = [ln for ln in warned if ln.startswith("vramsweep: harmless library warnings not repeated: ")]
+    assert len(set(once)) == len(once) == (shown if shown is not None else len(once)) <= 2, warned
+    assert len(counted) <= 1 and len(warned) == len(once) + len(counted), warned  # nothing else
+    if "int8" in knobs:
+        assert re.fullmatch(
+            r"vramsweep: harmless library warnings not repeated: bnb-int8-fp16-cast x\d+", counted[0]
+        )
+    if once:
+        run = Path(re.search(r"^result: (.+)/result\.json$", out, re.M).group(1))
+        log = (tmp_path / run / "warnings.log").read_text()
+        assert all(text in log for text in logged), log[-2000:]

@@ -1,13 +1,19 @@
 """``vramsweep pick``: choose the production config that fits a memory budget and pin it as a Hydra experiment.
 
-Eligible trials: status ``ok``, measured peak ≤ ``budget_gib − headroom_gib`` and (when given) tokens/s ≥
-``min_tokens_per_s``. Ranking:
+Candidates are configs, not trials: a config's seed repeats are one candidate (:class:`Candidate`: the
+largest peak of its repeats, the mean eval loss, the mean tokens/s of the repeats measured without load).
+Eligible: every ok trial of the config measured a peak ≤ ``budget_gib − headroom_gib`` and (when given)
+tokens/s ≥ ``min_tokens_per_s``. Ranking:
 
-* ``prefer="quality"``: lowest eval loss, then lower peak memory, then higher tokens/s, then lower trial number;
-  an eval loss within the seed-to-seed noise of the best config's counts as equal (configs with seed
-  repeats: t-test p ≥ 0.05, :func:`quality_tiers`), so among those the cheaper, then faster, config wins;
-* ``prefer="speed"``: highest tokens/s, then lower eval loss, then lower peak memory, then lower trial number.
+* ``prefer="quality"``: lowest mean eval loss, then lower peak memory, then higher tokens/s measured
+  without load, then lower trial number; an eval loss within the seed-to-seed noise of the best config's
+  counts as equal (configs with seed repeats: t-test p ≥ 0.05, :func:`quality_tiers`), so among those the
+  cheaper, then faster, config wins, and the output says which of the two decided;
+* ``prefer="speed"``: highest tokens/s measured without load, then lower eval loss, then lower peak
+  memory, then lower trial number.
 
+Throughput measured under load (:attr:`TrialRecord.timing_disturbed`) is shown marked ``!`` and breaks no
+tie. The config is pinned from its first repeat; the seed is a measurement setting and is not pinned.
 A missing eval loss / tokens/s ranks last for its key. The winner is written to
 ``<conf>/experiment/<name>.yaml`` (``# @package _global_``): ``override /<group>: <option>`` for every config
 group the trial selected, plus explicit values for every other field that differs from what those
@@ -39,12 +45,13 @@ from vramsweep.config.compose import ConfigError, compose, find_option, writable
 from vramsweep.config.errors import error_line
 from vramsweep.config.schema import MEASUREMENT_KEYS
 from vramsweep.config.weights import random_weights
-from vramsweep.record.metrics import MetricName, format_value, title
+from vramsweep.record.metrics import MetricName, column, format_value, scaled, title, value_format
 from vramsweep.record.metrics import label as metric_label
 from vramsweep.record.result import atomic_write_text
+from vramsweep.record.units import GIB
 from vramsweep.report.load import ReportError, SweepData, TrialRecord, load_sweep, safe_url
 from vramsweep.report.stats import NOISE, UNKNOWN, compare
-from vramsweep.report.tables import Column, Table, gib, metric_cells, metric_column
+from vramsweep.report.tables import LOAD_MARK, Column, Table, fmt, gib, metric_cells, metric_column
 from vramsweep.report.terminal import compact, wrap
 
 #: Top-level config keys never pinned (where results go, run name, the sweep that produced the trial).
@@ -60,9 +67,13 @@ _PEAK, _TPS, _LOSS = MetricName.PEAK_MEMORY_BYTES, MetricName.TOKENS_PER_S, Metr
 _PPL, _TASK = MetricName.EVAL_PPL, MetricName.TASK_SCORE
 
 
-def _show(trial: TrialRecord, name: str, missing: str = "", unit: bool = False) -> str:
-    """``trial``'s value of metric ``name`` as the registry formats it, ``missing`` when not measured."""
-    return format_value(name, trial.metric(name), unit=unit) or missing
+def _show(item: TrialRecord | Candidate, name: str, missing: str = "", unit: bool = False) -> str:
+    """A trial's or config's value of metric ``name`` as the registry formats it, ``missing`` when not
+    measured; a config's tokens/s measured only under load is marked ``!``."""
+    loaded = isinstance(item, Candidate) and name == _TPS and item.speed_loaded
+    value = item.shown_tps() if isinstance(item, Candidate) and name == _TPS else item.metric(name)
+    text = format_value(name, value, unit=unit)
+    return (f"{text} {LOAD_MARK}" if loaded else text) if text else missing
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,6 +104,82 @@ class QualityTier:
         if self.verdict == WORSE:
             return f"worse ({delta}, p {self.p:.3f})"
         return "noise unknown" if self.delta is None else f"noise unknown ({delta})"
+
+
+@dataclass
+class Candidate:
+    """One config of the sweep: its ok trials (seed repeats together), ranked and shown as one.
+
+    ``rep`` is the trial pinned (the first repeat; the seed is a measurement setting and is not pinned).
+    Peak memory is the largest of the repeats' (the config fits only if every repeat did), eval loss and
+    the other quality metrics their mean, tokens/s the mean of the repeats measured without load
+    (``None`` when every repeat ran under load: such a figure breaks no tie, ``speed_loaded`` says so).
+    """
+
+    trials: list[TrialRecord]
+
+    @property
+    def rep(self) -> TrialRecord:
+        return self.trials[0]
+
+    @property
+    def number(self) -> int:
+        return self.rep.number
+
+    @property
+    def numbers(self) -> str:
+        return ", ".join(str(t.number) for t in self.trials)
+
+    def metric(self, name: str) -> float | None:
+        if name == _PEAK:
+            vals = [t.peak_bytes for t in self.trials]
+            return None if any(v is None for v in vals) else max(vals)  # type: ignore[type-var]
+        if name == _TPS:
+            vals = [t.tokens_per_s for t in self.trials if not t.timing_disturbed]
+        else:
+            vals = [t.metric(name) for t in self.trials]
+        vals = [v for v in vals if v is not None]
+        return statistics.fmean(vals) if vals else None
+
+    @property
+    def speed_loaded(self) -> bool:
+        """Every repeat's throughput was measured under load (and so is left out of the ranking)."""
+        return all(t.timing_disturbed for t in self.trials) and any(
+            t.tokens_per_s is not None for t in self.trials
+        )
+
+    def shown_tps(self) -> float | None:
+        """Tokens/s as shown: the unloaded mean, else (marked) the mean under load."""
+        if self.speed_loaded:
+            vals = [t.tokens_per_s for t in self.trials if t.tokens_per_s is not None]
+            return statistics.fmean(vals)  # type: ignore[arg-type]
+        return self.metric(_TPS)
+
+    @property
+    def peak_bytes(self) -> float | None:
+        return self.metric(_PEAK)
+
+    @property
+    def peak_gib(self) -> float | None:
+        b = self.peak_bytes
+        return None if b is None else b / GIB
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.metric(_TPS)
+
+    @property
+    def eval_loss(self) -> float | None:
+        return self.metric(_LOSS)
+
+
+def candidates(sweep: SweepData, trials: list[TrialRecord]) -> list[Candidate]:
+    """``trials`` as configs (:meth:`SweepData.config_groups`), each with its repeats in repeat order."""
+
+    def order(t: TrialRecord) -> tuple:
+        return ((t.design or {}).get("repeat") or 0, t.number)
+
+    return [Candidate(sorted(ts, key=order)) for ts in sweep.config_groups(trials).values()]
 
 
 def quality_tiers(sweep: SweepData, trials: list[TrialRecord]) -> dict[int, QualityTier]:
@@ -146,15 +233,17 @@ def rank_key(trial: TrialRecord, prefer: str, tiers: dict[int, QualityTier] | No
     return (loss, peak, tps, loss, trial.number)
 
 
-def eligible(sweep: SweepData, limit_gib: float, min_tokens_per_s: float | None) -> list[TrialRecord]:
-    """Ok trials with a measured peak ≤ ``limit_gib`` and (optionally) enough throughput."""
+def eligible(sweep: SweepData, limit_gib: float, min_tokens_per_s: float | None) -> list[Candidate]:
+    """Configs (seed repeats together) whose ok trials all measured a peak ≤ ``limit_gib`` and (optionally)
+    enough throughput (the unloaded mean, else the mean under load)."""
     out = []
-    for t in sweep.trials:
-        if not t.ok or t.peak_gib is None or t.peak_gib > limit_gib:
+    for c in candidates(sweep, [t for t in sweep.trials if t.ok]):
+        if c.peak_gib is None or c.peak_gib > limit_gib:
             continue
-        if min_tokens_per_s is not None and (t.tokens_per_s is None or t.tokens_per_s < min_tokens_per_s):
+        tps = c.shown_tps()
+        if min_tokens_per_s is not None and (tps is None or tps < min_tokens_per_s):
             continue
-        out.append(t)
+        out.append(c)
     return out
 
 
@@ -338,38 +427,48 @@ def point_label(sweep: SweepData, trial: TrialRecord, knobs: list[str]) -> str:
 
 def candidates_table(
     sweep: SweepData,
-    ranked: list[TrialRecord],
+    ranked: list[Candidate],
     budget_gib: float,
     n: int = TOP_N,
     tiers: dict[int, QualityTier] | None = None,
 ) -> Table:
-    """The top ``n`` ranked trials; headroom = budget − measured peak; quality = vs the best config's eval
-    loss (``= best`` within noise)."""
+    """The top ``n`` ranked configs, one row each (its seed repeats' trial numbers together); headroom =
+    budget − measured peak; tokens/s measured only under load marked ``!``; quality = vs the best
+    config's eval loss (``= best`` within noise)."""
     tiers = tiers or {}
     knobs = sweep.varying_knobs()
+    tps_key = column(_TPS)
     rows = [
         {
             "rank": i + 1,
-            "trial": t.number,
-            "knobs": point_label(sweep, t, knobs),
-            **metric_cells(t, [_PEAK]),
-            "headroom_gib": None if t.peak_gib is None else budget_gib - t.peak_gib,
-            **metric_cells(t, [_TPS, _LOSS, _PPL, _TASK]),
-            "quality_vs_best": tiers[t.number].text if t.number in tiers else "",
-            "quality_p": tiers[t.number].p if t.number in tiers else None,
+            "trials": c.numbers,
+            "knobs": point_label(sweep, c.rep, knobs),
+            **metric_cells(c, [_PEAK]),  # type: ignore[arg-type]
+            "headroom_gib": None if c.peak_gib is None else budget_gib - c.peak_gib,
+            **metric_cells(c, [_LOSS, _PPL, _TASK]),  # type: ignore[arg-type]
+            tps_key: scaled(_TPS, c.shown_tps()),
+            "tps_loaded": c.speed_loaded,
+            "quality_vs_best": tiers[c.number].text if c.number in tiers else "",
+            "quality_p": tiers[c.number].p if c.number in tiers else None,
         }
-        for i, t in enumerate(ranked[:n])
+        for i, c in enumerate(ranked[:n])
     ]
+    spec = value_format(_TPS)
     return Table(
         "candidates",
         "Top candidates",
         [
             Column("rank", lambda r: str(r["rank"])),
-            Column("trial", lambda r: str(r["trial"])),
+            Column("trials", lambda r: r["trials"], False),
             Column("knobs", lambda r: r["knobs"], False),
             metric_column(_PEAK),
             Column("headroom GiB", lambda r: gib(r["headroom_gib"])),
-            metric_column(_TPS),
+            Column(
+                metric_label(_TPS),
+                lambda r: fmt(r.get(tps_key), spec) + (f" {LOAD_MARK}" if r["tps_loaded"] else ""),
+                metric=tps_key,
+                kind="value",
+            ),
             metric_column(_LOSS),
             Column("quality vs best", lambda r: r["quality_vs_best"], False),
             metric_column(_PPL, kind="detail"),  # exp(eval loss): left out first on a narrow terminal
@@ -381,33 +480,52 @@ def candidates_table(
 
 def _criterion(prefer: str) -> str:
     if prefer == "speed":
-        return "highest tokens/s (ties: lower eval loss, lower peak memory, lower trial number)"
+        return (
+            "highest tokens/s measured without load, seed repeats averaged "
+            "(ties: lower eval loss, lower peak memory, lower trial number)"
+        )
     return (
-        "lowest eval loss, a loss within seed noise of the best counting as equal "
-        "(ties: lower peak memory, higher tokens/s, lower trial number)"
+        "lowest eval loss, seed repeats averaged, a loss within seed noise of the best counting as equal "
+        "(ties: lower peak memory, higher tokens/s measured without load, lower trial number)"
     )
 
 
-def quality_note(winner: TrialRecord, ranked: list[TrialRecord], tiers: dict[int, QualityTier]) -> str | None:
+def _configs(c: Candidate) -> str:
+    """``trial 0004`` for a single run, ``trials 4, 10`` for a config with seed repeats."""
+    return f"trial {c.number:04d}" if len(c.trials) == 1 else f"trials {c.numbers}"
+
+
+def _tie_break(winner: Candidate, best: Candidate) -> str:
+    """What made ``winner`` (a quality tie with ``best``) the pick, as a clause ending in ``than``."""
+    wp, bp = winner.peak_gib, best.peak_gib
+    if wp is not None and bp is not None and wp < bp:
+        return f"it needs {gib(bp - wp)} GiB less {title(_PEAK)} than"
+    wt, bt = winner.tokens_per_s, best.tokens_per_s
+    if wt is not None and (bt is None or wt > bt):
+        return (
+            f"with the same {title(_PEAK)} it is faster, measured without load "
+            f"({_show(winner, _TPS)} vs {_show(best, _TPS, 'none unloaded')} {metric_label(_TPS)}), than"
+        )
+    return (
+        f"with the same {title(_PEAK)} and no {metric_label(_TPS)} measured without load to tell them apart, "
+        "the lower trial number decides over"
+    )
+
+
+def quality_note(winner: Candidate, ranked: list[Candidate], tiers: dict[int, QualityTier]) -> str | None:
     """Why the winner won on quality, in one sentence (None when noise played no part)."""
     if not tiers:
         return None
     tier = tiers.get(winner.number)
-    best = next(t for t in ranked if t.number in tiers and tiers[t.number].verdict == BEST)
+    best = next(c for c in ranked if c.number in tiers and tiers[c.number].verdict == BEST)
     if tier is not None and tier.verdict == EQUAL:
-        wp, bp = winner.peak_gib, best.peak_gib
-        if wp is not None and bp is not None and wp < bp:
-            gain = f"it needs {gib(bp - wp)} GiB less {title(_PEAK)} than"
-        else:
-            gain = f"it is faster ({_show(winner, _TPS)} vs {_show(best, _TPS)} {metric_label(_TPS)}) than"
         return (
-            f"trial {winner.number:04d}'s {title(_LOSS)} is within seed noise of the best config's "
-            f"(Δ {format_value(_LOSS, tier.delta, sign=True)}, p {tier.p:.2f}): counted as equal, and {gain} "
-            "the best config's "
-            f"trial {best.number:04d}"
+            f"the config of {_configs(winner)} has an {title(_LOSS)} within seed noise of the best config's "
+            f"(Δ {format_value(_LOSS, tier.delta, sign=True)}, p {tier.p:.2f}): counted as equal, and "
+            f"{_tie_break(winner, best)} the best config ({_configs(best)})"
         )
-    if all(tiers[t.number].verdict in (BEST, UNKNOWN_Q) for t in ranked if t.number in tiers) and any(
-        tiers[t.number].verdict == UNKNOWN_Q for t in ranked if t.number in tiers
+    if all(tiers[c.number].verdict in (BEST, UNKNOWN_Q) for c in ranked if c.number in tiers) and any(
+        tiers[c.number].verdict == UNKNOWN_Q for c in ranked if c.number in tiers
     ):
         return "no seed repeats: noise unknown, eval losses compared as measured"
     return None
@@ -428,8 +546,8 @@ def _command(
 
 def production_md(
     sweep: SweepData,
-    winner: TrialRecord,
-    ranked: list[TrialRecord],
+    winner: Candidate,
+    ranked: list[Candidate],
     *,
     budget_gib: float,
     headroom_gib: float,
@@ -456,26 +574,27 @@ def production_md(
         "",
         f"Chosen by `{command}` on {stamp}.",
         "",
-        f"**Trial {winner.number}** won: {_criterion(prefer)} among {len(ranked)} eligible trial(s) "
+        f"**Trial {winner.number}** won ({'its config: trials ' + winner.numbers if len(winner.trials) > 1 else 'a single run'}): "
+        f"{_criterion(prefer)} among {len(ranked)} eligible config(s) "
         f"({cond}) out of {len(sweep.trials)} ({n_ok} ok)." + (f" Quality: {why}." if why else ""),
         "",
         f"Experiment: `{exp_path}`; train it with `{train_command(name, exp_path.parent.parent)}`.",
         "",
         "| measure | value |",
         "|---|---|",
-        f"| measured peak | {gib(peak)} GiB ({winner.memory_kind or 'kind not recorded'}) |",
+        f"| measured peak | {gib(peak)} GiB ({winner.rep.memory_kind or 'kind not recorded'}) |",
         f"| budget | {budget_gib:g} GiB (headroom asked {headroom_gib:g} GiB) |",
         f"| headroom vs budget | {gib(budget_gib - peak)} GiB ({(budget_gib - peak) / budget_gib * 100:.1f} %) |",
         *(f"| {title(m)} | {_show(winner, m, 'not measured')} |" for m in (_TPS, _LOSS, _PPL, _TASK)),
-        f"| estimate | {gib(winner.estimate_gib) + ' GiB' if winner.estimate_gib is not None else 'none recorded'} |",
-        f"| overrides | `{' '.join(winner.overrides) or '(none)'}` |",
+        f"| estimate | {gib(est) + ' GiB' if (est := winner.rep.estimate_gib) is not None else 'none recorded'} |",
+        f"| overrides | `{' '.join(winner.rep.overrides) or '(none)'}` |",
         "",
         "## Top candidates",
         "",
         candidates_table(sweep, ranked, budget_gib, tiers=tiers).markdown(),
         "",
     ]
-    meta = winner.meta or {}
+    meta = winner.rep.meta or {}
     lines += ["## Versions", "", "| item | value |", "|---|---|"]
     for key in ("device", "git_sha", "seed", "started", "wall_s"):
         if meta.get(key) is not None:
@@ -559,7 +678,7 @@ def _pin_warnings(winner: TrialRecord, spec: Any) -> list[str]:
 def _pinned_header(
     command: str,
     sweep: SweepData,
-    winner: TrialRecord,
+    winner: Candidate,
     prefer: str,
     n_ranked: int,
     limit: float,
@@ -572,10 +691,10 @@ def _pinned_header(
         f"Pinned by `{command}`",
         f"on {_dt.datetime.now(_dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}: trial {winner.number} of sweep '{sweep.name}', "
         f"{_criterion(prefer)}",
-        f"among {n_ranked} ok trial(s) with peak <= {limit:g} GiB"
+        f"among {n_ranked} config(s) whose ok trials all peaked <= {limit:g} GiB"
         + (f" and tokens/s >= {min_tokens_per_s:g}" if min_tokens_per_s is not None else "")
         + ".",
-        f"Measured: peak {_show(winner, _PEAK, unit=True)}, {title(_TPS)} {_show(winner, _TPS, 'n/a')}, "
+        f"Measured ({_configs(winner)}): peak {_show(winner, _PEAK, unit=True)}, {title(_TPS)} {_show(winner, _TPS, 'n/a')}, "
         f"{title(_LOSS)} {_show(winner, _LOSS, 'n/a')}.",
         f"Train it: {train_command(name, conf)}",
     ]
@@ -583,8 +702,8 @@ def _pinned_header(
 
 def _print_pick(
     sweep: SweepData,
-    winner: TrialRecord,
-    ranked: list[TrialRecord],
+    winner: Candidate,
+    ranked: list[Candidate],
     tiers: dict[int, QualityTier],
     budget_gib: float,
     prefer: str,
@@ -594,7 +713,9 @@ def _print_pick(
     """The terminal's account of the pick (120 columns): the winner, why, the candidates, the warnings."""
     print(
         wrap(
-            f"Picked trial {winner.number:04d} of {sweep.name} for {budget_gib:g} GiB (prefer {prefer}): "
+            f"Picked trial {winner.number:04d} of {sweep.name} for {budget_gib:g} GiB (prefer {prefer}"
+            + (f"; its config's {len(winner.trials)} seed repeats averaged" if len(winner.trials) > 1 else "")
+            + "): "
             f"peak {_show(winner, _PEAK, unit=True)} (headroom {gib(budget_gib - winner.peak_gib)} GiB), "
             f"{_show(winner, _TPS, 'n/a')} {metric_label(_TPS)}, {title(_LOSS)} {_show(winner, _LOSS, 'n/a')}"
         )
@@ -664,14 +785,14 @@ def run_pick(
         return _err(str(exc))
     limit = budget_gib - headroom_gib
     ok = eligible(sweep, limit, min_tokens_per_s)
-    if prefer == "quality" and (rand := [t for t in ok if random_weights(t.config)]):
+    if prefer == "quality" and (rand := [t for c in ok for t in c.trials if random_weights(t.config)]):
         model = ((rand[0].config or {}).get("model") or {}).get("name", "?")
         return _err(
             f"--prefer quality: {len(rand)} eligible trial(s) of {sweep.name} trained random weights "
             f"(model={model} without model.path), so their eval losses rank nothing; use --prefer speed, "
             "or sweep with model.path=<Hugging Face folder>"
         )
-    tiers = quality_tiers(sweep, ok)
+    tiers = quality_tiers(sweep, [t for c in ok for t in c.trials])
     ranked = sorted(ok, key=lambda t: rank_key(t, prefer, tiers))
     if not ranked:
         return _nothing_fits(sweep, budget_gib, headroom_gib, limit, min_tokens_per_s)
@@ -680,15 +801,15 @@ def run_pick(
     command = _command(target, budget_gib, min_tokens_per_s, prefer, headroom_gib, name)
     name = name or default_name(sweep.name, budget_gib)
     try:
-        spec = build_experiment(winner, conf)
+        spec = build_experiment(winner.rep, conf)
     except ReportError as exc:
         return _err(f"cannot pin trial {winner.number:04d}: {exc}")
-    warnings = _pin_warnings(winner, spec)
+    warnings = _pin_warnings(winner.rep, spec)
     header = _pinned_header(command, sweep, winner, prefer, len(ranked), limit, min_tokens_per_s, name, conf)
     exp_path = conf / "experiment" / f"{name}.yaml"
     existed = exp_path.exists()
     try:
-        diffs = _write_experiment(exp_path, conf, name, spec, header, winner)
+        diffs = _write_experiment(exp_path, conf, name, spec, header, winner.rep)
     except OSError as exc:
         return _err(f"cannot write {exp_path}: {exc}")
     except ReportError as exc:
