@@ -108,31 +108,144 @@ def write(path: Path, objs: list[dict]) -> Path:
     return path
 
 
-# ------------------------------------------------------------------------------------- formats x sources
-@pytest.mark.parametrize("fmt", list(RECORDS))
-@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet", "_folder"])
-def test_every_format_from_every_source(tmp_path, tok, fmt, suffix):
+# ------------------------------------------------------------------------------- formats x sources x train_on
+DOC = {
+    "sections": [
+        {"heading": "Summary", "text": "ACME is led by Ada Byron."},
+        {"heading": "Conclusions", "text": "In short, ACME is led by Ada Byron."},
+    ],
+    "facts": [{"key": "lead", "value": "Ada Byron", "stated_in": 0, "repeated_in": [1]}],
+}
+#: records whose train_on values each train something different (two assistant turns, a prompt with an
+#: earlier answer, an alpaca history)
+MATRIX = {
+    "messages": {"messages": CHAT},
+    "sharegpt": {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "What is 2+2?"},
+            {"from": "gpt", "value": "Four."},
+            {"from": "human", "value": "And 3+3?"},
+            {"from": "gpt", "value": "It is six."},
+        ]
+    },
+    "prompt_completion": RECORDS["prompt_completion"],
+    "prompt_completion_chat": {
+        "prompt": [
+            {"role": "user", "content": "Capital of Italy?"},
+            {"role": "assistant", "content": "Rome."},
+            {"role": "user", "content": "Capital of France?"},
+        ],
+        "completion": [{"role": "assistant", "content": "Paris."}],
+    },
+    "alpaca": {**RECORDS["alpaca"], "system": "Be brief.", "history": [["What is 1+1?", "Two."]]},
+    "text": RECORDS["text"],
+    "documents": DOC,
+}
+ALL = object()  # every token is trained
+#: (record, data.train_on) -> the text its trained tokens decode to (embedded template: <|eos|> ends a turn)
+EXPECT = {
+    ("messages", "assistant"): "Four.<|eos|>It is six.<|eos|>",
+    ("messages", "last_assistant"): "It is six.<|eos|>",
+    ("messages", "all"): ALL,
+    ("sharegpt", "assistant"): "Four.<|eos|>It is six.<|eos|>",
+    ("sharegpt", "last_assistant"): "It is six.<|eos|>",
+    ("sharegpt", "all"): ALL,
+    ("prompt_completion", "completion"): " Paris.<|eos|>",
+    ("prompt_completion", "all"): ALL,
+    ("prompt_completion_chat", "completion"): "Paris.<|eos|>",
+    ("prompt_completion_chat", "all"): ALL,
+    ("alpaca", "completion"): "Four.<|eos|>",
+    ("alpaca", "all"): ALL,
+    ("text", "all"): ALL,
+    ("documents", "auto"): "## Conclusions\nIn short, ACME is led by Ada Byron.\n\n<|eos|>",
+}
+SOURCES = [".jsonl", ".json", ".parquet", "_folder"]
+
+
+@pytest.fixture(scope="module")
+def file_cfg(tmp_path_factory):
+    """``data=file`` composed once (the matrix sets data.path / data.train_on on copies: compose is slow)."""
+    p = write(tmp_path_factory.mktemp("cfg") / "x.jsonl", [RECORDS["text"]] * 2)
+    return compose(["data=file", f"data.path={p}", "context.max_tokens=512"])
+
+
+@pytest.mark.parametrize("suffix", SOURCES)
+@pytest.mark.parametrize(("fmt", "train_on"), list(EXPECT), ids=[f"{f}-{t}" for f, t in EXPECT])
+def test_every_format_from_every_source_with_every_train_on(
+    tmp_path, tok, file_cfg, monkeypatch, fmt, train_on, suffix
+):
+    """data=file data.path=<each source> data.train_on=<each value the format takes>: the format detected,
+    the held-out split (the folder's test split, else the last 10 %), the trained tokens (issue 34.1/2/4)."""
+    from vramsweep.data_prep import trial_data
+
+    monkeypatch.setenv("VRAMSWEEP_CACHE", str(tmp_path / "cache"))
+    path = write(tmp_path / f"data{suffix}", [MATRIX[fmt]] * 6)
+    cfg = file_cfg.copy()
+    cfg.data.path, cfg.data.train_on = str(path), train_on
+    d = trial_data(cfg, tok)
+    want_fmt = "prompt_completion" if fmt.startswith("prompt_completion") else fmt
+    assert d.stats["format"] == want_fmt
+    folder = suffix == "_folder"
+    assert (len(d.train), len(d.eval)) == ((4, 2) if folder else (5, 1))
+    if fmt != "documents":
+        assert d.stats["eval_from"] == ("test split" if folder else "last 10 %")
+        last = f"{path}[test]:row 1" if folder else read_source(path).records[-1].where
+        assert d.eval[0].where == last
+        assert d.stats["train_on"] == train_on
+    for e in d.train + d.eval:
+        got = trained_text(tok, e)
+        assert got == (tok.decode(e.input_ids) if EXPECT[fmt, train_on] is ALL else EXPECT[fmt, train_on])
+        if EXPECT[fmt, train_on] is not ALL:
+            assert any(x == IGNORE_INDEX for x in e.labels)  # the prompt is not trained
+    if fmt == "documents":  # the fact in the target is a fact span, from every source
+        assert all(
+            tok.decode(e.input_ids[a:b]).strip() == "Ada Byron" for e in d.train for a, b in e.fact_spans
+        )
+        assert all(e.fact_spans for e in d.train)
+
+
+def test_every_train_on_is_in_the_matrix():
+    from vramsweep.data.formats import FORMATS
+    from vramsweep.data.render import train_on_choices
+
+    for f in FORMATS:
+        if f == "documents":
+            continue
+        for t in train_on_choices(f):
+            assert (f, t) in EXPECT, (f, t)
+    assert {("prompt_completion_chat", t) for t in train_on_choices("prompt_completion")} <= set(EXPECT)
+
+
+@pytest.mark.parametrize("suffix", SOURCES)
+def test_mixed_formats_in_one_source_are_an_error(tmp_path, suffix):
+    """Columnar sources give every row every column (null where a record lacks it): a row of another
+    format is still named, as in JSON Lines (issue 34.1)."""
     from vramsweep.data.load import load_user_data
 
-    objs = [RECORDS[fmt]] * 6
-    ud = load_user_data(str(write(tmp_path / f"data{suffix}", objs)))
-    want = "prompt_completion" if fmt.startswith("prompt_completion") else fmt
-    assert ud.format == want
-    if suffix == "_folder":  # a DatasetDict with train/test: the test split is the eval
-        assert (len(ud.train), len(ud.eval), ud.eval_from) == (4, 2, "test split")
-        assert ud.eval[0].where.endswith("[test]:row 1")
+    chat = {"messages": CHAT[1:3]}
+    path = tmp_path / f"mixed{suffix}"
+    if suffix in (".jsonl", ".json"):
+        write(path, [chat, chat, {"text": "plain"}])
     else:
-        assert (len(ud.train), len(ud.eval), ud.eval_from) == (5, 1, "last 10 %")
-    ex = build_item_examples(
-        ud.train + ud.eval, tok, settings(train_on=_default(want), template=tok.chat_template)
+        import pyarrow as pa
+
+        table = pa.table({"messages": [CHAT[1:3], CHAT[1:3], None], "text": [None, None, "plain"]})
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            pq.write_table(table, path)
+        else:
+            import datasets
+
+            datasets.Dataset(table).save_to_disk(str(path))
+    rows = read_source(path).records
+    with pytest.raises(ValueError) as e:
+        load_user_data(str(path))
+    assert str(e.value) == (
+        f"{rows[2].where}: this record is in format 'text' but {rows[0].where} is 'messages': one file holds "
+        "one format (set data.format to check it)"
     )
-    assert all(trained_text(tok, e) == TRAINED[fmt] for e in ex)
-
-
-def _default(fmt: str) -> str:
-    from vramsweep.data.render import default_train_on
-
-    return default_train_on(fmt)
 
 
 def test_json_locations_name_the_line(tmp_path):
@@ -387,3 +500,59 @@ def test_a_four_trial_sweep_tokenizes_once(tmp_path, embedded_model_dir, monkeyp
     assert len(res) == 4 and all(r["status"] == "ok" for r in res)
     assert [r["meta"]["data"]["cache"] for r in res] == ["hit"] * 4
     assert len({r["meta"]["data"]["cache_key"] for r in res}) == 1
+
+
+class _CountingTokenizer:
+    """The embedded tokenizer, counting its passes: encode calls (each a batch or a text) and renders."""
+
+    def __init__(self, base):
+        self._base, self.encodes, self.renders = base, 0, 0
+
+    def __call__(self, *a, **kw):
+        self.encodes += 1
+        return self._base(*a, **kw)
+
+    def apply_chat_template(self, *a, **kw):
+        self.renders += 1
+        return self._base.apply_chat_template(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
+
+
+def test_a_four_trial_sweep_tokenizes_once_counted(tmp_path, tok, monkeypatch):
+    """The pre-flight's data check and 4 trials that differ in their knobs (not in the data): one tokenizer
+    pass, at the pre-flight; the trials read the cache. A data setting that changes the examples builds
+    again (issue 34.7)."""
+    from vramsweep.data_prep import build_trial_data, trial_data
+
+    monkeypatch.setenv("VRAMSWEEP_CACHE", str(tmp_path / "cache"))
+    p = write(tmp_path / "c.jsonl", [{"messages": CHAT, "id": f"c{i}"} for i in range(20)])
+    base = ["data=file", f"data.path={p}", "context.max_tokens=256"]
+    counting = _CountingTokenizer(tok)
+    build_trial_data(compose(base), counting)  # what the pre-flight's check_records does
+    once = (counting.encodes, counting.renders)
+    assert once[0] >= 2 and once[1] >= 20  # train and eval encoded, every record rendered
+    trials = [
+        ["adapter=lora"],
+        ["adapter=rslora"],
+        ["adapter=lora", "train.seed=2"],
+        ["adapter=rslora", "train.seed=2"],
+    ]
+    got = [trial_data(compose([*base, *t]), counting).stats["cache"] for t in trials]
+    assert got == ["hit"] * 4 and (counting.encodes, counting.renders) == once
+    trial_data(compose([*base, "data.train_on=last_assistant"]), counting)
+    assert counting.encodes > once[0]
+
+
+def test_vocab_slicing_keeps_a_templates_added_special_tokens(im_tok):
+    """ChatML's <|im_start|>/<|im_end|> (added special tokens) survive slicing in every mode, even top_k with
+    a K far below what the examples use."""
+    from vramsweep.knobs.vocab import kept_ids
+
+    (e,) = build_item_examples(items({"messages": CHAT}), im_tok, settings(template=CHATML))
+    marks = set(im_tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]))
+    assert marks <= set(e.input_ids)
+    for mode, k in (("corpus", 0), ("top_k", 3)):
+        kept = set(kept_ids(im_tok, [e.input_ids], mode=mode, top_k=k))
+        assert marks | {im_tok.eos_token_id, im_tok.pad_token_id} <= kept, mode

@@ -149,7 +149,12 @@ def _read_json(p: Path) -> list[Record]:
 
 
 def _rows(table: Any, where: str) -> list[Record]:
-    return [Record(f"{where}:row {i + 1}", row) for i, row in enumerate(table.to_pylist())]
+    """One record per row; a column that is null in a row is left out of it (a table gives every row every
+    column, so a row of another format, or one lacking a field, reads as it would from JSON Lines)."""
+    return [
+        Record(f"{where}:row {i + 1}", {k: v for k, v in row.items() if v is not None})
+        for i, row in enumerate(table.to_pylist())
+    ]
 
 
 def _read_parquet(p: Path) -> tuple[list[Record], list[str]]:
