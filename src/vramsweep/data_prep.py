@@ -113,8 +113,9 @@ def _record_examples(cfg: DictConfig, tokenizer: Any, ud: Any = None) -> tuple[l
         train_items, eval_items, fmt = ud.train, ud.eval, ud.format
         info = {"eval_from": ud.eval_from, "source_sha256": ud.sha256}
     s = render_settings(cfg, tokenizer, fmt)
-    train = build_item_examples(train_items, tokenizer, s)
-    ev = build_item_examples(eval_items, tokenizer, s)
+    # one pass over both splits: one tokenizer call, and truncation=none names the longest of all records
+    both = build_item_examples([*train_items, *eval_items], tokenizer, s)
+    train, ev = both[: len(train_items)], both[len(train_items) :]
     info |= {
         "format": fmt,
         "train_on": s.train_on,

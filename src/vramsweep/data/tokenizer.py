@@ -8,6 +8,7 @@ Encoding never adds special tokens on its own (no post-processor template): the 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -77,12 +78,31 @@ def train_tokenizer(
     )
 
 
+#: ``tokenizer_class`` values that name the plain fast tokenizer (``TokenizersBackend`` in transformers 5).
+_PLAIN_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _tokenizer_class(folder: str | os.PathLike[str]) -> str:
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as fh:
+            return str(json.load(fh).get("tokenizer_class") or "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
 def load_tokenizer(folder: str | os.PathLike[str], *, embedded: bool = False) -> Any:
     """``AutoTokenizer.from_pretrained(folder)``; for the embedded model, its chat template when the folder
-    predates ``chat_template.jinja`` (a cache copied from an older asset)."""
-    from transformers import AutoTokenizer
+    predates ``chat_template.jinja`` (a cache copied from an older asset).
 
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    A folder whose ``tokenizer_config.json`` names the plain fast tokenizer (the embedded model's) loads
+    through that class directly: the same tokenizer ``AutoTokenizer`` builds, without importing the auto
+    model registry (about half the time the pre-flight spends before a bad chat record exits 2)."""
+    if _tokenizer_class(folder) in _PLAIN_FAST and os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(folder))
     if embedded and not tok.chat_template:
         tok.chat_template = EMBEDDED_CHAT_TEMPLATE
     return tok
