@@ -188,8 +188,9 @@ def test_every_format_from_every_source_with_every_train_on(
     assert d.stats["format"] == want_fmt
     folder = suffix == "_folder"
     assert (len(d.train), len(d.eval)) == ((4, 2) if folder else (5, 1))
+    assert d.stats["eval_from"] == ("test split" if folder else "last 10 %")
+    assert d.stats["source_sha256"]["path"] == read_source(path).sha256
     if fmt != "documents":
-        assert d.stats["eval_from"] == ("test split" if folder else "last 10 %")
         last = f"{path}[test]:row 1" if folder else read_source(path).records[-1].where
         assert d.eval[0].where == last
         assert d.stats["train_on"] == train_on

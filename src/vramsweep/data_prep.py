@@ -157,6 +157,7 @@ def _build(cfg: DictConfig, tokenizer: Any) -> TrialData:
         train = build_examples(train_docs, tokenizer, **kw)
         ev = build_examples(eval_docs, tokenizer, **kw)
         info: dict = {"format": "documents", "train_on": "target section"}
+        info["eval_from"] = ud.eval_from if ud is not None else "embedded (disjoint seed)"
         if ud is not None:
             info["source_sha256"] = ud.sha256
     else:
