@@ -7,10 +7,11 @@ points drawn at random (seeded by ``hydra.sweeper.seed``); estimating stops afte
 whatever is left (~14 ms a point on our 2-core machine: 128 points take ~1.8 s), so a 400k-point space starts as fast as a 48-point one. Points are not composed one by
 one (0.3-0.8 s each): the fixed overrides are composed once and each point's config-group options are
 swapped into a copy (:class:`FastConfigs`, as ``vramsweep estimate --suggest`` does), checked against one
-real compose of the first edge point.
+real compose of the first edge point (the others are checked against the config rules).
 
 * **Edge points**: the :data:`EDGE_K` points with the highest estimated peak that the estimator puts
-  inside ``hardware.budget_gib`` (required bytes <= budget, no margin), picked greedily with a bonus for
+  inside ``hardware.budget_gib`` as the pre-flight counts it (required bytes <= budget + :data:`MARGIN`,
+  the points ``sweep.preflight`` would run: the wall is where the estimate is uncertain), picked greedily with a bonus for
   differing from the points already picked (so the start spans the knobs that do not move the peak, such
   as the learning rate). They fill the first slots (``fixed_params``), in that order; the list is kept
   in the study (:data:`EDGE_ATTR`), so a resumed sweep, or one with a larger ``n_trials``, gives each slot
@@ -37,7 +38,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from vramsweep.config.compose import compose
+from vramsweep.config.compose import check_rules, compose
 from vramsweep.config.paths import find_option
 from vramsweep.config.schema import _SCHEMAS, CONFIG_GROUPS
 from vramsweep.estimate import estimate
@@ -229,41 +230,46 @@ def screen(
         if not budget:
             continue
         ratio = float(est["required_bytes"]) / float(budget)
-        if ratio <= 1.0:
+        if ratio <= 1.0 + MARGIN:  # inside the budget as the pre-flight counts it: these would run
             fitting.append((point, ratio))
             ests[id(point)] = est
         elif ratio > 1.0 + MARGIN and len(out.infeasible) < MAX_RECORDED:
             out.infeasible.append((point, est, float(cfg.hardware.budget_gib)))
     out.fits = len(fitting)
-    out.edge = _checked_edge(fixed, dims, pick_edge(fitting, dims, 2 * k), ests, out, k)
+    out.edge = _checked_edge(fast, dims, pick_edge(fitting, dims, 2 * k), ests, out, k)
     out.seconds = time.perf_counter() - t0
     return out
 
 
 def _checked_edge(
-    fixed: list[str],
+    fast: FastConfigs,
     dims: list[Param],
     ranked: list[dict[str, Any]],
     ests: dict[int, dict[str, Any]],
     out: Screen,
     k: int,
 ) -> list[dict[str, Any]]:
-    """The first ``k`` of ``ranked`` that compose with the config rules (at most ``2 k`` composes: a point a
-    rule refuses would only be recorded ``unsupported``), each checked against the fast path: when one
-    disagrees, the fast path is not trusted, nothing is recorded and the sweep starts as without it."""
+    """The first ``k`` of ``ranked`` that pass the config rules (at most ``2 k`` checked: a point a rule
+    refuses would only be recorded ``unsupported``). The first of them is composed for real and
+    re-estimated: when that disagrees with the fast path, nothing is recorded and the sweep starts as
+    without the screen."""
     edge: list[dict[str, Any]] = []
     for point in ranked[: 2 * k]:
         if len(edge) >= k:
             break
         try:
-            real = estimate(compose(merge_overrides(fixed, params_to_overrides(point, dims)), rules="config"))
+            if not edge:
+                cfg = compose(merge_overrides(fast.fixed, params_to_overrides(point, dims)), rules="config")
+                real = float(estimate(cfg)["required_bytes"])
+                guess = float(ests[id(point)]["required_bytes"])
+                if abs(real - guess) > AGREE * max(guess, 1.0):
+                    out.note = _join(out.note, "the fast estimates disagree with a real compose: not used")
+                    out.infeasible = []
+                    return []
+            else:
+                check_rules(fast.config(point), "config")
         except Exception:  # a rule refuses the point (or it cannot be estimated): not an edge point
             continue
-        fast = float(ests[id(point)]["required_bytes"])
-        if abs(float(real["required_bytes"]) - fast) > AGREE * max(fast, 1.0):
-            out.note = _join(out.note, "the fast estimates disagree with a real compose: not used")
-            out.infeasible = []
-            return []
         edge.append(point)
     if ranked and not edge:
         out.note = _join(
@@ -309,8 +315,8 @@ def describe(info: dict[str, Any]) -> str:
     note = f"; {info['note']}" if info.get("note") else ""
     return (
         f"vramsweep: edge start: {info['estimated']}{of} points estimated in {info['seconds']:.1f} s: "
-        f"{info['fits']} fit the budget, {len(info['points'])} near its edge run first; {info['screened']} over "
-        f"it recorded infeasible_estimate without a trial (not counted toward n_trials){note}"
+        f"{info['fits']} fit the budget (+{MARGIN:.0%} margin), {len(info['points'])} near its edge run first; "
+        f"{info['screened']} over it recorded infeasible_estimate without a trial (not counted toward n_trials){note}"
     )
 
 
