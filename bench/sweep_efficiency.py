@@ -15,9 +15,19 @@ SQLite study, our outcome rules).
 * Random arm (per seed): the same, with ``hydra.sweeper.sampler=random`` (same pruning, same dedup):
   the baseline that tells a good sampler from luck.
 
+* Preflight arm (per seed): TPE with ``sweep.preflight=true`` and ``sweep.edge_start=false``: points the
+  memory estimator puts over the budget are recorded ``infeasible_estimate`` when their slot comes up
+  (each costs a slot, not a trial's seconds).
+* Edge arm (per seed): TPE with ``sweep.preflight=true`` and ``sweep.edge_start`` (its default then): the
+  study starts with the points the estimator puts just inside the budget, and the sampled points it puts
+  over the budget are recorded before the first trial (no trial, no slot), their excess as TPE's
+  constraint (docs/SWEEPS.md, *Edge start*). The estimator is the real one, estimating the real configs
+  of these overrides (the tiny model); the fake trial's memory is its own surrogate, so the estimator
+  is as wrong here as it is about any landscape it did not measure.
+
 Printed: the ratio search / grid per seed and arm, the medians, and how many configs are within
-``--tol`` of the best (the more there are, the easier luck finds one). Goal: TPE <= 0.2 and <= half of
-random.
+``--tol`` of the best (the more there are, the easier luck finds one). Goals: TPE <= 0.2 and <= half of
+random; the edge arm <= half of random's median and below TPE's.
 
 Trial-seconds come from each trial's ``meta.wall_s``. Two trial functions:
 
@@ -28,7 +38,7 @@ Trial-seconds come from each trial's ``meta.wall_s``. Two trial functions:
 * ``--trial real``: the real tiny-model trial (``vramsweep.trial``) with very few steps (``--steps``,
   default 10) on CPU and its measured wall time: ~48 x 20-60 s for the grid alone on 2 cores.
 
-Run:  python bench/sweep_efficiency.py [--trial fake|real] [--seeds 5] [--tol 0.005]
+Run:  python bench/sweep_efficiency.py [--trial fake|real] [--seeds 5] [--tol 0.005] [--arms tpe,random,preflight,edge]
 """
 
 from __future__ import annotations
@@ -53,6 +63,14 @@ SPACE = [
     "checkpointing=off,on",
 ]
 N_POINTS = 48
+#: search arms: the sampler and sweep settings each adds to the common overrides
+ARMS = {
+    "tpe": ["hydra.sweeper.sampler=tpe"],
+    "random": ["hydra.sweeper.sampler=random"],
+    "preflight": ["hydra.sweeper.sampler=tpe", "+sweep.preflight=true", "+sweep.edge_start=false"],
+    "edge": ["hydra.sweeper.sampler=tpe", "+sweep.preflight=true"],
+}
+ARM_NAMES = {"tpe": "TPE", "random": "random", "preflight": "TPE+preflight", "edge": "TPE+edge start"}
 
 
 def _trials(root: Path, name: str) -> list[dict]:
@@ -101,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         help="default: fake 0.06 (the lowest-loss config is over it), real: none",
     )
     ap.add_argument("--chunk", type=int, default=8, help="search trials per resumed run")
+    ap.add_argument(
+        "--arms", default=",".join(ARMS), help=f"comma-separated search arms (default: {','.join(ARMS)})"
+    )
     ap.add_argument("--out", default="results/bench/sweep_efficiency.json")
     ap.add_argument("--workdir", default=None, help="keep the sweeps here (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -152,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         grid = _trials(root, "grid")
         assert len(grid) == N_POINTS, len(grid)
-        grid_cost = sum(_cost(r) for r in grid)
+        grid_cost = args.grid_cost = sum(_cost(r) for r in grid)
         feasible = [(v, r) for r in grid if (v := _feasible_value(r)) is not None]
         best_v, best_r = min(feasible, key=lambda x: x[0])
         target = best_v + abs(best_v) * args.tol
@@ -163,65 +184,84 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         # ---- search arms: our defaults (TPE), and random search with the same pruning as the baseline
-        arms = {
-            "tpe": ["hydra.sweeper.sampler=tpe"],
-            "random": ["hydra.sweeper.sampler=random"],
-        }
+        arms = {a: ARMS[a] for a in args.arms.split(",")}
         rows: dict[str, list[dict]] = {}
         for arm, sampler in arms.items():
             rows[arm] = []
             for seed in range(args.seeds):
-                name = f"{arm}{seed}"
-                spent, found_at, n = 0.0, None, 0
-                while found_at is None and n < N_POINTS:
-                    n = min(N_POINTS, n + args.chunk)
-                    _run(
-                        [
-                            *common,
-                            *sampler,  # command-line lists alone are a grid
-                            f"results_dir={root}",
-                            f"hydra.sweeper.seed={seed}",
-                            f"hydra.sweeper.n_trials={n}",
-                            f"hydra.sweeper.study_name={name}",
-                        ]
-                    )
-                    spent = 0.0
-                    for r in _trials(root, name):
-                        spent += _cost(r)
-                        v = _feasible_value(r)
-                        if v is not None and v <= target:
-                            found_at = r["trial"]
-                            break
-                trials = _trials(root, name)
-                upto = n if found_at is None else found_at
-                pruned = sum(r["status"] == "pruned" for r in trials[: upto + 1])
-                copies = sum(
-                    bool((r.get("meta") or {}).get("duplicate_of") is not None) for r in trials[: upto + 1]
-                )
-                ratio = spent / grid_cost if found_at is not None else float("inf")
-                rows[arm].append(
-                    {
-                        "seed": seed,
-                        "found_at_trial": found_at,
-                        "trial_seconds": round(spent, 2),
-                        "pruned_before": pruned,
-                        "copies_before": copies,
-                        "ratio": round(ratio, 4),
-                    }
-                )
-                print(
-                    f"{arm} seed {seed}: found at trial {found_at} after {spent:.1f} trial-s ({pruned} pruned, "
-                    f"{copies} re-proposed points copied) -> ratio {ratio:.3f}"
-                )
+                rows[arm].append(_search_arm(root, common, arm, sampler, seed, target, args))
+    _report(args, rows, near, budget, grid_cost, best_v)
+    return 0
+
+
+def _search_arm(
+    root: Path, common: list[str], arm: str, sampler: list[str], seed: int, target: float, args
+) -> dict:
+    """One seed of one search arm: resumed in chunks until a feasible trial within tolerance completes;
+    its cost is the trial-seconds of every trial up to that one (screened and copied trials cost 0)."""
+    name = f"{arm}{seed}"
+    spent, found_at, n = 0.0, None, 0
+    while found_at is None and n < N_POINTS:
+        n = min(N_POINTS, n + args.chunk)
+        _run(
+            [
+                *common,
+                *sampler,  # command-line lists alone are a grid
+                f"results_dir={root}",
+                f"hydra.sweeper.seed={seed}",
+                f"hydra.sweeper.n_trials={n}",
+                f"hydra.sweeper.study_name={name}",
+            ]
+        )
+        spent = 0.0
+        for r in _trials(root, name):
+            spent += _cost(r)
+            v = _feasible_value(r)
+            if v is not None and v <= target:
+                found_at = r["trial"]
+                break
+    trials = _trials(root, name)
+    before = trials[: (len(trials) if found_at is None else found_at) + 1]
+    pruned = sum(r["status"] == "pruned" for r in before)
+    copies = sum(bool((r.get("meta") or {}).get("duplicate_of") is not None) for r in before)
+    screened = sum(bool((r.get("meta") or {}).get("screened")) for r in before)
+    skipped = sum(r["status"] == "infeasible_estimate" for r in before) - screened
+    ratio = spent / args.grid_cost if found_at is not None else float("inf")
+    print(
+        f"{arm} seed {seed}: found at trial {found_at} after {spent:.1f} trial-s ({pruned} pruned, "
+        f"{copies} re-proposed points copied, {screened} screened before the first trial, "
+        f"{skipped} skipped by the pre-flight) -> ratio {ratio:.3f}",
+        flush=True,
+    )
+    return {
+        "seed": seed,
+        "found_at_trial": found_at,
+        "trial_seconds": round(spent, 2),
+        "pruned_before": pruned,
+        "copies_before": copies,
+        "screened_before": screened,
+        "preflight_skipped_before": skipped,
+        "ratio": round(ratio, 4),
+    }
+
+
+def _report(
+    args, rows: dict[str, list[dict]], near: int, budget: float, grid_cost: float, best_v: float
+) -> None:
     med = {arm: statistics.median(r["ratio"] for r in rs) for arm, rs in rows.items()}
     # a uniformly random order without repeats reaches one of `near` good configs among N after
     # (N+1)/(near+1) trials on average: the luck baseline, in trials
     luck = (N_POINTS + 1) / (near + 1)
     print(
         f"sweep efficiency ({args.trial} trials, {near}/{N_POINTS} configs within {args.tol:.1%}; a random order "
-        f"needs {luck:.1f} trials on average): median ratio to the grid's trial-seconds: TPE {med['tpe']:.3f}, "
-        f"random {med['random']:.3f} (goal: TPE <= 0.2 and <= half of random)"
+        f"needs {luck:.1f} trials on average): median ratio to the grid's trial-seconds: "
+        + ", ".join(f"{ARM_NAMES[a]} {m:.3f}" for a, m in med.items())
     )
+    if "edge" in med and "random" in med and "tpe" in med:
+        print(
+            f"edge start: {med['edge'] / med['random']:.2f}x random's median, {med['edge'] / med['tpe']:.2f}x "
+            "today's TPE's (goal: <= 0.5x random's, < 1x TPE's)"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
@@ -236,10 +276,12 @@ def main(argv: list[str] | None = None) -> int:
                 "grid_trial_seconds": round(grid_cost, 2),
                 "grid_best_eval_loss": best_v,
                 "configs_within_tol": near,
-                "search": rows["tpe"],
-                "random": rows["random"],
-                "median_ratio": med["tpe"],
-                "median_ratio_random": med["random"],
+                "search": rows.get("tpe"),
+                "random": rows.get("random"),
+                "median_ratio": med.get("tpe"),
+                "median_ratio_random": med.get("random"),
+                "arms": rows,
+                "median_ratios": med,
             },
             indent=2,
         )

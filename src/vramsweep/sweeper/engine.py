@@ -53,7 +53,7 @@ from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
 )
 from vramsweep.sweeper.progress import Progress, fmt_override, plural
 from vramsweep.sweeper.settings import SweepConfig
-from vramsweep.sweeper.storage import COPY_OF, JOB_LOST, RETRY_OF, requeue_lost, sqlite_path
+from vramsweep.sweeper.storage import COPY_OF, JOB_LOST, RETRY_OF, SCREENED, requeue_lost, sqlite_path
 from vramsweep.sweeper.storage_check import check_storage
 from vramsweep.sweeper.study import StudyBook
 from vramsweep.sweeper.workers import RunState, WorkerPool
@@ -216,6 +216,7 @@ class Sweep:
             if (
                 t.number in retried
                 or t.system_attrs.get(COPY_OF) is not None
+                or t.system_attrs.get(SCREENED)  # sweep.edge_start's estimate-only records: not counted
                 or t.state in (TrialState.WAITING, TrialState.RUNNING)
             ):
                 continue

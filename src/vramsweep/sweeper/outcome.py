@@ -37,6 +37,9 @@ from vramsweep.record.status import STATUSES, Status
 from vramsweep.sweeper.settings import Objective
 
 CONSTRAINT_KEY = "vram_over_budget_gib"
+#: System attribute optuna-dashboard reads a trial's constraints from (a list; Optuna 5 itself writes
+#: ``constraints:<name>``; it reads both, so the budget constraint shows up once more as ``"0"``).
+DASHBOARD_CONSTRAINTS_KEY = "constraints"
 #: Violation used when a trial ran out of memory but no peak was measured (1 MiB over).
 MIN_VIOLATION_GIB = 1.0 / 1024
 # Compact metrics stored in Optuna user attrs: every scalar result metric (not the breakdown dict).

@@ -408,6 +408,8 @@ class Settings:
     sweep_dir_given: bool = False
     #: why this design (for the describe line), e.g. "command-line lists"
     design_reason: str = ""
+    #: ``sweep.edge_start`` resolved: a search with a budget starts at the edge (:mod:`vramsweep.sweeper.edge`)
+    edge_start: bool = False
 
     def rename(self, name: str) -> None:
         """Give an unnamed (ad-hoc) sweep its name: study name, folder and default storage follow it."""
@@ -454,6 +456,7 @@ class Settings:
             "stack": list(self.stack),
             "repeats": self.repeats,
             "preflight": self.preflight,
+            "edge_start": self.edge_start,
             "budget_gib": self.budget_gib,
             "storage": mask_url(self.storage),
             "study_name": self.study_name,
@@ -617,7 +620,9 @@ class SweepConfig:
     ``max_context``: :mod:`vramsweep.sweeper.maxctx`); ``objectives`` are metric names or
     ``{metric, direction}``; ``baseline``/``factors`` make an ablation, ``stack`` a stacking design;
     ``repeats`` seeds per point (``None``: :func:`default_repeats`); ``preflight`` estimates every point
-    before the first trial; ``configs``/``fixed``/``max_context`` are the max-context driver's.
+    before the first trial; ``edge_start`` (``None``: on for a search with ``preflight`` and a budget)
+    starts a search at the edge of the budget (:func:`edge_start_setting`); ``configs``/``fixed``/``max_context``
+    are the max-context driver's.
     """
 
     name: str | None = None
@@ -628,6 +633,7 @@ class SweepConfig:
     stack: list[str] = field(default_factory=list)
     repeats: int | None = None
     preflight: bool = False
+    edge_start: bool | None = None
     description: str | None = None
     configs: list[Any] = field(default_factory=list)
     fixed: list[str] = field(default_factory=list)
@@ -665,11 +671,35 @@ class SweepConfig:
             stack=[str(x) for x in _as_list(node.get("stack"), "sweep.stack")],
             repeats=repeats,
             preflight=bool(node.get("preflight", False)),
+            edge_start=_optional_bool(node.get("edge_start"), "sweep.edge_start"),
             description=node.get("description"),
             configs=list(node.get("configs") or []),
             fixed=[str(x) for x in _as_list(node.get("fixed"), "sweep.fixed")],
             max_context=dict(node.get("max_context") or {}),
         )
+
+
+def _optional_bool(value: Any, key: str) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise ConfigError(
+        f"{key}={value!r} must be true, false or null", key=key, allowed=["true", "false", "null"]
+    )
+
+
+def edge_start_setting(sweep: SweepConfig, design: str, budget_gib: float) -> bool:
+    """``sweep.edge_start`` resolved: ``null`` (default) is on for a search with ``sweep.preflight`` and a
+    budget; ``true`` needs a search and a budget (else a ConfigError); ``false`` is off."""
+    if sweep.edge_start is None:
+        return design == "search" and sweep.preflight and budget_gib > 0
+    if sweep.edge_start and (design != "search" or budget_gib <= 0):
+        raise ConfigError(
+            f"sweep.edge_start=true needs a search design and a memory budget (this sweep: design {design}, "
+            f"hardware.budget_gib={budget_gib:g})",
+            key="sweep.edge_start",
+            allowed=["false", "null", "true with sweep.design=search and hardware.budget_gib > 0"],
+        )
+    return bool(sweep.edge_start)
 
 
 def sweeper_conf(sweeper: dict[str, Any]) -> SweeperConf:
@@ -816,6 +846,7 @@ def resolve_settings(
     _check_design_parts(sweep, design, params)
     results_dir = str(task_cfg.get("results_dir") or "results")
     sweep_dir = Path(os.path.abspath(conf.sweep_dir or Path(results_dir) / "sweeps" / name))
+    budget_gib = float((task_cfg.get("hardware") or {}).get("budget_gib") or 0.0)
     return Settings(
         name=name,
         design=design,
@@ -847,11 +878,12 @@ def resolve_settings(
         cuda_devices=[str(d) for d in conf.cuda_devices] if conf.cuda_devices else None,
         progress=bool(conf.progress),
         results_dir=results_dir,
-        budget_gib=float((task_cfg.get("hardware") or {}).get("budget_gib") or 0.0),
+        budget_gib=budget_gib,
         named=named,
         storage_given=bool(conf.storage),
         sweep_dir_given=bool(conf.sweep_dir),
         design_reason=reason,
+        edge_start=edge_start_setting(sweep, design, budget_gib),
     )
 
 

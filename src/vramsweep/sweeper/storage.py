@@ -46,6 +46,9 @@ HEARTBEAT = "vramsweep:heartbeat"
 FINGERPRINT = "vramsweep:fingerprint"
 #: On a trial that copied an earlier trial's outcome (a re-proposed point): not counted toward n_trials.
 COPY_OF = "vramsweep:copy_of"
+#: On a trial recorded from the memory estimate alone by ``sweep.edge_start`` (no trial process): not
+#: counted toward n_trials either (:mod:`vramsweep.sweeper.edge`).
+SCREENED = "vramsweep:screened"
 LOST = "vramsweep:lost"  # the trial's worker died (or Ctrl-C stopped it): its point is retried
 #: On a lost trial whose launcher job was lost (cancelled, preempted, node lost, not submitted): every run
 #: retries it again (up to ``retry_stale`` times within the run); the value says how it was lost.
@@ -217,12 +220,13 @@ def load_or_create_study(settings: Any, sampler: Any, pruner: Any) -> Any:
 
 
 def trial_counts(study: Any) -> dict[str, int]:
-    """Counts by state over the trials that count toward ``n_trials`` (retried stale trials do not)."""
+    """Counts by state over the trials that count toward ``n_trials`` (retried stale trials, copies of
+    re-proposed points and points screened by ``sweep.edge_start`` do not)."""
     trials = study.get_trials(deepcopy=False)
     retried = {t.system_attrs.get(RETRY_OF) for t in trials} - {None}
     out: dict[str, int] = {}
     for t in trials:
-        if t.number in retried or t.system_attrs.get(COPY_OF) is not None:
+        if t.number in retried or t.system_attrs.get(COPY_OF) is not None or t.system_attrs.get(SCREENED):
             continue
         out[t.state.name] = out.get(t.state.name, 0) + 1
     return out

@@ -22,7 +22,8 @@ from vramsweep.config.compose import ConfigError
 from vramsweep.record.result import atomic_write_json, write_result
 from vramsweep.record.status import Status
 from vramsweep.sweeper.design import design_choices
-from vramsweep.sweeper.outcome import CONSTRAINT_KEY, Outcome, user_attrs
+from vramsweep.sweeper.edge import start_at_the_edge
+from vramsweep.sweeper.outcome import CONSTRAINT_KEY, DASHBOARD_CONSTRAINTS_KEY, Outcome, user_attrs
 from vramsweep.sweeper.plan import IDENTITY, NOT_IDENTITY, Plan, identity_diff
 from vramsweep.sweeper.samplers import make_pruner, make_sampler
 from vramsweep.sweeper.space import merge_overrides, override_key, params_to_overrides, space_size, suggest
@@ -53,9 +54,6 @@ from vramsweep.sweeper.trialproc import RunReport, TrialSpec, _load_child_result
 #: After this many re-proposed points in a row for one slot, the slot gets an unmeasured point at random.
 DEDUP_PATIENCE = 3
 DUP_STREAK = "vramsweep:dup_streak"
-#: System attribute optuna-dashboard reads a trial's constraints from (a list; Optuna 5 itself writes
-#: ``constraints:<name>``; it reads both, so the budget constraint shows up once more as ``"0"``).
-DASHBOARD_CONSTRAINTS_KEY = "constraints"
 #: Statuses whose outcome is a property of the config (copied for a duplicate point, not re-run).
 COPYABLE = tuple(s.value for s in Status if s is not Status.ERROR)
 
@@ -111,14 +109,15 @@ class StudyBook:
         self.ask_lock = threading.Lock()
         self.tell_lock = threading.Lock()
         self.running: set[int] = set()
+        self.edge: list[dict[str, Any]] = []  # sweep.edge_start's points, slot by slot (:mod:`.edge`)
         self._say = say
 
     def result_path(self, number: int) -> Path:
         return self.trials_dir / f"{number:04d}.json"
 
     def _slot_attrs(self, k: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        if self.plan.design is None:
-            return {}, {}
+        if self.plan.design is None:  # a search: the edge start's points fill the first slots
+            return ({"fixed_params": dict(self.edge[k])} if k < len(self.edge) else {}), {}
         point = self.plan.design[k]
         return {"fixed_params": dict(point.params)}, {"design": point.design}
 
@@ -204,6 +203,7 @@ class StudyBook:
                 )
             self.reconcile()
             self.requeue_lost_slots()
+            self.edge = start_at_the_edge(self)  # sweep.edge_start: a new study only (then read back)
             added = top_up(self.study, self.plan.n_total, self._slot_attrs)
         counts = trial_counts(self.study)
         done = sum(v for k, v in counts.items() if k in ("COMPLETE", "PRUNED", "FAIL"))
