@@ -163,9 +163,26 @@ def test_estimate_preflight_qwen3_8b_beyond_its_positions(capsys):
     over = ["model=qwen3_8b", "quant=nf4_dq", "train.micro_batch=1", "context.max_tokens=65536"]
     assert main(["estimate", *over]) == 2
     err = capsys.readouterr().err
-    assert "context.max_tokens=65536" in err and "rope=yarn rope.factor=2" in err, err
-    assert main(["estimate", *over, "rope=yarn", "rope.factor=2", "--json"]) == 0
+    # Qwen3's YaRN recipe scales from 32,768 (its model card; config.json says 40,960): the smallest factor
+    # over that length (before: factor 2 over 40,960 positions, a recipe Qwen does not document)
+    fix = "rope=yarn rope.original_max_position_embeddings=32768 rope.factor=2"
+    assert "context.max_tokens=65536" in err and fix in err, err
+    assert main(["estimate", *over, *fix.split(), "--json"]) == 0  # the proposal itself passes
     assert json.loads(capsys.readouterr().out)["peak_memory_bytes"] > 0
+
+
+@pytest.mark.parametrize(("tokens", "factor"), [(40961, 2), (65536, 2), (65537, 3), (131072, 4)])
+def test_the_proposed_rope_is_the_smallest_factor_over_the_models_native_length(tokens, factor):
+    over = ["model=qwen3_8b", "quant=nf4_dq", "train.micro_batch=1", f"context.max_tokens={tokens}"]
+    with pytest.raises(ConfigError) as err:
+        validate(compose(over, rules="none"), machine=False)
+    fix = f"rope=yarn rope.original_max_position_embeddings=32768 rope.factor={factor}"
+    assert fix in err.value.allowed, err.value.allowed
+    validate(compose([*over, *fix.split()], rules="none"), machine=False)  # it reaches the tokens
+    if factor > 2:  # and nothing smaller does
+        smaller = fix.replace(f"rope.factor={factor}", f"rope.factor={factor - 1}")
+        with pytest.raises(ConfigError):
+            validate(compose([*over, *smaller.split()], rules="none"), machine=False)
 
 
 def test_the_max_context_search_reaches_the_scaled_positions():

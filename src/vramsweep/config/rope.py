@@ -95,6 +95,18 @@ def plan(cfg: Any) -> dict[str, Any]:
     }
 
 
+#: Lengths a model family's documented RoPE-scaling recipe scales from, where it is below the positions its
+#: config.json declares: Qwen3's model cards give YaRN over ``original_max_position_embeddings=32768``
+#: although config.json says 40,960 (32,768 of context + 8,192 of output). Keyed by (family, positions),
+#: kept in code and not as a ``model.*`` key: those key the embedded model's and the architectures' weights.
+DOCUMENTED_ROPE_BASE = {("qwen3", 40960): 32768}
+
+
+def documented_base(family: str, positions: int) -> int:
+    """The length a needed RoPE scaling should scale from: the family's documented one, else ``positions``."""
+    return DOCUMENTED_ROPE_BASE.get((str(family), int(positions)), int(positions))
+
+
 def needed_factor(max_tokens: int, original: int) -> int:
     """Smallest whole ``rope.factor`` with original x factor >= max_tokens."""
     return max(2, math.ceil(int(max_tokens) / int(original)))

@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from vramsweep.config.errors import ConfigError
 from vramsweep.config.paths import list_options
+from vramsweep.config.rope import ROPE_TYPES, documented_base, needed_factor, plan
 from vramsweep.config.schema import (
     DTYPES,
     MODEL_FAMILIES,
@@ -537,10 +538,17 @@ def check_machine(cfg: DictConfig, *, has_cuda: bool | None = None) -> None:
         )
 
 
+def _rope_proposal(cfg: Any, tokens: int, native: int) -> str:
+    """The smallest YaRN setting that reaches ``tokens``, over the length the model's recipe scales from
+    (:func:`vramsweep.config.rope.documented_base`: Qwen3's 32,768, else the model's positions)."""
+    base = documented_base(cfg.model.family, native)
+    extra = f" rope.original_max_position_embeddings={base}" if base != native else ""
+    return f"rope=yarn{extra} rope.factor={needed_factor(tokens, base)}"
+
+
 def _rules_rope(cfg: DictConfig) -> None:
     """``rope`` values, and ``context.max_tokens`` within the positions: the model's own, or original x factor
     with rope scaling (:mod:`vramsweep.config.rope`)."""
-    from vramsweep.config.rope import ROPE_TYPES, needed_factor, plan
 
     _check_choice(cfg, "rope.type", ROPE_TYPES)
     r = cfg.rope
@@ -588,14 +596,15 @@ def _rules_rope(cfg: DictConfig) -> None:
     tokens = int(cfg.context.max_tokens)
     if tokens <= int(p["positions"]):
         return
-    k = needed_factor(tokens, orig)
     if not scaled:
+        fix = _rope_proposal(cfg, tokens, native)
         raise ConfigError(
             f"context.max_tokens={tokens} is longer than the model's positions ({where}); a fine-tune beyond "
-            f"them needs RoPE scaling: rope=yarn rope.factor={k} (or a shorter context.max_tokens)",
+            f"them needs RoPE scaling: {fix} (or a shorter context.max_tokens)",
             key="context.max_tokens",
-            allowed=[f"32..{p['positions']}", f"rope=yarn rope.factor={k}"],
+            allowed=[f"32..{p['positions']}", fix],
         )
+    k = needed_factor(tokens, orig)
     raise ConfigError(
         f"context.max_tokens={tokens} is longer than rope={r.name}'s positions ({orig} x rope.factor={r.factor} "
         f"= {p['positions']}); raise it: rope.factor={k}",
