@@ -388,3 +388,16 @@ def test_results_the_study_does_not_know_are_never_overwritten(tmp_path, capsys)
     assert "study 'wal' does not exist" in capsys.readouterr().err
     shutil.copy(tmp_path / "full.db", folder / "study.db")
     assert run_multirun([*args, "hydra.sweeper.n_trials=2"]) == 0
+
+
+def test_a_refused_sweep_takes_back_the_folders_it_made(tmp_path, capsys):
+    """The checks run under a lock on the folder, so the folder exists before them; when they refuse (here:
+    one storage, the same study name, other points, a new folder) the folders made for it go again."""
+    db = f"hydra.sweeper.storage=sqlite:///{tmp_path / 'shared.db'}"
+    base = [f"results_dir={tmp_path}", *INPROC, db, "sweep.name=x"]
+    assert run_multirun([*base, f"hydra.sweep.dir={tmp_path / 'one'}", "adapter.r=4,8"]) == 0
+    capsys.readouterr()
+    new = tmp_path / "two" / "deeper"
+    assert run_multirun([*base, f"hydra.sweep.dir={new}", "adapter.r=16,32"]) == 2
+    assert "was started by a different sweep" in capsys.readouterr().err
+    assert not (tmp_path / "two").exists()

@@ -27,17 +27,27 @@ RESULT_NAME = re.compile(r"^(\d{4,})\.json$")
 
 
 @contextlib.contextmanager
-def folder_lock(folder: Path) -> Iterator[bool]:
-    """Hold an exclusive ``flock`` on ``folder`` (made when missing). Yields whether this call made it, so a
-    refusal can take an empty new folder back."""
-    made = not folder.exists()
+def folder_lock(folder: Path) -> Iterator[list[Path]]:
+    """Hold an exclusive ``flock`` on ``folder`` (made when missing). Yields the folders this call made,
+    deepest first, so a refusal can take them back (:func:`unmake`)."""
+    made = [p for p in [folder, *folder.parents] if not p.exists()]
     folder.mkdir(parents=True, exist_ok=True)
     fd = os.open(str(folder), os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        # a filesystem without flock on folders (some NFS mounts emulate it with byte-range locks, which a
+        # folder cannot take): the checks still run, unlocked, as before
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield made
     finally:
         os.close(fd)  # releases the lock
+
+
+def unmake(made: list[Path]) -> None:
+    """Remove the (still empty) folders :func:`folder_lock` made: a refused sweep leaves nothing."""
+    for p in made:
+        with contextlib.suppress(OSError):
+            p.rmdir()
 
 
 def check_owner(settings: Any) -> None:

@@ -22,7 +22,7 @@ from vramsweep.config.compose import ConfigError
 from vramsweep.record.result import atomic_write_json, write_result
 from vramsweep.record.status import Status
 from vramsweep.sweeper.design import design_choices
-from vramsweep.sweeper.folder import check_evidence, check_owner, folder_lock, result_numbers
+from vramsweep.sweeper.folder import check_evidence, check_owner, folder_lock, result_numbers, unmake
 from vramsweep.sweeper.launch import JOB
 from vramsweep.sweeper.orphans import stop_orphan
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY, Outcome, user_attrs
@@ -178,9 +178,7 @@ class StudyBook:
             try:
                 self.check_folder()
             except ConfigError:
-                if made:  # nothing written: the folder this call made goes again
-                    with contextlib.suppress(OSError):
-                        s.sweep_dir.rmdir()
+                unmake(made)  # nothing written: the folders this call made go again
                 raise
             return self._open_locked()
 
@@ -210,6 +208,7 @@ class StudyBook:
         return {t.number for t in trials if t.state != TrialState.WAITING}
 
     def _open_locked(self) -> int:
+        """:meth:`open` once the folder is locked and checked: write, create or load, reconcile, top up."""
         import optuna
 
         s = self.settings
