@@ -86,6 +86,29 @@ CASES: list[tuple[str, str, list[str], dict[str, str], str]] = [
         {},
         "is for function mode",
     ),
+    # item 3: refused by the trial cap by arithmetic, before any point is built (the harness: < 10 s of CPU;
+    # the grid took 48 s to be refused for disk space, sweep.repeats=100000 never answered)
+    (
+        "repeats-100000",
+        "train",
+        ["-m", "sweep=adapter_rank", "+sweep.repeats=100000", *FAKE],
+        {},
+        "sweep.repeats: the sweep plans 800,000 trials (a grid of 8 points x 100,000 repeat(s))",
+    ),
+    (
+        "grid-409600",
+        "train",
+        [
+            "-m",
+            "adapter.r=range(1,41)",
+            "train.lr=range(1,41)",
+            "train.micro_batch=range(1,17)",
+            "context.max_tokens=range(1,17)",
+            *FAKE,
+        ],
+        {},
+        "hydra.sweeper.params: the sweep plans 409,600 trials",
+    ),
 ]
 
 
@@ -94,6 +117,13 @@ def test_refused_in_one_line_with_nothing_written(
     tmp_path, capsys, monkeypatch, case_id, verb, argv, env, needle
 ):
     check_bad_input(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, needle)
+
+
+def test_a_fifo_as_data_path_is_refused_not_read(tmp_path, capsys, monkeypatch):
+    """A FIFO as ``data.path`` would block ``train`` forever waiting for a writer: not a regular file."""
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    argv = ["data=file", f"data.path={tmp_path / 'fifo.jsonl'}"]
+    check_bad_input(tmp_path, capsys, monkeypatch, "fifo", "train", argv, {}, "not a regular file")
 
 
 def test_a_symlink_loop_under_results_dir_is_refused_before_the_trial(tmp_path, capsys, monkeypatch):

@@ -77,3 +77,23 @@ def test_report_of_a_live_sweep_changes_no_byte_of_its_database_files(tmp_path):
         assert len(data.trials) == 3
     finally:
         writer.close()
+
+
+def test_a_fifo_in_trials_is_skipped_with_a_note_not_read(tmp_path):
+    """A FIFO named ``0002.json`` in ``trials/`` hung ``report`` forever (open() waits for a writer)."""
+    import os
+    import threading
+
+    folder = _sweep(tmp_path / "s", {f"{n:04d}.json": _ok(n) for n in range(2)})
+    fifo = folder / "trials" / "0002.json"
+    os.mkfifo(fifo)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.setdefault("data", load_sweep(str(folder))), daemon=True)
+    t.start()
+    t.join(20)
+    if t.is_alive():  # unblock the reader before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("report blocked on a FIFO in trials/")
+    data = out["data"]
+    assert [t.number for t in data.trials] == [0, 1]
+    assert any("0002.json" in n and "not a regular file" in n for n in data.notes), data.notes

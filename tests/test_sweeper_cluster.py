@@ -122,6 +122,78 @@ def test_ctrl_c_cancels_the_sweeps_launcher_jobs_and_exits_within_seconds(tmp_pa
     assert _ok_points(tmp_path, "cc") == ["adapter.r=4", "adapter.r=8"]
 
 
+def _start_with_a_hung_job(tmp_path: Path, name: str) -> tuple[subprocess.Popen, list[str], dict, int]:
+    """A launcher-mode sweep (submitit_local, n_jobs=2) whose adapter.r=8 job hangs once; returns when it
+    hangs: ``(sweeper, command, env, pid of the hung trial)``."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    env = _env(tmp_path, "hang_once")
+    cmd = _cmd(tmp_path, name)
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    marker = tmp_path / "m"
+    deadline = time.monotonic() + 180
+    while not list(marker.glob("once-*")) and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    assert list(marker.glob("once-*")), "the hung trial never started"
+    time.sleep(1.0)
+    return p, cmd, env, int(next(marker.glob("once-*")).read_text().split()[0])
+
+
+@pytest.mark.slow
+def test_sigterm_is_handled_like_ctrl_c_in_launcher_mode(tmp_path):
+    """SIGTERM (kill, a scheduler, a container stop) killed the sweeper in 0.04 s and left its jobs
+    running: the re-run retried their points as stale while the orphans finished (points ran twice). It
+    is now Ctrl-C: the jobs are cancelled and said, the exit is 1, and the re-run runs each point once."""
+    p, cmd, env, hung = _start_with_a_hung_job(tmp_path, "term")
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 1, out
+    assert "SIGTERM: cancelled this sweep's " in out and "could not cancel" not in out, out
+    assert "ABORTED: interrupted (SIGTERM)" in out, out
+    time.sleep(1.0)
+    assert not _alive(hung), "the cancelled job's process is still running"
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert _ok_points(tmp_path, "term") == ["adapter.r=4", "adapter.r=8"]
+
+
+@pytest.mark.slow
+def test_a_rerun_stops_the_orphaned_job_of_a_killed_sweeper_before_retrying_its_point(tmp_path):
+    """A sweeper SIGKILLed with a job running left an orphan the re-run knew nothing of: its point was
+    retried beside it. The job is kept in the study at submission; the re-run stops it (and says so)
+    before it retries the point, which then ends ok once."""
+    p, cmd, env, hung = _start_with_a_hung_job(tmp_path, "orphan")
+    p.kill()
+    p.wait(timeout=30)  # not communicate(): the orphan holds the pipe open
+    assert _alive(hung), "the orphan should outlive its sweeper"
+    running = [t for t in _study(tmp_path, "orphan").trials if t.state == TrialState.RUNNING]
+    assert any(t.system_attrs.get(launch.JOB, {}).get("kind") == "local" for t in running), running
+    talk = [*cmd, "hydra.sweeper.progress=true"]  # its notes are progress lines
+    r = subprocess.run(talk, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "outlived its sweeper: stopped before its point is retried" in r.stderr + r.stdout, r.stderr
+    assert not _alive(hung), "the orphan still runs after the re-run"
+    assert _ok_points(tmp_path, "orphan") == ["adapter.r=4", "adapter.r=8"]
+
+
+def test_a_job_that_cannot_be_cancelled_is_said_and_its_trial_kept(tmp_path, capsys):
+    """With the controller down scancel failed, yet Ctrl-C said "cancelled (scancel 33)" and the point
+    was re-enqueued beside job 33. What could not be cancelled is said, and its trial number returned
+    (the trial stays RUNNING for a re-run to adopt)."""
+
+    class Stuck(_FakeSlurmJob):
+        def cancel(self, check: bool = True) -> None:
+            raise subprocess.CalledProcessError(
+                1, "scancel", "slurm_load_jobs error: Unable to contact slurm controller"
+            )
+
+    jobs = _jobs()
+    jobs._numbers = {"42": 3}
+    jobs._live = {"42": Stuck(tmp_path)}
+    assert jobs.cancel_all("SIGTERM") == {3}
+    err = capsys.readouterr().err
+    assert "could not cancel launcher job(s) 42 (scancel failed" in err and "cancelled this sweep" not in err
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -289,3 +289,115 @@ def test_bad_search_space_is_rejected_before_any_trial(tmp_path, capsys, args, n
     assert rc == 2
     assert needle in err  # our "error: ..." or Hydra's own message for a command line it cannot parse
     assert not (tmp_path / "sweeps").exists()  # nothing written
+
+
+# ---------------------------------------------------------------------------------------------- one study a folder
+
+INPROC = [*FAKE[:1], "hydra.sweeper.isolation=inprocess", "hydra.sweeper.progress=false"]
+
+
+def _hashes(folder: Path) -> dict[str, bytes]:
+    """The folder's files (not SQLite's -wal/-shm: this process's pooled connections keep them open)."""
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and not p.name.endswith(("-wal", "-shm"))
+    }
+
+
+def test_two_differently_named_sweeps_in_one_folder_the_second_is_refused(tmp_path, capsys):
+    """``hydra.sweep.dir`` shared by sweeps ``a`` and ``b`` (one study.db, two studies): ``b`` overwrote
+    ``a``'s ``trials/0000.json`` and ``0001.json``. The folder belongs to ``a``: ``b`` exits 2 in one line,
+    nothing in the folder changes."""
+    folder = tmp_path / "shared"
+    base = [f"results_dir={tmp_path}", *INPROC, f"hydra.sweep.dir={folder}"]
+    assert run_multirun([*base, "sweep.name=a", "adapter.r=4,8"]) == 0
+    before = _hashes(folder)
+    capsys.readouterr()
+    assert run_multirun([*base, "sweep.name=b", "adapter.r=16,32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "belongs to sweep 'a'" in err[0] and "hydra.sweep.dir" in err[0], err
+    assert _hashes(folder) == before
+
+
+def test_two_sweeps_of_one_name_started_together_one_is_refused(tmp_path, monkeypatch):
+    """Same ``sweep.name``, different points, started together: both passed the identity check (nobody
+    had stored one yet) and mixed their points (``sweep.json`` of the loser, trials of the winner). The
+    check runs under a lock on the folder: the second waits, sees the first's identity, and is refused."""
+    import threading
+
+    from vramsweep.config.compose import ConfigError
+    from vramsweep.sweeper.engine import plan_from_args
+    from vramsweep.sweeper.study import StudyBook
+
+    original = StudyBook.check_identity
+
+    def slow_check(self):  # the first sweep pauses between its check and its writes
+        original(self)
+        if threading.current_thread().name == "first":
+            time.sleep(1.5)
+
+    monkeypatch.setattr(StudyBook, "check_identity", slow_check)
+    base = [f"results_dir={tmp_path}", *INPROC, "sweep.name=same"]
+    books = {
+        n: StudyBook(plan_from_args([*base, f"adapter.r={r}"]))
+        for n, r in (("first", "4,8"), ("second", "16,32"))
+    }
+    errors: dict[str, BaseException] = {}
+
+    def open_(name: str) -> None:
+        try:
+            books[name].open()
+        except ConfigError as exc:
+            errors[name] = exc
+
+    threads = [threading.Thread(target=open_, args=(n,), name=n) for n in books]
+    threads[0].start()
+    time.sleep(0.5)
+    threads[1].start()
+    for t in threads:
+        t.join(60)
+    assert list(errors) == ["second"], errors
+    assert "was started by a different sweep" in str(errors["second"])
+    sweep_json = json.loads((tmp_path / "sweeps" / "same" / "sweep.json").read_text())
+    study = load(tmp_path, "same")
+    assert sweep_json["identity"] == study.user_attrs["vramsweep:identity"] == books["first"].plan.identity
+
+
+def test_results_the_study_does_not_know_are_never_overwritten(tmp_path, capsys):
+    """A study that lost commits (a killed sweep's folder copied without ``study.db-wal``) knows trial 0000
+    only; the re-run gave number 1 to a new trial and overwrote ``0001.json`` silently. Now it exits 2 in
+    one line naming the file, and nothing in the folder changes; with the study's commits back it runs."""
+    import shutil
+
+    folder = tmp_path / "sweeps" / "wal"
+    args = [f"results_dir={tmp_path}", *INPROC, "sweep.name=wal", "adapter.r=4,8"]
+    assert run_multirun([*args, "hydra.sweeper.n_trials=1"]) == 0
+    shutil.copy(folder / "study.db", tmp_path / "old.db")  # the study as it was after trial 0000
+    assert run_multirun([*args, "hydra.sweeper.n_trials=2"]) == 0
+    shutil.copy(folder / "study.db", tmp_path / "full.db")
+    shutil.copy(tmp_path / "old.db", folder / "study.db")  # lost the commits of trial 0001
+    before = _hashes(folder)
+    capsys.readouterr()
+    assert run_multirun([*args, "hydra.sweeper.n_trials=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "0001.json" in err[0] and "study.db-wal" in err[0], err
+    assert _hashes(folder) == before
+    (folder / "study.db").unlink()  # no study at all, results on disk: refused too
+    assert run_multirun([*args, "hydra.sweeper.n_trials=2"]) == 2
+    assert "study 'wal' does not exist" in capsys.readouterr().err
+    shutil.copy(tmp_path / "full.db", folder / "study.db")
+    assert run_multirun([*args, "hydra.sweeper.n_trials=2"]) == 0
+
+
+def test_a_refused_sweep_takes_back_the_folders_it_made(tmp_path, capsys):
+    """The checks run under a lock on the folder, so the folder exists before them; when they refuse (here:
+    one storage, the same study name, other points, a new folder) the folders made for it go again."""
+    db = f"hydra.sweeper.storage=sqlite:///{tmp_path / 'shared.db'}"
+    base = [f"results_dir={tmp_path}", *INPROC, db, "sweep.name=x"]
+    assert run_multirun([*base, f"hydra.sweep.dir={tmp_path / 'one'}", "adapter.r=4,8"]) == 0
+    capsys.readouterr()
+    new = tmp_path / "two" / "deeper"
+    assert run_multirun([*base, f"hydra.sweep.dir={new}", "adapter.r=16,32"]) == 2
+    assert "was started by a different sweep" in capsys.readouterr().err
+    assert not (tmp_path / "two").exists()

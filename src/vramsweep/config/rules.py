@@ -357,8 +357,10 @@ def _rules_combinations(cfg: DictConfig) -> None:
             if key == "eval_path" and p is None:
                 continue
             if not p or not (os.path.isfile(str(p)) or os.path.isdir(str(p))):
+                odd = bool(p) and os.path.exists(str(p))  # a FIFO or a device: reading it would block
                 raise ConfigError(
-                    f"data.{key}={p!r} is not a readable data file or dataset folder",
+                    f"data.{key}={p!r} is not a readable data file or dataset folder"
+                    + (" (not a regular file: a FIFO or device is never read)" if odd else ""),
                     key=f"data.{key}",
                     allowed=["<path to .jsonl / .json / .parquet>", "<datasets save_to_disk folder>"],
                 )

@@ -4,9 +4,11 @@ statuses in :mod:`vramsweep.record.status`, metrics in :mod:`vramsweep.record.me
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -156,8 +158,18 @@ def loads_json(text: str) -> Any:
 
 
 def read_json_file(path: str | os.PathLike) -> Any:
-    """A JSON file through :func:`loads_json` (``OSError`` or ``ValueError`` when unreadable)."""
-    with open(path) as fh:
+    """A JSON file through :func:`loads_json` (``OSError`` or ``ValueError`` when unreadable). Only a
+    regular file is read: a FIFO (or a device) would block the reader forever (``report`` hung on a FIFO
+    in ``trials/``), so it is opened without blocking and refused as not a regular file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        fh = os.fdopen(fd, encoding="utf-8", errors="strict")
+    except BaseException:
+        os.close(fd)
+        raise
+    with fh:
         return loads_json(fh.read())
 
 

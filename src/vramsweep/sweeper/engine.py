@@ -21,11 +21,13 @@ Flow of :func:`run_sweep`:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
@@ -91,6 +93,8 @@ class Sweep:
             self.runner = runner or make_runner(s.isolation, s.preload)
         self.progress = Progress(plan.n_total, enabled=s.progress)
         self.book = StudyBook(plan, say=self.progress.say)
+        if isinstance(self.runner, LauncherRunner):  # each job kept in the study: a re-run adopts orphans
+            self.runner.on_submit = self.book.record_job
         self.state = RunState()
 
     @classmethod
@@ -165,18 +169,21 @@ class Sweep:
 
         for i in range(n_threads):
             threading.Thread(target=work, args=(i,), name=f"vramsweep-worker-{i}", daemon=True).start()
-        try:
-            while not all(e.is_set() for e in done):
-                time.sleep(0.2)
-        except KeyboardInterrupt:
-            state.interrupted = True
-            state.abort.set()
-            state.abort_reason = (
-                "interrupted (Ctrl-C); running trials re-enqueued: re-run the same command to resume"
-            )
-            self.runner.kill_all()
-            while not all(e.is_set() for e in done):
-                time.sleep(0.2)
+        with _sigterm_as_interrupt() as signalled:
+            try:
+                while not all(e.is_set() for e in done):
+                    time.sleep(0.2)
+            except KeyboardInterrupt:
+                state.interrupted = True
+                state.signal = "SIGTERM" if signalled else "Ctrl-C"
+                state.abort.set()
+                state.abort_reason = f"interrupted ({state.signal}); running trials re-enqueued: re-run the same command to resume"
+                if isinstance(self.runner, LauncherRunner):
+                    self.runner.kill_all(state.signal)
+                else:
+                    self.runner.kill_all()
+                while not all(e.is_set() for e in done):
+                    time.sleep(0.2)
 
     def describe(self) -> str:
         """One line: what runs and how (sampler, pruning, isolation, workers)."""
@@ -326,6 +333,31 @@ def run_sweep(
     except ConfigError as exc:
         print(error_line("train", str(exc)), file=sys.stderr)
         return 2
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[list[int]]:
+    """SIGTERM (``kill``, a job scheduler, a container stop) is handled as Ctrl-C while the workers run:
+    running trials are stopped and re-enqueued, launcher jobs cancelled, the exit is non-zero (a sweeper
+    that died at once left its launcher jobs running: their points ran twice). Yields a list that holds
+    the signal number once SIGTERM came. Only in the main thread (signal handlers live there)."""
+    import signal
+
+    came: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield came
+        return
+
+    def handler(signum: int, _frame: Any) -> None:
+        if not came:  # the first SIGTERM interrupts; later ones wait for the cancellation to finish
+            came.append(signum)
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield came
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def checkpoint_wal(url: str) -> None:

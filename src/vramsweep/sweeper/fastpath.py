@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from vramsweep.sweeper.plan import IDENTITY, Plan, name_sweep, pinned_settings, plan_design, total_trials
+from vramsweep.sweeper.plan import (
+    IDENTITY,
+    Plan,
+    check_trial_cap,
+    name_sweep,
+    pinned_settings,
+    plan_design,
+    total_trials,
+)
 from vramsweep.sweeper.space import merge_overrides, parse_params
 from vramsweep.sweeper.storage import JOB_LOST, RETRIES, SLOT, make_storage, requeue_lost, sqlite_path
 
@@ -33,6 +41,7 @@ def _finished_study(
 ) -> tuple[Any, Any] | None:
     settings, cli_fixed = pinned_settings(sweeper_cfg, task_cfg, arguments)
     dims, fixed_params = parse_params(settings.params)
+    check_trial_cap(settings, dims)  # over the cap: the validated path refuses it at once
     fixed = merge_overrides(fixed_params, cli_fixed)
     base_seed = int((task_cfg.get("train") or {}).get("seed", 0))
     design = plan_design(settings, dims, base_seed)

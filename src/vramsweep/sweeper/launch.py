@@ -41,6 +41,7 @@ from typing import Any
 
 from vramsweep.record.result import write_result
 from vramsweep.sweeper.isolation import Runner
+from vramsweep.sweeper.storage import process_identity
 from vramsweep.sweeper.trialproc import (
     SPEC_ENV,
     RunReport,
@@ -77,6 +78,16 @@ QUEUED_STATES = (
 SETTLE_S = float(os.environ.get("VRAMSWEEP_JOB_SETTLE_S", "10"))
 #: Seconds between two ``squeue`` probes of a job.
 PROBE_S = float(os.environ.get("VRAMSWEEP_JOB_PROBE_S", "2"))
+#: System attribute holding a trial's launcher job (:func:`job_record`; a re-run adopts it: :mod:`.orphans`).
+JOB = "vramsweep:launcher_job"
+
+
+def job_record(kind: str, job: Any) -> dict[str, Any]:
+    """What the study keeps of a submitted job: enough for another process to find and stop it (a local
+    job's id is its controller's pid: host and start time tell a recycled pid apart)."""
+    if kind == "slurm":
+        return {"kind": "slurm", "id": str(job.job_id)}
+    return {"kind": kind, "id": str(job.job_id)} | process_identity(int(job.job_id))
 
 
 def slurm_state(job_id: str) -> str | None:
@@ -175,6 +186,10 @@ class LauncherRunner(Runner):
         self._pending: list[_Request] = []
         self._busy = False
         self.jobs: _SubmititJobs | None = None
+        #: ``on_submit(spec, record)``: the sweep keeps each job in the study (:data:`JOB`)
+        self.on_submit: Any = None
+        #: trial numbers whose job could not be cancelled (their trials stay RUNNING for a re-run to adopt)
+        self.uncancelled: set[int] = set()
 
     def start(self) -> None:
         self.launcher = self.factory()
@@ -197,12 +212,12 @@ class LauncherRunner(Runner):
                     if isinstance(v, str) and (v == default or v.startswith(default + "/")):
                         params[k] = str(self.sweep_dir) + v[len(default) :]
         if self.concurrent and hasattr(self.launcher, "_EXECUTOR") and hasattr(self.launcher, "params"):
-            self.jobs = _SubmititJobs(self.launcher)
+            self.jobs = _SubmititJobs(self.launcher, on_submit=self.on_submit)
 
-    def kill_all(self) -> None:
-        """Ctrl-C: cancel this sweep's jobs (pending or running) and stop waiting for them."""
+    def kill_all(self, why: str = "Ctrl-C") -> None:
+        """Ctrl-C or SIGTERM: cancel this sweep's jobs (pending or running) and stop waiting for them."""
         if self.jobs is not None:
-            self.jobs.cancel_all()
+            self.uncancelled |= self.jobs.cancel_all(why)
 
     def run(
         self,
@@ -296,13 +311,15 @@ class _SubmititJobs:
     """Submit one trial as a submitit job (the executor and callable of the plugin's ``launch()``) and
     watch it to its end, telling lost infrastructure from a result (module doc)."""
 
-    def __init__(self, launcher: Any):
+    def __init__(self, launcher: Any, on_submit: Any = None):
         self.launcher = launcher
         self.kind = str(launcher._EXECUTOR)  # "slurm" | "local"
         self.executor = self._executor()
         self._lock = threading.Lock()
         self._live: dict[str, Any] = {}
+        self._numbers: dict[str, int] = {}  # job id -> trial number
         self.cancelled = threading.Event()
+        self.on_submit = on_submit
 
     def _executor(self) -> Any:
         """The executor exactly as ``BaseSubmititLauncher.launch()`` builds it."""
@@ -338,31 +355,54 @@ class _SubmititJobs:
                 Singleton.get_state(),
             )
             self._live[str(job.job_id)] = job
+            self._numbers[str(job.job_id)] = idx
+        if self.on_submit is not None:  # kept in the study: a re-run finds the job if this sweeper dies
+            with contextlib.suppress(Exception):
+                self.on_submit(req.spec, job_record(self.kind, job))
         return job
 
-    def cancel_all(self) -> None:
+    def cancel_all(self, why: str = "Ctrl-C") -> set[int]:
+        """Cancel every live job; says what was cancelled and what could not be. Returns the trial numbers
+        of the jobs that could not be cancelled (they may still run)."""
         self.cancelled.set()
         with self._lock:
             jobs = list(self._live.values())
-        for job in jobs:
-            self._cancel(job)
-        if jobs:
-            ids = " ".join(str(j.job_id) for j in jobs)
-            how = f"scancel {ids}" if self.kind == "slurm" else f"local job(s) {ids}"
+        failed = {str(j.job_id): r for j in jobs if (r := self._cancel(j)) is not None}
+        done = [str(j.job_id) for j in jobs if str(j.job_id) not in failed]
+        if done:
+            how = f"scancel {' '.join(done)}" if self.kind == "slurm" else f"local job(s) {' '.join(done)}"
             print(
-                f"vramsweep: Ctrl-C: cancelled this sweep's {len(jobs)} launcher job(s) ({how})",
+                f"vramsweep: {why}: cancelled this sweep's {len(done)} launcher job(s) ({how})",
                 file=sys.stderr,
             )
+        if failed:
+            print(
+                f"vramsweep: {why}: could not cancel launcher job(s) "
+                + "; ".join(f"{k} ({v})" for k, v in failed.items())
+                + ": they may still run; their trials stay running in the study, and a re-run of the same "
+                "command stops them before it retries their points",
+                file=sys.stderr,
+            )
+        return {self._numbers[k] for k in failed if k in self._numbers}
 
-    def _cancel(self, job: Any) -> None:
-        with contextlib.suppress(Exception):
-            job.cancel(check=False)
+    def _cancel(self, job: Any) -> str | None:
+        """Cancel one job; ``None`` when it is gone, else why it may still run."""
+        try:
+            job.cancel(check=True)
+        except Exception as exc:  # scancel failed (controller down...)
+            if self.kind == "slurm":
+                return f"scancel failed: {' '.join(str(exc).split())[:200]}"
         proc = getattr(job, "_process", None)  # a local job: SIGINT first, SIGKILL if it lingers
         if proc is not None:
             with contextlib.suppress(Exception):
                 proc.wait(timeout=3)
             with contextlib.suppress(Exception):
                 proc.kill()
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=5)
+            if proc.poll() is None:
+                return "its process survived SIGKILL"
+        return None
 
     def run(self, req: _Request) -> None:
         """Submit, then wait until the job is done, lost, or Ctrl-C cancels it. Sets ``req.lost`` / ``req.error``."""
@@ -391,7 +431,7 @@ class _SubmititJobs:
         while True:
             if self.cancelled.is_set():
                 self._cancel(job)
-                req.error = f"job {req.job_id} cancelled (Ctrl-C)"
+                req.error = f"job {req.job_id} cancelled (interrupted)"
                 req.lost = {"kind": "interrupted", "state": "CANCELLED", "job_id": req.job_id}
                 return
             if self.kind != "slurm":

@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from vramsweep.config.compose import compose
+from vramsweep.config.compose import ConfigError, compose
 from vramsweep.sweeper.design import DesignPoint, build_design, design_choices
 from vramsweep.sweeper.multirun import check_option_names, translate_args
 from vramsweep.sweeper.samplers import make_pruner, make_sampler
@@ -29,6 +29,10 @@ from vramsweep.sweeper.space import (
 from vramsweep.sweeper.validate import compose_base, int_keys, validate_design, validate_space
 
 DEFAULT_SEARCH_TRIALS = 20
+#: Trials one sweep may plan: far above any sweep of real fine-tunes, and checked by arithmetic before a
+#: point is built (a 409,600-point grid took 48 s to be refused for disk space, sweep.repeats=100000 never
+#: answered).
+MAX_TRIALS = 10_000
 
 
 @dataclass
@@ -91,6 +95,46 @@ def name_sweep(plan: Plan) -> None:
     s.rename(f"{stem}-{plan.sweep_id}")
 
 
+def check_trial_cap(settings: Settings, dims: list[Param]) -> None:
+    """More than :data:`MAX_TRIALS` trials planned: a ConfigError naming what multiplies them, counted
+    without building a point."""
+    repeats = int(settings.repeats)
+    if settings.design == "grid":
+        points, what = space_size(dims), f"a grid of {space_size(dims):,.0f} points x {repeats:,} repeat(s)"
+        key = "sweep.repeats" if repeats > MAX_TRIALS else "hydra.sweeper.params"
+    elif settings.design == "ablation":
+        points, what = (
+            1 + len(settings.factors),
+            f"{1 + len(settings.factors)} ablation points x {repeats:,} repeat(s)",
+        )
+        key = "sweep.repeats"
+    elif settings.design == "stacking":
+        points, what = (
+            1 + len(settings.stack),
+            f"{1 + len(settings.stack)} stacking steps x {repeats:,} repeat(s)",
+        )
+        key = "sweep.repeats"
+    else:
+        if settings.n_trials is None:
+            return  # a search without n_trials runs DEFAULT_SEARCH_TRIALS at most
+        points, what, key = (
+            float(settings.n_trials),
+            f"n_trials={settings.n_trials:,}",
+            "hydra.sweeper.n_trials",
+        )
+        repeats = 1
+    total = points * repeats
+    if settings.design != "search" and settings.n_trials is not None:
+        total = min(total, settings.n_trials)  # a design capped by n_trials runs that many
+    if total > MAX_TRIALS:
+        raise ConfigError(
+            f"{key}: the sweep plans {total:,.0f} trials ({what}); one sweep runs at most {MAX_TRIALS:,}: use fewer "
+            "values or repeats, or split it into several sweeps",
+            key=key,
+            allowed=[f"1..{MAX_TRIALS:,} trials"],
+        )
+
+
 def plan_design(settings: Settings, dims: list[Param], base_seed: int) -> list[DesignPoint] | None:
     """The fixed design's points (grid/ablation/stacking), or None for a search."""
     return build_design(
@@ -149,6 +193,7 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
     params = settings.params
     # the sweep file's fixed params first, the command line's fixed overrides last (they win)
     dims0, fixed_params = parse_params(params)
+    check_trial_cap(settings, dims0)  # before any config is composed or point built
     fixed = merge_overrides(fixed_params, cli_fixed)
     base = compose_base(fixed)
     dims, _ = parse_params(params, int_keys=int_keys(base, [d.key for d in dims0 if d.kind == "interval"]))

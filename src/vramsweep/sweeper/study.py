@@ -23,6 +23,9 @@ from vramsweep.record.result import atomic_write_json, write_result
 from vramsweep.record.status import Status
 from vramsweep.sweeper.design import design_choices
 from vramsweep.sweeper.edge import start_at_the_edge
+from vramsweep.sweeper.folder import check_evidence, check_owner, folder_lock, result_numbers, unmake
+from vramsweep.sweeper.launch import JOB
+from vramsweep.sweeper.orphans import stop_orphan
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY, DASHBOARD_CONSTRAINTS_KEY, Outcome, user_attrs
 from vramsweep.sweeper.plan import IDENTITY, NOT_IDENTITY, Plan, identity_diff
 from vramsweep.sweeper.samplers import make_pruner, make_sampler
@@ -168,7 +171,46 @@ class StudyBook:
         s = self.settings
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-        self.check_identity()  # a different sweep under this name: exit 2 before anything is written
+        # the folder's owner and the study's identity checked, sweep.json written and the study made under
+        # one lock on the folder: two sweeps started together cannot both pass (folder.py)
+        with folder_lock(s.sweep_dir) as made:
+            try:
+                self.check_folder()
+            except ConfigError:
+                unmake(made)  # nothing written: the folders this call made go again
+                raise
+            return self._open_locked()
+
+    def check_folder(self) -> None:
+        """Whose folder, which sweep, and no result the study does not know: a ConfigError (exit 2) before
+        anything is written. Call under :func:`folder_lock`."""
+        check_owner(self.settings)
+        on_disk = result_numbers(self.trials_dir)  # listed before the study is read (folder.py)
+        self.check_identity()  # a different sweep under this name
+        if on_disk:
+            check_evidence(self.settings, on_disk, self.known_numbers())
+
+    def known_numbers(self) -> set[int] | None:
+        """Numbers of the study's trials that ran or run (not WAITING); ``None``: no such study."""
+        from optuna.trial import TrialState
+
+        path = sqlite_path(self.settings.storage)
+        if path is not None and not path.is_file():
+            return None
+        with storage_lock(self.settings.storage, self.settings.study_name):
+            try:
+                storage = make_storage(self.settings.storage)
+                study_id = storage.get_study_id_from_name(self.settings.study_name)
+            except KeyError:
+                return None
+            trials = storage.get_all_trials(study_id, deepcopy=False)
+        return {t.number for t in trials if t.state != TrialState.WAITING}
+
+    def _open_locked(self) -> int:
+        """:meth:`open` once the folder is locked and checked: write, create or load, reconcile, top up."""
+        import optuna
+
+        s = self.settings
         self.trials_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(
             s.sweep_dir / "sweep.json",
@@ -245,13 +287,38 @@ class StudyBook:
         for t in self.admin.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             if t._trial_id in self.running or not is_stale(t, self.settings.grace_s, now):
                 continue
-            self._reap(t, now)
-            reaped += 1
+            reaped += int(self._reap(t, now))
         return reaped
 
-    def _reap(self, t: Any, now: float) -> None:
+    def record_job(self, spec: TrialSpec, record: dict[str, Any]) -> None:
+        """Keep a trial's launcher job in the study (a re-run stops it before retrying: :mod:`.orphans`)."""
+        self.storage.set_trial_system_attr(spec.trial_id, JOB, record)
+
+    def _adopt_job(self, t: Any) -> bool:
+        """A stale trial's launcher job that may still run is stopped (and waited for) before the trial is
+        reaped, so its point never runs twice; ``False`` when it could not be stopped (the trial stays)."""
+        rec = t.system_attrs.get(JOB)
+        if rec is None:
+            return True
+        running, why = stop_orphan(rec)
+        what = f"trial {t.number:04d}'s launcher job {rec.get('id')} ({rec.get('kind')})"
+        if why is not None:
+            self.say(
+                f"vramsweep: {what} outlived its sweeper and could not be stopped ({why}): the trial stays "
+                "running, its point is not retried; re-run the same command once the job is gone"
+            )
+            return False
+        if running:
+            self.say(f"vramsweep: {what} outlived its sweeper: stopped before its point is retried")
+        return True
+
+    def _reap(self, t: Any, now: float) -> bool:
+        """Close a stale trial (told from its result file, or failed and retried); ``False``: left RUNNING
+        (its launcher job could not be stopped)."""
         import optuna
 
+        if not self._adopt_job(t):
+            return False
         trial = optuna.Trial(self.admin, t._trial_id)
         data = _load_child_result(str(self.result_path(t.number)))
         for tmp in self.trials_dir.glob(f".{t.number:04d}.json.*.tmp"):
@@ -263,7 +330,7 @@ class StudyBook:
             self.say(
                 f"vramsweep: trial {t.number:04d} finished while its worker died: told from its result file"
             )
-            return
+            return True
         slot = t.system_attrs.get(SLOT)
         retries = int(t.system_attrs.get(RETRIES, 0))
         owner = t.system_attrs.get(OWNER) or {}
@@ -293,6 +360,7 @@ class StudyBook:
                 else "; not retried again"
             )
         )
+        return True
 
     def retry_lost(self, study: Any, t: Any, retries: int, *, force: bool = False) -> bool:
         """Re-enqueue a lost trial's point into its slot when it has retries left (``force``: the caller

@@ -31,7 +31,7 @@ from typing import Any
 from vramsweep.config.compose import compose
 from vramsweep.record.diskfull import disk_full_reason
 from vramsweep.record.metrics import MetricName as M
-from vramsweep.record.result import atomic_write_json, new_result, write_result
+from vramsweep.record.result import atomic_write_json, new_result, read_json_file, write_result
 from vramsweep.record.status import Status
 from vramsweep.record.units import GIB
 from vramsweep.sweeper.outcome import Outcome, classify, normalise_result, result_from_exception
@@ -400,8 +400,7 @@ def _write_bad_fork_result(spec: TrialSpec) -> None:
 
 def _load_child_result(path: str) -> dict[str, Any] | None:
     try:
-        with open(path) as fh:
-            data = json.load(fh)
+        data = read_json_file(path)  # a FIFO is refused, not read (it would block the sweeper)
     except (OSError, ValueError, RecursionError):
         return None
     if isinstance(data, dict) and isinstance((data.get("meta") or {}).get("optuna"), dict):

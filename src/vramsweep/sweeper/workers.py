@@ -30,7 +30,8 @@ class RunState:
     statuses: dict[str, int] = field(default_factory=dict)
     abort: threading.Event = field(default_factory=threading.Event)
     abort_reason: str | None = None
-    interrupted: bool = False  # Ctrl-C
+    interrupted: bool = False  # Ctrl-C or SIGTERM
+    signal: str = "Ctrl-C"  # which of the two
 
     def stop(self, reason: str) -> None:
         """Abort the sweep with ``reason`` (the first reason wins)."""
@@ -73,7 +74,11 @@ class WorkerPool:
             self._show_running()
             report = self.runner.run(spec, tick_s=1.0, timeout_s=self.settings.timeout_s)
             if state.interrupted:
-                self._requeue_interrupted(job)
+                if job.number in getattr(self.runner, "uncancelled", ()):
+                    # its job may still run: the trial stays RUNNING, a re-run stops the job first
+                    book.running.discard(job.trial._trial_id)
+                else:
+                    self._requeue_interrupted(job)
                 return
             lost = (report.result.get("meta") or {}).get("lost_job")
             if lost:
@@ -143,7 +148,7 @@ class WorkerPool:
             spec = book.spec_for(
                 job.number, job.trial._trial_id, job.slot, job.overrides, job.design, job.retry_of, 0
             )
-            reason = "interrupted (Ctrl-C); " + book.retry_note(job.retries, will_retry)
+            reason = f"interrupted ({self.state.signal}); " + book.retry_note(job.retries, will_retry)
             res = book.lost_result(spec, reason, job.retries, job.trial._trial_id)
             book.tell(book.study, job.trial, res, Outcome.from_dict(res["meta"]["optuna"]))
             book.running.discard(job.trial._trial_id)
