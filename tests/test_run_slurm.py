@@ -123,7 +123,10 @@ def _finish(run: Path, job_id: str, timeout: float) -> dict:
             return res
         return None
 
-    return _wait("finished run", done, timeout, run, job_id)
+    try:
+        return _wait("finished run", done, timeout, run, job_id)
+    finally:  # never leave the job to the next test
+        subprocess.run(["scancel", job_id], timeout=30)
 
 
 def _reference(tmp_path: Path, steps: int) -> Path:
@@ -171,17 +174,19 @@ def test_scontrol_requeue_resumes_from_the_checkpoint_written_on_sigterm(slurm, 
 
 @pytest.mark.slow
 def test_time_limit_requeues_through_submitit_and_resumes(slurm, tmp_path):
-    steps, run = 30, tmp_path / "run"
+    steps, run = 45, tmp_path / "run"
     whole = _reference(tmp_path, steps)  # first: the job's allocations get the CPUs
     job_id = _submit(
         tmp_path,
         run,
-        1.0,  # 30 s of pauses: longer than the signal's delay, so the first allocation is cut
+        1.0,  # 45 s of pauses: the first allocation is cut however fast the machine
         f"train.steps={steps}",
         "hydra.launcher.timeout_min=1",
-        "hydra.launcher.signal_delay_s=30",
+        # SLURM sends it up to ~30 s early (its timer's resolution); a later one lands after the model is
+        # built even on a loaded machine (a signal before the first step only requeues: no progress)
+        "hydra.launcher.signal_delay_s=10",
     )
-    res = _finish(run, job_id, 420)
+    res = _finish(run, job_id, 900)  # 436 s, 9 starts, on a loaded 2-core machine
     logs = _logs(run, job_id)
     assert "Caught signal SIGUSR2" in logs and "Calling checkpoint method" in logs, logs[-2000:]
     assert re.search(r"Requeued job \d+", logs), logs[-2000:]
