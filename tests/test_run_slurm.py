@@ -228,7 +228,7 @@ def test_the_pre_timeout_signal_checkpoints_then_reaches_submitits_handler_and_t
     """The chain of a time limit, in this process: submitit's signal (SIGUSR2) mid-run -> the run checkpoints
     and stops -> the job hands the signal to the handler that was there before (submitit's) -> the same job
     run again resumes from that checkpoint and ends as the uninterrupted run."""
-    steps, run = 8, tmp_path / "run"
+    steps, run = 6, tmp_path / "run"
     whole = _reference(tmp_path, steps)
     job = ProductionJob(
         [*RUN, f"train.steps={steps}", f"train.output_dir={run}", "train.resume=auto"],
