@@ -32,6 +32,7 @@ from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.metrics import format_value, label, metric, title
 from vramsweep.record.status import Status
 from vramsweep.record.units import MIB
+from vramsweep.sweeper.production_run import launcher_choice, submit_run
 from vramsweep.sweeper.progress import status_label
 
 EPILOG_TRAIN = """\
@@ -275,6 +276,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if flags and sweep_overrides(overrides):
         # --cfg job over sweep values (a,b / choice / range) without -m: the base config, like --cfg hydra|all
         return run_multirun(overrides, flags=flags, multirun=False)
+    if not flags and launcher_choice(overrides) not in (None, "basic"):
+        return submit_run(overrides)  # a production run as a SLURM job (docs/RUNS.md)
 
     try:
         check_named_options(overrides)

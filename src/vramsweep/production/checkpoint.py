@@ -1,8 +1,8 @@
 """Checkpoints of a production run and exact resume (docs/RUNS.md).
 
 1. :class:`Checkpointer` (a loop :class:`~vramsweep.loop.Callback`) stages a checkpoint after every
-   ``train.save_every``-th optimizer step, and after the step during which SIGTERM or SIGUSR1 (SLURM's
-   pre-timeout signal) arrived: the trainable tensors (safetensors), the optimizer state (8-bit and paged
+   ``train.save_every``-th optimizer step, and after the step during which SIGTERM, SIGUSR1 (SLURM's
+   pre-timeout signal by convention) or SIGUSR2 (submitit's) arrived: the trainable tensors (safetensors), the optimizer state (8-bit and paged
    states are ordinary tensors of its ``state_dict``), the scheduler, the RNG states (python, numpy, torch,
    CUDA), the data position (the next step; the batches are a pure function of the config), the metrics so
    far and the W&B run id.
@@ -36,10 +36,16 @@ CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 #: Keys that may differ between a run and its resumption (how it is launched, not what it trains).
 RESUME_FREE_KEYS = ("train.resume", "train.threads", "logger.mode", "logger.dir")
+#: Test hook: seconds to sleep after every optimizer step of a production run (a run long enough to be
+#: signalled, requeued or timed out on a real cluster: tests/test_run_slurm.py).
+PAUSE_ENV = "VRAMSWEEP_STEP_PAUSE_S"
+#: Signals after which the run checkpoints and stops: SIGTERM (``scancel``, ``scontrol requeue``,
+#: preemption), SIGUSR1 (``sbatch --signal=USR1@120``, the usual pre-timeout signal), SIGUSR2 (submitit's).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class Preempted(RuntimeError):
-    """SIGTERM/SIGUSR1 arrived: the run checkpointed and stopped (``train.resume=auto`` continues it)."""
+    """SIGTERM/SIGUSR1/SIGUSR2 arrived: the run checkpointed and stopped (``train.resume=auto`` continues it)."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -165,7 +171,7 @@ def check_same_config(run_dir: Path, config: Any) -> None:
 
 
 class Checkpointer(Callback):
-    """Checkpoints every ``every`` optimizer steps and on SIGTERM/SIGUSR1 (then :class:`Preempted`)."""
+    """Checkpoints every ``every`` optimizer steps and on :data:`STOP_SIGNALS` (then :class:`Preempted`)."""
 
     def __init__(
         self,
@@ -191,6 +197,7 @@ class Checkpointer(Callback):
         self.signalled: str | None = None
         self.saved: list[Path] = []
         self._old: dict[int, Any] = {}
+        self.pause_s = float(os.environ.get(PAUSE_ENV) or 0)
         self.install_signals()
 
     # signals ---------------------------------------------------------------------------------------
@@ -199,7 +206,7 @@ class Checkpointer(Callback):
 
         if threading.current_thread() is not threading.main_thread():
             return
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in STOP_SIGNALS:
             self._old[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -212,6 +219,8 @@ class Checkpointer(Callback):
 
     # hooks -------------------------------------------------------------------------------------------
     def on_step_end(self, step: int) -> None:
+        if self.pause_s > 0:
+            time.sleep(self.pause_s)
         due = self.every > 0 and (step + 1) % self.every == 0
         if due or self.signalled:
             self._stage(step)
@@ -220,6 +229,9 @@ class Checkpointer(Callback):
         if self.staged is not None and self.staged[0] == step:
             self._complete()
             if self.signalled and step + 1 < self.last_step:
+                self.stats["signal"] = (
+                    self.signalled
+                )  # a pre-timeout signal: the job requeues (sweeper/production_run.py)
                 raise Preempted(
                     f"{self.signalled}: checkpointed after optimizer step {step + 1} in {self.saved[-1]}; "
                     "run the same command with train.resume=auto to continue"

@@ -4,7 +4,8 @@ Modules: :mod:`.settings` (``hydra.sweeper.*``), :mod:`.space` (override grammar
 :mod:`.design` (grid / ablation / stacking), :mod:`.validate` (reject bad spaces before any trial),
 :mod:`.samplers`, :mod:`.storage` (study, slots, resume, heartbeat), :mod:`.runner` (fork-server trial
 processes), :mod:`.outcome` (statuses -> Optuna states and constraints), :mod:`.engine` (workers),
-:mod:`.multirun` (the CLI entry).
+:mod:`.multirun` (the CLI entry), :mod:`.production_run` (a production run as a SLURM job, requeued and
+resumed).
 
 Importing this package is cheap (Hydra's plugin scan imports the plugin, which imports us lazily).
 """

@@ -41,6 +41,7 @@ from typing import Any
 
 from vramsweep.record.result import write_result
 from vramsweep.sweeper.isolation import Runner
+from vramsweep.sweeper.production_run import submitit_executor
 from vramsweep.sweeper.storage import process_identity
 from vramsweep.sweeper.trialproc import (
     SPEC_ENV,
@@ -323,21 +324,7 @@ class _SubmititJobs:
 
     def _executor(self) -> Any:
         """The executor exactly as ``BaseSubmititLauncher.launch()`` builds it."""
-        import submitit
-        from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
-        from omegaconf import OmegaConf
-
-        params = dict(self.launcher.params)
-        init_keys = {"max_num_timeout", "submitit_folder"}
-        init = {"folder": params["submitit_folder"]} | {
-            f"{self.kind}_{k}": v for k, v in params.items() if k == "max_num_timeout"
-        }
-        executor = submitit.AutoExecutor(cluster=self.kind, **init)
-        base = set(OmegaConf.structured(BaseQueueConf).keys())
-        executor.update_parameters(
-            **{k if k in base else f"{self.kind}_{k}": v for k, v in params.items() if k not in init_keys}
-        )
-        return executor
+        return submitit_executor(self.kind, dict(self.launcher.params))
 
     def submit(self, req: _Request) -> Any:
         from hydra.core.singleton import Singleton
