@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import ConfigError, list_options
+from vramsweep.config.model_folder import check_model_folder
 from vramsweep.config.paths import check_path_names
 from vramsweep.config.rules import FAULT_KINDS, FAULT_RE, check_fault_env  # noqa: F401 - re-exported
 from vramsweep.config.weights import arch_path
@@ -210,6 +211,8 @@ def check_inputs(cfg: Any) -> None:
         check_model_config(str(cfg.model.path))
     if str(cfg.model.source) == "arch" and cfg.model.get("path"):
         arch_path(cfg.model)  # config.json matches the named architecture
+    if str(cfg.model.source) in ("path", "arch") and cfg.model.get("path"):
+        check_model_folder(str(cfg.model.path), data_source=str(cfg.data.source))  # weights, tokenizer
 
 
 def available_host_bytes() -> int:
@@ -364,6 +367,7 @@ def preflight_sweep(
             check_jsonl(value, key=key, fmt=str(OmegaConf.select(cfg, "data.format") or "auto"))
         else:
             check_model_config(value, key=key)
+            check_model_folder(value, key=key, data_source=str(OmegaConf.select(cfg, "data.source")))
     check_sweep_data(plan, cfg)  # after the input files parse: what the data step would fail on
 
 
