@@ -19,6 +19,7 @@ from typing import Any
 
 from vramsweep.config.compose import ConfigError
 from vramsweep.config.paths import NAME_MAX
+from vramsweep.config.urls import mask_secret, mask_url, normalise_storage_url  # noqa: F401 - re-exported
 from vramsweep.record.metrics import OBJECTIVE_METRICS, PRUNABLE_METRICS, is_objective
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import is_quality_metric, metric_direction
@@ -485,11 +486,6 @@ def _spec_name(spec: Any) -> str:
     return str(spec)
 
 
-def mask_url(url: str) -> str:
-    """``postgresql://u:secret@h/db`` -> ``postgresql://u:***@h/db``."""
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
-
-
 def _as_list(value: Any, what: str) -> list:
     if value is None:
         return []
@@ -853,23 +849,6 @@ def resolve_settings(
         sweep_dir_given=bool(conf.sweep_dir),
         design_reason=reason,
     )
-
-
-def normalise_storage_url(url: str) -> str:
-    """``postgresql://`` -> ``postgresql+psycopg2://`` when only psycopg2 is installed.
-
-    SQLAlchemy 2.1 maps a bare ``postgresql://`` to the psycopg 3 driver; our pinned environment ships
-    ``psycopg2-binary``. An explicit driver (``postgresql+psycopg://``) is kept as given.
-    """
-    import importlib.util
-
-    if (
-        url.startswith("postgresql://")
-        and importlib.util.find_spec("psycopg") is None
-        and importlib.util.find_spec("psycopg2") is not None
-    ):
-        return "postgresql+psycopg2://" + url[len("postgresql://") :]
-    return url
 
 
 def _param_str(value: Any) -> str:
