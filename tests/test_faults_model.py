@@ -131,3 +131,82 @@ def test_a_layer_without_one_of_its_tensors_is_named(tmp_path, embedded_model_di
     save_file(tensors, str(folder / WEIGHTS))
     with pytest.raises(ConfigError, match=r"decoder layer 2 has no mlp\.down_proj\.weight"):
         check_model_folder(folder)
+
+
+# --- issue 40.4: the rest of what was caught only inside the trial (exit 1 and a result.json)
+SUR = "{root}/models/sur.jsonl"
+OTHER = [
+    (
+        "optimizer-unknown-kwarg",
+        ["+optimizer.kwargs.foo=1"],
+        "AdamW takes no keyword 'foo' (optimizer.kwargs.foo)",
+    ),
+    (
+        "optimizer-missing-class",
+        ["optimizer._target_=torch.optim.NoSuch"],
+        "'torch.optim.NoSuch' is not an importable",
+    ),
+    ("optimizer-lr-twice", ["+optimizer.kwargs.lr=0.1"], "optimizer.kwargs.lr duplicates train.lr"),
+    (
+        "optimizer-function",
+        ["optimizer._target_=os.path.join"],
+        "'os.path.join' names a function, not an optimizer",
+    ),
+    (
+        "dora-int8",
+        ["adapter=dora", "quant=int8"],
+        "adapter=dora (DoRA) with quant=int8 (8-bit) does not run on",
+    ),
+    (
+        "skip-modules-empty",
+        ["quant=int8", "quant.skip_modules=[]"],
+        "quant.skip_modules=[] quantises lm_head",
+    ),
+    ("seed-huge", ["train.seed=99999999999999999999"], "train.seed=99999999999999999999 is out of range"),
+    ("data-seed-negative", ["data.seed=-1"], "data.seed=-1 is out of range"),
+    ("lone-surrogate", ["data=jsonl", f"data.path={SUR}"], "sur.jsonl:2: a lone surrogate \\ud800"),
+    (
+        "lone-surrogate-documents",
+        ["data=jsonl", "data.path={root}/models/surdoc.jsonl"],
+        "surdoc.jsonl:2: a lone",
+    ),
+    (
+        "trial-fn-no-module",
+        ["-m", "adapter.r=8,16", "hydra.sweeper.trial_fn=nosuch_mod_xyz:fn", *FAKE[1:]],
+        "hydra.sweeper.trial_fn='nosuch_mod_xyz:fn': no module 'nosuch_mod_xyz' can be imported",
+    ),
+    (
+        "trial-fn-no-function",
+        ["-m", "adapter.r=8,16", "hydra.sweeper.trial_fn=fakes:no_such_fn", *FAKE[1:]],
+        "fakes.py defines no 'no_such_fn'",
+    ),
+]
+
+
+def _surrogates(root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "sur.jsonl").write_text('{"text": "fine"}\n{"text": "bad \\ud800 half"}\n')
+    doc = {
+        "id": "d0",
+        "title": "t",
+        "sections": [{"heading": "h", "text": "a"}, {"heading": "b", "text": "c"}],
+    }
+    bad = {**doc, "id": "d1", "sections": [*doc["sections"], {"heading": "x", "text": "y \ud800"}]}
+    (root / "surdoc.jsonl").write_text(json.dumps(doc) + "\n" + json.dumps(bad) + "\n")
+
+
+@pytest.mark.parametrize(("case_id", "argv", "needle"), OTHER, ids=[c[0] for c in OTHER])
+def test_refused_before_the_trial_naming_the_key(tmp_path, capsys, monkeypatch, case_id, argv, needle):
+    _surrogates(tmp_path / "models")
+    check_bad_input(tmp_path, capsys, monkeypatch, case_id, "train", argv, {}, needle)
+
+
+def test_the_default_skip_list_and_a_valid_trial_fn_still_pass():
+    from vramsweep.config import compose
+    from vramsweep.sweeper.settings import check_sweeper_settings
+
+    compose(["quant=int8"], rules="config")
+    compose(["quant=int8", "quant.skip_modules=[lm_head,model.layers.0.mlp.down_proj]"], rules="config")
+    compose(["adapter=dora", "quant=nf4", "train.seed=4294967295"], rules="config")
+    check_sweeper_settings({"trial_fn": "fakes:fake_trial"})
+    check_sweeper_settings({"trial_fn": "vramsweep.trial:run_trial_overrides"})

@@ -300,6 +300,8 @@ def check_sweeper_settings(sweeper: dict[str, Any]) -> None:
             key="hydra.sweeper.trial_fn",
             allowed=[DEFAULT_TRIAL_FN],
         )
+    if trial_fn is not None:
+        _check_trial_fn(str(trial_fn))
     css = sweeper.get("custom_search_space")
     if css is not None:
         resolve_custom_search_space(str(css))
@@ -342,6 +344,43 @@ def resolve_custom_search_space(path: str) -> Any:
             allowed=["a dotted path to a function fn(cfg, trial), e.g. my_app.configure"],
         ) from exc
     return fn
+
+
+def _check_trial_fn(spec: str) -> None:
+    """``hydra.sweeper.trial_fn=module:function`` must name a module that exists and, where its source can be
+    read, a function defined at its top level: one refusal, not one error per trial. Found without importing
+    it (the sweeper process stays light; the trial processes import it)."""
+    import ast
+    import importlib.util
+
+    module, _, fn = spec.partition(":")
+    key = "hydra.sweeper.trial_fn"
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise ConfigError(
+            f"{key}={spec!r}: no module {module!r} can be imported", key=key, allowed=[DEFAULT_TRIAL_FN]
+        )
+    origin = Path(str(found.origin or ""))
+    if origin.suffix != ".py" or not origin.is_file():
+        return
+    try:
+        tree = ast.parse(origin.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+        return  # the trial's import says what is wrong with the module
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    if fn not in names and "*" not in names and "__getattr__" not in names:
+        raise ConfigError(f"{key}={spec!r}: {origin} defines no {fn!r}", key=key, allowed=[DEFAULT_TRIAL_FN])
 
 
 def _check_importable(module: str) -> None:
