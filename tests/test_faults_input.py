@@ -322,3 +322,55 @@ def test_deeply_nested_result_file_is_a_note_not_a_traceback(tmp_path, capsys, m
     line = _one_line(capsys, argv[0])
     if verb == "report":
         assert "skipped 0000.json: unreadable (ValueError: JSON nested too deeply" in line, line
+
+
+# --- issue 40.7: pick leaves nothing behind when a step after the experiment's write fails
+def _pick_sweep(tmp_path: Path) -> Path:
+    from omegaconf import OmegaConf
+
+    from test_report import result, write_sweep
+    from vramsweep.config import compose
+
+    cfg = OmegaConf.to_container(compose(["adapter.r=8"], rules="none"), resolve=True)
+    return write_sweep(tmp_path / "sw", [result(0, ["adapter.r=8"], peak=1.0, tps=500, loss=2.0, config=cfg)])
+
+
+@pytest.mark.parametrize("fails", ["compose", "production.md"])
+@pytest.mark.parametrize("old", [None, "# the user's own experiment\n"])
+def test_pick_that_fails_after_writing_leaves_the_conf_dir_as_it_was(
+    tmp_path, monkeypatch, capsys, fails, old
+):
+    """It used to leave ``conf/experiment/`` (and, when production.md could not be written, the experiment
+    file) behind, and a compose failure deleted a user's experiment of the same name."""
+    from vramsweep.report import pick
+    from vramsweep.report.load import ReportError
+
+    folder = _pick_sweep(tmp_path)
+    conf = tmp_path / "conf"
+    if old is not None:
+        (conf / "experiment").mkdir(parents=True)
+        (conf / "experiment" / "prod.yaml").write_text(old)
+    if fails == "compose":
+
+        def verify(*a, **k):
+            raise ReportError("a group option vanished")
+
+        monkeypatch.setattr(pick, "verify_experiment", verify)
+    else:
+        real = pick.atomic_write_text
+
+        def write(path, text):
+            if Path(path).name == "production.md":
+                raise OSError(28, "No space left on device")
+            return real(path, text)
+
+        monkeypatch.setattr(pick, "atomic_write_text", write)
+    code = main(["pick", str(folder), "--budget-gib", "4", "--name", "prod", "--config-dir", str(conf)])
+    err = capsys.readouterr().err
+    assert code == (1 if fails == "compose" else 2), err
+    if old is None:
+        assert not conf.exists(), sorted(map(str, conf.rglob("*")))
+    else:
+        assert (conf / "experiment" / "prod.yaml").read_text() == old
+        assert sorted(p.name for p in conf.rglob("*")) == ["experiment", "prod.yaml"]
+    assert not (folder / "production.md").exists()

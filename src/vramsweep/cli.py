@@ -347,6 +347,7 @@ def cmd_pick(args: argparse.Namespace) -> int:
         headroom_gib=args.headroom_gib,
         name=args.name,
         conf_dir=args.config_dir,
+        study=args.study,
     )
 
 
@@ -429,7 +430,10 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser(
         "pick", help="write a pinned production config that fits a memory budget", epilog=verb_epilog("pick")
     )
-    k.add_argument("target", help="sweep folder (or its sweep.json / study.db)")
+    k.add_argument(
+        "target", help="sweep folder (or its sweep.json / study.db), or a storage URL (with --study)"
+    )
+    k.add_argument("--study", help="study name when target is a storage URL (default: the only study there)")
     k.add_argument(
         "--budget-gib",
         type=float,

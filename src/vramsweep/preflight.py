@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import ConfigError, list_options
+from vramsweep.config.model_folder import check_model_folder
 from vramsweep.config.paths import check_path_names
 from vramsweep.config.rules import FAULT_KINDS, FAULT_RE, check_fault_env  # noqa: F401 - re-exported
 from vramsweep.config.weights import arch_path
@@ -45,6 +46,7 @@ from vramsweep.embedded import ASSET_DIR, _key, asset_info, embedded_dir
 from vramsweep.estimate import estimate
 from vramsweep.estimate.dims import check_model_config
 from vramsweep.hfmodel import CACHE_ENV, cache_path
+from vramsweep.knobs.optim import optimizer_class, optimizer_kwargs
 from vramsweep.record.units import GIB
 
 #: Free disk required in the results folder before anything runs (result JSONs, logs, plots, study.db).
@@ -263,8 +265,17 @@ def preflight(
     check_disk(where, n_trials, key=key)
     check_cache(cfg)
     check_inputs(cfg)
+    check_optimizer(cfg)
     check_data(cfg)
+    if str(cfg.model.source) in ("path", "arch") and cfg.model.get("path"):
+        check_model_folder(str(cfg.model.path), data_source=str(cfg.data.source))  # weights, tokenizer
     check_host_memory(cfg)
+
+
+def check_optimizer(cfg: Any) -> None:
+    """``optimizer._target_`` is an importable class and ``optimizer.kwargs`` are keywords it takes (the
+    trial's own checks, :mod:`vramsweep.knobs.optim`, run before anything is built)."""
+    optimizer_kwargs(cfg, optimizer_class(str(cfg.optimizer["_target_"])))
 
 
 #: Overrides whose value is an input file or folder (checked for every value a sweep can take).
@@ -365,6 +376,9 @@ def preflight_sweep(
         else:
             check_model_config(value, key=key)
     check_sweep_data(plan, cfg)  # after the input files parse: what the data step would fail on
+    for key, value in sorted(seen):  # then the weights and tokenizer files of every model folder
+        if _INPUT_KEYS[key] == "model":
+            check_model_folder(value, key=key, data_source=str(OmegaConf.select(cfg, "data.source")))
 
 
 # --- what the data step and the cache would fail on (issue 29.1, 29.6) ---------------------------------

@@ -199,13 +199,48 @@ def _skip_matches(pattern: str, names: list[str]) -> list[str]:
     return [n for n in names if re.match(f"{pattern}\\.", n) or re.match(pattern, n) or n.endswith(pattern)]
 
 
+def _tied(cfg: Any) -> bool:
+    """The model ties ``lm_head`` to the embedding (``<model.path>/config.json`` for ``source=path``)."""
+    m = cfg.model
+    if str(m.source) != "path":
+        return bool(m.get("tie_word_embeddings", False))
+    try:
+        with open(Path(str(m.path)) / "config.json", encoding="utf-8") as fh:
+            raw = json.load(fh)
+    except (OSError, ValueError, TypeError):
+        return False
+    return isinstance(raw, dict) and bool(raw.get("tie_word_embeddings", True))
+
+
+def _valid_re(p: str) -> bool:
+    try:
+        re.compile(p)
+    except re.error:
+        return False
+    return True
+
+
 def check_quant_skip(cfg: Any, table: ModuleTable | None = None) -> None:
     """With quantisation on, every ``quant.skip_modules`` entry matches at least one ``Linear``."""
     q = cfg.quant
-    if int(q.bits) == 16 or not q.get("skip_modules"):
+    if int(q.bits) == 16:
         return
     table = table or model_modules(cfg)
-    if table is None:
+    if table is not None:
+        _check_skip_entries(cfg, table)
+    skips = [str(p) for p in q.get("skip_modules") or []]
+    if _tied(cfg) and not any(p and _skip_matches(p, ["lm_head"]) for p in skips if _valid_re(p)):
+        raise ConfigError(  # transformers keeps lm_head unquantised unless given a list without it
+            f"quant.skip_modules={skips} quantises lm_head, which is tied to the embedding: bitsandbytes then "
+            "fails in the trial; keep 'lm_head' in the list",
+            key="quant.skip_modules",
+            allowed=["[lm_head] (the default)", "[lm_head, <more modules>]"],
+        )
+
+
+def _check_skip_entries(cfg: Any, table: ModuleTable) -> None:
+    q = cfg.quant
+    if not q.get("skip_modules"):
         return
     linears = table.names(LINEAR)
     allowed = table.short_names(LINEAR)

@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.config.errors import ConfigError
 from vramsweep.config.paths import list_options
@@ -191,6 +191,9 @@ def check_values(cfg: DictConfig) -> None:
             allowed=[f"0..{cfg.train.steps - 1}"],
         )
     _check_range(cfg, "train.threads", 0, 1024, integer=True)
+    for key in ("train.seed", "data.seed"):  # torch, numpy and random all take 0 .. 2**32 - 1
+        if OmegaConf.select(cfg, key) is not None:
+            _check_range(cfg, key, 0, 2**32 - 1, integer=True)
     _check_range(cfg, "train.epochs", 0.0, 1e4)  # production run (docs/RUNS.md)
     _check_choice(cfg, "train.save_adapter", ("auto", "always", "never"))
     _check_range(cfg, "train.save_every", 0, 10**7, integer=True)
@@ -316,6 +319,13 @@ def _rules_combinations(cfg: DictConfig) -> None:
             "base weights are frozen; train an adapter or use quant=none",
             key="quant",
             allowed=["quant=none with adapter=full", "adapter=lora|rslora|dora with any quant"],
+        )
+    if bool(cfg.adapter.get("use_dora")) and int(cfg.quant.bits) == 8 and cfg.hardware.device == "cpu":
+        raise ConfigError(  # PEFT's DoRA weight norm reads bitsandbytes' int8 state, which CPU layers lack
+            f"adapter={cfg.adapter.name} (DoRA) with quant={cfg.quant.name} (8-bit) does not run on "
+            "hardware.device=cpu: PEFT's DoRA cannot dequantise bitsandbytes' int8 layers there",
+            key="adapter",
+            allowed=["adapter=lora|rslora with quant=int8", "adapter=dora with quant=none|nf4"],
         )
     if cfg.adapter.use_rslora and cfg.adapter.method != "lora":
         raise ConfigError(

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from vramsweep.data.sources import lone_surrogate
 from vramsweep.record.result import atomic_write_text
 
 __all__ = [
@@ -191,6 +192,8 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 raise ValueError(
                     f"{p}:{lineno}: invalid JSON: nested too deeply (over ~1,000 levels)"
                 ) from None
+            if problem := lone_surrogate(obj, line):
+                raise ValueError(f"{p}:{lineno}: {problem}")
             try:
                 doc = normalize_document(obj, default_id=f"{p.stem}:{lineno}")
             except ValueError as e:

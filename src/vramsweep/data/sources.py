@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,24 @@ def _decode(p: Path, raw: bytes, lineno: int) -> str:
 _TOO_DEEP = "invalid JSON: nested too deeply (over ~1,000 levels)"
 
 
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def lone_surrogate(obj: Any, text: str) -> str | None:
+    """The problem of a record whose JSON text escapes half a UTF-16 pair (``"\\ud800"`` alone): Python
+    parses it into a string no tokenizer can encode. None when there is none (the text is searched first)."""
+    if "\\u" not in text or not _SURROGATE.search(text):
+        return None
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (
+            f"a lone surrogate \\u{ord(e.object[e.start]):04x} (half of a UTF-16 pair, not a character): "
+            "write the character itself, or both halves of its pair"
+        )
+    return None
+
+
 def _read_jsonl(p: Path) -> list[Record]:
     out: list[Record] = []
     blank = 0
@@ -99,6 +118,8 @@ def _read_jsonl(p: Path) -> list[Record]:
                 raise ValueError(f"{p}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
             except RecursionError:
                 raise ValueError(f"{p}:{lineno}: {_TOO_DEEP}") from None
+            if problem := lone_surrogate(obj, line):
+                raise ValueError(f"{p}:{lineno}: {problem}")
             out.append(Record(f"{p}:{lineno}", obj))
     if not out:
         raise ValueError(
@@ -137,6 +158,8 @@ def _read_json(p: Path) -> list[Record]:
             raise ValueError(f"{p}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
         except RecursionError:
             raise ValueError(f"{p}:{line_of(pos)}: {_TOO_DEEP}") from None
+        if problem := lone_surrogate(obj, text[pos:end]):
+            raise ValueError(f"{p}:{line_of(pos)}: {problem}")
         out.append(Record(f"{p}:{line_of(pos)}", obj))
         pos = skip(end)
         if pos < len(text) and text[pos] == ",":

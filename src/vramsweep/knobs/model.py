@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from vramsweep.config.model_folder import check_tokenizer
 from vramsweep.config.weights import arch_path, say_random_weights
 from vramsweep.embedded import ensure_embedded
 from vramsweep.hfmodel import cache_root, hf_config  # noqa: F401 - re-exported (build.model.hf_config)
@@ -48,6 +49,8 @@ def model_source(cfg: DictConfig) -> tuple[Path | None, Any]:
     else:  # a named architecture: its weights from model.path (checked), else random
         path = arch_path(cfg.model)
         say_random_weights(cfg.model)
+    if path is not None and src != "embedded":  # the pre-flight's check, again where the trial needs it
+        check_tokenizer(path, data_source=str(cfg.data.source))
     tokenizer = None
     if path is not None and any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         from vramsweep.data.tokenizer import load_tokenizer

@@ -38,8 +38,9 @@ def optimizer_class(target: str) -> type:
     except (ImportError, AttributeError):
         cls = None
     if not isinstance(cls, type):
+        what = "names a function, not an optimizer class" if callable(cls) else "is not an importable class"
         raise ConfigError(
-            f"optimizer._target_={target!r} is not an importable class",
+            f"optimizer._target_={target!r} {what}",
             key="optimizer._target_",
             allowed=["<package.module.Class>, e.g. torch.optim.AdamW"],
         )
@@ -56,7 +57,14 @@ def optimizer_kwargs(cfg: DictConfig, cls: type) -> dict[str, Any]:
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values()):
         takes = [n for n in sig if n not in ("self", "params")]
         for k in kwargs:
-            if k not in sig or k in ("self", "params", "lr"):
+            if k == "lr":
+                raise ConfigError(
+                    f"optimizer={o.name}: optimizer.kwargs.lr duplicates train.lr (the learning rate is passed "
+                    "from train.lr)",
+                    key="optimizer.kwargs.lr",
+                    allowed=["train.lr=<value> (and no optimizer.kwargs.lr)"],
+                )
+            if k not in sig or k in ("self", "params"):
                 raise ConfigError(
                     f"optimizer={o.name}: {cls.__name__} takes no keyword {k!r} (optimizer.kwargs.{k})",
                     key=f"optimizer.kwargs.{k}",

@@ -17,7 +17,6 @@ Nothing here raises on bad *data* (missing keys, NaN, unreadable files become no
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 
 from vramsweep.config.errors import ConfigError
 from vramsweep.config.paths import check_path_names
+from vramsweep.config.urls import mask_secret, mask_url, normalise_storage_url
 from vramsweep.record import feasibility
 from vramsweep.record.metrics import SCALAR_METRICS, direction
 from vramsweep.record.metrics import MetricName as M
@@ -447,7 +447,7 @@ class SweepData:
 # ---------------------------------------------------------------------------------------------
 def safe_url(url: str) -> str:
     """A storage URL with any password masked (for messages)."""
-    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
+    return mask_url(url)
 
 
 def _read_json(path: Path) -> Any:
@@ -594,7 +594,10 @@ def readonly_storage(url: str) -> Any:
         kwargs["connect_args"] = {"options": "-c default_transaction_read_only=on", "connect_timeout": 5}
     elif url.startswith("mysql"):
         kwargs["connect_args"] = {"init_command": "SET SESSION TRANSACTION READ ONLY", "connect_timeout": 5}
-    return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, skip_table_creation=True)
+    # a bare postgresql:// is psycopg 3 to SQLAlchemy 2.1; the sweeper wrote it with the driver installed
+    return optuna.storages.RDBStorage(
+        normalise_storage_url(url), engine_kwargs=kwargs, skip_table_creation=True
+    )
 
 
 def _open_study(url: str, study: str | None) -> Any:
@@ -611,7 +614,7 @@ def _open_study(url: str, study: str | None) -> Any:
         storage = readonly_storage(url)
         names = optuna.get_all_study_names(storage=storage)
     except Exception as exc:  # driver missing, server down, not an optuna DB, ...
-        why = " ".join(str(exc).split())[:300]
+        why = mask_secret(" ".join(str(exc).split()), url)[:300]
         raise ReportError(f"cannot open storage {safe_url(url)}: {exc.__class__.__name__}: {why}") from None
     if study is None:
         if len(names) == 1:
@@ -630,7 +633,8 @@ def _open_study(url: str, study: str | None) -> Any:
     try:
         return optuna.load_study(study_name=study, storage=storage)
     except Exception as exc:
-        raise ReportError(f"cannot load study {study!r}: {exc.__class__.__name__}: {exc}") from exc
+        why = mask_secret(str(exc), url)
+        raise ReportError(f"cannot load study {study!r}: {exc.__class__.__name__}: {why}") from None
 
 
 def _metric_names(study: Any, settings: dict[str, Any]) -> list[str]:

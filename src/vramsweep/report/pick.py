@@ -24,7 +24,7 @@ regardless). The file is then composed back and compared with the trial's config
 defaults, never the installed package. ``train.yaml`` has no ``experiment`` slot in its defaults list
 (the usual Hydra experiment pattern), so the experiment is appended with ``+experiment=<name>``.
 
-Exit codes of :func:`run_pick`: 0 written; 1 the written experiment did not compose (removed again);
+Exit codes of :func:`run_pick`: 0 written; 1 the written experiment did not compose (undone: the old file back, or none);
 2 bad input or nothing fits.
 """
 
@@ -731,16 +731,38 @@ def _print_pick(
         print(wrap(f"vramsweep pick: warning: {w}"), file=sys.stderr)
 
 
+class _Undo:
+    """What ``pick`` wrote into the conf dir, undone when a later step fails: the experiment file gets its
+    old text back (or is removed), and the folders it made (``<conf>/``, ``experiment/``) go again."""
+
+    def __init__(self, exp_path: Path):
+        self.path = exp_path
+        self.old = exp_path.read_bytes() if exp_path.is_file() else None
+        self.made = [d for d in (exp_path.parent.parent, exp_path.parent) if not d.exists()]
+
+    def __call__(self) -> None:
+        try:
+            if self.old is not None:
+                self.path.write_bytes(self.old)
+            else:
+                self.path.unlink(missing_ok=True)
+            for d in reversed(self.made):
+                if d.is_dir() and not any(d.iterdir()):
+                    d.rmdir()
+        except OSError:
+            pass  # the failure being reported matters more
+
+
 def _write_experiment(
-    exp_path: Path, conf: Path, name: str, spec: Any, header: list[str], winner: TrialRecord
+    exp_path: Path, conf: Path, name: str, spec: Any, header: list[str], winner: TrialRecord, undo: _Undo
 ) -> list[str]:
     """Write ``experiment/<name>.yaml`` and compose it back; returns the values it does not reproduce.
-    ``OSError``: not written; :class:`ReportError`: it does not compose (the file is removed)."""
-    atomic_write_text(exp_path, experiment_yaml(spec, header))
+    ``OSError``: not written; :class:`ReportError`: it does not compose. Either way ``undo`` has run."""
     try:
+        atomic_write_text(exp_path, experiment_yaml(spec, header))
         return verify_experiment(conf, name, winner, spec)
-    except ReportError:
-        exp_path.unlink(missing_ok=True)
+    except (OSError, ReportError):
+        undo()
         raise
 
 
@@ -770,7 +792,7 @@ def run_pick(
         study: study name for storage targets holding several studies.
 
     Returns:
-        0 written; 1 the written experiment failed to compose (file removed); 2 bad input or nothing fits.
+        0 written; 1 the written experiment failed to compose (undone); 2 bad input or nothing fits.
     """
     prefer = str(prefer).lower()
     problem = _check_args(budget_gib, min_tokens_per_s, prefer, headroom_gib)
@@ -808,13 +830,14 @@ def run_pick(
     header = _pinned_header(command, sweep, winner, prefer, len(ranked), limit, min_tokens_per_s, name, conf)
     exp_path = conf / "experiment" / f"{name}.yaml"
     existed = exp_path.exists()
+    undo = _Undo(exp_path)
     try:
-        diffs = _write_experiment(exp_path, conf, name, spec, header, winner.rep)
+        diffs = _write_experiment(exp_path, conf, name, spec, header, winner.rep, undo)
     except OSError as exc:
         return _err(f"cannot write {exp_path}: {exc}")
     except ReportError as exc:
         print(
-            f"vramsweep pick: error: the experiment for trial {winner.number:04d} does not compose, removed {exp_path}: {exc}",
+            f"vramsweep pick: error: the experiment for trial {winner.number:04d} does not compose ({exp_path} left as it was): {exc}",
             file=sys.stderr,
         )
         return 1
@@ -841,6 +864,7 @@ def run_pick(
             ),
         )
     except OSError as exc:
+        undo()  # production.md explains the experiment: neither is left without the other
         return _err(f"cannot write {prod_path}: {exc}")
 
     _print_pick(sweep, winner, ranked, tiers, budget_gib, prefer, prod_path, warnings)

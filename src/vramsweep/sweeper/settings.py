@@ -19,6 +19,7 @@ from typing import Any
 
 from vramsweep.config.compose import ConfigError
 from vramsweep.config.paths import NAME_MAX
+from vramsweep.config.urls import mask_secret, mask_url, normalise_storage_url  # noqa: F401 - re-exported
 from vramsweep.record.metrics import OBJECTIVE_METRICS, PRUNABLE_METRICS, is_objective
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import is_quality_metric, metric_direction
@@ -299,6 +300,8 @@ def check_sweeper_settings(sweeper: dict[str, Any]) -> None:
             key="hydra.sweeper.trial_fn",
             allowed=[DEFAULT_TRIAL_FN],
         )
+    if trial_fn is not None:
+        _check_trial_fn(str(trial_fn))
     css = sweeper.get("custom_search_space")
     if css is not None:
         resolve_custom_search_space(str(css))
@@ -341,6 +344,43 @@ def resolve_custom_search_space(path: str) -> Any:
             allowed=["a dotted path to a function fn(cfg, trial), e.g. my_app.configure"],
         ) from exc
     return fn
+
+
+def _check_trial_fn(spec: str) -> None:
+    """``hydra.sweeper.trial_fn=module:function`` must name a module that exists and, where its source can be
+    read, a function defined at its top level: one refusal, not one error per trial. Found without importing
+    it (the sweeper process stays light; the trial processes import it)."""
+    import ast
+    import importlib.util
+
+    module, _, fn = spec.partition(":")
+    key = "hydra.sweeper.trial_fn"
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise ConfigError(
+            f"{key}={spec!r}: no module {module!r} can be imported", key=key, allowed=[DEFAULT_TRIAL_FN]
+        )
+    origin = Path(str(found.origin or ""))
+    if origin.suffix != ".py" or not origin.is_file():
+        return
+    try:
+        tree = ast.parse(origin.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+        return  # the trial's import says what is wrong with the module
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    if fn not in names and "*" not in names and "__getattr__" not in names:
+        raise ConfigError(f"{key}={spec!r}: {origin} defines no {fn!r}", key=key, allowed=[DEFAULT_TRIAL_FN])
 
 
 def _check_importable(module: str) -> None:
@@ -486,11 +526,6 @@ def _spec_name(spec: Any) -> str:
     if not isinstance(spec, str):
         return type(spec).__name__
     return str(spec)
-
-
-def mask_url(url: str) -> str:
-    """``postgresql://u:secret@h/db`` -> ``postgresql://u:***@h/db``."""
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
 
 
 def _as_list(value: Any, what: str) -> list:
@@ -885,23 +920,6 @@ def resolve_settings(
         design_reason=reason,
         edge_start=edge_start_setting(sweep, design, budget_gib),
     )
-
-
-def normalise_storage_url(url: str) -> str:
-    """``postgresql://`` -> ``postgresql+psycopg2://`` when only psycopg2 is installed.
-
-    SQLAlchemy 2.1 maps a bare ``postgresql://`` to the psycopg 3 driver; our pinned environment ships
-    ``psycopg2-binary``. An explicit driver (``postgresql+psycopg://``) is kept as given.
-    """
-    import importlib.util
-
-    if (
-        url.startswith("postgresql://")
-        and importlib.util.find_spec("psycopg") is None
-        and importlib.util.find_spec("psycopg2") is not None
-    ):
-        return "postgresql+psycopg2://" + url[len("postgresql://") :]
-    return url
 
 
 def _param_str(value: Any) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 
 from vramsweep.config.compose import ConfigError
 from vramsweep.preflight import check_writable, sqlite_path
-from vramsweep.sweeper.settings import mask_url
+from vramsweep.sweeper.settings import mask_secret, mask_url
 
 #: Seconds to wait for a database server before the sweep is refused (libpq/pymysql ``connect_timeout``).
 CONNECT_TIMEOUT_S = 5
@@ -27,14 +27,14 @@ KEY = "hydra.sweeper.storage"
 ALLOWED = ["sqlite:///<writable folder>/study.db", "postgresql://user@host:5432/db (a server that answers)"]
 
 
-def _cause(exc: BaseException, secret: str | None) -> str:
+def _cause(exc: BaseException, secret: str | None, url: str = "") -> str:
     """The driver's first line (``connection ... failed: Connection refused``), never the password."""
     orig = getattr(exc, "orig", None) or exc
     text = " ".join(line.strip() for line in str(orig).strip().splitlines()[:2] if line.strip())
     text = text or type(orig).__name__
     if secret:
         text = text.replace(secret, "***")
-    return text[:300]
+    return mask_secret(text, url)[:300]
 
 
 def check_storage(url: str, *, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
@@ -87,7 +87,7 @@ def _check_server(url: str, timeout_s: float) -> None:
         )
     except (ImportError, sqlalchemy.exc.NoSuchModuleError) as exc:
         raise ConfigError(
-            f"{KEY}={shown!r}: the database driver is not installed ({_cause(exc, secret)})",
+            f"{KEY}={shown!r}: the database driver is not installed ({_cause(exc, secret, url)})",
             key=KEY,
             allowed=["pip install psycopg2-binary (PostgreSQL)", "pip install pymysql (MySQL)"],
         ) from None
@@ -100,7 +100,7 @@ def _check_server(url: str, timeout_s: float) -> None:
         raise
     except Exception as exc:  # noqa: BLE001 - refused, timed out, unknown host, bad password, no such db
         raise ConfigError(
-            f"{KEY}: cannot connect to {shown}: {_cause(exc, secret)}",
+            f"{KEY}: cannot connect to {shown}: {_cause(exc, secret, url)}",
             key=KEY,
             allowed=ALLOWED,
         ) from None
