@@ -283,6 +283,13 @@ CASES: list[tuple[str, str, list[str], dict[str, str], str]] = [
         {},
         "data.num_docs=8 does not apply to data.source=file",
     ),
+    (  # before: accepted and ignored (chat prompts come from the records and the template)
+        "fmt-instructions",
+        "train",
+        ["data=file", "data.path={chat_good.jsonl}", "data.instructions=Summarise it."],
+        {},
+        "data.instructions='Summarise it.' applies to sectioned documents only",
+    ),
     (
         "fmt-unknown-template",
         "train",

@@ -36,6 +36,7 @@ from vramsweep.config.compose import ConfigError, list_options
 from vramsweep.config.model_folder import check_model_folder
 from vramsweep.config.paths import check_path_names
 from vramsweep.config.rules import FAULT_KINDS, FAULT_RE, check_fault_env  # noqa: F401 - re-exported
+from vramsweep.config.schema import DataConfig
 from vramsweep.config.weights import arch_path
 from vramsweep.data.documents import format_section, load_jsonl
 from vramsweep.data.formats import detect_format, normalize_records
@@ -136,23 +137,22 @@ def check_disk(
         )
 
 
-def check_jsonl(path: str | os.PathLike, *, key: str = "data.path", fmt: str = "auto") -> None:
+def check_jsonl(path: str | os.PathLike, *, key: str = "data.path", fmt: str = "auto") -> str:
     """Raise ``<key>: <file>:<line>: <problem>`` unless ``path`` is a readable data file (or dataset folder)
     whose records all parse in one format (:mod:`vramsweep.data.sources`, :mod:`vramsweep.data.formats`;
-    sectioned documents in JSON Lines through :func:`vramsweep.data.documents.load_jsonl`)."""
+    sectioned documents in JSON Lines through :func:`vramsweep.data.documents.load_jsonl`). Returns the
+    records' format (``fmt``, or the detected one)."""
 
     try:
         src = read_source(path)
-        if (
-            fmt in ("auto", "documents")
-            and src.kind == "jsonl"
-            and detect_format(src.records[0].obj) == "documents"
-        ):
+        found = fmt if fmt != "auto" else (detect_format(src.records[0].obj) or "auto")
+        if fmt in ("auto", "documents") and src.kind == "jsonl" and found == "documents":
             load_jsonl(path)
         else:
             normalize_records(src.records, fmt)
             if src.held_out:
                 normalize_records(src.held_out, fmt)
+        return found
     except FileNotFoundError:
         raise ConfigError(
             f"{key}={str(path)!r} does not exist",
@@ -207,11 +207,25 @@ def check_inputs(cfg: Any) -> None:
         for key in ("path", "eval_path"):
             p = cfg.data.get(key)
             if p:
-                check_jsonl(str(p), key=f"data.{key}", fmt=str(cfg.data.format))
+                found = check_jsonl(str(p), key=f"data.{key}", fmt=str(cfg.data.format))
+                _instructions_apply(cfg, found, str(p))
     if str(cfg.model.source) == "path" and cfg.model.get("path"):
         check_model_config(str(cfg.model.path))
     if str(cfg.model.source) == "arch" and cfg.model.get("path"):
         arch_path(cfg.model)  # config.json matches the named architecture
+
+
+def _instructions_apply(cfg: Any, fmt: str, path: str) -> None:
+    """``data.instructions`` prefixes sectioned documents only: a changed one over other records is refused
+    (it would be ignored: their prompts come from the records and the chat template)."""
+    text = cfg.data.get("instructions")
+    if fmt != "documents" and text is not None and str(text) != DataConfig.instructions:
+        raise ConfigError(
+            f"data.instructions={str(text)[:60]!r} applies to sectioned documents only; {path} holds {fmt} "
+            "records, whose prompts come from the records themselves (and the chat template)",
+            key="data.instructions",
+            allowed=["leave it out", "documents records (docs/DATA.md)"],
+        )
 
 
 def available_host_bytes() -> int:
