@@ -87,6 +87,22 @@ def test_a_run_stopped_and_resumed_ends_bitwise_equal(tmp_path, monkeypatch):
     assert whole["meta"]["checkpoints"] == {"count": 0, "seconds": 0.0, "bytes": 0}
 
 
+def test_a_resumed_run_reopens_its_wandb_run(tmp_path, monkeypatch):
+    """The checkpoint keeps the W&B run id; ``train.resume=auto`` reopens that run (before: a second run)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    wb = ["logger=wandb", f"logger.dir={tmp_path / 'wb'}", "train.save_every=2", "train.keep_checkpoints=1"]
+    monkeypatch.setenv("VRAMSWEEP_FAULT", "error@3")
+    cut = _run(tmp_path / "run", *wb)
+    assert cut["status"] == "error"
+    first = cut["meta"]["wandb"]["run_id"]
+    state = json.loads((latest_checkpoint(tmp_path / "run") / "state.json").read_text())
+    assert state["wandb_run_id"] == first
+    monkeypatch.delenv("VRAMSWEEP_FAULT")
+    res = _run(tmp_path / "run", *wb, "train.resume=auto")
+    assert res["status"] == "ok", res["reason"]
+    assert res["meta"]["wandb"]["run_id"] == first and res["meta"]["wandb"]["resumed_run_id"] == first
+
+
 def test_resume_with_a_changed_config_refuses_naming_the_keys(tmp_path, capsys):
     run = tmp_path / "r"
     run.mkdir()

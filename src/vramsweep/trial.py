@@ -55,6 +55,7 @@ from vramsweep.production.checkpoint import (
     check_same_config,
     latest_checkpoint,
     load_checkpoint,
+    saved_wandb_id,
 )
 from vramsweep.production.length import apply_epochs
 from vramsweep.production.outputs import LossLog, RunFolder, run_folder_for, save_outputs, write_config
@@ -690,6 +691,13 @@ def _run_outputs(
     return [log, ckpt], ckpt
 
 
+def _resumed_wandb_id(cfg: DictConfig, run: RunFolder | None) -> str | None:
+    """The W&B run id to reopen: ``train.resume=auto`` in a production run folder with a checkpoint."""
+    if run is None or not run.production or str(cfg.train.resume) != "auto":
+        return None
+    return saved_wandb_id(run.path)
+
+
 def _resume_point(cfg: DictConfig, run: RunFolder | None, result: dict) -> Resume | None:
     """``train.resume=auto`` in a run folder with a complete checkpoint: that checkpoint, loaded."""
     if run is None or not run.production or str(cfg.train.resume) != "auto":
@@ -756,13 +764,14 @@ def run_trial(
         )  # before anything is built: a pool that cannot fit is host_oom, not run
         validate(cfg)
 
+        run = run_folder_for(cfg, result_path, sweep_trial=sweep is not None or trial is not None)
         logger = start_logger(
             cfg,
             name=run_name(overrides) if trial is None else f"{sweep}-{trial:04d}",
             group=sweep,
             result=result,
+            resume_id=_resumed_wandb_id(cfg, run),
         )
-        run = run_folder_for(cfg, result_path, sweep_trial=sweep is not None or trial is not None)
         if run is not None:
             write_config(run, result["config"])
         _train(cfg, result, reporter, logger, run)

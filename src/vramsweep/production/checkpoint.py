@@ -130,6 +130,19 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
+def saved_wandb_id(run_dir: Path) -> str | None:
+    """The W&B run id the newest complete checkpoint of ``run_dir`` recorded (None: none, or unreadable),
+    read without loading tensors, so a resumed run can reopen that W&B run before anything is built."""
+    path = latest_checkpoint(Path(run_dir))
+    if path is None:
+        return None
+    try:
+        run_id = json.loads((path / "state.json").read_text()).get("wandb_run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(run_id) if run_id else None
+
+
 def load_checkpoint(path: Path) -> Resume:
     import torch
     from safetensors.torch import load_file

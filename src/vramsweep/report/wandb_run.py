@@ -239,6 +239,7 @@ def start_logger(
     result: dict,
     sweep_dir: str | os.PathLike | None = None,
     design: dict | None = None,
+    resume_id: str | None = None,
 ) -> WandbLogger | None:
     """Start the trial's W&B run (None with ``logger=none`` or when W&B cannot start at all).
 
@@ -247,6 +248,8 @@ def start_logger(
             ``VRAMSWEEP_SWEEP_DIR`` environment variable, else ``<results_dir>/sweeps/<sweep>`` when it
             holds a ``sweep.json``, else ``results_dir``.
         design: the design point (``meta.design``); default ``result["meta"]["design"]``.
+        resume_id: a resumed production run's W&B run id (from its checkpoint): that run is reopened
+            (``wandb.init(id=..., resume="allow")``), so its charts continue instead of a second run.
     """
     if cfg.logger.name != "wandb":
         return None
@@ -283,6 +286,9 @@ def start_logger(
         config=config,
         reinit="create_new",  # a sweep summary run may be open in the same process
     )
+    if resume_id:
+        kw.update(id=resume_id, resume="allow")
+        info["resumed_run_id"] = resume_id
     for attempt in [mode, "offline"] if mode == "online" else [mode]:
         try:
             settings = wandb.Settings(
