@@ -42,6 +42,7 @@ from vramsweep.config.compose import check_rules, compose
 from vramsweep.config.paths import find_option
 from vramsweep.config.schema import _SCHEMAS, CONFIG_GROUPS
 from vramsweep.estimate import estimate
+from vramsweep.record.metrics import MetricName
 from vramsweep.record.result import new_result, write_result
 from vramsweep.record.status import Status
 from vramsweep.record.units import GIB
@@ -333,7 +334,7 @@ def record_screened(book: Any, point: dict[str, Any], est: dict[str, Any], budge
         trial=number,
         overrides=overrides,
         reason=(
-            f"estimated peak {est['peak_memory_bytes'] / GIB:.2f} GiB > hardware.budget_gib={budget_gib:g} "
+            f"estimated peak {est[MetricName.PEAK_MEMORY_BYTES] / GIB:.2f} GiB > hardware.budget_gib={budget_gib:g} "
             f"(+{MARGIN:.0%} margin): not run (sweep.edge_start screened it before the first trial)"
         ),
         config={"hardware": {"budget_gib": budget_gib}},
