@@ -8,6 +8,7 @@ example's commands run for real in the slow suite.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -394,3 +395,15 @@ def test_worked_example_runs(tmp_path: Path) -> None:
         done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=3600)
         assert done.returncode == 0, (cmd, done.stdout[-2000:], done.stderr[-2000:])
     assert list((tmp_path / "conf" / "experiment").glob("*.yaml"))
+    # the demo sweep (`make demo`) for real, through the fork server (was a second run of it in test_sweeps)
+    d = tmp_path / "results" / "sweeps" / "demo"
+    assert (d / "study.db").exists() and json.loads((d / "sweep.json").read_text())["design"] == "ablation"
+    res = [json.loads(p.read_text()) for p in sorted((d / "trials").glob("*.json"))]
+    assert len(res) == 6 * 2 and {r["status"] for r in res} == {"ok"}  # 6 points x 2 seeds
+    assert res[0]["metrics"]["peak_memory_bytes"] > 0 and res[0]["meta"]["design"]["role"] == "baseline"
+    # the production run: its run folder, with an adapter plain peft loads, and the merged export
+    run = tmp_path / "results" / "runs" / "demo_prod"
+    assert (run / "adapter" / "adapter_model.safetensors").is_file() and (run / "losses.jsonl").is_file()
+    prod = json.loads((run / "result.json").read_text())
+    assert prod["status"] == "ok" and prod["metrics"]["eval_loss"] < prod["metrics"]["initial_eval_loss"]
+    assert (tmp_path / "results" / "demo_merged" / "model.safetensors").is_file()

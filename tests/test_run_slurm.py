@@ -173,6 +173,12 @@ def test_scontrol_requeue_resumes_from_the_checkpoint_written_on_sigterm(slurm, 
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("VRAMSWEEP_SLURM_TIME_LIMIT") != "1",
+    reason="opt-in (VRAMSWEEP_SLURM_TIME_LIMIT=1): 2-7 min of real time limits, timing-sensitive on a loaded "
+    "machine; passed 2026-12-03 (125 s and 436 s, 9 starts); the same SIGUSR2 -> checkpoint -> submitit "
+    "requeue -> resume chain runs in-process in the fast suite",
+)
 def test_time_limit_requeues_through_submitit_and_resumes(slurm, tmp_path):
     steps, run = 45, tmp_path / "run"
     whole = _reference(tmp_path, steps)  # first: the job's allocations get the CPUs

@@ -7,7 +7,6 @@ every ablation/stacking point rule-checked), without running trials. ``-m slow``
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -60,32 +59,6 @@ def test_sweep_file_composes_and_validates(name):
         assert plan.design is not None and len(plan.design) == plan.n_total
     else:
         assert plan.dims and plan.n_total >= 10
-
-
-@pytest.mark.slow
-def test_demo_sweep_runs_for_real(tmp_path, embedded_model_dir):
-    """``make demo`` in miniature: the real tiny-model trials, through the fork server, on CPU."""
-    from vramsweep.sweeper import run_multirun
-
-    rc = run_multirun(
-        [
-            "sweep=demo",
-            f"results_dir={tmp_path}",
-            "train.steps=3",
-            "train.measure_warmup_steps=1",
-            "data.num_docs=4",
-            "data.num_eval_docs=1",
-            "context.max_tokens=128",
-        ]
-    )
-    assert rc == 0
-    d = tmp_path / "sweeps" / "demo"
-    assert (d / "study.db").exists() and json.loads((d / "sweep.json").read_text())["design"] == "ablation"
-    res = [json.loads(p.read_text()) for p in sorted((d / "trials").glob("*.json"))]
-    assert len(res) == 6 * 2  # 6 points x 2 seeds (sweep.repeats: 2)
-    assert {r["status"] for r in res} <= {"ok", "unsupported"}
-    assert res[0]["status"] == "ok" and res[0]["metrics"]["peak_memory_bytes"] > 0
-    assert res[0]["meta"]["design"]["role"] == "baseline"
 
 
 @pytest.mark.slow
