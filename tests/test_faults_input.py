@@ -12,6 +12,7 @@ import pytest
 from test_bad_inputs import FAKE
 from test_bad_inputs import test_bad_input as check_bad_input
 from vramsweep.cli import main
+from vramsweep.config.errors import ConfigError
 
 LONG = "n" * 256  # one byte over a file name's limit
 SWEEP = ["-m", "adapter.r=8,16", *FAKE]
@@ -188,6 +189,13 @@ CASES_VALUES: list[tuple[str, str, list[str], dict[str, str], str]] = [
         {},
         "model.max_position_embeddings",
     ),
+    # item 3: a model.* value of the embedded base's recipe started a new base's pre-training (2,650 steps,
+    # hours on a loaded CPU) before any check
+    ("rope-theta-neg", "train", ["model.rope_theta=-1"], {}, "model.rope_theta=-1.0 is out of range (0, "),
+    ("rms-eps-neg", "train", ["model.rms_norm_eps=-1"], {}, "model.rms_norm_eps=-1.0 is out of range (0, 1)"),
+    ("pretrain-batch-0", "train", ["model.pretrain_batch=0"], {}, "model.pretrain_batch=0 is out of range [1,"),
+    # item 3: the host check applies on CPU too (231 GiB estimated; it ran, RSS 8.3 GB and growing at 58 s)
+    ("cpu-micro-batch-4096", "train", ["train.micro_batch=4096"], {}, "GiB of RAM available on this machine"),
     # item 8: hardware.* ranges
     (
         "hw-flops-neg",
@@ -374,3 +382,35 @@ def test_pick_that_fails_after_writing_leaves_the_conf_dir_as_it_was(
         assert (conf / "experiment" / "prod.yaml").read_text() == old
         assert sorted(p.name for p in conf.rglob("*")) == ["experiment", "prod.yaml"]
     assert not (folder / "production.md").exists()
+
+
+def test_a_new_embedded_base_is_announced_with_its_time_after_the_checks(tmp_path, capsys, monkeypatch):
+    """A valid ``model.*`` change of the embedded recipe: the pre-flight passes and says, in one line, that
+    the first trial pre-trains a new base, which keys changed and roughly how long it takes; nothing is
+    built or cached by the pre-flight. The shipped recipe gets no such line."""
+    from vramsweep.config import compose
+    from vramsweep.preflight import preflight
+
+    monkeypatch.setenv("VRAMSWEEP_CACHE", str(tmp_path / "cache"))
+    preflight(compose(["model.rope_theta=2000000", f"results_dir={tmp_path}/r"]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.* rope_theta=2000000.0:" in err[0], err
+    assert "pre-trains one before it trains (2,650 steps" in err[0] and " min on " in err[0], err
+    assert not (tmp_path / "cache" / "embedded").exists()
+    preflight(compose([f"results_dir={tmp_path}/r"]))
+    assert "pre-trains" not in capsys.readouterr().err
+
+
+def test_the_cpu_host_check_refuses_above_the_ram_and_names_the_micro_batch_that_fits():
+    """hardware=cpu: the estimated peak is host memory; at need > MemAvailable the check names the largest
+    micro-batch the estimate fits, and passes at or below it."""
+    from vramsweep.config import compose
+    from vramsweep.estimate import estimate
+    from vramsweep.preflight import check_host_memory
+
+    cfg = compose(["train.micro_batch=8"])
+    need = estimate(cfg, calibration=False)["required_bytes"]
+    check_host_memory(cfg, available=need)
+    with pytest.raises(ConfigError, match=r"micro_batch=8, is more than") as err:
+        check_host_memory(cfg, available=need // 2)
+    assert err.value.key == "train.micro_batch" and err.value.allowed[0] == "train.micro_batch<=4"

@@ -33,6 +33,7 @@ The folder gets a ``COMPLETE`` marker last; a file lock makes concurrent trials 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -46,7 +47,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.config import compose
-from vramsweep.config.schema import DataConfig
+from vramsweep.config.schema import DataConfig, ModelConfig
 from vramsweep.data.documents import document_text
 from vramsweep.data.synthetic import pretrain_documents
 from vramsweep.data.templates import EMBEDDED_CHAT_TEMPLATE
@@ -150,6 +151,48 @@ def ensure_embedded(mcfg: DictConfig, *, progress: bool = True) -> Path:
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return out
+
+
+_PRETRAIN_KEYS = ("pretrain_drill_steps", "pretrain_steps", "pretrain_task_steps")
+
+
+def _param_count(mcfg: DictConfig) -> int:
+    """Weights of a Qwen3/Llama-shaped model from its dims (tied or untied embedding, norms left out)."""
+    h, inter, hd = int(mcfg.hidden_size), int(mcfg.intermediate_size), int(mcfg.head_dim)
+    attn = 2 * h * int(mcfg.num_heads) * hd + 2 * h * int(mcfg.num_kv_heads) * hd
+    embed = int(mcfg.vocab_size) * h * (1 if mcfg.tie_word_embeddings else 2)
+    return embed + int(mcfg.num_layers) * (attn + 3 * h * inter)
+
+
+def build_note(mcfg: DictConfig) -> str | None:
+    """One line when the embedded base for ``mcfg`` is neither cached nor the shipped asset (a ``model.*``
+    override changed its recipe): the first trial then pre-trains a new base. It names the changed keys and
+    the time that takes, scaled from the shipped base's recorded build (steps x weights); ``None`` otherwise."""
+    if str(mcfg.get("source", "embedded")) != "embedded":
+        return None
+    from vramsweep.data.cache import cache_path
+
+    out = embedded_dir(mcfg, root=cache_path())
+    info = asset_info()
+    if (out / "COMPLETE").exists() or (info is not None and info.get("key") == _key(mcfg)):
+        return None
+    shipped = dataclasses.asdict(ModelConfig())  # the schema's defaults are the shipped base's recipe
+    changed = [f"{k}={mcfg[k]}" for k in sorted(mcfg) if k in shipped and k not in ("name", "source", "path")]
+    changed = [c for c in changed if str(shipped[c.split("=")[0]]) != c.split("=", 1)[1]]
+    steps = sum(int(mcfg[k]) for k in _PRETRAIN_KEYS)
+    params = _param_count(mcfg)
+    took = ""
+    if info is not None and info.get("build_s") and info.get("params"):
+        rate = float(info["build_s"]) / (sum(int(info[k]) for k in _PRETRAIN_KEYS) * int(info["params"]))
+        took = (
+            f", roughly {rate * steps * params / 60:,.0f} min on {info.get('threads', '?')} CPU threads (the "
+            f"shipped base took {float(info['build_s']) / 60:.0f} min for {int(info['params']) / 1e6:.1f} M)"
+        )
+    what = f"model.* {' '.join(changed)}" if changed else "these model.* values"
+    return (
+        f"note: {what}: no embedded base is cached for it, so the first trial pre-trains one before it trains "
+        f"({steps:,} steps, {params / 1e6:.1f} M weights{took}; once, cached in {out})"
+    )
 
 
 def _tmp_for(out: Path) -> Path:

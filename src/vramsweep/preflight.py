@@ -43,7 +43,7 @@ from vramsweep.data.formats import detect_format, normalize_records
 from vramsweep.data.sources import read_source
 from vramsweep.data.truncation import ContextOverflowError
 from vramsweep.data_prep import USER_SOURCES, build_trial_data, data_format, load_documents
-from vramsweep.embedded import ASSET_DIR, _key, asset_info, embedded_dir
+from vramsweep.embedded import ASSET_DIR, _key, asset_info, build_note, embedded_dir
 from vramsweep.estimate import estimate
 from vramsweep.estimate.dims import check_model_config
 from vramsweep.hfmodel import CACHE_ENV, cache_path
@@ -241,6 +241,8 @@ def check_host_memory(cfg: Any, available: int | None = None, *, estimated: dict
     names both figures and the longest context that would fit. ``estimated``: the config's estimate when
     the caller has it already (host bytes do not depend on calibration)."""
 
+    if str(cfg.hardware.device) == "cpu":
+        return _check_cpu_memory(cfg, available, estimated)
     if str(cfg.hardware.device) != "cuda":
         return
     if estimated is None or "host_bytes" not in estimated:
@@ -259,6 +261,27 @@ def check_host_memory(cfg: Any, available: int | None = None, *, estimated: dict
         f"{have / GIB:.2f} GiB of RAM available",
         key="checkpointing",
         allowed=[f"context.max_tokens<={fits}", "checkpointing=on", "a machine with more RAM"],
+    )
+
+
+def _check_cpu_memory(cfg: Any, available: int | None, estimated: dict | None) -> None:
+    """On a CPU trial the device memory is the host's: refuse a config whose estimated peak is above the RAM
+    available here (``train.micro_batch=4096`` at 512 tokens: ~231 GiB; it used to run until the kernel's
+    OOM killer), naming the largest micro-batch that the estimate fits."""
+    if estimated is None or "required_bytes" not in estimated:
+        estimated = estimate(cfg, calibration=False)
+    need = int(estimated.get("required_bytes") or 0) + int(estimated.get("host_bytes") or 0)
+    have = available_host_bytes() if available is None else int(available)
+    if need <= have:
+        return
+    mb = int(cfg.train.micro_batch)
+    allowed = [f"train.micro_batch<={max(1, mb * have // need)}"] if mb > 1 else []
+    raise ConfigError(
+        f"the estimated peak of this trial, {need / GIB:.2f} GiB at context.max_tokens="
+        f"{int(cfg.context.max_tokens)} x train.micro_batch={mb}, is more than the {have / GIB:.2f} GiB of RAM "
+        "available on this machine (hardware=cpu: the trial's memory is the host's)",
+        key="train.micro_batch" if mb > 1 else "context.max_tokens",
+        allowed=[*allowed, "a smaller context.max_tokens", "a machine with more RAM"],
     )
 
 
@@ -284,6 +307,16 @@ def preflight(
     if str(cfg.model.source) in ("path", "arch") and cfg.model.get("path"):
         check_model_folder(str(cfg.model.path), data_source=str(cfg.data.source))  # weights, tokenizer
     check_host_memory(cfg)
+    note_embedded_build(cfg.model)
+
+
+def note_embedded_build(mcfg: Any) -> None:
+    """Say on stderr, once every check has passed, that the first trial pre-trains a new embedded base
+    (a ``model.*`` override changed its recipe) and about how long that takes."""
+    import sys
+
+    if (note := build_note(mcfg)) is not None:
+        print(note, file=sys.stderr, flush=True)
 
 
 def check_optimizer(cfg: Any) -> None:
@@ -393,6 +426,8 @@ def preflight_sweep(
     for key, value in sorted(seen):  # then the weights and tokenizer files of every model folder
         if _INPUT_KEYS[key] == "model":
             check_model_folder(value, key=key, data_source=str(OmegaConf.select(cfg, "data.source")))
+    if OmegaConf.select(cfg, "model") is not None:
+        note_embedded_build(cfg.model)
 
 
 # --- what the data step and the cache would fail on (issue 29.1, 29.6) ---------------------------------

@@ -111,6 +111,13 @@ def check_values(cfg: DictConfig) -> None:
         _check_range(cfg, f"model.{k}", 1, 10**7, integer=True)
     # the positions are the model's own: 0 divided (ZeroDivisionError), -1 was blamed on context.max_tokens
     _check_range(cfg, "model.max_position_embeddings", 32, 10**8, integer=True)
+    # the embedded base's recipe: a bad value here used to start a new base's pre-training (hours) first
+    _check_range(cfg, "model.rope_theta", 0, 10**12, lo_open=True)
+    _check_range(cfg, "model.rms_norm_eps", 0, 1, lo_open=True, hi_open=True)
+    for k in ("pretrain_drill_steps", "pretrain_steps", "pretrain_task_steps"):
+        _check_range(cfg, f"model.{k}", 0, 10**6, integer=True)
+    _check_range(cfg, "model.pretrain_seq_len", 32, 10**7, integer=True)
+    _check_range(cfg, "model.pretrain_batch", 1, 4096, integer=True)
     if cfg.model.num_heads % cfg.model.num_kv_heads:
         raise ConfigError(
             f"model.num_kv_heads={cfg.model.num_kv_heads} must divide model.num_heads={cfg.model.num_heads}",
