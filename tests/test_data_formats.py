@@ -517,6 +517,20 @@ class _CountingTokenizer:
         self.renders += 1
         return self._base.apply_chat_template(*a, **kw)
 
+    @property
+    def backend_tokenizer(self):  # what data/render.py calls for a fast tokenizer: counted the same
+        outer, backend = self, self._base.backend_tokenizer
+
+        class _Backend:
+            def encode_batch(self, *a, **kw):
+                outer.encodes += 1
+                return backend.encode_batch(*a, **kw)
+
+            def __getattr__(self, name):
+                return getattr(backend, name)
+
+        return _Backend()
+
     def __getattr__(self, name):
         return getattr(self._base, name)
 
@@ -583,3 +597,21 @@ def test_load_tokenizer_builds_what_autotokenizer_builds_without_the_auto_regist
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "False"
+
+
+def test_encode_through_the_rust_backend_gives_the_tokenizers_own_ids_and_offsets(tok):
+    """data/render.py encodes through a fast tokenizer's backend: the same ids and offsets as the
+    tokenizer's own call (unicode, newlines, an empty text); a backend with truncation set in its
+    tokenizer.json goes through the tokenizer's call, which does not cut (a cut would hide an overflow)."""
+    import copy
+
+    from vramsweep.data.render import _encode
+
+    texts = ["Hello, wörld — naïve café.\n\nSecond line", "", "a" * 300, "日本語のテキスト and more"]
+    enc = tok(texts, add_special_tokens=False, return_offsets_mapping=True)
+    want = [(list(i), [tuple(o) for o in offs]) for i, offs in zip(enc["input_ids"], enc["offset_mapping"])]
+    got = [(list(i), [tuple(o) for o in offs]) for i, offs in _encode(tok, texts)]
+    assert got == want
+    cut = copy.deepcopy(tok)
+    cut.backend_tokenizer.enable_truncation(8)
+    assert [len(i) for i, _ in _encode(cut, texts)] == [len(i) for i, _ in want]

@@ -193,7 +193,13 @@ CASES_VALUES: list[tuple[str, str, list[str], dict[str, str], str]] = [
     # hours on a loaded CPU) before any check
     ("rope-theta-neg", "train", ["model.rope_theta=-1"], {}, "model.rope_theta=-1.0 is out of range (0, "),
     ("rms-eps-neg", "train", ["model.rms_norm_eps=-1"], {}, "model.rms_norm_eps=-1.0 is out of range (0, 1)"),
-    ("pretrain-batch-0", "train", ["model.pretrain_batch=0"], {}, "model.pretrain_batch=0 is out of range [1,"),
+    (
+        "pretrain-batch-0",
+        "train",
+        ["model.pretrain_batch=0"],
+        {},
+        "model.pretrain_batch=0 is out of range [1,",
+    ),
     # item 3: the host check applies on CPU too (231 GiB estimated; it ran, RSS 8.3 GB and growing at 58 s)
     ("cpu-micro-batch-4096", "train", ["train.micro_batch=4096"], {}, "GiB of RAM available on this machine"),
     # item 8: hardware.* ranges
