@@ -334,6 +334,9 @@ def test_a_failed_submission_is_not_a_result_and_a_rerun_runs_it(tmp_path, capsy
         "ABORTED: the launcher could not submit jobs" in out and "Unable to contact slurm controller" in out
     )
     assert "re-run the same command" in out.strip().splitlines()[-1], out
+    # lost jobs are not results: not "error" in the study total (it said 1 error)
+    total = next(line for line in out.splitlines() if "study total:" in line)
+    assert "error" not in total and "1 launcher job lost (not results)" in total, total
     study = _study(tmp_path, "down")
     assert not [t for t in study.trials if t.state == TrialState.COMPLETE]
     assert all(
@@ -348,6 +351,25 @@ def test_a_failed_submission_is_not_a_result_and_a_rerun_runs_it(tmp_path, capsy
     assert Sweep(plan, runner=Runner(False, plan.settings.sweep_dir)).run() == 0
     assert _ok_points(tmp_path, "down") == ["adapter.r=4", "adapter.r=8"]
     assert finished_study(*compose_sweep(args)) is not None
+    # the report: one record per point, the lost jobs a note (it counted "2 ok, 4 error")
+    from vramsweep.report.load import load_sweep
+
+    data = load_sweep(str(tmp_path / "sweeps" / "down"))
+    assert sorted(str(t.status) for t in data.trials) == ["ok", "ok"], [t.status for t in data.trials]
+    (note,) = [n for n in data.notes if "launcher job(s) lost" in n]
+    assert (
+        note.startswith("launcher job(s) lost to the infrastructure", 2) and "each point was retried" in note
+    ), note
+
+
+def test_a_clipped_abort_reason_ends_at_a_word():
+    from vramsweep.sweeper.workers import _clip
+
+    text = "sbatch: error: Unable to contact slurm controller (connect failure) " * 10
+    out = _clip(text, 100)
+    assert len(out) <= 100 and out.endswith("…") and text.startswith(out[:-1]) and out[-2] != " "
+    assert text[len(out) - 1] == " "  # cut where a word ended
+    assert _clip("short", 100) == "short"
 
 
 # ------------------------------------------------------------------------------------- small ones (28.6)
@@ -394,3 +416,37 @@ def test_a_sweep_folder_copied_without_its_wal_holds_the_study(tmp_path):
     shutil.copy(tmp_path / "sweeps" / "wal" / "study.db", copy / "study.db")  # no -wal, no -shm
     study = optuna.load_study(study_name="wal", storage=f"sqlite:///{copy}/study.db")
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+
+
+@pytest.mark.parametrize(
+    ("state", "needle"),
+    [
+        ("?", "the SLURM controller has not answered for"),  # slurmctld stopped: 300 s of silence before
+        ("PENDING", "job 42 PENDING for"),
+        ("REQUEUE_HOLD", "job 42 REQUEUE_HOLD for"),  # a requeued job held ~2.5 min without a line before
+    ],
+)
+def test_a_job_waited_on_without_news_is_said_every_interval(tmp_path, monkeypatch, capsys, state, needle):
+    """While a SLURM job stays queued or the controller does not answer, the sweep says so after
+    WAIT_NOTE_S and again every WAIT_NOTE_S; a running job gets no such line."""
+    calls = []
+
+    def fake_state(job_id):
+        calls.append(1)
+        if len(calls) > 12:
+            (tmp_path / "42_result.pkl").write_bytes(b"x")
+        return state if len(calls) > 2 else "RUNNING"
+
+    monkeypatch.setattr(launch, "slurm_state", fake_state)
+    monkeypatch.setattr(launch, "PROBE_S", 0.0)
+    monkeypatch.setattr(launch, "WAIT_NOTE_S", 1.2)
+    monkeypatch.setattr(launch.time, "sleep", lambda s: time_shift.append(s))
+    time_shift: list[float] = []
+    real = time.monotonic
+    monkeypatch.setattr(launch.time, "monotonic", lambda: real() + sum(time_shift))
+    job = _FakeSlurmJob(tmp_path)
+    job.results = lambda: ["returned"]
+    _jobs()._wait(_req(tmp_path), job)
+    lines = [x for x in capsys.readouterr().err.splitlines() if needle in x]
+    # 10 probes 0.5 s apart in that state = 5 s: the first line after 1.2 s, then every 1.2 s
+    assert 3 <= len(lines) <= 4 and all(x.startswith("vramsweep: trial 0000: ") for x in lines), lines

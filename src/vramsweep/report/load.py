@@ -712,6 +712,28 @@ def record_from_frozen(trial: Any, metric_names: list[str], base_folder: Path | 
     )
 
 
+def _set_aside_lost_jobs(records: dict[int, TrialRecord], notes: list[str]) -> None:
+    """Drop the records of launcher jobs lost to the infrastructure (``meta.lost``: cancelled, preempted,
+    never submitted; the sweeper retries their point as another trial): not results, so never counted as an
+    ``error`` beside the retry's own record. One note names them and whether their point has a result."""
+    gone = {n: records.pop(n) for n in sorted(records) if records[n].meta.get("lost") is True}
+    if not gone:
+        return
+    lost = list(gone)
+    points = {tuple(sorted(r.overrides)) for r in records.values()}
+    open_ = [n for n, r in gone.items() if tuple(sorted(r.overrides)) not in points]
+    notes.append(
+        f"{len(lost)} launcher job(s) lost to the infrastructure, not results, left out "
+        f"(trial {', '.join(f'{n:04d}' for n in lost)})"
+        + (
+            f"; point(s) of trial {', '.join(f'{n:04d}' for n in open_)} not run yet: re-run the same "
+            "command to retry them"
+            if open_
+            else "; each point was retried"
+        )
+    )
+
+
 def _note_schema_problems(records: dict[int, TrialRecord], notes: list[str]) -> None:
     """One note per trial whose result fails the schema (read tolerantly: its figures may be partial)."""
     for n in sorted(records):
@@ -825,6 +847,7 @@ def _load_folder(folder: Path, study: str | None) -> SweepData:
             notes.append(f"study database not used: {exc}")
     elif study is not None:
         raise ReportError(f"--study {study!r} given but {folder} has no study database")
+    _set_aside_lost_jobs(records, notes)
     _note_schema_problems(records, notes)
     name = str(settings.get("name") or folder.name)
     return SweepData(
@@ -857,6 +880,7 @@ def _load_storage(url: str, study: str | None, folder: Path | None = None) -> Sw
                 break
     if folder is not None and not settings:
         settings = _load_settings(folder, notes)
+    _set_aside_lost_jobs(records, notes)
     _note_schema_problems(records, notes)
     name = str(settings.get("name") or st.study_name)
     return SweepData(

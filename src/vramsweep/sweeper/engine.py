@@ -219,6 +219,7 @@ class Sweep:
         trials = self.book.study.get_trials(deepcopy=False)
         retried = {t.system_attrs.get(RETRY_OF) for t in trials} - {None}
         by_status: dict[str, int] = {}
+        jobs_lost = 0
         for t in trials:
             if (
                 t.number in retried
@@ -226,6 +227,9 @@ class Sweep:
                 or t.system_attrs.get(SCREENED)  # sweep.edge_start's estimate-only records: not counted
                 or t.state in (TrialState.WAITING, TrialState.RUNNING)
             ):
+                continue
+            if t.system_attrs.get(JOB_LOST):  # lost infrastructure, not a result: never an "error"
+                jobs_lost += 1
                 continue
             st = str(t.user_attrs.get("status", t.state.name.lower()))
             if st == "ok" and any(
@@ -239,6 +243,7 @@ class Sweep:
             f"vramsweep: sweep '{self.settings.name}' - this run: {plural(self.state.finished, 'trial')} in {wall_s:.0f} s; "
             "study total: "
             + (", ".join(f"{v} {k}" for k, v in sorted(by_status.items())) or "no finished trials")
+            + (f"; {plural(jobs_lost, 'launcher job')} lost (not results)" if jobs_lost else "")
         ]
         try:
             best = self.book.study.best_trials

@@ -79,6 +79,11 @@ QUEUED_STATES = (
 SETTLE_S = float(os.environ.get("VRAMSWEEP_JOB_SETTLE_S", "10"))
 #: Seconds between two ``squeue`` probes of a job.
 PROBE_S = float(os.environ.get("VRAMSWEEP_JOB_PROBE_S", "2"))
+#: Seconds a SLURM job may sit queued (pending, held, requeued) or the controller stay silent before the
+#: sweep says so, and between two such lines.
+WAIT_NOTE_S = float(os.environ.get("VRAMSWEEP_JOB_WAIT_NOTE_S", "60"))
+#: States of a job doing its work: nothing to say while it is in one.
+WORKING_STATES = ("RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT")
 #: System attribute holding a trial's launcher job (:func:`job_record`; a re-run adopts it: :mod:`.orphans`).
 JOB = "vramsweep:launcher_job"
 
@@ -308,6 +313,37 @@ class LauncherRunner(Runner):
                     self._cond.notify_all()
 
 
+class _WaitNotes:
+    """Lines for a SLURM job the sweep keeps waiting for without news: queued (pending, held, requeued) or
+    the controller not answering for :data:`WAIT_NOTE_S`, then again every :data:`WAIT_NOTE_S` (a stopped
+    ``slurmctld`` used to mean minutes of silence)."""
+
+    def __init__(self, number: int, job_id: str, now: float):
+        self.number, self.job_id = number, job_id
+        self.state, self.since, self.said = "", now, now
+
+    def after_probe(self, probed: str | None, now: float) -> str | None:
+        state = "?" if probed == "?" else str(probed or "").split("+")[0]
+        if state != self.state:
+            self.state, self.since = state, now
+        if (
+            state in WORKING_STATES
+            or not state
+            or now - self.since < WAIT_NOTE_S
+            or now - self.said < WAIT_NOTE_S
+        ):
+            return None
+        self.said = now
+        waited = f"{(now - self.since) / 60:.1f} min"
+        if state == "?":
+            return (
+                f"vramsweep: trial {self.number:04d}: the SLURM controller has not answered for {waited} "
+                f"(squeue fails); job {self.job_id} may still be queued or running: still waiting for it "
+                "(Ctrl-C cancels this sweep's jobs)"
+            )
+        return f"vramsweep: trial {self.number:04d}: job {self.job_id} {state} for {waited}; still waiting for it"
+
+
 class _SubmititJobs:
     """Submit one trial as a submitit job (the executor and callable of the plugin's ``launch()``) and
     watch it to its end, telling lost infrastructure from a result (module doc)."""
@@ -415,6 +451,7 @@ class _SubmititJobs:
         gone_since: float | None = None
         state: str | None = None
         last_probe = 0.0
+        notes = _WaitNotes(int(req.spec.number), str(req.job_id), time.monotonic())
         while True:
             if self.cancelled.is_set():
                 self._cancel(job)
@@ -431,6 +468,8 @@ class _SubmititJobs:
                 if now - last_probe >= PROBE_S:
                     last_probe = now
                     probed = slurm_state(req.job_id)
+                    if (line := notes.after_probe(probed, now)) is not None:
+                        print(line, file=sys.stderr, flush=True)
                     if probed == "?":  # controller unreachable: the job may still run; keep waiting
                         pass
                     elif probed is None or probed.split("+")[0] not in QUEUED_STATES:

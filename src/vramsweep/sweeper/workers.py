@@ -187,8 +187,16 @@ class WorkerPool:
         if lost.get("kind") == "submit":
             if not will_retry:
                 state.stop(
-                    f"the launcher could not submit jobs ({str(res.get('reason'))[:300]}); "
+                    f"the launcher could not submit jobs ({_clip(str(res.get('reason')), 300)}); "
                     "nothing was lost: re-run the same command when the cluster is back"
                 )
             else:
                 state.abort.wait(min(2.0**n, 10.0))  # a controller restarting: back off before the retry
+
+
+def _clip(text: str, n: int) -> str:
+    """``text`` cut to at most ``n`` characters at a word boundary, with an ellipsis when cut."""
+    if len(text) <= n:
+        return text
+    cut = text[: n - 1]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut) + "…"
