@@ -48,6 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.config import compose
 from vramsweep.config.schema import DataConfig, ModelConfig
+from vramsweep.data.cache import cache_path
 from vramsweep.data.documents import document_text
 from vramsweep.data.synthetic import pretrain_documents
 from vramsweep.data.templates import EMBEDDED_CHAT_TEMPLATE
@@ -170,7 +171,6 @@ def build_note(mcfg: DictConfig) -> str | None:
     the time that takes, scaled from the shipped base's recorded build (steps x weights); ``None`` otherwise."""
     if str(mcfg.get("source", "embedded")) != "embedded":
         return None
-    from vramsweep.data.cache import cache_path
 
     out = embedded_dir(mcfg, root=cache_path())
     info = asset_info()
