@@ -280,6 +280,7 @@ class Timing(Callback):
         self.t_start: float | None = None
         self.eval_s = 0.0
         self.tokens = self.pad_tokens = self.target_tokens = self.rows = 0
+        self.tokens_by_length: dict[int, int] = {}  # timed tokens by their micro-batch's sequence length
         self._t_step = 0.0
         self.step_s: float | None = None  # wall seconds of the last finished step
 
@@ -298,6 +299,8 @@ class Timing(Callback):
         self.pad_tokens += int(batch["attention_mask"].numel()) - n
         self.target_tokens += batch["n_targets"]
         self.rows += int(batch["input_ids"].shape[0])
+        length = int(batch["input_ids"].shape[-1])
+        self.tokens_by_length[length] = self.tokens_by_length.get(length, 0) + n
 
     def on_step_end(self, step: int) -> None:
         self.step_s = time.perf_counter() - self._t_step  # the host's seconds for the step
@@ -314,6 +317,13 @@ class Timing(Callback):
 
     def mean_seq(self) -> float:
         return self.tokens / max(self.rows, 1)
+
+    def share_longer_than(self, length: int) -> float:
+        """Share of the timed tokens in micro-batches whose sequences are longer than ``length`` (those the
+        tiled MLP splits when ``length`` is its tile); 0 when ``length`` <= 0 or nothing was timed."""
+        if length <= 0 or not self.tokens:
+            return 0.0
+        return sum(n for k, n in self.tokens_by_length.items() if k > length) / self.tokens
 
 
 class CpuMemoryTracking(Callback):

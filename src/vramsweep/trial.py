@@ -535,7 +535,8 @@ def _record_throughput(cfg: DictConfig, result: dict, built, timing: Timing) -> 
         m[M.PADDING_TOKENS] = timing.pad_tokens
         m[M.TARGET_TOKENS] = timing.target_tokens
         tps, seq = m[M.TOKENS_PER_S], timing.mean_seq()
-        m[M.MFU] = trial_mfu(cfg, built.notes, tps, seq, meta, model=built.model)
+        tiled = timing.share_longer_than(int(cfg.tiling.get("mlp_tile_tokens", 0) or 0))
+        m[M.MFU] = trial_mfu(cfg, built.notes, tps, seq, meta, model=built.model, tiled_share=tiled)
 
 
 def _record_memory(result: dict, model, optimizer, grads: _Grads, cuda_mon) -> None:
