@@ -184,7 +184,9 @@ def fit(loop: Loop, callbacks: Sequence[Callback] = ()) -> list[float]:
     k to finish while step k+1 is queued). Hence :meth:`Callback.on_loss` for step k comes after step
     k+1's work is issued (just before its :meth:`Callback.on_step_end`), and a non-finite loss still
     ends the trial with :class:`Diverged` naming its step, but at most one step later (step k+1 has run
-    by then; a NaN at the last step is caught at the end). Every phase is timed on ``loop.clock``."""
+    by then; a NaN at the last step is caught at the end). Every phase is timed on ``loop.clock``, on
+    the host and, on CUDA, with device events that are read once a later step's loss read has waited for
+    them (``StepClock.collect``: no wait of its own)."""
     import torch
 
     clock, ga = loop.clock, loop.grad_accum
@@ -220,6 +222,7 @@ def fit(loop: Loop, callbacks: Sequence[Callback] = ()) -> list[float]:
     for step in range(loop.start_step, loop.steps):
         for fn in on_step_start:
             fn(step)
+        clock.begin_step()  # device events (CUDA, timed steps): recorded, read steps later
         with contextlib.ExitStack() as stack:
             _enter(stack, [fn(step) for fn in step_context])
             total = None
@@ -252,9 +255,11 @@ def fit(loop: Loop, callbacks: Sequence[Callback] = ()) -> list[float]:
                     loop.optimizer.step()
                 loop.scheduler.step()
                 loop.optimizer.zero_grad(set_to_none=True)
+            clock.end_step()
         # Step k-1's loss is read now that step k is queued, then step k's is queued (a diverged step's
-        # loss is NaN before or after the update).
+        # loss is NaN before or after the update). Step k-1's events are complete once its loss is read.
         read()
+        clock.collect()
         pending.queue(step, total)
         del total
         try:

@@ -46,7 +46,7 @@ from vramsweep.measure.cuda import CudaMemoryMonitor
 from vramsweep.measure.eval import evaluate
 from vramsweep.measure.flops import device_peak, trial_mfu
 from vramsweep.measure.quality import QualityMeter
-from vramsweep.measure.steps import StepClock
+from vramsweep.measure.steps import StepClock, install_sync_point
 from vramsweep.preflight import check_host_memory
 from vramsweep.production.checkpoint import (
     Checkpointer,
@@ -516,6 +516,18 @@ class _Grads(Callback):
             self.bytes = tensor_bytes(p.grad for p in self.params if p.grad is not None)
 
 
+def liger_sync_point(cfg: DictConfig, model, clock: StepClock):
+    """With Liger's fused linear cross-entropy, which calls ``.item()`` as its forward starts (liger-kernel
+    0.8.5: a host sync each micro-batch), mark that point on ``clock`` after each decoder forward, so the
+    host's wait there is counted as ``loss_sync`` (a wait for the device) instead of forward work. Returns
+    the hook's handle, or None."""
+    k = cfg.kernels
+    if not (bool(k.get("liger", False)) and bool(k.get("liger_fused_linear_cross_entropy", False))):
+        return None
+    lm = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return install_sync_point(clock, lm.get_decoder())
+
+
 def _record_throughput(cfg: DictConfig, result: dict, built, timing: Timing) -> None:
     """The timed window's figures: tokens/s, step time, token counts, MFU, per-phase step seconds."""
 
@@ -606,6 +618,7 @@ def _train_steps(
     # starts after the tracked steps.
     tracked = max(warm, 1) if tracker is not None else 0
     timing = Timing(StepClock(cuda=device.type == "cuda"), timed_from=max(warm, tracked, start))
+    liger_sync_point(cfg, model, timing.clock)
     scheduler = build_scheduler(cfg, optimizer)
     if resume is not None:
         resume.apply(model, optimizer, scheduler)
