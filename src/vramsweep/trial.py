@@ -525,7 +525,9 @@ def liger_sync_point(cfg: DictConfig, model, clock: StepClock):
     if not (bool(k.get("liger", False)) and bool(k.get("liger_fused_linear_cross_entropy", False))):
         return None
     lm = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    return install_sync_point(clock, lm.get_decoder())
+    get_decoder = getattr(lm, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    return install_sync_point(clock, decoder) if decoder is not None else None
 
 
 def _record_throughput(cfg: DictConfig, result: dict, built, timing: Timing) -> None:
