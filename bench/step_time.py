@@ -3,13 +3,15 @@
 Runs the same config at a short and a long context (``--short``/``--long`` tokens per sequence),
 alternating in fresh subprocesses (``--rounds`` times) so machine load hits both alike, and prints for
 each run the step time and where the host spent it (``meta.step_phases_s``: h2d, forward, backward,
-optimizer, sync_wait, other; see ``vramsweep.measure.steps``), then the median ratio
+optimizer, sync_wait, loss_sync, other, and on CUDA device_s; see ``vramsweep.measure.steps``), then the median ratio
 step(short) / step(long). For compute-bound steps the ratio approaches short/long (0.25 for 1,024 vs
 4,096); a ratio near 1 means a fixed per-step cost dominates. On CUDA, ``host_bound: true`` (the host
 barely waited for the GPU) says that cost is Python/dispatch/launch overhead, not GPU work.
 
 Each run also prints host vs device per step (:func:`host_device_split`): the host's own seconds
-(issuing work + the loop's bookkeeping) against the seconds it waited for the device.
+(issuing work + the loop's bookkeeping) against the seconds it waited for the device (the loss read and
+Liger's in-forward sync), and on CUDA the device's seconds per step and per phase from the CUDA events
+the loop records around each phase (``meta.step_phases_s.device_s``; read after the step, no extra sync).
 
 Goal on a GPU (issue: H200, Qwen3-8B nf4_dq + LoRA + checkpointing: 0.70 s at 1,024 vs 0.75 s at 4,096):
 step(1,024) <= 0.35 x step(4,096).
@@ -36,27 +38,37 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 def host_device_split(phases: dict | None) -> dict | None:
     """Host vs device per step from ``meta.step_phases_s``: ``host_s`` = the host's own work (issuing
     h2d/forward/backward/optimizer + the loop's ``other``), ``wait_s`` = the host waiting for the device
-    (``sync_wait``; on CUDA, the device time not hidden behind the host's issuing), ``host_share`` =
-    host_s / step. A host share near 1 on CUDA = a host-bound step (Python/launch overhead sets the time)."""
+    (``sync_wait`` at the loss read + ``loss_sync``, the wait at Liger's in-forward ``.item()``),
+    ``host_share`` = host_s / step; on CUDA ``device_s`` = the GPU's seconds per step from CUDA events
+    (``device_s.step``, first to last event of a step) and ``device_phases`` its split by phase (None on CPU).
+    A host share near 1 with device seconds well under the step = a host-bound step (Python/launch
+    overhead sets the time)."""
     if not phases or not phases.get("step"):
         return None
     host = sum(float(phases.get(k) or 0.0) for k in ("h2d", "forward", "backward", "optimizer", "other"))
     step = float(phases["step"])
+    device = phases.get("device_s") or None
     return {
         "host_s": host,
-        "wait_s": float(phases.get("sync_wait") or 0.0),
+        "wait_s": float(phases.get("sync_wait") or 0.0) + float(phases.get("loss_sync") or 0.0),
         "step_s": step,
         "host_share": host / step,
+        "device_s": float(device["step"]) if device else None,
+        "device_phases": {k: v for k, v in device.items() if k != "step"} if device else None,
     }
 
 
 def _split_text(split: dict | None) -> str:
     if split is None:
         return "host vs device: n/a"
-    return (
+    text = (
         f"host {split['host_s']:.4f} s + device wait {split['wait_s']:.4f} s of {split['step_s']:.4f} s/step "
         f"(host {split['host_share']:.0%})"
     )
+    if split.get("device_s") is None:
+        return text + "; device time: no CUDA events (CPU)"
+    parts = ", ".join(f"{k} {v:.4f}" for k, v in split["device_phases"].items())
+    return text + f"; device {split['device_s']:.4f} s/step from CUDA events ({parts})"
 
 
 def one(overrides: list[str]) -> dict:
@@ -107,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"round {r} tokens {n:>6}: {res['status']} step {res.get('step_time_s', float('nan')):.4f} s, "
                 f"{res.get('tokens_per_s', float('nan')):,.0f} tok/s; {_split_text(host_device_split(ph))}; "
                 "phases "
-                + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in ph.items())
+                + ", ".join(
+                    f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                    for k, v in ph.items()
+                    if k != "device_s"
+                )
             )
     ok = [all(x["status"] == "ok" for x in runs[n]) for n in runs]
     if not all(ok):

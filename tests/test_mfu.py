@@ -179,3 +179,105 @@ def test_a10g_is_not_an_a10():
     """NVIDIA's A10G brief: 70 dense bf16 TFLOP/s (the A10 datasheet's 125 is another card)."""
     assert device_peak("NVIDIA A10G").peak_flops == pytest.approx(70 * T)
     assert device_peak("NVIDIA A10").peak_flops == pytest.approx(125 * T)
+
+
+# Issue 37.6: the tiled MLP's backward recompute (the MLP's third forward with checkpointing) and the
+# causal-attention figure beside PaLM's non-causal one.
+MLP_PARAMS = L * 3 * H * MLP  # gate, up, down of every layer: 5,435,817,984
+MLP_LORA = L * 16 * 3 * (H + MLP)  # LoRA r16 on gate, up, down: 28,311,552
+
+
+def _tiled_cfg(*, checkpointing: bool, tile: int) -> SimpleNamespace:
+    cfg = _qwen3_8b_cfg(checkpointing=checkpointing)
+    cfg.model.intermediate_size = MLP
+    cfg.tiling = SimpleNamespace(mlp_tile_tokens=tile)
+    return cfg
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_hfu_counts_the_tiled_mlp_recompute(checkpointing):
+    """tiling=mlp: the tiled backward runs each tile's forward once more (with checkpointing that is the MLP's
+    third pass): 2 FLOPs per MLP parameter per tiled token, 10.9 GFLOP/token for Qwen3-8B. MFU unchanged."""
+    assert 2 * MLP_PARAMS == 10_871_635_968
+    notes = {"total_params": TOTAL, "trainable_params": LORA}
+    seq, tps = 65_536, 300.0
+    plain, tiled = {"device": "NVIDIA H200"}, {"device": "NVIDIA H200"}
+    v0 = trial_mfu(_tiled_cfg(checkpointing=checkpointing, tile=0), notes, tps, seq, plain, tiled_share=1.0)
+    v1 = trial_mfu(
+        _tiled_cfg(checkpointing=checkpointing, tile=4096), notes, tps, seq, tiled, tiled_share=1.0
+    )
+    assert v0 == v1  # model FLOPs: recompute is not counted
+    extra = tiled["mfu"]["hardware_flops_per_token"] - plain["mfu"]["hardware_flops_per_token"]
+    assert extra == 2 * MLP_PARAMS == tiled["mfu"]["tiled_mlp_recompute_flops_per_token"]
+    assert tiled["mfu"]["hfu"] - plain["mfu"]["hfu"] == pytest.approx(2 * MLP_PARAMS * tps / (989 * T))
+    expected = hand_mfu_flops(seq) + (hand_recompute_flops(seq) if checkpointing else 0) + 2 * MLP_PARAMS
+    assert tiled["mfu"]["hardware_flops_per_token"] == pytest.approx(expected, rel=1e-4)
+    # only the tokens of sequences longer than a tile are tiled
+    half = {"device": "NVIDIA H200"}
+    trial_mfu(_tiled_cfg(checkpointing=checkpointing, tile=4096), notes, tps, seq, half, tiled_share=0.5)
+    assert half["mfu"]["tiled_mlp_recompute_flops_per_token"] == MLP_PARAMS
+
+
+def test_tiled_mlp_params_from_the_built_model_include_its_adapters():
+    """Counted on the modules tile_mlps patched (LoRA inside them included), else from the config."""
+    torch = pytest.importorskip("torch")
+    from vramsweep.longctx.mlp import tile_mlps
+    from vramsweep.measure.flops import tiled_mlp_params
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = torch.nn.Linear(4, 4)
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4, bias=False))
+
+    model = torch.nn.Sequential(Layer(), Layer())
+    cfg = SimpleNamespace(
+        tiling=SimpleNamespace(mlp_tile_tokens=2),
+        model=SimpleNamespace(hidden_size=4, intermediate_size=8, num_layers=2),
+    )
+    assert tiled_mlp_params(cfg, model) == 3 * 4 * 8 * 2  # not patched yet: the config's 3·h·i·L
+    assert tile_mlps(model, 2) == 2
+    assert tiled_mlp_params(cfg, model) == 2 * (4 * 8 + 8 + 8 * 4)  # the patched MLPs, biases included
+    cfg.tiling.mlp_tile_tokens = 0
+    assert tiled_mlp_params(cfg, model) == 0
+
+
+def test_attention_convention_stated_and_causal_figures_beside():
+    """At 65,536 tokens 79 % of Qwen3-8B's count is non-causal attention; a causal kernel does half of it."""
+    seq, tps = 65_536, 300.0
+    meta = {"device": "NVIDIA H200"}
+    notes = {"total_params": TOTAL, "trainable_params": LORA}
+    value = trial_mfu(_qwen3_8b_cfg(checkpointing=True), notes, tps, seq, meta)
+    info = meta["mfu"]
+    attention = 12 * L * 32 * 128 * seq
+    assert info["attention_flops_per_token"] == attention == 115_964_116_992
+    assert info["attention_share"] == pytest.approx(attention / hand_mfu_flops(seq), rel=1e-4)
+    assert round(info["attention_share"], 2) == 0.79
+    assert (
+        "non-causal" in info["attention"]
+        and "PaLM" in info["attention"]
+        and "mfu_causal" in info["attention"]
+    )
+    causal = hand_mfu_flops(seq) - attention / 2
+    assert info["causal_flops_per_token"] == pytest.approx(causal, rel=1e-4)
+    assert info["mfu_causal"] == pytest.approx(causal * tps / (989 * T), rel=1e-4)
+    assert info["mfu_causal"] / value == pytest.approx(causal / hand_mfu_flops(seq), rel=1e-4)
+    causal_hw = hand_mfu_flops(seq) + hand_recompute_flops(seq) - (12 + 4) * L * 32 * 128 * seq / 2
+    assert info["causal_hardware_flops_per_token"] == pytest.approx(causal_hw, rel=1e-4)
+    assert info["hfu_causal"] == pytest.approx(causal_hw * tps / (989 * T), rel=1e-4)
+
+
+def test_timing_share_of_tiled_tokens():
+    """The trial's tiled share: the timed tokens of micro-batches longer than the tile."""
+    torch = pytest.importorskip("torch")
+    from vramsweep.loop import Timing
+    from vramsweep.measure.steps import StepClock
+
+    timing = Timing(StepClock(), timed_from=0)
+    timing.on_step_start(0)
+    for length, n in ((8, 10), (16, 30)):
+        ids = torch.zeros(2, length, dtype=torch.long)
+        timing.on_micro_batch(0, {"n_tokens": n, "n_targets": n, "input_ids": ids, "attention_mask": ids})
+    assert timing.share_longer_than(8) == pytest.approx(0.75)
+    assert timing.share_longer_than(16) == 0.0 and timing.share_longer_than(0) == 0.0
+    assert timing.share_longer_than(4) == 1.0

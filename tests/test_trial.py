@@ -155,9 +155,10 @@ def test_peak_includes_optimizer_state_and_activations_whatever_the_warmup(tmp_p
 def test_step_phases_recorded_and_consistent(tmp_path):
     res = _trial(tmp_path)
     ph = res["meta"]["step_phases_s"]
-    assert set(ph) >= {"h2d", "forward", "backward", "optimizer", "sync_wait", "other", "step"}
+    assert set(ph) >= {"h2d", "forward", "backward", "optimizer", "sync_wait", "loss_sync", "other", "step"}
     assert ph["forward"] > 0 and ph["backward"] > 0
-    parts = sum(ph[k] for k in ("h2d", "forward", "backward", "optimizer", "sync_wait", "other"))
+    assert ph["loss_sync"] == 0.0 and "device_s" not in ph  # CPU: no sync point, no CUDA events
+    parts = sum(ph[k] for k in ("h2d", "forward", "backward", "optimizer", "sync_wait", "loss_sync", "other"))
     assert parts == pytest.approx(ph["step"], rel=1e-3)
     assert ph["step"] == pytest.approx(res["metrics"]["step_time_s"], rel=0.05)
     assert ph["host_bound"] is False  # CPU: every phase is compute

@@ -91,6 +91,7 @@ def _finished(res: dict, status: str = "ok") -> dict:
                 "optimizer": 0.03,
                 "step": 0.25,
                 "host_bound": False,
+                "device_s": {"forward": 0.2, "step": 0.24},
             },
             "wall_s": 12.5,
             "git_sha": "abc123",
@@ -172,6 +173,7 @@ def test_trial_run_job_type_tags_config_history_summary(tmp_path: Path) -> None:
     assert s["git_sha"] == "abc123" and s["wall_s"] == 12.5
     assert s["device"] == "NVIDIA H200" and s["hardware_emulation/emulated"] is True
     assert s["step_phase/backward_s"] == 0.12 and "step_phase/host_bound_s" not in s
+    assert s["step_phase/device/forward_s"] == 0.2 and s["step_phase/device/step_s"] == 0.24  # CUDA events
     assert s["tokens_per_s"] == 1234.5 and s["train/tokens_per_s"] == 1234.5
     assert s["eval/loss"] == 2.5 and s["eval/ppl"] == pytest.approx(math.exp(2.5))
     assert run.exit_code == 0

@@ -184,7 +184,9 @@ def fit(loop: Loop, callbacks: Sequence[Callback] = ()) -> list[float]:
     k to finish while step k+1 is queued). Hence :meth:`Callback.on_loss` for step k comes after step
     k+1's work is issued (just before its :meth:`Callback.on_step_end`), and a non-finite loss still
     ends the trial with :class:`Diverged` naming its step, but at most one step later (step k+1 has run
-    by then; a NaN at the last step is caught at the end). Every phase is timed on ``loop.clock``."""
+    by then; a NaN at the last step is caught at the end). Every phase is timed on ``loop.clock``, on
+    the host and, on CUDA, with device events that are read once a later step's loss read has waited for
+    them (``StepClock.collect``: no wait of its own)."""
     import torch
 
     clock, ga = loop.clock, loop.grad_accum
@@ -220,6 +222,7 @@ def fit(loop: Loop, callbacks: Sequence[Callback] = ()) -> list[float]:
     for step in range(loop.start_step, loop.steps):
         for fn in on_step_start:
             fn(step)
+        clock.begin_step()  # device events (CUDA, timed steps): recorded, read steps later
         with contextlib.ExitStack() as stack:
             _enter(stack, [fn(step) for fn in step_context])
             total = None
@@ -252,9 +255,11 @@ def fit(loop: Loop, callbacks: Sequence[Callback] = ()) -> list[float]:
                     loop.optimizer.step()
                 loop.scheduler.step()
                 loop.optimizer.zero_grad(set_to_none=True)
+            clock.end_step()
         # Step k-1's loss is read now that step k is queued, then step k's is queued (a diverged step's
-        # loss is NaN before or after the update).
+        # loss is NaN before or after the update). Step k-1's events are complete once its loss is read.
         read()
+        clock.collect()
         pending.queue(step, total)
         del total
         try:
@@ -280,6 +285,7 @@ class Timing(Callback):
         self.t_start: float | None = None
         self.eval_s = 0.0
         self.tokens = self.pad_tokens = self.target_tokens = self.rows = 0
+        self.tokens_by_length: dict[int, int] = {}  # timed tokens by their micro-batch's sequence length
         self._t_step = 0.0
         self.step_s: float | None = None  # wall seconds of the last finished step
 
@@ -298,6 +304,8 @@ class Timing(Callback):
         self.pad_tokens += int(batch["attention_mask"].numel()) - n
         self.target_tokens += batch["n_targets"]
         self.rows += int(batch["input_ids"].shape[0])
+        length = int(batch["input_ids"].shape[-1])
+        self.tokens_by_length[length] = self.tokens_by_length.get(length, 0) + n
 
     def on_step_end(self, step: int) -> None:
         self.step_s = time.perf_counter() - self._t_step  # the host's seconds for the step
@@ -314,6 +322,13 @@ class Timing(Callback):
 
     def mean_seq(self) -> float:
         return self.tokens / max(self.rows, 1)
+
+    def share_longer_than(self, length: int) -> float:
+        """Share of the timed tokens in micro-batches whose sequences are longer than ``length`` (those the
+        tiled MLP splits when ``length`` is its tile); 0 when ``length`` <= 0 or nothing was timed."""
+        if length <= 0 or not self.tokens:
+            return 0.0
+        return sum(n for k, n in self.tokens_by_length.items() if k > length) / self.tokens
 
 
 class CpuMemoryTracking(Callback):

@@ -46,7 +46,7 @@ from vramsweep.measure.cuda import CudaMemoryMonitor
 from vramsweep.measure.eval import evaluate
 from vramsweep.measure.flops import device_peak, trial_mfu
 from vramsweep.measure.quality import QualityMeter
-from vramsweep.measure.steps import StepClock
+from vramsweep.measure.steps import StepClock, install_sync_point
 from vramsweep.preflight import check_host_memory
 from vramsweep.production.checkpoint import (
     Checkpointer,
@@ -516,6 +516,20 @@ class _Grads(Callback):
             self.bytes = tensor_bytes(p.grad for p in self.params if p.grad is not None)
 
 
+def liger_sync_point(cfg: DictConfig, model, clock: StepClock):
+    """With Liger's fused linear cross-entropy, which calls ``.item()`` as its forward starts (liger-kernel
+    0.8.5: a host sync each micro-batch), mark that point on ``clock`` after each decoder forward, so the
+    host's wait there is counted as ``loss_sync`` (a wait for the device) instead of forward work. Returns
+    the hook's handle, or None."""
+    k = cfg.kernels
+    if not (bool(k.get("liger", False)) and bool(k.get("liger_fused_linear_cross_entropy", False))):
+        return None
+    lm = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    get_decoder = getattr(lm, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    return install_sync_point(clock, decoder) if decoder is not None else None
+
+
 def _record_throughput(cfg: DictConfig, result: dict, built, timing: Timing) -> None:
     """The timed window's figures: tokens/s, step time, token counts, MFU, per-phase step seconds."""
 
@@ -535,7 +549,8 @@ def _record_throughput(cfg: DictConfig, result: dict, built, timing: Timing) -> 
         m[M.PADDING_TOKENS] = timing.pad_tokens
         m[M.TARGET_TOKENS] = timing.target_tokens
         tps, seq = m[M.TOKENS_PER_S], timing.mean_seq()
-        m[M.MFU] = trial_mfu(cfg, built.notes, tps, seq, meta, model=built.model)
+        tiled = timing.share_longer_than(int(cfg.tiling.get("mlp_tile_tokens", 0) or 0))
+        m[M.MFU] = trial_mfu(cfg, built.notes, tps, seq, meta, model=built.model, tiled_share=tiled)
 
 
 def _record_memory(result: dict, model, optimizer, grads: _Grads, cuda_mon) -> None:
@@ -605,6 +620,7 @@ def _train_steps(
     # starts after the tracked steps.
     tracked = max(warm, 1) if tracker is not None else 0
     timing = Timing(StepClock(cuda=device.type == "cuda"), timed_from=max(warm, tracked, start))
+    liger_sync_point(cfg, model, timing.clock)
     scheduler = build_scheduler(cfg, optimizer)
     if resume is not None:
         resume.apply(model, optimizer, scheduler)

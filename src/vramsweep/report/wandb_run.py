@@ -158,9 +158,13 @@ def summary_of(result: dict) -> dict[str, Any]:
         for k, v in info.items():
             if _finite(v) or isinstance(v, str):
                 s[f"{mfu}/{k}"] = v
-    for phase, sec in (meta.get("step_phases_s") or {}).items():
+    phases = meta.get("step_phases_s") or {}
+    for phase, sec in phases.items():
         if _finite(sec):
             s[f"step_phase/{phase}_s"] = sec
+    for phase, sec in (phases.get("device_s") or {}).items():  # CUDA events: the device's seconds
+        if _finite(sec):
+            s[f"step_phase/device/{phase}_s"] = sec
     if meta.get("device"):
         s["device"] = str(meta["device"])
     if meta.get("git_sha"):
