@@ -47,10 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     import torch
 
-    from vramsweep.config import compose
+    from vramsweep.config import ConfigError, compose
     from vramsweep.trial import run_trial
-
-    from vramsweep.config import ConfigError
 
     try:
         cfg = compose(overrides)
