@@ -600,3 +600,30 @@ def test_smoke_skips_plots_without_matplotlib_and_says_so(smoke):
     assert "plots: skipped" in smoke.plots_note({"versions": {"matplotlib": None}})
     assert smoke.plots_note({"versions": {"matplotlib": "3.10"}}) is None
     assert '"matplotlib"' not in (ROOT / "scripts" / "gpu_smoke.sh").read_text()
+
+
+def test_a_probe_point_this_machine_cannot_run_is_unsupported_not_a_crash(capsys):
+    """kernels=liger on a CPU: the probe prints an ``unsupported`` row (a result) instead of a traceback."""
+    probe = _load("gpu_memprobe")
+    assert probe.main(["model=tiny", "hardware=cpu", "kernels=liger", "context.max_tokens=256"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("PROBE "))
+    row = json.loads(line[6:])
+    assert row["status"] == "unsupported" and "kernels=liger needs CUDA" in row["reason"]
+
+
+def test_probe_overrides_gpu_and_dry(smoke, tmp_path):
+    sm = _sm(smoke, tmp_path)
+    ovs = sm.overrides(65536, "compute", 1)
+    assert ovs[:2] == ["model=qwen3_8b", "hardware=rtx4080_16gb"] and "kernels=liger" in ovs
+    assert {
+        "adapter.dtype=compute",
+        "context.max_tokens=65536",
+        "checkpointing=offload",
+        "tiling=mlp",
+    } <= set(ovs)
+    sm.dry = True
+    dry = sm.overrides(256, "fp32", 2)
+    assert dry[:2] == ["model=tiny", "hardware=cpu"] and dry.index("kernels=none") > dry.index(
+        "kernels=liger"
+    )
+    assert "train.measure_warmup_steps=1" in dry and "adapter.dtype=fp32" in dry
