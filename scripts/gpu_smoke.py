@@ -783,8 +783,11 @@ def verdict(
 
 
 # ----------------------------------------------------------------------------------------------- main
-#: The dry run: the probe lengths / this (floor 128), the first lengths only (2 compute, 1 fp32): CPU-sized.
-DRY_PROBE_DIVISOR = 128
+#: The dry run: the probe lengths / this (floor 128), the first lengths only (2 compute, 1 fp32): CPU-sized
+#: (the whole dry run within the slow test's 240 s on 2 loaded cores).
+DRY_PROBE_DIVISOR = 256
+#: The dry run's step-time lengths: 1,024 / 4,096 over this (128 vs 256 tokens).
+DRY_STEP_TIME_DIVISOR = 16
 DRY_PROBE = ["model=tiny", "hardware=cpu", "data.num_docs=4", "data.num_eval_docs=1"]
 #: Liger needs CUDA: the dry run probes the same stack without it.
 DRY_KERNELS = ["kernels=none"]
@@ -942,7 +945,7 @@ def phase_trial(sm: Smoke) -> None:
 
 
 def phase_step_time(sm: Smoke) -> None:
-    divisor = DRY_CONTEXT_DIVISOR if sm.dry else 1
+    divisor = DRY_STEP_TIME_DIVISOR if sm.dry else 1
     short, long_n = (max(128, n // divisor) for n in STEP_TIME_TOKENS)
     model = ["model=tiny", "hardware=cpu"] if sm.dry else ["model=qwen3_8b", "hardware=rtx4080_16gb"]
     cmd = [sm.python, str(ROOT / "bench" / "step_time.py"), "--short", str(short), "--long", str(long_n),
