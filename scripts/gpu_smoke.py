@@ -981,7 +981,9 @@ def main(argv: list[str] | None = None) -> int:
     check_out(out)
     sm = Smoke(args, phases, sys.executable, work / "smoke.log")
     phase_env(sm)
-    if not args.dry_run and not sm.env.get("cuda_available"):
+    if (
+        not args.dry_run and "error" not in sm.env and not sm.env.get("cuda_available")
+    ):  # a failed probe: go on
         print("gpu_smoke: no CUDA device here; use --dry-run for the CPU path", file=sys.stderr)
         return 2
     phase_fork(sm)
