@@ -88,20 +88,8 @@ SPAWN_S = 7.0
 #: Extracting + activating the 47.1 MiB bundle, in the shell before this driver (inside the budget): 22.9 s
 #: measured on 2 shared CPU cores at load 9 (2026-12-02, python tarfile, 254 MiB out), x 1.3.
 EXTRACT_S = 30.0
-#: The environment probe imports torch only (versions come from importlib.metadata, so a cold ``import
-#: unsloth`` from a fresh bundle cannot time it out): 10 s measured for ``import torch`` + the metadata reads
-#: on 2 shared CPU cores (2026-12-02), + CUDA init and NVML (unmeasured): 30 s.
-ENV_S = 30.0
 #: Measured 2026-12-01 (H200, 15 GiB cap, nf4_dq + liger + checkpointing=on): 6,337 tokens/s at 12,288 tokens.
 LONG_TOKENS_PER_S = 6337.0
-#: The long-context probe's steps (``train.steps=3``) at its context length.
-LONG_STEPS, LONG_TOKENS = 3, 16384
-#: One long-context trial: a sweep trial's slot plus its steps at 16,384 tokens at the measured rate, with the
-#: margin (offload's host copies are unmeasured on a GPU): 28 + 1.5 x 3 x 16,384 / 6,337 = 39.6 s.
-LONG_TRIAL_S = TRIAL_S + TRIAL_MARGIN * LONG_STEPS * LONG_TOKENS / LONG_TOKENS_PER_S
-#: bench/step_time.py: two cold interpreters, each building the model and stepping (a spawn trial's measured
-#: 18.5 s + its 7 s start), with the margin: 1.5 x 2 x (7 + 18.5) = 76.5 s.
-STEP_TIME_S = TRIAL_MARGIN * 2 * (SPAWN_S + MEASURED_TRIAL_S)
 #: Signal grace of a phase stopped at its cap, taken out of the cap (SIGINT: the sweeper closes its trials
 #: and writes their results; SIGTERM; SIGKILL), so a cut phase ends by its cap.
 GRACE_S = (20.0, 5.0, 2.0)
@@ -135,67 +123,90 @@ def unproven_first(points: list[tuple[str, list[str]]]) -> bool:
 UNPROVEN = ("kernels=unsloth", "checkpointing=offload", "tiling=")
 
 
-def plan(n_points: int, *, n_long: int = 1 + len(LONG_FACTORS), scale: float = 1.0) -> list[Phase]:
-    """The smoke's phases and their caps (``scale`` = budget / :data:`DEFAULT_BUDGET_S`). A phase is
-    stopped at its cap; a sweep point it did not reach is reported "not run"."""
+#: The memory probe (issue 37.9): Qwen3-8B under the 15 GiB cap (hardware=rtx4080_16gb) with the long-context
+#: stack, one training step per length, ascending, stopping at the first OOM. 16-bit (compute) adapters
+#: first, over the 65,536-token goal; then fp32 adapters between the old estimate's 41,134 and the ~53k the
+#: kernels' allocations give.
+PROBE_COMPUTE_TOKENS = (32768, 49152, 65536, 81920)
+PROBE_FP32_TOKENS = (45056, 53248)
+PROBE_BASE = [o for o in LONG_BASELINE if not o.startswith(("adapter.dtype", "context.max_tokens"))]
+#: One step per probe point (the peak is the training step's); the real trial: a warm-up step + a measured one.
+PROBE_STEPS, TRIAL_STEPS = 1, 2
+#: Sized for the goal's length (a longer one that fitted takes the plan's slack as well).
+TRIAL_TOKENS = 65536
+#: Causal attention's FLOPs equal the linear layers' at this length (Qwen3-8B: 79 % of the non-causal count
+#: at 65,536 is attention, half of it causal: 65,536 / (0.79 / 0.21 / 2) = 34,860 tokens).
+ATTN_EQ_TOKENS = 65536 / (0.79 / 0.21 / 2)
+#: The environment probe + the 64 MiB pinned round trip: 10 s measured for import torch + the metadata reads
+#: on 2 shared cores (2026-12-02), x 2 for CUDA init and NVML (unmeasured; the copy is < 0.1 s at 10 GB/s).
+ENV_S = 20.0
+#: The fork-server check: the sweep's measured start-up less its first trial's spawn (25 - 7 s: CLI start,
+#: study, fork-server warm-up with the default preload) + 2 no-op trials forked in < 1 s each.
+FORK_S = SWEEP_STARTUP_S - SPAWN_S + 2.0
+#: scripts/gpu_longctx_check.py: tiny NF4 model, 5 modes x 1 step (25 s cap held on 2026-12-02's dry runs).
+EXACT_S = 25.0
+#: scripts/gpu_batch_check.py: 20.0 s wall measured on 2 loaded CPU cores (2026-12-03, compute included).
+BATCH_S = 20.0
+#: bench/step_time.py: 2 cold interpreters that each build the model and step (a spawn trial's 18.5 s slot,
+#: its 7 s start included) x the margin, + bench's own interpreter start.
+STEP_TIME_S = TRIAL_MARGIN * 2 * MEASURED_TRIAL_S + SPAWN_S
+#: The summary and the result files (no subprocess): seconds.
+REPORT_S = 5.0
+
+
+def step_s(tokens: int) -> float:
+    """Seconds of one Qwen3-8B training step of ``tokens`` from the 2026-12-01 rate at 12,288 tokens
+    (:data:`LONG_TOKENS_PER_S`), the per-token cost growing with causal attention (:data:`ATTN_EQ_TOKENS`)."""
+    growth = (1 + tokens / ATTN_EQ_TOKENS) / (1 + 12288 / ATTN_EQ_TOKENS)
+    return tokens / LONG_TOKENS_PER_S * growth
+
+
+def trial_cost_s(tokens: int, steps: int) -> float:
+    """One fresh-interpreter trial: the measured 18.5 s slot (spawn, build, eval) + its steps x the margin."""
+    return MEASURED_TRIAL_S + TRIAL_MARGIN * steps * step_s(tokens)
+
+
+def _lengths(tokens: tuple[int, ...]) -> str:
+    return ", ".join(f"{n:,} ({trial_cost_s(n, PROBE_STEPS):.0f} s)" for n in tokens)
+
+
+def plan(*, scale: float = 1.0) -> list[Phase]:
+    """The smoke's phases, in run order, and their caps (``scale`` = budget / :data:`DEFAULT_BUDGET_S`). Each
+    phase is stopped at its cap; a point it did not reach is "not run"; a failed phase never stops the next."""
+    compute = sum(trial_cost_s(n, PROBE_STEPS) for n in PROBE_COMPUTE_TOKENS)
+    fp32 = sum(trial_cost_s(n, PROBE_STEPS) for n in PROBE_FP32_TOKENS)
+    slot = f"{MEASURED_TRIAL_S} s slot + {TRIAL_MARGIN} x steps at {LONG_TOKENS_PER_S:,.0f} tok/s, attention-scaled"
     phases = [
-        Phase(
-            "bundle",
-            EXTRACT_S,
-            "extract + activate the bundle, in the shell (22.9 s measured on 2 CPU cores; 0 when extracted)",
-        ),
-        Phase(
-            "env",
-            ENV_S,
-            "versions from importlib.metadata, device, driver (a throwaway process importing torch only)",
-        ),
-        Phase(
-            "exact",
-            25,
-            "scripts/gpu_longctx_check.py: tiny NF4 Qwen3, on vs offload vs offload+tiling gradients, tiles in "
-            "every pass, pinned exact pool",
-        ),
-        Phase(
-            "weights",
-            80,
-            "Unsloth's random-weights folder (Qwen3-8B: 16.4 GB, 8 threads); else its points not run",
-        ),
-        Phase(
-            "sweep",
-            SWEEP_STARTUP_S + n_points * TRIAL_S,
-            f"{SWEEP}: {n_points} points x {TRIAL_S:.0f} s + {SWEEP_STARTUP_S:.0f} s start-up, unproven first",
-        ),
-        Phase(
-            "long",
-            SWEEP_STARTUP_S + n_long * LONG_TRIAL_S,
-            f"{LONG_SWEEP}: {n_long} point(s) x {LONG_TRIAL_S:.0f} s ({TRIAL_S:.0f} s + {LONG_STEPS} steps of "
-            f"{LONG_TOKENS:,} tokens at {LONG_TOKENS_PER_S:,.0f} tok/s x {TRIAL_MARGIN}) + {SWEEP_STARTUP_S:.0f} s start-up",
-        ),
-        Phase(
-            "step_time",
-            STEP_TIME_S,
-            f"bench/step_time.py: 1,024 vs 4,096 tokens, host vs device; 2 cold interpreters x "
-            f"({SPAWN_S:.0f} s start + {MEASURED_TRIAL_S} s build and steps) x {TRIAL_MARGIN}",
-        ),
-        Phase("report", 20, "vramsweep report (its own cap) + summary + bundle"),
-    ]
+        Phase("bundle", EXTRACT_S, "extract + activate the bundle, in the shell (22.9 s measured; 0 when extracted)"),
+        Phase("env", ENV_S, "versions (importlib.metadata), device, driver, a 64 MiB pinned round trip (10 s measured x 2)"),
+        Phase("fork", FORK_S, "fork server, default preload: a trial forked on this host, no fallback to spawn "
+              f"({SWEEP_STARTUP_S:.0f} s start-up - {SPAWN_S:.0f} s spawn + 2 x 1 s)"),
+        Phase("exact", EXACT_S, "scripts/gpu_longctx_check.py: tiling / offload / RNG replay gradients, pinned exact pool"),
+        Phase("batching", BATCH_S, "scripts/gpu_batch_check.py: token-weighted accumulation + packing == one batch "
+              "(20 s measured on 2 CPU cores)"),
+        Phase("memprobe", compute, f"Qwen3-8B, 15 GiB cap, compute adapters at {_lengths(PROBE_COMPUTE_TOKENS)}, "
+              f"to the first OOM; {slot}"),
+        Phase("memprobe_fp32", fp32, f"the same, fp32 adapters at {_lengths(PROBE_FP32_TOKENS)}"),
+        Phase("trial", trial_cost_s(TRIAL_TOKENS, TRIAL_STEPS), f"a real trial ({TRIAL_STEPS} steps) at the longest "
+              f"length that fitted (sized at {TRIAL_TOKENS:,}; also takes the plan's slack)"),
+        Phase("step_time", STEP_TIME_S, f"bench/step_time.py: 1,024 vs 4,096 tokens, 2 cold interpreters x "
+              f"{MEASURED_TRIAL_S} s x {TRIAL_MARGIN} + {SPAWN_S:.0f} s start"),
+        Phase("report", REPORT_S, "summary.md / summary.csv / trials.jsonl / phases.json / smoke.log (no subprocess)"),
+    ]  # fmt: skip
     return [Phase(p.name, p.cap_s * scale, p.what) for p in phases]
 
 
-def render_plan(phases: list[Phase], budget_s: float, points: list[tuple[str, list[str]]]) -> str:
-    """The plan as printed before anything runs: each phase's cap, their sum against the budget, the points."""
-    lines = [f"gpu_smoke: plan (budget {budget_s:.0f} s)"]
+def render_plan(phases: list[Phase], budget_s: float) -> str:
+    """The plan as printed before anything runs: each phase's cap, what runs in it and why it fits, their sum."""
+    lines = [
+        f"gpu_smoke: plan (budget {budget_s:.0f} s; each phase cut at its cap: what it did not reach is not run)"
+    ]
     t = 0.0
     for p in phases:
-        lines.append(f"  {t:5.0f} s +{p.cap_s:5.0f} s  {p.name:<9} {p.what}")
+        lines.append(f"  {t:5.0f} s +{p.cap_s:5.0f} s  {p.name:<13} {p.what}")
         t += p.cap_s
-    lines.append(
-        f"  total {t:.0f} s <= {budget_s:.0f} s"
-        if t <= budget_s
-        else f"  total {t:.0f} s > {budget_s:.0f} s!"
-    )
-    lines.append("  sweep points, in run order: " + "; ".join(c for c, _ in points))
-    lines.append("  then, in the time left unused: torch.profiler on the baseline (profile.md)")
+    ok = t <= budget_s + 1e-6
+    lines.append(f"  total {t:.0f} s {'<=' if ok else '>'} {budget_s:.0f} s" + ("" if ok else "!"))
     return "\n".join(lines)
 
 
@@ -310,9 +321,44 @@ def probe_environment() -> dict[str, Any]:
             pynvml.nvmlShutdown()
         except Exception:
             env["driver"] = None
+        try:
+            env["pinned_round_trip"] = pinned_round_trip(torch)
+        except Exception as exc:  # a failed registration or copy is this phase's result, not a crash
+            env["pinned_round_trip"] = {
+                "equal": False,
+                "note": f"64 MiB pinned round trip failed: {exc}"[:300],
+            }
     else:
+        env["pinned_round_trip"] = {"note": "64 MiB pinned round trip: not run (no CUDA device)"}
         env["device"] = f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
     return env
+
+
+#: The pinned round trip's size (issue 37.9): 64 MiB.
+ROUND_TRIP_BYTES = 64 * 1024**2
+
+
+def pinned_round_trip(torch: Any, nbytes: int = ROUND_TRIP_BYTES, device: str = "cuda") -> dict[str, Any]:
+    """``nbytes`` of random bytes from page-locked host memory to ``device`` and back into another pinned
+    buffer (non-blocking copies, timed by events): both buffers pinned, the bytes equal, GB/s each way."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).pin_memory()
+    back = torch.empty_like(src).pin_memory()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    events[0].record()
+    dev = src.to(device, non_blocking=True)
+    events[1].record()
+    back.copy_(dev, non_blocking=True)
+    events[2].record()
+    torch.cuda.synchronize()
+    h2d_s = events[0].elapsed_time(events[1]) / 1e3
+    d2h_s = events[1].elapsed_time(events[2]) / 1e3
+    return {
+        "bytes": nbytes,
+        "pinned": bool(src.is_pinned() and back.is_pinned()),
+        "equal": bool(torch.equal(src, back)) and bool(src.is_pinned() and back.is_pinned()),
+        "h2d_gb_s": nbytes / max(h2d_s, 1e-9) / 1e9,
+        "d2h_gb_s": nbytes / max(d2h_s, 1e-9) / 1e9,
+    }
 
 
 def environment(python: str, timeout_s: float = 300.0) -> dict[str, Any]:
@@ -737,305 +783,321 @@ def verdict(
 
 
 # ----------------------------------------------------------------------------------------------- main
+#: The dry run: the probe lengths / this (floor 128), the first lengths only (2 compute, 1 fp32): CPU-sized
+#: (the whole dry run within the slow test's 240 s on 2 loaded cores).
+DRY_PROBE_DIVISOR = 256
+#: The dry run's step-time lengths: 1,024 / 4,096 over this (128 vs 256 tokens).
+DRY_STEP_TIME_DIVISOR = 16
+DRY_PROBE = ["model=tiny", "hardware=cpu", "data.num_docs=4", "data.num_eval_docs=1"]
+#: Liger needs CUDA: the dry run probes the same stack without it.
+DRY_KERNELS = ["kernels=none"]
+#: Statuses that stop the memory probe (the next, longer length would not fit either).
+OOM_STATUSES = ("oom", "host_oom")
+
+
+class Smoke:
+    """The run's state: the hard deadline, the plan's caps, the log, and what each phase recorded."""
+
+    def __init__(self, args: argparse.Namespace, phases: dict[str, Phase], python: str, log: Path) -> None:
+        self.args, self.phases, self.python, self.log = args, phases, python, log
+        self.dry = bool(args.dry_run)
+        shell_t0 = float(os.environ.get("VRAMSWEEP_SMOKE_T0") or time.time())
+        self.t0 = time.perf_counter()
+        self.deadline = self.t0 + args.budget_s - max(0.0, time.time() - shell_t0)
+        self.results: list[dict[str, Any]] = []  # one per phase: {phase, status PASS/FAIL/not run, detail}
+        self.probes: list[dict[str, Any]] = []  # one per memory-probe / real-trial point
+        self.env: dict[str, Any] = {}
+
+    def left(self, reserve: float = 0.0) -> float:
+        return self.deadline - time.perf_counter() - reserve
+
+    def later(self, name: str) -> float:
+        names = list(self.phases)
+        return sum(self.phases[n].cap_s for n in names[names.index(name) + 1 :])
+
+    def cap(self, name: str, *, slack: bool = False) -> float:
+        """A phase's cap, never past what the later phases' caps leave; with ``slack`` all of that."""
+        room = self.left(self.later(name))
+        return max(0.0, room if slack else min(self.phases[name].cap_s, room))
+
+    def record(self, phase: str, status: str, detail: str) -> None:
+        self.results.append({"phase": phase, "status": status, "detail": detail})
+        print(f"gpu_smoke: [{phase}] {status}: {detail}", flush=True)
+
+    def run(self, phase: str, cmd: list[str], cap_s: float) -> tuple[int, bool, str]:
+        print(f"gpu_smoke: [{phase}] cap {cap_s:.0f} s: {' '.join(cmd[1:3])}", flush=True)
+        return run_logged(cmd, cap_s, self.log)
+
+    def overrides(self, tokens: int, dtype: str, steps: int) -> list[str]:
+        """A memory-probe / real-trial point: the long-context stack on Qwen3-8B under the 15 GiB cap."""
+        model = DRY_PROBE if self.dry else ["model=qwen3_8b", "hardware=rtx4080_16gb"]
+        base = [*PROBE_BASE, *DRY_KERNELS] if self.dry else PROBE_BASE
+        return [*model, *base, f"adapter.dtype={dtype}", f"context.max_tokens={tokens}",
+                f"train.steps={steps}", "train.warmup_steps=0", f"train.measure_warmup_steps={steps - 1}",
+                "train.micro_batch=1", "train.eval_batches=1", *self.args.overrides]  # fmt: skip
+
+
+def _verdict_of(text: str, rc: int, timed_out: bool) -> tuple[str, str]:
+    line = next((x for x in reversed(text.splitlines()) if x.startswith("verdict:")), None)
+    if timed_out and line is None:
+        return NOT_RUN, "cut at its cap (smoke.log)"
+    if line is None:
+        return "FAIL", f"no verdict (exit {rc}; smoke.log)"
+    return ("PASS" if line.startswith("verdict: PASS") and rc == 0 else "FAIL"), line
+
+
+def phase_env(sm: Smoke) -> None:
+    sm.env = environment(sm.python, sm.cap("env"))
+    env = sm.env
+    if "error" in env:
+        sm.record("env", "FAIL", f"environment probe: {env['error'].splitlines()[-1][:200]}")
+        return
+    rt = env.get("pinned_round_trip") or {}
+    versions = " · ".join(f"{k} {v or '–'}" for k, v in (env.get("versions") or {}).items())
+    trip = rt.get("note") or f"64 MiB pinned round trip {'equal' if rt.get('equal') else 'DIFFERS'}, " + (
+        f"h2d {rt.get('h2d_gb_s', 0):.1f} GB/s, d2h {rt.get('d2h_gb_s', 0):.1f} GB/s"
+    )
+    ok = rt.get("equal") is not False
+    sm.record(
+        "env",
+        "PASS" if ok else "FAIL",
+        f"{env.get('device')} · torch {env.get('torch')} · {versions}; {trip}",
+    )
+
+
+def phase_fork(sm: Smoke) -> None:
+    rc, to, text = sm.run("fork", [sm.python, str(Path(__file__).resolve()), "--probe-fork"], sm.cap("fork"))
+    rep = next((json.loads(x) for x in reversed(text.splitlines()) if x.startswith('{"isolation"')), None)
+    if rep is None:
+        sm.record("fork", NOT_RUN if to else "FAIL", "cut at its cap" if to else f"no report (exit {rc})")
+        return
+    forked = rep.get("isolation") == "fork" and not rep.get("fallback_reason")
+    detail = (
+        f"isolation {rep.get('isolation')} (CUDA host: {rep.get('cuda_host')}), warm-up {rep.get('warmup_s') or 0:.1f} s, "
+        f"per trial {rep.get('median_s')} s, preload {len(rep.get('preload') or [])} modules"
+        + (f", fell back to spawn: {rep['fallback_reason']}" if rep.get("fallback_reason") else "")
+    )
+    sm.record("fork", "PASS" if forked else "FAIL", detail)
+
+
+def phase_check(sm: Smoke, phase: str, script: str, extra: list[str]) -> None:
+    cmd = [sm.python, str(ROOT / "scripts" / script), "--device", "cpu" if sm.dry else "cuda", *extra]
+    rc, to, text = sm.run(phase, cmd, sm.cap(phase))
+    sm.record(phase, *_verdict_of(text, rc, to))
+
+
+def probe_point(sm: Smoke, phase: str, tokens: int, dtype: str, steps: int, cap_s: float) -> dict[str, Any]:
+    """One trial in a fresh interpreter (scripts/gpu_memprobe.py): its probe row, "not run" when cut."""
+    base = {"phase": phase, "tokens": tokens, "adapter": dtype}
+    if cap_s < 5.0:
+        return {**base, "status": NOT_RUN, "reason": "no time left in the phase's cap"}
+    cmd = [sm.python, str(ROOT / "scripts" / "gpu_memprobe.py"), *sm.overrides(tokens, dtype, steps)]
+    rc, to, text = sm.run(phase, cmd, cap_s)
+    row = next((json.loads(x[6:]) for x in reversed(text.splitlines()) if x.startswith("PROBE ")), None)
+    if row is None:
+        why = "cut at the phase's cap" if to else f"no result (exit {rc}; smoke.log)"
+        return {**base, "status": NOT_RUN if to else "error", "reason": why}
+    return {**row, **base}
+
+
+def phase_memprobe(sm: Smoke, phase: str, lengths: tuple[int, ...], dtype: str) -> None:
+    """Ascending lengths, one step each, stopping at the first OOM (the longer ones: not run)."""
+    end = time.perf_counter() + sm.cap(phase)
+    divisor = DRY_PROBE_DIVISOR if sm.dry else 1
+    todo = [
+        max(128, n // divisor) for n in (lengths[: 2 if dtype == "compute" else 1] if sm.dry else lengths)
+    ]
+    stopped = None
+    for n in todo:
+        if stopped is not None:
+            sm.probes.append(
+                {"phase": phase, "tokens": n, "adapter": dtype, "status": NOT_RUN, "reason": stopped}
+            )
+            continue
+        row = probe_point(sm, phase, n, dtype, PROBE_STEPS, end - time.perf_counter())
+        sm.probes.append(row)
+        if row["status"] in OOM_STATUSES:
+            stopped = f"stopped at the first OOM ({n:,} tokens)"
+    rows = [r for r in sm.probes if r["phase"] == phase]
+    errors = [r for r in rows if r["status"] not in (*RESULT_STATUSES, "host_oom", NOT_RUN)]
+    fitted = [r["tokens"] for r in rows if r["status"] == "ok"]
+    detail = "; ".join(f"{r['tokens']:,}: {r['status']}" for r in rows)
+    detail += f"; longest that fitted: {max(fitted):,}" if fitted else "; none fitted"
+    sm.record(
+        phase,
+        "FAIL" if errors else ("PASS" if any(r["status"] != NOT_RUN for r in rows) else NOT_RUN),
+        detail,
+    )
+
+
+def phase_trial(sm: Smoke) -> None:
+    fitted = [r["tokens"] for r in sm.probes if r["phase"] == "memprobe" and r["status"] == "ok"]
+    if not fitted:
+        sm.record("trial", NOT_RUN, "no compute-adapter length fitted (or none was probed)")
+        return
+    row = probe_point(sm, "trial", max(fitted), "compute", TRIAL_STEPS, sm.cap("trial", slack=True))
+    sm.probes.append(row)
+    st = row["status"]
+    status = NOT_RUN if st == NOT_RUN else ("PASS" if st in (*RESULT_STATUSES, "host_oom") else "FAIL")
+    tps = row.get("tokens_per_s")
+    sm.record("trial", status, f"{row['tokens']:,} tokens, {TRIAL_STEPS} steps: {st}"
+              + (f", {tps:.0f} tokens/s" if tps else "") + (f" ({row['reason']})" if row.get("reason") else ""))  # fmt: skip
+
+
+def phase_step_time(sm: Smoke) -> None:
+    divisor = DRY_STEP_TIME_DIVISOR if sm.dry else 1
+    short, long_n = (max(128, n // divisor) for n in STEP_TIME_TOKENS)
+    model = ["model=tiny", "hardware=cpu"] if sm.dry else ["model=qwen3_8b", "hardware=rtx4080_16gb"]
+    cmd = [sm.python, str(ROOT / "bench" / "step_time.py"), "--short", str(short), "--long", str(long_n),
+           "--rounds", "1", "--steps", "3" if sm.dry else "6", *model,
+           "quant=nf4_dq", "attention=sdpa", "kernels=none", "checkpointing=on",
+           *(STEP_TIME_DRY if sm.dry else STEP_TIME_GPU)]  # fmt: skip
+    rc, to, text = sm.run("step_time", cmd, sm.cap("step_time"))
+    lines = [x for x in text.splitlines() if x.startswith(("median step time", "host vs device"))]
+    if lines:
+        sm.record("step_time", "PASS" if rc == 0 else "FAIL", "; ".join(lines))
+    else:
+        sm.record(
+            "step_time", NOT_RUN if to else "FAIL", "cut at its cap" if to else f"no figures (exit {rc})"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.probe_env or args.probe_fork:
+        print(json.dumps(probe_environment() if args.probe_env else probe_fork()))
+        return 0
+    if args.budget_s is None:
+        args.budget_s = DRY_BUDGET_S if args.dry_run else DEFAULT_BUDGET_S
+    phases = {ph.name: ph for ph in plan(scale=args.budget_s / DEFAULT_BUDGET_S)}
+    print(render_plan(list(phases.values()), args.budget_s), flush=True)
+    if args.plan:
+        return 0
+    when = datetime.now(UTC)
+    default_out = ROOT / "results" / ("gpu_smoke_dry" if args.dry_run else "gpu_smoke")
+    out = Path(args.out or os.environ.get("OUT") or default_out).resolve()
+    work = Path(args.work or ROOT / "results" / ".gpu_smoke_work" / when.strftime("%Y%m%d-%H%M%S")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    check_out(out)
+    sm = Smoke(args, phases, sys.executable, work / "smoke.log")
+    phase_env(sm)
+    if (
+        not args.dry_run and "error" not in sm.env and not sm.env.get("cuda_available")
+    ):  # a failed probe: go on
+        print("gpu_smoke: no CUDA device here; use --dry-run for the CPU path", file=sys.stderr)
+        return 2
+    phase_fork(sm)
+    phase_check(sm, "exact", "gpu_longctx_check.py", ["--tokens", "64", "--tile", "16"] if sm.dry else [])
+    phase_check(sm, "batching", "gpu_batch_check.py", [])
+    phase_memprobe(sm, "memprobe", PROBE_COMPUTE_TOKENS, "compute")
+    phase_memprobe(sm, "memprobe_fp32", PROBE_FP32_TOKENS, "fp32")
+    phase_trial(sm)
+    phase_step_time(sm)
+    md = render_device_summary(sm, when)
+    files = write_results(out, md, sm)
+    print()
+    print(md)
+    print(f"gpu_smoke: wrote {len(files)} file(s) to {out}: {', '.join(f.name for f in files)}")
+    return 0 if all(r["status"] != "FAIL" for r in sm.results) else 1
+
+
+#: The dry run's budget: the same plan x 1800 / 540 (2 CPU cores shared with other jobs).
+DRY_BUDGET_S = 1800.0
+#: What the device run writes (at most MAX_FILES files).
+RESULT_FILES = ("summary.md", "summary.csv", "trials.jsonl", "phases.json", "smoke.log")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gpu_smoke", description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, embedded tiny model, tiny steps")
     p.add_argument("--plan", action="store_true", help="print the time plan and exit")
     p.add_argument("--out", help="result folder (default: $OUT, else results/gpu_smoke[_dry])")
-    p.add_argument("--work", help="sweep working folder (default: results/.gpu_smoke_work/<stamp>)")
-    p.add_argument(
-        "--budget-s",
-        type=float,
-        default=None,
-        help=f"wall-clock budget of the whole smoke (default {DEFAULT_BUDGET_S:.0f} s; 1800 s for --dry-run "
-        "on busy CPUs); every phase cap scales with it",
-    )
-    p.add_argument(
-        "--isolation",
-        choices=("fork", "spawn"),
-        default=None,
-        help="trial isolation (default: the sweeper's fork server)",
-    )
+    p.add_argument("--work", help="working folder (default: results/.gpu_smoke_work/<stamp>)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help=f"wall-clock budget of the whole smoke (default {DEFAULT_BUDGET_S:.0f} s; "
+                   f"{DRY_BUDGET_S:.0f} s for --dry-run on busy CPUs); every phase cap scales with it")  # fmt: skip
     p.add_argument("--probe-env", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("overrides", nargs="*", help="extra overrides after --, e.g. -- train.steps=8")
-    args = p.parse_args(argv)
-    if args.probe_env:
-        print(json.dumps(probe_environment()))
-        return 0
-
-    python = sys.executable
-    if args.budget_s is None:
-        args.budget_s = 1800.0 if args.dry_run else DEFAULT_BUDGET_S
-    divisor = DRY_CONTEXT_DIVISOR if args.dry_run else 1
-    points = [
-        (
-            " ".join(_scale_override(o, divisor) for o in ovs) if c != "(baseline)" else c,
-            [_scale_override(o, divisor) for o in ovs],
-        )
-        for c, ovs in design_points(SWEEP_FILES / f"{SWEEP}.yaml")
-    ]
-    scale = args.budget_s / DEFAULT_BUDGET_S
-    phases = {ph.name: ph for ph in plan(len(points), scale=scale)}
-    print(render_plan(list(phases.values()), args.budget_s, points), flush=True)
-    if args.plan:
-        return 0
-    when = datetime.now(UTC)
-    stamp = when.strftime("%Y%m%d-%H%M%S")
-    default_out = ROOT / "results" / ("gpu_smoke_dry" if args.dry_run else "gpu_smoke")
-    out = Path(args.out or os.environ.get("OUT") or default_out).resolve()
-    work = Path(args.work or ROOT / "results" / ".gpu_smoke_work" / stamp).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    log = work / "smoke.log"
-    t0 = time.perf_counter()
-    # hard: the shell's start (bundle extraction included) counts; the plan's caps shrink to what is left
-    shell_t0 = float(os.environ.get("VRAMSWEEP_SMOKE_T0") or time.time())
-    deadline = t0 + args.budget_s - max(0.0, time.time() - shell_t0)
-
-    def left(reserve: float = 0.0) -> float:
-        return deadline - time.perf_counter() - reserve
-
-    def cap(name: str, *later: str) -> float:
-        """A phase's cap, never past what the later phases' caps leave of the budget."""
-        return max(0.0, min(phases[name].cap_s, left(sum(phases[n].cap_s for n in later))))
-
-    env = environment(python, cap("env", "exact", "weights", "sweep", "long", "step_time", "report"))
-    if "error" in env:
-        print(f"gpu_smoke: cannot import torch with {python}:\n{env['error']}", file=sys.stderr)
-        return 1
-    if not args.dry_run and not env.get("cuda_available"):
-        print("gpu_smoke: no CUDA device here; use --dry-run for the CPU path", file=sys.stderr)
-        return 2
-    missing = [m for m in ("bitsandbytes", "hydra", "optuna") if not (env.get("versions") or {}).get(m)]
-    if missing:
-        print(
-            f"gpu_smoke: required package(s) missing: {', '.join(missing)} (see scripts/fetch_gpu_wheels.sh)",
-            file=sys.stderr,
-        )
-        return 1
-    print(
-        f"gpu_smoke: {env.get('device')} · torch {env.get('torch')} · "
-        + " · ".join(f"{k} {v or '–'}" for k, v in (env.get("versions") or {}).items()),
-        flush=True,
+    p.add_argument("--probe-fork", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "overrides", nargs="*", help="extra overrides of every probe point after --, e.g. -- train.seed=1"
     )
+    return p.parse_args(argv)
 
-    base_model = (
-        ["model=tiny", "hardware=cpu"] if args.dry_run else ["model=qwen3_8b", "hardware=rtx4080_16gb"]
-    )
-    iso = [f"hydra.sweeper.isolation={args.isolation}"] if args.isolation else []
-    notes: list[str] = [n for n in (plots_note(env),) if n]
-    why_not_run: dict[str, str] = {}
 
-    # 0. Long-context exactness on the device (unproven on a GPU): seconds, before anything long.
-    ecap = cap("exact", "weights", "sweep", "long", "step_time", "report")
-    cmd = [
-        python,
-        str(ROOT / "scripts" / "gpu_longctx_check.py"),
-        "--device",
-        "cpu" if args.dry_run else "cuda",
-    ]
-    if args.dry_run:
-        cmd += ["--tokens", "64", "--tile", "16"]
-    print(f"gpu_smoke: long-context exactness (cap {ecap:.0f} s)", flush=True)
-    erc, eto, text = run_logged(cmd, ecap, log, tee=True)
-    verdict_line = next((x for x in reversed(text.splitlines()) if x.startswith("verdict:")), None)
-    notes.append(
-        "Long-context exactness (scripts/gpu_longctx_check.py): "
-        + (
-            verdict_line
-            or f"not finished (exit {erc}{', cut at its cap: not run' if eto else ''}; smoke.log)"
-        )
-    )
+def probe_fork() -> dict[str, Any]:
+    """The sweeper's default fork server on this host (its default preload, the CUDA-host rules): two no-op
+    trials forked from it; ``isolation`` stays ``fork`` unless it fell back to spawn (``fallback_reason``)."""
+    from vramsweep.sweeper.overhead import measure_overhead
 
-    # 1. Unsloth's weights folder for the Qwen3-8B architecture: written once, outside the trials' timeouts,
-    #    within its cap; when it is not there in time, the Unsloth points are not run (never an error).
-    weights = None
-    unsloth_ok = str((env.get("versions") or {}).get("unsloth") or "").split(":")[0] not in (
-        "",
-        "import failed",
-    )
-    if args.dry_run or unsloth_ok:  # the dry run writes a tiny architecture's folder (same code path)
-        cmd = [python, "-m", "vramsweep.knobs.arch_weights", "--workers", str(min(8, os.cpu_count() or 1))]
-        wcap = cap("weights", "sweep", "long", "step_time", "report")
-        print(
-            f"gpu_smoke: Unsloth weights folder for qwen3_8b (once, into VRAMSWEEP_CACHE; cap {wcap:.0f} s)",
-            flush=True,
-        )
-        arch = DRY_ARCH if args.dry_run else base_model
-        wrc, wto, text = run_logged(cmd + arch, wcap, log, tee=True)
-        weights = next((json.loads(x) for x in reversed(text.splitlines()) if x.startswith("{")), None)
-        if weights is None:
-            reason = (
-                f"Unsloth weights folder not written within its {wcap:.0f} s cap"
-                if wto
-                else f"Unsloth weights folder not written (exit {wrc}; smoke.log)"
+    return measure_overhead("fork", n=2)
+
+
+def check_out(out: Path) -> None:
+    if out.is_dir():
+        foreign = [p.name for p in out.iterdir() if p.name not in RESULT_FILES]
+        if foreign:
+            raise SystemExit(
+                f"gpu_smoke: {out} holds other files ({', '.join(sorted(foreign)[:5])}): use an empty --out"
             )
-            notes.append(reason)
-            for change, ovs in points:
-                if "kernels=unsloth" in ovs:
-                    why_not_run[change] = reason
-    if weights is not None:
-        notes.append(
-            f"Unsloth weights folder (random {'tiny Qwen3 test architecture' if args.dry_run else 'Qwen3-8B'}, "
-            f"{weights['dtype']}): {weights['disk_bytes'] / 1e9:.3f} GB on disk in {weights['shards']} shards, "
-            + (
-                f"written in {weights['write_s']:.1f} s ({weights['write_mb_per_s']:.0f} MB/s)"
-                if weights["written_now"]
-                else f"reused (written earlier in {weights['write_s']:.1f} s)"
-            )
+
+
+def _probe_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| phase | tokens | adapters | status | reserved GiB | allocated GiB | alloc retries | pool GiB "
+             "| estimate GiB | tokens/s | wall s | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        g = [_fmt(_gib(r.get(k)), ".2f") for k in ("peak_reserved_bytes", "peak_allocated_bytes")]
+        lines.append(
+            f"| {r['phase']} | {r['tokens']:,} | {r['adapter']} | {r['status']} | {g[0]} | {g[1]} | "
+            f"{_fmt(r.get('num_alloc_retries'), 'd')} | {_fmt(_gib(r.get('pool_bytes')), '.2f')} | "
+            f"{_fmt(_gib(r.get('estimate_bytes')), '.2f')} | {_fmt(r.get('tokens_per_s'), '.0f')} | "
+            f"{_fmt(r.get('wall_s'), '.0f')} | {_short(str(r.get('reason') or ''))} |"
         )
+    return lines
 
-    # 2. The ablation sweep (sweeps/gpu_smoke.yaml), unproven points first, within its cap.
-    run_points = [pt for pt in points if pt[0] not in why_not_run]
-    design = [
-        f"sweep.baseline={_quote(run_points[0][1])}",
-        "sweep.factors=[" + ",".join(_quote(ovs) for _, ovs in run_points[1:]) + "]",
-    ]
-    overrides = (DRY_OVERRIDES if args.dry_run else []) + design + list(args.overrides) + iso
-    sweep_dir = work / "sweeps" / SWEEP
-    budget = cap("sweep", "long", "step_time", "report")
-    print(f"gpu_smoke: sweep {SWEEP} -> {sweep_dir} (cap {budget:.0f} s, log {log})", flush=True)
-    rc, timed_out = run_sweep(python, work, overrides, budget, log)
-    trials = load_trials(sweep_dir)
-    expected = None
-    try:
-        expected = int(json.loads((sweep_dir / "sweep.json").read_text()).get("n_total"))
-    except (OSError, ValueError, TypeError):
-        pass
 
-    # 3. Long-context probe: the long-context stack at 16,384 tokens under the cap.
-    long_trials: list[dict[str, Any]] = []
-    long_rc, long_to = 0, False
-    budget = cap("long", "step_time", "report")
-    if budget > 20 * scale:
-        long_ov = (DRY_OVERRIDES if args.dry_run else []) + [
-            f"sweep.name={LONG_SWEEP}",
-            "sweep.baseline=" + _quote([_scale_override(o, divisor) for o in LONG_BASELINE]),
-            "sweep.factors=["
-            + ",".join(_quote([_scale_override(o, divisor) for o in f]) for f in LONG_FACTORS)
-            + "]",
-            *([] if args.dry_run else ["train.steps=3", "train.measure_warmup_steps=1"]),  # dry: already
-            *list(args.overrides),
-            *iso,
+def render_device_summary(sm: Smoke, when: datetime) -> str:
+    """The dated markdown summary: one line per phase in run order, the probe table, the verdict."""
+    date = when.strftime("%Y-%m-%d")
+    title = (f"### GPU smoke — DRY RUN on CPU ({date}, embedded tiny model; not GPU figures)" if sm.dry
+             else f"### GPU smoke — {date} ({sm.env.get('device', '?')}; Qwen3-8B random init under a 15 GiB cap)")  # fmt: skip
+    lines = [title, ""]
+    lines += [f"- {r['phase']}: {r['status']}: {r['detail']}" for r in sm.results]
+    if sm.probes:
+        lines += [
+            "",
+            "Memory probe and real trial (peaks of the training step; CPU: tracked tensor bytes):",
+            "",
         ]
-        print(
-            f"gpu_smoke: long-context probe -> {work / 'sweeps' / LONG_SWEEP} (cap {budget:.0f} s)",
-            flush=True,
-        )
-        long_rc, long_to = run_sweep(python, work, long_ov, budget, log)
-        long_trials = load_trials(work / "sweeps" / LONG_SWEEP)
-    else:
-        notes.append("long-context probe: not run (time budget spent)")
+        lines += _probe_table(sm.probes)
+    failed = [r["phase"] for r in sm.results if r["status"] == "FAIL"]
+    not_run = [r["phase"] for r in sm.results if r["status"] == NOT_RUN]
+    why = "every phase that ran passed" if not failed else f"failed: {', '.join(failed)}"
+    why += f"; not run: {', '.join(not_run)}" if not_run else ""
+    wall = time.perf_counter() - sm.t0
+    lines += ["", f"Verdict: {'PASS' if not failed else 'FAIL'}: {why}. Wall time {wall:.0f} s."]
+    return "\n".join(lines) + "\n"
 
-    # 4. Step time at two lengths, host vs device per step (bench/step_time.py): the fixed per-step cost.
-    baseline = [o for o in points[0][1] if not o.startswith("context.max_tokens")]
-    budget = cap("step_time", "report")
-    short, long_n = (max(128, n // divisor) for n in STEP_TIME_TOKENS)
-    if budget > 15 * scale:
-        cmd = [
-            python,
-            str(ROOT / "bench" / "step_time.py"),
-            "--short",
-            str(short),
-            "--long",
-            str(long_n),
-            "--rounds",
-            "1",
-            "--steps",
-            "3" if args.dry_run else "6",
-            *base_model,
-            *baseline,
-            *(STEP_TIME_DRY if args.dry_run else STEP_TIME_GPU),
-        ]
-        src, sto, text = run_logged(cmd, budget, log)
-        ratio = [x for x in text.splitlines() if x.startswith(("median step time", "host vs device"))]
-        notes.append(
-            "Step time (bench/step_time.py, baseline): "
-            + (
-                "; ".join(ratio)
-                if ratio
-                else f"not finished (exit {src}{', cut at its cap' if sto else ''}; smoke.log)"
-            )
-        )
-    else:
-        notes.append("step-time pass: not run (time budget spent)")
 
-    # 5. torch.profiler on the baseline, only in what the plan left unused (the report keeps its cap).
-    profile_md = work / "profile.md"
-    prof_lines = []
-    for tokens in PROFILE_TOKENS:
-        n = max(128, tokens // divisor)
-        budget = min(60 * scale, left(phases["report"].cap_s))
-        if budget < 30 * scale:
-            prof_lines.append(f"{n} tokens: not run (no time left in the plan)")
-            continue
-        cmd = [python, str(ROOT / "scripts" / "gpu_profile.py"), "--tokens", str(n), "--out", str(profile_md)]
-        prc, pto, text = run_logged(cmd + ["--", *base_model, *baseline], budget, log)
-        prof = next(
-            (json.loads(x.split(" ", 1)[1]) for x in text.splitlines() if x.startswith("PROFILE_JSON ")), None
-        )
-        if prof is None:
-            prof_lines.append(f"{n} tokens: failed (exit {prc}{', timed out' if pto else ''}; smoke.log)")
-            continue
-        prof_lines.append(profile_summary(prof))
-    if prof_lines:
-        notes.append(
-            "Profiler (baseline, 2 profiled steps): " + "; ".join(prof_lines) + " (tables: profile.md)"
-        )
-
-    # 6. Report, summary, bundle.
-    report_dir = work / "report"
-    report_rc, report_cut = (
-        run_report(python, sweep_dir, report_dir, log, max(0.0, left(2.0))) if trials else (1, False)
-    )
-    command = "bash scripts/gpu_smoke.sh" + (" --dry-run" if args.dry_run else "")
-    rows = summary_rows(trials)
-    cut_reason = f"cut at the sweep's {phases['sweep'].cap_s:.0f} s cap"
-    for row, r in zip(rows, trials, strict=True):
-        if cut_by_time(r):
-            own = str(r.get("reason") or "").splitlines()[0]
-            row.update(status=NOT_RUN, reason=own if own.startswith("timeout:") else cut_reason)
-    rows += not_run_rows(points, trials, why_not_run, cut_reason)
-    md = render_summary(
-        rows, env, trials, dry=args.dry_run, command=command, when=when, sweep_rc=rc, timed_out=timed_out
-    )
-    long_rows = summary_rows(long_trials)
-    if long_rows:
-        md += (
-            "\n"
-            + render_table(
-                long_rows, title="Long-context probe (liger + offload + tiling=mlp + 16-bit adapters)"
-            )
-            + (f"Long-context sweep exit code {long_rc}{' (stopped at its cap)' if long_to else ''}.\n")
-        )
-    if notes:
-        md += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
-    ok, why = verdict(trials, expected, rc, timed_out=timed_out, not_run=list(why_not_run))
-    long_errors = [r for r in long_trials if r.get("status") not in RESULT_STATUSES and not cut_by_time(r)]
-    if long_errors:
-        ok, why = (
-            False,
-            f"{why}; error in long-context trial(s) " + ", ".join(str(r.get("trial")) for r in long_errors),
-        )
-    if report_cut:
-        why += "; the report: not run (cut at its cap; the summary above is complete)"
-    elif report_rc != 0:
-        ok, why = False, f"{why}; the report failed (exit {report_rc}, see smoke.log)"
-    md += f"\nVerdict: {'PASS' if ok else 'FAIL'}: {why}. Wall time {time.perf_counter() - t0:.0f} s.\n"
-    with open(log, "a") as fh:
-        fh.write(f"\ngpu_smoke: environment {json.dumps(env)}\n")
-    files = bundle(
-        out,
-        summary_md=md,
-        summary_csv_text=summary_csv(rows + long_rows),
-        trials=trials + long_trials,
-        sweep_dir=sweep_dir,
-        report_dir=report_dir,
-        log=log,
-    )
-    print()
-    print(md)
-    print(f"gpu_smoke: wrote {len(files)} file(s) to {out}: {', '.join(f.name for f in files)}")
-    return 0 if ok else 1
+def write_results(out: Path, md: str, sm: Smoke) -> list[Path]:
+    """summary.md, summary.csv (the probe rows), trials.jsonl, phases.json, smoke.log. Returns the files."""
+    out.mkdir(parents=True, exist_ok=True)
+    check_out(out)
+    (out / "summary.md").write_text(md)
+    cols = ["phase", "tokens", "adapter", "status", "peak_reserved_bytes", "memory_kind", "peak_allocated_bytes",
+            "num_alloc_retries", "pool_bytes", "estimate_bytes", "tokens_per_s", "wall_s", "reason"]  # fmt: skip
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore")
+    w.writeheader()
+    for r in sm.probes:
+        w.writerow(r)
+    (out / "summary.csv").write_text(buf.getvalue())
+    (out / "trials.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sm.probes))
+    (out / "phases.json").write_text(json.dumps({"results": sm.results, "env": sm.env}, indent=1) + "\n")
+    if sm.log.is_file():
+        shutil.copyfile(sm.log, out / "smoke.log")
+    written = sorted(p for p in out.iterdir() if p.is_file())
+    assert len(written) <= MAX_FILES, written
+    return written
 
 
 def profile_summary(prof: dict[str, Any]) -> str:

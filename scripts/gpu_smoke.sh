@@ -4,26 +4,23 @@
 #         bash scripts/gpu_smoke.sh --plan [--dry-run]        (print the time plan only)
 #         bash scripts/gpu_smoke.sh --maxctx [--budget-s 470] (GPU: sweeps/max_context_16gb.yaml instead)
 #
-# One-shot GPU smoke test (issues 7, 10, 25, 37); 540 s on one H200 by a plan whose phase caps sum to <= the
-# budget (printed first; a phase stops at its cap, a point it did not reach is "not run"). No network:
-#   1. makes what the image lacks importable, offline: the bundle from scripts/fetch_gpu_wheels.sh, found in
-#      wheels/ or the shared prebuilt copy and its manifest checked against gpu_bundle.py's WANTED list
-#      (--dry-run says so; a GPU run refuses a stale one), extracted once, on PYTHONPATH; else loose
-#      wheels in --wheels DIR;
-#   2. writes the random-weights folder kernels=unsloth loads for the Qwen3-8B architecture (once, cached,
-#      8 threads, within its cap; else the Unsloth points are "not run");
-#   3. runs sweeps/gpu_smoke.yaml: a random-init Qwen3-8B architecture under a 16 GiB cap
-#      (hardware=rtx4080_16gb emulated on the larger GPU), the unproven knobs first (Unsloth on the
-#      architecture folder, checkpointing=offload, tiling), trials isolated the sweeper's default way;
-#   4. a long-context probe (liger + offload + tiling=mlp + 16-bit adapters at 16,384 tokens), the step time
-#      at 1,024 vs 4,096 tokens with host vs device time (bench/step_time.py), and torch.profiler on the
-#      baseline only in the time the plan left unused;
-#   5. writes one folder of at most 9 files: summary.md (dated tables for README), summary.csv,
-#      ablation.md, pareto.png, memory_breakdown.png, trials.jsonl (every trial result), sweep.json,
-#      smoke.log, profile.md; and prints the dated markdown summary.
-# --dry-run runs the same steps on the CPU with the embedded tiny model, tiny steps and contexts / 8
-# (CI runs it). Exit status: 0 when every trial ended in a recorded status (ok / oom / unsupported are
-# all results), 1 when a sweep or the report failed, 2 on bad usage.
+# One-shot GPU smoke test (issues 7, 10, 25, 37): the device script of issue 37.9, 540 s of work on one GPU
+# by a plan whose phase caps sum to <= the budget (printed first with what runs in each and why it fits).
+# Every phase is time-boxed and independent: a failed one never stops the next, a cut one is "not run".
+# No network. In order:
+#   1. bundle: found in wheels/ or the shared prebuilt copy, its manifest checked against gpu_bundle.py's
+#      WANTED list (--dry-run says so; a GPU run refuses a stale one), extracted once, on PYTHONPATH;
+#   2. env: versions (importlib.metadata), device, driver, a 64 MiB pinned round trip;
+#   3. fork: trials forked from the sweeper's fork server with its default preload, no fallback to spawn;
+#   4. exact / batching: scripts/gpu_longctx_check.py (tiling, offload, RNG replay) and
+#      scripts/gpu_batch_check.py (token-weighted accumulation, packing) on the device;
+#   5. memprobe: Qwen3-8B (random init) under the 15 GiB cap, 16-bit adapters, 32,768 / 49,152 / 65,536 /
+#      81,920 tokens to the first OOM (peaks, num_alloc_retries, pool bytes, the estimate);
+#      memprobe_fp32: the same with fp32 adapters at 45,056 / 53,248 tokens;
+#   6. trial: a real trial at the longest length that fitted; step_time: bench/step_time.py 1,024 vs 4,096;
+#   7. writes summary.md, summary.csv, trials.jsonl, phases.json, smoke.log and prints the summary.
+# --dry-run runs the same script on the CPU with the embedded tiny model (CI runs it). Exit status: 0 when
+# no phase failed (ok / oom / not run are results), 1 when one did, 2 on bad usage or no CUDA device.
 set -euo pipefail
 # The budget is hard from here (bundle extraction included): gpu_smoke.py counts from this instant.
 export VRAMSWEEP_SMOKE_T0="${VRAMSWEEP_SMOKE_T0:-$(date +%s.%N)}"
@@ -43,7 +40,7 @@ for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
     --plan) PLAN=1 ;;
-    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   esac
 done
 # --wheels/--bundle are consumed here (the install happens before Python runs); the rest goes to gpu_smoke.py.
