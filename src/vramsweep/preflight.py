@@ -17,8 +17,8 @@ Checks:
 * named config options exist: ``sweep=<name>`` (the group is optional, so Hydra would silently ignore a
   typo) and ``+experiment=<name>`` (:func:`check_option`, shared with the sweeper);
 * ``VRAMSWEEP_FAULT`` (the fault-injection test hook) has one of the forms the trial understands;
-* host memory: the pinned pool of ``checkpointing=offload`` (the estimator's ``host_bytes``) fits in the
-  RAM this machine has available (:func:`check_host_memory`; the trial itself checks again and records
+* host memory: the pinned pool of ``checkpointing=offload`` (the estimator's ``host_bytes``) plus the trial
+  process's own headroom (:data:`HOST_PROCESS_HEADROOM_BYTES`) fits in the RAM this machine has available (:func:`check_host_memory`; the trial itself checks again and records
   ``host_oom`` without building anything).
 """
 
@@ -235,11 +235,25 @@ def available_host_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
+#: Host RAM kept free for the trial process itself beside the pinned pool: its own resident set, which the
+#: pool must not crowd out (page-locked pages cannot be reclaimed; what is left for the process decides
+#: whether the kernel's OOM killer ends it). Derived (docs/LONG_CONTEXT.md, "Host memory of offload"): a
+#: whole tiny-model trial process peaks at 0.66 GiB resident (``/usr/bin/time -v vramsweep train
+#: train.steps=3``; imports of torch + transformers + peft alone 0.39 GiB), plus 1 GiB for what a CUDA
+#: trial adds on the host (the runtime's and cuBLAS's host state, a real tokenizer and its data), rounded
+#: up to 2 GiB. A model load is not added: transformers memory-maps the shards (reclaimable pages; a
+#: 0.67 GiB bf16 checkpoint raised the peak resident set by 0.10 GiB here) and it ends before the pool is
+#: allocated (``python bench/host_rss.py`` measures all three). ``meta.host_memory.peak_rss_bytes`` of a
+#: CUDA trial checks the figure.
+HOST_PROCESS_HEADROOM_BYTES = 2 * GIB
+
+
 def check_host_memory(cfg: Any, available: int | None = None, *, estimated: dict | None = None) -> None:
     """Raise when the host memory the config needs beside the device (the page-locked pool of
-    ``checkpointing=offload``: layers x tokens x hidden x dtype) exceeds the RAM available here; the error
-    names both figures and the longest context that would fit. ``estimated``: the config's estimate when
-    the caller has it already (host bytes do not depend on calibration)."""
+    ``checkpointing=offload``: layers x tokens x hidden x dtype) plus :data:`HOST_PROCESS_HEADROOM_BYTES`
+    for the trial process exceeds the RAM available here (so a pool equal to ``MemAvailable`` is refused);
+    the error names the figures and the longest context that would fit. ``estimated``: the config's
+    estimate when the caller has it already (host bytes do not depend on calibration)."""
 
     if str(cfg.hardware.device) == "cpu":
         return _check_cpu_memory(cfg, available, estimated)
@@ -251,14 +265,16 @@ def check_host_memory(cfg: Any, available: int | None = None, *, estimated: dict
     if need <= 0:
         return
     have = available_host_bytes() if available is None else int(available)
-    if need <= have:
+    headroom = HOST_PROCESS_HEADROOM_BYTES
+    if need + headroom <= have:
         return
     tokens = int(cfg.context.max_tokens)
-    fits = max(0, tokens * have // need)
+    fits = max(0, tokens * (have - headroom) // need)
     raise ConfigError(
         f"checkpointing=offload needs {need / GIB:.2f} GiB of pinned host memory for the layer inputs at "
-        f"context.max_tokens={tokens} x train.micro_batch={int(cfg.train.micro_batch)}, but this machine has "
-        f"{have / GIB:.2f} GiB of RAM available",
+        f"context.max_tokens={tokens} x train.micro_batch={int(cfg.train.micro_batch)} plus "
+        f"{headroom / GIB:.2f} GiB for the trial process, but this machine has {have / GIB:.2f} GiB of RAM "
+        "available",
         key="checkpointing",
         allowed=[f"context.max_tokens<={fits}", "checkpointing=on", "a machine with more RAM"],
     )

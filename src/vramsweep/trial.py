@@ -60,6 +60,7 @@ from vramsweep.production.checkpoint import (
 from vramsweep.production.length import apply_epochs
 from vramsweep.production.outputs import LossLog, RunFolder, run_folder_for, save_outputs, write_config
 from vramsweep.record.diskfull import disk_full_reason
+from vramsweep.record.hostmem import process_rss
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import new_result, write_result
 from vramsweep.record.schema import Meta, ResultSchemaError, TrialResult
@@ -806,6 +807,7 @@ def run_trial(
         except Exception:
             pass
     result["status"], result["reason"] = status, reason
+    _record_rss(result["meta"])
     with contextlib.suppress(OSError, AttributeError, KeyError, TypeError):
         result["meta"]["timing_conditions"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     result["meta"]["wall_s"] = round(time.perf_counter() - t0, 3)
@@ -816,6 +818,18 @@ def run_trial(
     if result_path is not None:
         _write(record, result_path)
     return record.to_json()
+
+
+def _record_rss(meta: dict) -> None:
+    """The trial process's resident set at its end and its peak, beside the host pool's figures (the
+    headroom the pre-flight keeps for the process, docs/LONG_CONTEXT.md, is checked against this)."""
+    host = dict(meta.get("host_memory") or {})
+    host.update(process_rss())
+    host["rss_definition"] = (
+        "peak_rss_bytes: the trial process's peak resident set (VmHWM; a forked trial's starts at the pages "
+        "it shares with its fork server); rss_bytes: its resident set when the trial ended (VmRSS)"
+    )
+    meta["host_memory"] = host
 
 
 def _failure(exc: BaseException, result: dict) -> tuple[Status, str, bool]:

@@ -20,7 +20,11 @@ in per-layer blocks of PyTorch's caching host allocator, which rounds every bloc
 pool is ordinary host memory page-locked with ``cudaHostRegister`` (what ``pin_memory`` does without the
 rounding); it grows to the largest pass seen and is reused by every step. A pool that cannot be allocated
 or pinned raises :class:`HostMemoryError` naming the bytes asked for (the trial records status
-``host_oom``, not a GPU OOM). ``peak_host_bytes`` / ``pool_bytes`` go to the result
+``host_oom``, not a GPU OOM); a failed ``cudaHostRegister`` leaves CUDA's per-thread last error set, which
+the next kernel launch of the process would raise as "CUDA error: out of memory", so it is cleared
+(``cudaGetLastError``) before the error is raised. While the pool grows the process writes a marker
+(:mod:`vramsweep.record.hostmem`): when the kernel's OOM killer ends it there (SIGKILL, no result), the
+sweeper records ``host_oom``, not ``error``. ``peak_host_bytes`` / ``pool_bytes`` go to the result
 (``meta.host_memory``).
 
 On a CPU device there is no separate device memory: the "offloaded" copy lives in the same RAM, so it
@@ -29,10 +33,14 @@ saves nothing; it runs (for tests of equality) and the trial says so (``meta.bui
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 from typing import Any
 
 import torch
+
+from vramsweep.record.hostmem import FAILED, GROWING, HELD, write_marker
 
 GIB = 2**30
 
@@ -42,12 +50,51 @@ class HostMemoryError(RuntimeError):
 
 
 def _pin(buf: torch.Tensor) -> None:
-    """Page-lock ``buf``'s storage in place for async copies (``cudaHostRegister``, exact size)."""
-    err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0))
+    """Page-lock ``buf``'s storage in place for async copies (``cudaHostRegister``, exact size). On failure
+    CUDA's last error is cleared first, so the process's next kernel launch does not raise it."""
+    rt = torch.cuda.cudart()
+    err = int(rt.cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0))
     if err != 0:
+        cleared = clear_last_cuda_error(rt)
+        note = "last error cleared" if cleared is not None else "CUDA's last error could not be cleared"
         raise HostMemoryError(
-            f"cudaHostRegister of {buf.numel() * buf.element_size() / GIB:.2f} GiB failed (cudaError {err})"
+            f"cudaHostRegister of {buf.numel() * buf.element_size() / GIB:.2f} GiB failed (cudaError {err}; "
+            f"{note})"
         )
+
+
+def libcudart_path(maps: str) -> str | None:
+    """The ``libcudart`` this process has mapped, from the text of ``/proc/self/maps`` (None if none)."""
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[5] if len(line.split(maxsplit=5)) == 6 else ""
+        if "/libcudart" in path and ".so" in path:
+            return path.strip()
+    return None
+
+
+@functools.cache
+def _libcudart_get_last_error() -> Any:
+    """``cudaGetLastError`` of the libcudart torch loaded (torch does not bind it); None when none is mapped
+    (a statically linked runtime) or it cannot be opened."""
+    try:
+        with open("/proc/self/maps") as fh:
+            path = libcudart_path(fh.read())
+        fn = ctypes.CDLL(path).cudaGetLastError if path else None
+    except (OSError, AttributeError):
+        return None
+    if fn is not None:
+        fn.restype = ctypes.c_int
+    return fn
+
+
+def clear_last_cuda_error(rt: Any = None) -> int | None:
+    """Reset this thread's CUDA last error (``cudaGetLastError``); the error it held, or None when the
+    runtime's ``cudaGetLastError`` could not be reached. A failed ``cudaHostRegister`` sets it, and torch's
+    check after every kernel launch reads it: left set, the next launch raises "CUDA error: out of memory"."""
+    get = getattr(rt, "cudaGetLastError", None) or _libcudart_get_last_error()
+    if get is None:
+        return None
+    return int(get())
 
 
 def _unpin(buf: torch.Tensor) -> None:
@@ -63,6 +110,8 @@ class HostPool:
         self.pin = pin
         self.buf: torch.Tensor | None = None
         self.offset = 0
+        #: the pool's pages are still being faulted in (plain host memory, before its first full pass)
+        self.growing = False
 
     @property
     def nbytes(self) -> int:
@@ -73,22 +122,32 @@ class HostPool:
         if nbytes <= self.nbytes:
             return
         self.release()
+        write_marker(GROWING, nbytes, pinned=self.pin)  # an OOM kill from here on is host memory
         try:
             buf = torch.empty(int(nbytes), dtype=torch.uint8, device="cpu")
             if self.pin:
-                _pin(buf)
-        except HostMemoryError as exc:
+                _pin(buf)  # faults every page in and locks it
+        except (HostMemoryError, RuntimeError, MemoryError) as exc:
+            write_marker(FAILED, nbytes, pinned=self.pin, error=type(exc).__name__)
+            self._raise(nbytes, exc)
+        self.buf = buf
+        self.growing = not self.pin  # plain host memory: its pages fault in as the first pass fills it
+        if self.pin:
+            write_marker(HELD, nbytes, pinned=True)
+
+    @staticmethod
+    def _raise(nbytes: int, exc: BaseException) -> None:
+        if isinstance(exc, HostMemoryError):
             raise HostMemoryError(
                 f"host memory for checkpointing=offload: {nbytes / GIB:.2f} GiB of pinned memory for the layer "
                 f"inputs could not be page-locked ({exc}); use a shorter context.max_tokens, or "
                 "checkpointing=on on a machine with less RAM than that"
             ) from None
-        except (RuntimeError, MemoryError) as exc:
-            raise HostMemoryError(
-                f"host memory for checkpointing=offload: {nbytes / GIB:.2f} GiB for the layer inputs could not be "
-                f"allocated ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
-            ) from None
-        self.buf = buf
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        raise HostMemoryError(
+            f"host memory for checkpointing=offload: {nbytes / GIB:.2f} GiB for the layer inputs could not be "
+            f"allocated ({type(exc).__name__}: {first})"
+        ) from None
 
     def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -101,6 +160,9 @@ class HostPool:
         return view
 
     def reset(self) -> None:
+        if self.growing and self.offset == self.nbytes:  # the last pass's copies touched every page
+            self.growing = False
+            write_marker(HELD, self.nbytes, pinned=False)
         self.offset = 0
 
     def release(self) -> None:
@@ -108,6 +170,7 @@ class HostPool:
             _unpin(self.buf)
         self.buf = None
         self.offset = 0
+        self.growing = False
 
 
 class OffloadManager:

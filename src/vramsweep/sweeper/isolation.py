@@ -14,7 +14,8 @@
 
 What runs inside the trial process (the spec, the result JSON, pruning reports) is :mod:`.trialproc`. A
 child that dies without a result JSON (kill -9, segfault, kernel OOM killer, timeout) gets an ``error``
-result written by the parent, with the signal as the reason.
+result written by the parent, with the signal as the reason; a SIGKILL while the child's host-pool marker
+says its pinned pool was growing is ``host_oom`` (:func:`.outcome.died_status`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import hydra_state
-from vramsweep.sweeper.outcome import signal_reason
+from vramsweep.record.hostmem import marker_path, read_marker, remove_marker
+from vramsweep.record.status import Status
+from vramsweep.sweeper.outcome import died_status, signal_reason
 from vramsweep.sweeper.trialproc import (
     RunReport,
     TrialSpec,
@@ -254,6 +257,8 @@ class ProcessRunner(Runner):
     ) -> RunReport:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(spec.result_path)
+        marker = marker_path(spec.result_path)
+        remove_marker(marker)
         Path(spec.result_path).parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         proc = self.ctx.Process(target=child_main, args=(spec,), name=f"vramsweep-trial-{spec.number}")
@@ -280,13 +285,19 @@ class ProcessRunner(Runner):
         with contextlib.suppress(Exception):
             proc.close()
         data = _load_child_result(spec.result_path)
+        pool = read_marker(marker)
+        remove_marker(marker)
         if data is not None and not timed_out:
             return report_from_json(data, wall, exitcode)
+        status, killed_by_us = Status.ERROR, timed_out or self._killing
         if timed_out:
             reason = f"timeout: trial ran longer than hydra.sweeper.timeout_s={timeout_s:g} s and was killed"
+        elif killed_by_us:
+            reason = signal_reason(exitcode) + " (the sweep was interrupted)"
         else:
-            reason = signal_reason(exitcode)
-        return report_from_json(parent_side_result(spec, reason, wall), wall, exitcode)
+            status, reason = died_status(exitcode, pool)
+        res = parent_side_result(spec, reason, wall, status=status, host_pool=pool)
+        return report_from_json(res, wall, exitcode)
 
 
 class InProcessRunner(Runner):

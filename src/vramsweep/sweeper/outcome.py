@@ -12,6 +12,7 @@ oom                    PRUNED    constraint > 0: TPE ranks it below every feasib
 infeasible_estimate    PRUNED    constraint = estimate - budget (> 0)
 pruned                 PRUNED    intermediate eval losses; partial metrics in the JSON
 unsupported, diverged  FAIL      results, not failures (do not count toward max_failure_rate)
+host_oom               FAIL      not a device-budget point (also a SIGKILL while the pool grew)
 error                  FAIL      counts toward max_failure_rate
 ok, objective NaN/inf  FAIL      status becomes ``diverged`` when a loss is not finite
 ok, objective missing  FAIL      ``objective_error`` attr; counts toward max_failure_rate
@@ -29,11 +30,13 @@ from typing import Any
 from vramsweep.config.compose import ConfigError
 from vramsweep.config.rules import UnsupportedError
 from vramsweep.record.feasibility import over_budget_gib, result_budget_gib
+from vramsweep.record.hostmem import GROWING
 from vramsweep.record.metrics import LOSS_METRICS, METRIC_KEYS, SCALAR_METRICS, empty_metrics
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import checked_json, new_result
 from vramsweep.record.schema import SCHEMA_VERSION, ResultSchemaError
 from vramsweep.record.status import STATUSES, Status
+from vramsweep.record.units import GIB
 from vramsweep.sweeper.settings import Objective
 
 CONSTRAINT_KEY = "vram_over_budget_gib"
@@ -223,6 +226,27 @@ def signal_reason(exitcode: int | None) -> str:
     return f"trial process exited with code {exitcode} before writing its result"
 
 
+def died_status(exitcode: int | None, marker: dict[str, Any] | None) -> tuple[Status, str]:
+    """Status and reason of a trial process that ended without a result. A SIGKILL while its host pool was
+    growing (``marker``: :mod:`vramsweep.record.hostmem`, state ``growing``) is the kernel's OOM killer
+    ending a process that ran out of host memory while ``cudaHostRegister`` faulted the pool's pages in:
+    ``host_oom``, not ``error``. Any other death is ``error`` with :func:`signal_reason`."""
+    reason = signal_reason(exitcode)
+    if exitcode != -signal.SIGKILL or not marker or marker.get("state") != GROWING:
+        return Status.ERROR, reason
+
+    def gib(key: str) -> str:
+        v = marker.get(key)
+        return f"{v / GIB:.2f} GiB" if isinstance(v, int | float) and not isinstance(v, bool) else "unknown"
+
+    return Status.HOST_OOM, (
+        f"{reason}, while its {'pinned ' if marker.get('pinned') else ''}host pool for checkpointing=offload was "
+        f"growing to {gib('pool_bytes')} (process RSS {gib('rss_bytes')}, MemAvailable {gib('available_bytes')} "
+        "when it started): out of host memory; use a shorter context.max_tokens, checkpointing=on, or a machine "
+        "with more RAM"
+    )
+
+
 def user_attrs(result: dict[str, Any], outcome: Outcome, result_path: str) -> dict[str, Any]:
     """Compact, JSON-safe user attrs for the Optuna trial (the full record is the result JSON)."""
     metrics = result.get("metrics") or {}
@@ -260,6 +284,7 @@ __all__ = [
     "normalise_result",
     "result_from_exception",
     "signal_reason",
+    "died_status",
     "user_attrs",
     "metric_value",
     "CONSTRAINT_KEY",

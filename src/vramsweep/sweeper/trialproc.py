@@ -4,7 +4,8 @@ The sweeper (:mod:`.engine`) writes a :class:`TrialSpec`; an isolation (:mod:`.i
 spawned process, the sweeper itself, or a Hydra launcher job) runs :func:`child_main` / :func:`execute`
 on it. The child writes the result JSON itself (atomic), *then* the parent tells Optuna, so a sweeper
 killed in between loses nothing: the next run tells the study from the JSON. A child that dies without a
-JSON gets an ``error`` result written by the parent (:func:`parent_side_result`). Intermediate evals go
+JSON gets an ``error`` result written by the parent (:func:`parent_side_result`; ``host_oom`` when it was
+SIGKILLed while the host-pool marker it writes said its pinned pool was growing). Intermediate evals go
 to the study through :class:`StorageReporter` (pruning). Trial processes die with their sweeper
 (``PR_SET_PDEATHSIG`` plus a watchdog), so no orphan can write a result for a trial the next run has
 already retried.
@@ -30,6 +31,7 @@ from typing import Any
 
 from vramsweep.config.compose import compose
 from vramsweep.record.diskfull import disk_full_reason
+from vramsweep.record.hostmem import MARKER_ENV, marker_path
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import atomic_write_json, new_result, read_json_file, write_result
 from vramsweep.record.status import Status
@@ -367,6 +369,7 @@ def child_main(spec: TrialSpec) -> None:
     if spec.env:
         os.environ.clear()
         os.environ.update(spec.env)
+    os.environ[MARKER_ENV] = marker_path(spec.result_path)  # the host pool's progress (record/hostmem.py)
     with contextlib.suppress(OSError):
         os.chdir(spec.cwd)
     if spec.log_path:
@@ -408,12 +411,21 @@ def _load_child_result(path: str) -> dict[str, Any] | None:
     return None
 
 
-def parent_side_result(spec: TrialSpec, reason: str, wall_s: float) -> dict[str, Any]:
-    """The result the sweeper writes for a trial process that died without one."""
+def parent_side_result(
+    spec: TrialSpec,
+    reason: str,
+    wall_s: float,
+    *,
+    status: Status = Status.ERROR,
+    host_pool: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The result the sweeper writes for a trial process that died without one (``status`` ``error``, or
+    ``host_oom`` for an OOM kill while its host pool grew; ``host_pool``: the marker it left behind, kept
+    as ``meta.host_memory.at_death``)."""
 
     res = normalise_result(
         new_result(
-            status=Status.ERROR.value,
+            status=status.value,
             reason=reason,
             sweep=spec.sweep_name,
             trial=spec.number,
@@ -423,6 +435,8 @@ def parent_side_result(spec: TrialSpec, reason: str, wall_s: float) -> dict[str,
         trial=spec.number,
         overrides=spec.overrides,
     )
+    if host_pool is not None:
+        res["meta"]["host_memory"] = {"at_death": host_pool}
     res, _ = finalize(res, spec, wall_s=wall_s)
     if spec.log_path and os.path.exists(spec.log_path):
         with open(spec.log_path, errors="replace") as fh:
