@@ -200,21 +200,6 @@ CASES_VALUES: list[tuple[str, str, list[str], dict[str, str], str]] = [
         {},
         "model.pretrain_batch=0 is out of range [1,",
     ),
-    # item 4: the optimizer's class and keywords in the sweep's parent (each trial failed on its own)
-    (
-        "sweep-optimizer-kwarg",
-        "train",
-        ["-m", "+optimizer.kwargs.foo=1", "adapter.r=4,8", *FAKE],
-        {},
-        "AdamW takes no keyword 'foo' (optimizer.kwargs.foo)",
-    ),
-    (
-        "sweep-optimizer-kwarg-in-space",
-        "train",
-        ["-m", "optimizer.kwargs.eps=1e-8,1e-6", "+optimizer.kwargs.bogus=1", "adapter.r=4,8", *FAKE],
-        {},
-        "takes no keyword 'bogus'",
-    ),
     # item 3: the host check applies on CPU too (231 GiB estimated; it ran, RSS 8.3 GB and growing at 58 s)
     ("cpu-micro-batch-4096", "train", ["train.micro_batch=4096"], {}, "GiB of RAM available on this machine"),
     # item 8: hardware.* ranges
