@@ -91,12 +91,8 @@ def group_options(group: str) -> tuple[str, ...]:
     return tuple(list_options(group))
 
 
-def check_values(cfg: DictConfig) -> None:
-    """Value and range rules of each knob on its own (no cross-knob or machine rules)."""
-    for group in NAMED_GROUPS:
-        name = cfg[group].name if group in cfg and "name" in cfg[group] else None
-        if name is not None and name not in (options := group_options(group)):
-            raise ConfigError(f"{group}={name} is not a known option", key=group, allowed=options)
+def _check_model_values(cfg: DictConfig) -> None:
+    """``model.*``: its source and family, its dims, positions and the embedded base's recipe."""
     _check_choice(cfg, "model.source", MODEL_SOURCES)
     _check_choice(cfg, "model.family", MODEL_FAMILIES)
     for k in (
@@ -124,6 +120,15 @@ def check_values(cfg: DictConfig) -> None:
             key="model.num_kv_heads",
             allowed=[d for d in range(1, cfg.model.num_heads + 1) if cfg.model.num_heads % d == 0],
         )
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Value and range rules of each knob on its own (no cross-knob or machine rules)."""
+    for group in NAMED_GROUPS:
+        name = cfg[group].name if group in cfg and "name" in cfg[group] else None
+        if name is not None and name not in (options := group_options(group)):
+            raise ConfigError(f"{group}={name} is not a known option", key=group, allowed=options)
+    _check_model_values(cfg)
     _check_choice(cfg, "quant.bits", (4, 8, 16))
     if cfg.quant.bits == 4:
         _check_choice(cfg, "quant.quant_type", ("nf4", "fp4"))
