@@ -643,3 +643,31 @@ def test_a_failed_environment_probe_does_not_stop_the_smoke(smoke, tmp_path, mon
         "- env: FAIL: environment probe: took more than its 20 s cap"
         in (tmp_path / "out" / "summary.md").read_text()
     )
+
+
+def test_memsnapshot_replays_the_trace_to_its_peak_and_names_the_owners():
+    snap = _load("gpu_memsnapshot")
+    fr = lambda name, fn: [  # noqa: E731 - innermost first, as the allocator records them
+        {"filename": "/x/torch/nn/modules/module.py", "line": 1, "name": "_call_impl"},
+        {"filename": f"/x/vramsweep/{fn}.py", "line": 7, "name": name},
+    ]
+    trace = [
+        {"action": "segment_alloc", "addr": 0, "size": 1 << 30},
+        {"action": "alloc", "addr": 1, "size": 100, "frames": fr("weights", "build")},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": fr("act", "loop")},
+        {"action": "alloc", "addr": 3, "size": 50, "frames": fr("act", "loop")},
+        {"action": "free_requested", "addr": 2, "size": 50},
+        {"action": "free_completed", "addr": 2, "size": 50},
+        {"action": "alloc", "addr": 4, "size": 70, "frames": fr("tile", "tiling")},  # peak: 100 + 50 + 70
+        {"action": "free_completed", "addr": 4, "size": 70},
+        {"action": "alloc", "addr": 5, "size": 60, "frames": fr("act", "loop")},  # 210 < 220
+    ]
+    rep = snap.replay(trace)
+    assert (rep["peak_bytes"], rep["peak_event"]) == (220, 6)
+    s = snap.summarise(rep)
+    assert [(o["owner"], o["bytes"], o["count"]) for o in s["owners"]] == [
+        ("weights@vramsweep/build.py:7", 100, 1),
+        ("tile@vramsweep/tiling.py:7", 70, 1),
+        ("act@vramsweep/loop.py:7", 50, 1),
+    ]
+    assert "| `weights@vramsweep/build.py:7` |" in snap.render(s, ["a=b"])
