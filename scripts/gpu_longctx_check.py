@@ -3,7 +3,8 @@
     python scripts/gpu_longctx_check.py --device cuda     # on the GPU machine (the smoke's "exact" phase)
     python scripts/gpu_longctx_check.py --device cpu      # the same checks on CPU (tests/test_gpu_scripts.py)
 
-On the embedded tiny model with NF4 base weights (bitsandbytes ``Linear4bit``) and fp32 compute, one
+On the embedded tiny model with NF4 base weights (bitsandbytes ``Linear4bit``) and fp32 compute (the 4-bit
+matmuls' ``quant.compute_dtype`` too), one
 forward + backward per mode from the same weights and seed:
 
 * the loss and every LoRA gradient of ``offload`` equal ``checkpointing=on``'s, and ``offload + tiling``'s
@@ -43,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     from vramsweep.measure.eval import evaluate
 
     hardware = "h200_141gb" if args.device == "cuda" else "cpu"
-    base = [f"hardware={hardware}", f"quant={args.quant}", "train.dtype=fp32", "attention=sdpa"]
+    # fp32 matmuls throughout (quant.compute_dtype too): on CUDA a bf16 GEMM over a 64-row tile may take
+    # another kernel than over 256 rows and round an output 1 bf16 ulp apart (2026-12-04, H200: tiled vs
+    # untiled gradients 3.5e-3 apart with the default bf16 compute dtype) - a fact of the GEMM, not of tiling
+    base = [f"hardware={hardware}", f"quant={args.quant}", "train.dtype=fp32", "quant.compute_dtype=fp32",
+            "attention=sdpa"]  # fmt: skip
     tiled = ["tiling=mlp", f"tiling.mlp_tile_tokens={args.tile}"]
     # (name, overrides); with LoRA dropout 0.1 a tiled MLP draws its masks tile by tile, so the tiled
     # modes are compared with tiled checkpointing=on, and without dropout with the untiled one
