@@ -90,6 +90,13 @@ SPAWN_S = 7.0
 EXTRACT_S = 30.0
 #: Measured 2026-12-01 (H200, 15 GiB cap, nf4_dq + liger + checkpointing=on): 6,337 tokens/s at 12,288 tokens.
 LONG_TOKENS_PER_S = 6337.0
+#: A probe point in a fresh interpreter, measured 2026-12-04 (H200, Qwen3-8B nf4_dq + liger + offload + tiled
+#: MLP, compute adapters): 76 s for one step at 32,768 tokens (the first 8B build of the run) and 61.3 s for
+#: two steps (5,038 tokens/s, 6.5 s a step): a 70 s slot (interpreter, imports, build, eval; 76 - 6.5, the
+#: first build's) + its steps.
+PROBE_SLOT_S = 70.0
+#: ... and that trial's rate, the anchor of :func:`step_s`.
+PROBE_TOKENS_PER_S, PROBE_RATE_TOKENS = 5038.0, 32768
 #: Signal grace of a phase stopped at its cap, taken out of the cap (SIGINT: the sweeper closes its trials
 #: and writes their results; SIGTERM; SIGKILL), so a cut phase ends by its cap.
 GRACE_S = (20.0, 5.0, 2.0)
@@ -124,16 +131,20 @@ UNPROVEN = ("kernels=unsloth", "checkpointing=offload", "tiling=")
 
 
 #: The memory probe (issue 37.9): Qwen3-8B under the 15 GiB cap (hardware=rtx4080_16gb) with the long-context
-#: stack, one training step per length, ascending, stopping at the first OOM. 16-bit (compute) adapters
-#: first, over the 65,536-token goal; then fp32 adapters between the old estimate's 41,134 and the ~53k the
-#: kernels' allocations give.
-PROBE_COMPUTE_TOKENS = (32768, 49152, 65536, 81920)
-PROBE_FP32_TOKENS = (45056, 53248)
+#: stack, one training step per length, in the order given, a length past an OOM or below a fit skipped
+#: (:func:`probe_order_skip`). 2026-12-04 measured 49,152 fitting and 65,536 OOM with compute adapters: the
+#: next loan bisects between them (57,344, then 61,440 if it fits or 53,248 if not: two points). fp32
+#: adapters: 45,056 (the estimate said 41,134), then 49,152 or 40,960 (opt-in: --only ...,memprobe_fp32).
+PROBE_COMPUTE_TOKENS = (57344, 61440, 53248)
+PROBE_FP32_TOKENS = (45056, 49152, 40960)
 PROBE_BASE = [o for o in LONG_BASELINE if not o.startswith(("adapter.dtype", "context.max_tokens"))]
+#: Qwen3-8B's own positions (config.json: max_position_embeddings); a longer probe adds Qwen's documented
+#: YaRN (factor 4 over original_max_position_embeddings=32,768). Without it every probe past 40,960 tokens was
+#: refused as unsupported (2026-12-04, H200: 49,152 / 65,536 / 81,920 / 45,056 / 53,248 never ran).
+QWEN3_8B_POSITIONS = 40960
+PROBE_ROPE = ["rope=yarn", "rope.factor=4", "rope.original_max_position_embeddings=32768"]
 #: One step per probe point (the peak is the training step's); the real trial: a warm-up step + a measured one.
 PROBE_STEPS, TRIAL_STEPS = 1, 2
-#: Sized for the goal's length (a longer one that fitted takes the plan's slack as well).
-TRIAL_TOKENS = 65536
 #: Causal attention's FLOPs equal the linear layers' at this length (Qwen3-8B: 79 % of the non-causal count
 #: at 65,536 is attention, half of it causal: 65,536 / (0.79 / 0.21 / 2) = 34,860 tokens).
 ATTN_EQ_TOKENS = 65536 / (0.79 / 0.21 / 2)
@@ -143,57 +154,96 @@ ENV_S = 20.0
 #: The fork-server check: the sweep's measured start-up less its first trial's spawn (25 - 7 s: CLI start,
 #: study, fork-server warm-up with the default preload) + 2 no-op trials forked in < 1 s each.
 FORK_S = SWEEP_STARTUP_S - SPAWN_S + 2.0
-#: scripts/gpu_longctx_check.py: tiny NF4 model, 5 modes x 1 step (25 s cap held on 2026-12-02's dry runs).
-EXACT_S = 25.0
-#: scripts/gpu_batch_check.py: 20.0 s wall measured on 2 loaded CPU cores (2026-12-03, compute included).
-BATCH_S = 20.0
+#: scripts/gpu_longctx_check.py: tiny NF4 model, 5 modes x 1 step. On the H200 image (2026-12-04) the first
+#: process importing transformers' model classes cold (generation -> sklearn -> joblib) was still composing
+#: when a 39 s cap cut it at 27 s; on the warm machine it ended in 21.7 s: 100 s (cold, unmeasured whole).
+EXACT_S = 100.0
+#: scripts/gpu_batch_check.py: 20.0 s wall measured on 2 loaded CPU cores (2026-12-03, compute included);
+#: on the H200 image (2026-12-04, cold) its verdict came at 23.8 s: that x 1.3, + the signal grace a cap keeps.
+BATCH_S = 45.0
 #: bench/step_time.py: 2 cold interpreters that each build the model and step (a spawn trial's 18.5 s slot,
 #: its 7 s start included) x the margin, + bench's own interpreter start.
-STEP_TIME_S = TRIAL_MARGIN * 2 * MEASURED_TRIAL_S + SPAWN_S
+#: 2026-12-04 (H200): the 1,024-token child (cold interpreter, Qwen3-8B build, 6 steps of 0.87 s) had ended
+#: when a 62 s cap cut the 4,096 one at 44 s: two children x 44 s + bench's own start.
+STEP_TIME_CHILD_S = 44.0
+STEP_TIME_S = 2 * STEP_TIME_CHILD_S + SPAWN_S
 #: The summary and the result files (no subprocess): seconds.
 REPORT_S = 5.0
+#: The allocator's history with Python stacks (~2 us an event, torch's docs) and the trace's replay: a probe
+#: point's cap x this (unmeasured).
+SNAPSHOT_MARGIN = 1.25
+#: Phases run only when named in --only: with 2026-12-04's measured costs the issue's whole list is ~850 s, so
+#: the default plan (one call, <= 540 s) is the verification and the compute-adapter boundary, and a second
+#: call (`--only memprobe_fp32,snapshot,step_time`) takes these.
+OPT_IN = ("memprobe_fp32", "snapshot", "step_time")
 
 
 def step_s(tokens: int) -> float:
     """Seconds of one Qwen3-8B training step of ``tokens`` from the 2026-12-01 rate at 12,288 tokens
     (:data:`LONG_TOKENS_PER_S`), the per-token cost growing with causal attention (:data:`ATTN_EQ_TOKENS`)."""
-    growth = (1 + tokens / ATTN_EQ_TOKENS) / (1 + 12288 / ATTN_EQ_TOKENS)
-    return tokens / LONG_TOKENS_PER_S * growth
+    growth = (1 + tokens / ATTN_EQ_TOKENS) / (1 + PROBE_RATE_TOKENS / ATTN_EQ_TOKENS)
+    return tokens / PROBE_TOKENS_PER_S * growth
 
 
 def trial_cost_s(tokens: int, steps: int) -> float:
     """One fresh-interpreter trial: the measured 18.5 s slot (spawn, build, eval) + its steps x the margin."""
-    return MEASURED_TRIAL_S + TRIAL_MARGIN * steps * step_s(tokens)
+    return PROBE_SLOT_S + TRIAL_MARGIN * steps * step_s(tokens)
+
+
+def probe_cap_s(tokens: tuple[int, ...], steps: int = 1) -> float:
+    """The most a probe order can cost: over every ok/OOM outcome of the points that run (the skip rule of
+    :func:`probe_order_skip`), the costliest sequence (ascending lengths: all of them; a bisecting order: two)."""
+    worst = 0.0
+    for outcome in range(2 ** len(tokens)):
+        done: list[dict[str, Any]] = []
+        cost = 0.0
+        for i, n in enumerate(tokens):
+            if probe_order_skip(n, done) is None:
+                cost += trial_cost_s(n, steps)
+                done.append({"tokens": n, "status": "oom" if outcome >> i & 1 else "ok"})
+        worst = max(worst, cost)
+    return worst
 
 
 def _lengths(tokens: tuple[int, ...]) -> str:
     return ", ".join(f"{n:,} ({trial_cost_s(n, PROBE_STEPS):.0f} s)" for n in tokens)
 
 
-def plan(*, scale: float = 1.0) -> list[Phase]:
+def plan(
+    *,
+    scale: float = 1.0,
+    only: tuple[str, ...] | None = None,
+    compute_tokens: tuple[int, ...] = PROBE_COMPUTE_TOKENS,
+    fp32_tokens: tuple[int, ...] = PROBE_FP32_TOKENS,
+) -> list[Phase]:
     """The smoke's phases, in run order, and their caps (``scale`` = budget / :data:`DEFAULT_BUDGET_S`). Each
     phase is stopped at its cap; a point it did not reach is "not run"; a failed phase never stops the next."""
-    compute = sum(trial_cost_s(n, PROBE_STEPS) for n in PROBE_COMPUTE_TOKENS)
-    fp32 = sum(trial_cost_s(n, PROBE_STEPS) for n in PROBE_FP32_TOKENS)
-    slot = f"{MEASURED_TRIAL_S} s slot + {TRIAL_MARGIN} x steps at {LONG_TOKENS_PER_S:,.0f} tok/s, attention-scaled"
+    compute, fp32 = probe_cap_s(compute_tokens), probe_cap_s(fp32_tokens)
+    slot = (f"{PROBE_SLOT_S:.0f} s slot + {TRIAL_MARGIN} x steps at {PROBE_TOKENS_PER_S:,.0f} tok/s "
+            f"({PROBE_RATE_TOKENS:,} tokens), attention-scaled")  # fmt: skip
     phases = [
         Phase("bundle", EXTRACT_S, "extract + activate the bundle, in the shell (22.9 s measured; 0 when extracted)"),
         Phase("env", ENV_S, "versions (importlib.metadata), device, driver, a 64 MiB pinned round trip (10 s measured x 2)"),
         Phase("fork", FORK_S, "fork server, default preload: a trial forked on this host, no fallback to spawn "
               f"({SWEEP_STARTUP_S:.0f} s start-up - {SPAWN_S:.0f} s spawn + 2 x 1 s)"),
-        Phase("exact", EXACT_S, "scripts/gpu_longctx_check.py: tiling / offload / RNG replay gradients, pinned exact pool"),
+        Phase("exact", EXACT_S, "scripts/gpu_longctx_check.py: tiling / offload / RNG replay gradients, pinned exact pool "
+              "(21.7 s on a warm H200, > 27 s cold)"),
         Phase("batching", BATCH_S, "scripts/gpu_batch_check.py: token-weighted accumulation + packing == one batch "
-              "(20 s measured on 2 CPU cores)"),
-        Phase("memprobe", compute, f"Qwen3-8B, 15 GiB cap, compute adapters at {_lengths(PROBE_COMPUTE_TOKENS)}, "
-              f"to the first OOM; {slot}"),
-        Phase("memprobe_fp32", fp32, f"the same, fp32 adapters at {_lengths(PROBE_FP32_TOKENS)}"),
-        Phase("trial", trial_cost_s(TRIAL_TOKENS, TRIAL_STEPS), f"a real trial ({TRIAL_STEPS} steps) at the longest "
-              f"length that fitted (sized at {TRIAL_TOKENS:,}; also takes the plan's slack)"),
+              "(23.8 s to its verdict on a cold H200)"),
+        Phase("memprobe", compute, f"Qwen3-8B, 15 GiB cap, compute adapters at {_lengths(compute_tokens)} in that order, "
+              f"none past an OOM or below a fit; {slot}"),
+        Phase("memprobe_fp32", fp32, f"the same, fp32 adapters at {_lengths(fp32_tokens)}"),
+        Phase("trial", trial_cost_s(max(compute_tokens), TRIAL_STEPS), f"a real trial ({TRIAL_STEPS} steps) at the "
+              f"longest length that fitted (sized at {max(compute_tokens):,}; also takes the plan's slack)"),
+        Phase("snapshot", SNAPSHOT_MARGIN * trial_cost_s(max(compute_tokens), PROBE_STEPS),
+              f"scripts/gpu_memsnapshot.py: the allocator's trace of one step at the longest fit, its peak by owner "
+              f"(a probe point x {SNAPSHOT_MARGIN} for the recording)"),
         Phase("step_time", STEP_TIME_S, f"bench/step_time.py: 1,024 vs 4,096 tokens, 2 cold interpreters x "
-              f"{MEASURED_TRIAL_S} s x {TRIAL_MARGIN} + {SPAWN_S:.0f} s start"),
+              f"{STEP_TIME_CHILD_S:.0f} s (measured) + {SPAWN_S:.0f} s start"),
         Phase("report", REPORT_S, "summary.md / summary.csv / trials.jsonl / phases.json / smoke.log (no subprocess)"),
     ]  # fmt: skip
-    return [Phase(p.name, p.cap_s * scale, p.what) for p in phases]
+    picked = only if only is not None else tuple(p.name for p in phases if p.name not in OPT_IN)
+    return [Phase(p.name, p.cap_s * scale, p.what) for p in phases if p.name in picked or p.name == "bundle"]
 
 
 def render_plan(phases: list[Phase], budget_s: float) -> str:
@@ -807,6 +857,7 @@ class Smoke:
         self.results: list[dict[str, Any]] = []  # one per phase: {phase, status PASS/FAIL/not run, detail}
         self.probes: list[dict[str, Any]] = []  # one per memory-probe / real-trial point
         self.env: dict[str, Any] = {}
+        self.snapshot_md: str | None = None
 
     def left(self, reserve: float = 0.0) -> float:
         return self.deadline - time.perf_counter() - reserve
@@ -832,7 +883,8 @@ class Smoke:
         """A memory-probe / real-trial point: the long-context stack on Qwen3-8B under the 15 GiB cap."""
         model = DRY_PROBE if self.dry else ["model=qwen3_8b", "hardware=rtx4080_16gb"]
         base = [*PROBE_BASE, *DRY_KERNELS] if self.dry else PROBE_BASE
-        return [*model, *base, f"adapter.dtype={dtype}", f"context.max_tokens={tokens}",
+        rope = PROBE_ROPE if not self.dry and tokens > QWEN3_8B_POSITIONS else []
+        return [*model, *base, *rope, f"adapter.dtype={dtype}", f"context.max_tokens={tokens}",
                 f"train.steps={steps}", "train.warmup_steps=0", f"train.measure_warmup_steps={steps - 1}",
                 "train.micro_batch=1", "train.eval_batches=1", *self.args.overrides]  # fmt: skip
 
@@ -900,24 +952,35 @@ def probe_point(sm: Smoke, phase: str, tokens: int, dtype: str, steps: int, cap_
     return {**row, **base}
 
 
+def probe_order_skip(n: int, done: list[dict[str, Any]]) -> str | None:
+    """Why a length is not probed after ``done``: at or above one that went OOM, or at or below one that
+    fitted (lengths run in the order given: ascending stops at the first OOM; 65,536 then 81,920 then 49,152
+    probes one side of the first point only)."""
+    oom = [r["tokens"] for r in done if r["status"] in OOM_STATUSES]
+    fit = [r["tokens"] for r in done if r["status"] == "ok"]
+    if oom and n >= min(oom):
+        return f"stopped at the first OOM ({min(oom):,} tokens)"
+    if fit and n <= max(fit):
+        return f"{max(fit):,} tokens fitted"
+    return None
+
+
 def phase_memprobe(sm: Smoke, phase: str, lengths: tuple[int, ...], dtype: str) -> None:
-    """Ascending lengths, one step each, stopping at the first OOM (the longer ones: not run)."""
+    """The lengths in the order given, one step each; a length past an OOM or below a fit is not run."""
     end = time.perf_counter() + sm.cap(phase)
     divisor = DRY_PROBE_DIVISOR if sm.dry else 1
     todo = [
         max(128, n // divisor) for n in (lengths[: 2 if dtype == "compute" else 1] if sm.dry else lengths)
     ]
-    stopped = None
     for n in todo:
-        if stopped is not None:
+        done = [r for r in sm.probes if r["phase"] == phase]
+        why = probe_order_skip(n, done)
+        if why is not None:
             sm.probes.append(
-                {"phase": phase, "tokens": n, "adapter": dtype, "status": NOT_RUN, "reason": stopped}
+                {"phase": phase, "tokens": n, "adapter": dtype, "status": NOT_RUN, "reason": why}
             )
             continue
-        row = probe_point(sm, phase, n, dtype, PROBE_STEPS, end - time.perf_counter())
-        sm.probes.append(row)
-        if row["status"] in OOM_STATUSES:
-            stopped = f"stopped at the first OOM ({n:,} tokens)"
+        sm.probes.append(probe_point(sm, phase, n, dtype, PROBE_STEPS, end - time.perf_counter()))
     rows = [r for r in sm.probes if r["phase"] == phase]
     errors = [r for r in rows if r["status"] not in (*RESULT_STATUSES, "host_oom", NOT_RUN)]
     fitted = [r["tokens"] for r in rows if r["status"] == "ok"]
@@ -928,6 +991,36 @@ def phase_memprobe(sm: Smoke, phase: str, lengths: tuple[int, ...], dtype: str) 
         "FAIL" if errors else ("PASS" if any(r["status"] != NOT_RUN for r in rows) else NOT_RUN),
         detail,
     )
+
+
+def phase_snapshot(sm: Smoke) -> None:
+    """The allocator's trace of one step at the longest compute-adapter fit, its peak grouped by owner
+    (scripts/gpu_memsnapshot.py; GPU only: the dry run says so)."""
+    fitted = [r["tokens"] for r in sm.probes if r["phase"] == "memprobe" and r["status"] == "ok"]
+    if getattr(sm.args, "snapshot_tokens", None):
+        fitted = [sm.args.snapshot_tokens]
+    if sm.dry or not fitted:
+        sm.record(
+            "snapshot",
+            NOT_RUN,
+            "CUDA only" if sm.dry else "no compute-adapter length fitted (--snapshot-tokens)",
+        )
+        return
+    out = sm.log.parent / "snapshot.md"
+    cmd = [sm.python, str(ROOT / "scripts" / "gpu_memsnapshot.py"), "--out", str(out),
+           *sm.overrides(max(fitted), "compute", PROBE_STEPS)]  # fmt: skip
+    rc, to, text = sm.run("snapshot", cmd, sm.cap("snapshot"))
+    rep = next((json.loads(x[9:]) for x in reversed(text.splitlines()) if x.startswith("SNAPSHOT ")), None)
+    if rep is None:
+        sm.record(
+            "snapshot", NOT_RUN if to else "FAIL", "cut at its cap" if to else f"no summary (exit {rc})"
+        )
+        return
+    sm.snapshot_md = out.read_text() if out.is_file() else None
+    top = "; ".join(f"{o['owner']} {o['bytes'] / GIB:.2f} GiB" for o in rep["owners"][:3])
+    sm.record("snapshot", "PASS" if rep.get("status") == "ok" else "FAIL",
+              f"{max(fitted):,} tokens: traced peak {rep['peak_bytes'] / GIB:.2f} GiB "
+              f"(max_allocated {_fmt(_gib(rep.get('max_allocated_bytes')), '.2f')} GiB); top: {top}")  # fmt: skip
 
 
 def phase_trial(sm: Smoke) -> None:
@@ -962,6 +1055,30 @@ def phase_step_time(sm: Smoke) -> None:
         )
 
 
+ALL_PHASES = ("bundle", "env", "fork", "exact", "batching", "memprobe", "memprobe_fp32", "trial", "snapshot",
+              "step_time", "report")  # fmt: skip
+
+
+def _tokens(text: str | None) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in (text or "").split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"gpu_smoke: probe lengths must be comma-separated integers, got {text!r}") from None
+
+
+def _runner(sm: Smoke):
+    """Run a phase that is in the plan; one left out by --only is recorded "not run"."""
+
+    def run(name: str, fn, *args) -> None:
+        if name not in sm.phases:
+            if name not in OPT_IN:
+                sm.record(name, NOT_RUN, "not selected (--only)")
+            return
+        fn(sm, *args)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.probe_env or args.probe_fork:
@@ -969,7 +1086,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.budget_s is None:
         args.budget_s = DRY_BUDGET_S if args.dry_run else DEFAULT_BUDGET_S
-    phases = {ph.name: ph for ph in plan(scale=args.budget_s / DEFAULT_BUDGET_S)}
+    tokens = {
+        "compute_tokens": _tokens(args.probe_tokens) or PROBE_COMPUTE_TOKENS,
+        "fp32_tokens": _tokens(args.fp32_tokens) or PROBE_FP32_TOKENS,
+    }
+    only = None
+    if args.only:
+        only = tuple(x.strip() for x in args.only.split(",") if x.strip())
+        known = [p.name for p in plan(only=tuple(ALL_PHASES))]
+        bad = [x for x in only if x not in known]
+        if bad:
+            raise SystemExit(
+                f"gpu_smoke: --only: unknown phase(s) {', '.join(bad)}; allowed: {', '.join(known)}"
+            )
+        only = (*only, "env", "report")  # env: the CUDA check and versions; report: the files
+    if args.dry_run and only is None:  # the dry run goes through every phase, the opt-in ones too
+        only = ALL_PHASES
+    # --only keeps each phase's own cap (a rerun of a few phases in a short budget); the default plan and
+    # the dry run scale theirs to the budget
+    scale = 1.0 if only and not args.dry_run else args.budget_s / DEFAULT_BUDGET_S
+    if args.dry_run:
+        scale = args.budget_s / sum(p.cap_s for p in plan(only=only, **tokens))
+    phases = {ph.name: ph for ph in plan(scale=scale, only=only, **tokens)}
     print(render_plan(list(phases.values()), args.budget_s), flush=True)
     if args.plan:
         return 0
@@ -980,19 +1118,27 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     check_out(out)
     sm = Smoke(args, phases, sys.executable, work / "smoke.log")
-    phase_env(sm)
+    run = _runner(sm)
+    run("env", phase_env)
     if (
         not args.dry_run and "error" not in sm.env and not sm.env.get("cuda_available")
     ):  # a failed probe: go on
         print("gpu_smoke: no CUDA device here; use --dry-run for the CPU path", file=sys.stderr)
         return 2
-    phase_fork(sm)
-    phase_check(sm, "exact", "gpu_longctx_check.py", ["--tokens", "64", "--tile", "16"] if sm.dry else [])
-    phase_check(sm, "batching", "gpu_batch_check.py", [])
-    phase_memprobe(sm, "memprobe", PROBE_COMPUTE_TOKENS, "compute")
-    phase_memprobe(sm, "memprobe_fp32", PROBE_FP32_TOKENS, "fp32")
-    phase_trial(sm)
-    phase_step_time(sm)
+    run("fork", phase_fork)
+    run(
+        "exact",
+        phase_check,
+        "exact",
+        "gpu_longctx_check.py",
+        ["--tokens", "64", "--tile", "16"] if sm.dry else [],
+    )
+    run("batching", phase_check, "batching", "gpu_batch_check.py", [])
+    run("memprobe", phase_memprobe, "memprobe", tokens["compute_tokens"], "compute")
+    run("memprobe_fp32", phase_memprobe, "memprobe_fp32", tokens["fp32_tokens"], "fp32")
+    run("trial", phase_trial)
+    run("snapshot", phase_snapshot)
+    run("step_time", phase_step_time)
     md = render_device_summary(sm, when)
     files = write_results(out, md, sm)
     print()
@@ -1004,7 +1150,7 @@ def main(argv: list[str] | None = None) -> int:
 #: The dry run's budget: the same plan x 1800 / 540 (2 CPU cores shared with other jobs).
 DRY_BUDGET_S = 1800.0
 #: What the device run writes (at most MAX_FILES files).
-RESULT_FILES = ("summary.md", "summary.csv", "trials.jsonl", "phases.json", "smoke.log")
+RESULT_FILES = ("summary.md", "summary.csv", "trials.jsonl", "phases.json", "smoke.log", "snapshot.md")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -1016,6 +1162,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=None,
                    help=f"wall-clock budget of the whole smoke (default {DEFAULT_BUDGET_S:.0f} s; "
                    f"{DRY_BUDGET_S:.0f} s for --dry-run on busy CPUs); every phase cap scales with it")  # fmt: skip
+    p.add_argument("--only", help="comma-separated phases to run (the rest: not run), e.g. memprobe,snapshot")
+    p.add_argument(
+        "--probe-tokens", help="compute-adapter probe lengths, in the order probed (e.g. 65536,81920,49152)"
+    )
+    p.add_argument("--fp32-tokens", help="fp32-adapter probe lengths, in the order probed")
+    p.add_argument("--snapshot-tokens", type=int,
+                   help="the snapshot's length (default: the longest compute-adapter length that fitted in this run)")  # fmt: skip
     p.add_argument("--probe-env", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--probe-fork", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
@@ -1095,6 +1248,8 @@ def write_results(out: Path, md: str, sm: Smoke) -> list[Path]:
     (out / "phases.json").write_text(json.dumps({"results": sm.results, "env": sm.env}, indent=1) + "\n")
     if sm.log.is_file():
         shutil.copyfile(sm.log, out / "smoke.log")
+    if sm.snapshot_md:
+        (out / "snapshot.md").write_text(sm.snapshot_md)
     written = sorted(p for p in out.iterdir() if p.is_file())
     assert len(written) <= MAX_FILES, written
     return written

@@ -3,6 +3,8 @@
 #         bash scripts/gpu_smoke.sh --dry-run [--out DIR]     (CPU, embedded tiny model, tiny steps)
 #         bash scripts/gpu_smoke.sh --plan [--dry-run]        (print the time plan only)
 #         bash scripts/gpu_smoke.sh --maxctx [--budget-s 470] (GPU: sweeps/max_context_16gb.yaml instead)
+#         bash scripts/gpu_smoke.sh --only memprobe_fp32,snapshot,step_time --snapshot-tokens N   (the 2nd call)
+#         [--only PHASES] [--probe-tokens 57344,61440,53248] [--fp32-tokens ...] (a rerun of some phases)
 #
 # One-shot GPU smoke test (issues 7, 10, 25, 37): the device script of issue 37.9, 540 s of work on one GPU
 # by a plan whose phase caps sum to <= the budget (printed first with what runs in each and why it fits).
@@ -14,11 +16,14 @@
 #   3. fork: trials forked from the sweeper's fork server with its default preload, no fallback to spawn;
 #   4. exact / batching: scripts/gpu_longctx_check.py (tiling, offload, RNG replay) and
 #      scripts/gpu_batch_check.py (token-weighted accumulation, packing) on the device;
-#   5. memprobe: Qwen3-8B (random init) under the 15 GiB cap, 16-bit adapters, 32,768 / 49,152 / 65,536 /
-#      81,920 tokens to the first OOM (peaks, num_alloc_retries, pool bytes, the estimate);
-#      memprobe_fp32: the same with fp32 adapters at 45,056 / 53,248 tokens;
-#   6. trial: a real trial at the longest length that fitted; step_time: bench/step_time.py 1,024 vs 4,096;
-#   7. writes summary.md, summary.csv, trials.jsonl, phases.json, smoke.log and prints the summary.
+#   5. memprobe: Qwen3-8B (random init) under the 15 GiB cap, 16-bit adapters, between 2026-12-04's fit
+#      (49,152) and OOM (65,536): 57,344, then 61,440 or 53,248 (peaks, num_alloc_retries, pool bytes, the
+#      estimate); YaRN x4 over 32,768 past the model's 40,960 positions;
+#   6. trial: a real trial at the longest length that fitted;
+#   7. writes summary.md, summary.csv, trials.jsonl, phases.json, smoke.log (+ snapshot.md) and the summary.
+# Opt-in (--only; the second call of a loan): memprobe_fp32 (fp32 adapters at 45,056, then 49,152 or 40,960),
+# snapshot (scripts/gpu_memsnapshot.py: the allocator's trace of the peak by owner), step_time
+# (bench/step_time.py 1,024 vs 4,096 tokens).
 # --dry-run runs the same script on the CPU with the embedded tiny model (CI runs it). Exit status: 0 when
 # no phase failed (ok / oom / not run are results), 1 when one did, 2 on bad usage or no CUDA device.
 set -euo pipefail
@@ -40,7 +45,7 @@ for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
     --plan) PLAN=1 ;;
-    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   esac
 done
 # --wheels/--bundle are consumed here (the install happens before Python runs); the rest goes to gpu_smoke.py.
