@@ -181,3 +181,42 @@ def test_truncation_none_names_the_longest_records_line_and_length(tmp_path, cap
     err = capsys.readouterr().err
     assert code == 2
     assert f"{p}:3: {n} tokens, the longest of 2 of 3 records longer than context.max_tokens=64" in err, err
+
+
+def test_truncation_none_on_documents_stops_tokenising_at_the_first_batch_with_one_too_long(
+    tmp_path, monkeypatch
+):
+    """Issue 40 item 3: sectioned documents with ``context.truncation=none`` were all tokenised before the
+    pre-flight counted the examples too long. Documents go longest first in batches and the check stops at
+    the first batch holding one, naming it (counted: sections tokenised, not time)."""
+    from vramsweep.config import ConfigError, compose
+    from vramsweep.data import truncation
+    from vramsweep.preflight import _Tokens, check_data
+
+    monkeypatch.setattr(truncation, "CHECK_BATCH_CHARS", 2000, raising=False)
+    tokenised: list[str] = []
+    lengths = _Tokens.lengths
+    monkeypatch.setattr(
+        _Tokens, "lengths", lambda self, texts: tokenised.extend(texts) or lengths(self, texts)
+    )
+
+    def doc(i: int, words: int) -> dict:
+        sections = [{"heading": f"h{j}", "text": f"section {j} " + "word " * words} for j in range(2)]
+        return {"id": f"d{i}", "title": "t", "sections": sections}
+
+    docs = [doc(i, 3) for i in range(300)]
+    docs[150] = {**doc(150, 200), "id": "big"}
+    p = tmp_path / "docs.jsonl"
+    p.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    cfg = compose(
+        ["data=jsonl", f"data.path={p}", "context.truncation=none", "context.max_tokens=96"], rules="none"
+    )
+    with pytest.raises(
+        ConfigError, match=r"context.truncation=none: 1 of \d+ examples.*document 'big'"
+    ) as exc:
+        check_data(cfg)
+    sections = [t for t in tokenised if "word" in t]
+    assert 0 < len(sections) < 100, f"{len(sections)} of 600 sections tokenised before the refusal"
+    assert f"examples of the {len(sections) // 2} of 300 documents tokenised, longest first," in str(
+        exc.value
+    )

@@ -378,6 +378,37 @@ def test_truncation_none_names_the_longest_record(tok):
         build_item_examples(its, tok, settings(template=tok.chat_template, max_tokens=64, truncation="none"))
 
 
+def test_truncation_none_stops_tokenising_at_the_first_batch_holding_a_record_too_long(tok, monkeypatch):
+    """Issue 40 item 3: a 55 MB JSONL with ``truncation=none`` was refused only after every record was
+    tokenised (~60 s). Records are tokenised longest first in batches and the check stops at the first batch
+    that holds one too long, naming its ``file:line`` (counted: records tokenised, not time)."""
+    from vramsweep.data import render, truncation
+    from vramsweep.data.truncation import ContextOverflowError
+
+    monkeypatch.setattr(truncation, "CHECK_BATCH_CHARS", 4000, raising=False)
+    tokenised: list[str] = []
+    encode = render._encode
+    monkeypatch.setattr(render, "_encode", lambda t, texts: tokenised.extend(texts) or encode(t, texts))
+    short = [{"messages": CHAT}] * 300
+    its = items(*short[:150], {"messages": _long_chat(8)}, *short[150:])
+    with pytest.raises(ContextOverflowError, match=r"f.jsonl:151: \d+ tokens, the longest of 1 ") as exc:
+        build_item_examples(its, tok, settings(template=tok.chat_template, max_tokens=64, truncation="none"))
+    assert 0 < len(tokenised) < 100, f"{len(tokenised)} of 301 records tokenised before the refusal"
+    said = f"longer than context.max_tokens=64 among the {len(tokenised)} of 301 records tokenised, longest first"
+    assert said in str(exc.value), exc.value
+
+
+def test_truncation_none_in_batches_gives_the_examples_of_one_pass(tok, monkeypatch):
+    """A data set that fits is tokenised whole, batch by batch, into the same examples as one pass."""
+    from vramsweep.data import truncation
+
+    its = items(*[{"messages": _long_chat(k % 5 + 1)} for k in range(40)], {"messages": CHAT})
+    one_pass = build_item_examples(its, tok, settings(template=tok.chat_template, max_tokens=4096))
+    monkeypatch.setattr(truncation, "CHECK_BATCH_CHARS", 700, raising=False)
+    none = settings(template=tok.chat_template, max_tokens=4096, truncation="none")
+    assert build_item_examples(its, tok, none) == one_pass
+
+
 # ----------------------------------------------------------------------------------------- trial data
 def _cfg(tmp_path, path, *extra):
     return compose(["data=file", f"data.path={path}", f"+results_dir={tmp_path}/r", *extra])

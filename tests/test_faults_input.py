@@ -200,6 +200,57 @@ CASES_VALUES: list[tuple[str, str, list[str], dict[str, str], str]] = [
         {},
         "model.pretrain_batch=0 is out of range [1,",
     ),
+    # item 4: the optimizer's class and keywords in the sweep's parent, read from source (no torch there);
+    # each trial failed on its own (exit 1, a result JSON each)
+    (
+        "sweep-optimizer-kwarg",
+        "train",
+        ["-m", "+optimizer.kwargs.foo=1", "adapter.r=4,8", *FAKE],
+        {},
+        "AdamW takes no keyword 'foo' (optimizer.kwargs.foo)",
+    ),
+    (
+        "sweep-optimizer-kwarg-in-space",
+        "train",
+        ["-m", "optimizer.kwargs.eps=1e-8,1e-6", "+optimizer.kwargs.bogus=1", "adapter.r=4,8", *FAKE],
+        {},
+        "takes no keyword 'bogus'",
+    ),
+    (
+        "sweep-optimizer-lr",
+        "train",
+        ["-m", "+optimizer.kwargs.lr=0.1", "adapter.r=4,8", *FAKE],
+        {},
+        "optimizer.kwargs.lr duplicates train.lr",
+    ),
+    (
+        "sweep-optimizer-missing-class",
+        "train",
+        ["-m", "optimizer._target_=torch.optim.AdamWW", "adapter.r=4,8", *FAKE],
+        {},
+        "optimizer._target_='torch.optim.AdamWW' is not an importable class",
+    ),
+    (
+        "sweep-optimizer-function",
+        "train",
+        ["-m", "optimizer._target_=torch.optim.adamw.adamw", "adapter.r=4,8", *FAKE],
+        {},
+        "optimizer._target_='torch.optim.adamw.adamw' names a function, not an optimizer class",
+    ),
+    (
+        "sweep-optimizer-space-value",
+        "train",
+        ["-m", "optimizer=adamw,adafactor", "+optimizer.kwargs.amsgrad=true", *FAKE],
+        {},
+        "search space: 'optimizer=adafactor' is invalid: optimizer=adafactor: Adafactor takes no keyword 'amsgrad'",
+    ),
+    (
+        "sweep-optimizer-design-point",
+        "train",
+        ["-m", "sweep=optimizer", "+optimizer.kwargs.amsgrad=true", *FAKE],
+        {},
+        "design factor ['optimizer=adafactor', 'train.seed=0'] is invalid: optimizer=adafactor: Adafactor takes no",
+    ),
     # item 3: the host check applies on CPU too (231 GiB estimated; it ran, RSS 8.3 GB and growing at 58 s)
     ("cpu-micro-batch-4096", "train", ["train.micro_batch=4096"], {}, "GiB of RAM available on this machine"),
     # item 8: hardware.* ranges
@@ -241,6 +292,75 @@ CASES_VALUES: list[tuple[str, str, list[str], dict[str, str], str]] = [
 def test_values_refused_naming_their_own_key(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, needle):
     check_bad_input(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, needle)
     assert "context.max_tokens" not in capsys.readouterr().err
+
+
+#: ``_target_`` values read from source and imported: what the source says must be what the import says.
+TARGETS = [
+    "torch.optim.AdamW",
+    "torch.optim.adamw.AdamW",
+    "torch.optim.SGD",
+    "torch.optim.Adafactor",
+    "torch.optim.Optimizer",
+    "torch.optim.AdamWW",
+    "torch.optim.adamw.adamw",
+    "torch.optim.lr_scheduler",
+    "transformers.optimization.Adafactor",
+    "transformers.Adafactor",  # a lazy module: not read (None), left to the trial
+    "bitsandbytes.optim.AdamW8bit",
+    "bitsandbytes.optim.Lion8bit",
+    "bitsandbytes.optim.PagedAdamW8bit",
+    "bitsandbytes.optim.PagedAdamW32bit",
+    "collections.OrderedDict",
+    "no_such_package_xyz.Optimizer",  # not installed: a machine matter, left to the trial
+]
+
+
+def _imported(target: str) -> tuple:
+    import importlib
+    import inspect
+
+    module, _, name = target.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return ("missing",)
+    if not isinstance(obj, type):
+        return ("function",) if callable(obj) else ("missing",)
+    sig = inspect.signature(obj.__init__).parameters
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values())
+    return ("class", obj.__name__, None if var_kw else tuple(sig))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_an_optimizer_read_from_source_is_what_its_import_gives(target):
+    """The sweep's parent reads ``optimizer._target_`` from source (it must not import torch); where it
+    answers, it answers what importing the class and ``inspect.signature(cls.__init__)`` give."""
+    from vramsweep.knobs.optim_source import read_target
+
+    found = read_target(target)
+    if target in ("transformers.Adafactor", "no_such_package_xyz.Optimizer", "collections.OrderedDict"):
+        assert found is None, found
+        return
+    assert found is not None, f"{target}: not read from source"
+    read = ("class", found.name, found.params) if found.kind == "class" else (found.kind,)
+    assert read == _imported(target)
+
+
+def test_every_shipped_optimizer_is_read_from_source():
+    """Each ``conf/optimizer/*.yaml`` class is read (the sweep's parent checks its keywords) and takes
+    its option file's keywords."""
+    from vramsweep.config import compose
+    from vramsweep.knobs.optim import check_optimizer_source
+    from vramsweep.knobs.optim_source import read_target
+
+    names = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "optimizer").glob("*.yaml"))
+    assert len(names) >= 6, names
+    for name in names:
+        cfg = compose([f"optimizer={name}"], rules="values")
+        found = read_target(str(cfg.optimizer["_target_"]))
+        assert found is not None and found.kind == "class", (name, found)
+        assert found == read_target(str(cfg.optimizer["_target_"]))
+        check_optimizer_source(cfg)
 
 
 def test_a_users_base_named_option_is_listed_and_composes(tmp_path, capsys, monkeypatch):

@@ -411,6 +411,32 @@ def test_the_sweeper_process_never_imports_torch(tmp_path):
     assert "RC 0 TORCH False" in out, out
 
 
+def test_a_bad_optimizer_keyword_is_refused_once_before_any_trial_without_torch(tmp_path):
+    """A bad ``optimizer.kwargs`` failed every trial on its own (exit 1, one result JSON each): the sweep's
+    parent now refuses it once, exit 2, naming the key, with no trial run and torch still not imported
+    (the class's ``__init__`` is read from source)."""
+    import subprocess
+    import sys
+
+    args = [
+        f"results_dir={tmp_path}",
+        *FAKE,
+        "adapter.r=4,8",
+        "+optimizer.kwargs.foo=1",
+        "hydra.sweeper.study_name=o1",
+    ]
+    code = (
+        "import sys; from vramsweep.sweeper import run_multirun; "
+        f"rc = run_multirun({args!r}); "
+        "print('RC', rc, 'TORCH', 'torch' in sys.modules)"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "RC 2 TORCH False" in p.stdout, p.stdout + p.stderr
+    errors = [ln for ln in p.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and "AdamW takes no keyword 'foo' (optimizer.kwargs.foo)" in errors[0], p.stderr
+    assert not list(tmp_path.rglob("*.json")), sorted(tmp_path.rglob("*"))
+
+
 def test_local_workers_share_one_sqlite_study(tmp_path, monkeypatch):
     monkeypatch.setenv("VRAMSWEEP_FAKE", json.dumps({"sleep_s": 0.6}))
     rc = sweep(

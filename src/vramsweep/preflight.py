@@ -41,7 +41,7 @@ from vramsweep.config.weights import arch_path
 from vramsweep.data.documents import format_section, load_jsonl
 from vramsweep.data.formats import detect_format, normalize_records
 from vramsweep.data.sources import read_source
-from vramsweep.data.truncation import ContextOverflowError
+from vramsweep.data.truncation import ContextOverflowError, longest_first
 from vramsweep.data_prep import USER_SOURCES, build_trial_data, data_format, load_documents
 from vramsweep.embedded import ASSET_DIR, _key, asset_info, build_note, embedded_dir
 from vramsweep.estimate import estimate
@@ -619,27 +619,44 @@ def check_data(cfg: Any) -> None:
         )
     if str(cfg.context.truncation) != "none":
         return
-    docs = [doc for doc in [*train, *held_out] if len(doc["sections"]) >= 2]
-    lengths = tok.lengths([format_section(s) for doc in docs for s in doc["sections"]])
-    worst, over, total, pos = (0, "", 0), 0, 0, 0
-    for doc in docs:
-        n = len(doc["sections"])
-        lens, pos = lengths[pos : pos + n], pos + n
-        for i in range(1, n):
-            need = fixed + sum(lens[:i]) + lens[i] + 1  # prompt + whole context + target + EOS
-            total += 1
-            if need > max_tokens:
-                over += 1
-                if need > worst[0]:
-                    worst = (need, str(doc.get("id", "")), i)
-    if over:
-        need, doc_id, i = worst
-        raise ConfigError(
-            f"context.truncation=none: {over} of {total} examples are longer than context.max_tokens={max_tokens} "
-            f"(the longest, document {doc_id!r} section {i}, needs {need} tokens) and none cuts nothing",
-            key="context.truncation",
-            allowed=["head", "tail", "exp_decay", f"context.max_tokens>={need}"],
-        )
+    check_sections_fit(
+        [doc for doc in [*train, *held_out] if len(doc["sections"]) >= 2], tok, fixed, max_tokens
+    )
+
+
+def check_sections_fit(docs: list[dict], tok: Any, fixed: int, max_tokens: int) -> None:
+    """``context.truncation=none``: every example (prompt + whole context + target + EOS) of ``docs`` fits
+    ``max_tokens``. Documents are tokenised longest first in batches
+    (:func:`vramsweep.data.truncation.longest_first`) and the check stops at the first batch with one
+    that does not fit: a large file is refused without tokenising all of it."""
+    texts = [[format_section(s) for s in doc["sections"]] for doc in docs]
+    worst, over, total, read = (0, "", 0), 0, 0, 0
+    for batch in longest_first([sum(map(len, t)) for t in texts]):
+        flat, read = iter(tok.lengths([s for j in batch for s in texts[j]])), read + len(batch)
+        lengths = {j: [next(flat) for _ in texts[j]] for j in batch}
+        for j in sorted(batch):  # file order: the first of equally long examples is named, as in one pass
+            lens = lengths[j]
+            for i in range(1, len(lens)):
+                need = fixed + sum(lens[:i]) + lens[i] + 1  # prompt + whole context + target + EOS
+                total += 1
+                if need > max_tokens:
+                    over += 1
+                    if need > worst[0]:
+                        worst = (need, str(docs[j].get("id", "")), i)
+        if over:
+            need, doc_id, i = worst
+            of = (
+                ""
+                if read == len(docs)
+                else f" of the {read} of {len(docs)} documents tokenised, longest first,"
+            )
+            raise ConfigError(
+                f"context.truncation=none: {over} of {total} examples{of} are longer than context.max_tokens="
+                f"{max_tokens} (the longest, document {doc_id!r} section {i}, needs {need} tokens) and none "
+                "cuts nothing",
+                key="context.truncation",
+                allowed=["head", "tail", "exp_decay", f"context.max_tokens>={need}"],
+            )
 
 
 def _record_error_key(msg: str) -> tuple[str, list[str] | None]:

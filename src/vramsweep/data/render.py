@@ -37,7 +37,7 @@ from vramsweep.data.documents import value_pattern
 from vramsweep.data.examples import IGNORE_INDEX, Example
 from vramsweep.data.formats import Item
 from vramsweep.data.templates import BUILTIN_TEMPLATES, CHATML, EMBEDDED_CHAT_TEMPLATE
-from vramsweep.data.truncation import ContextOverflowError, kept_lengths
+from vramsweep.data.truncation import ContextOverflowError, kept_lengths, longest_first
 
 __all__ = [
     "BUILTIN_TEMPLATES",
@@ -124,11 +124,19 @@ def _end_markers(tok: Any) -> list[str]:
 
 
 def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix (bisected with C string compares: a character loop took most
+    of the rendering of a large file)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _visible(content: str) -> str:
@@ -213,6 +221,53 @@ def _encode(tok: Any, texts: list[str]) -> list[tuple[list[int], list[tuple[int,
         ([int(t) for t in ids], [(int(a), int(b)) for a, b in offs])
         for ids, offs in zip(enc["input_ids"], enc["offset_mapping"])
     ]
+
+
+def _chars(it: Item) -> int:
+    """A record's length in characters before rendering (its contents): the order of the ``none`` check."""
+    if it.kind == "chat":
+        return sum(len(str(m.get("content") or "")) for m in it.messages)
+    return len(it.text) + len(it.prompt) + len(it.completion)
+
+
+def _render(it: Item, tok: Any, s: RenderSettings) -> tuple[str, list[tuple[int, int]]]:
+    try:
+        return render_item(it, tok, s)
+    except ValueError as e:
+        raise ValueError(f"{it.where}: {e}") from None
+
+
+def _render_fitting(items: Sequence[Item], tok: Any, s: RenderSettings) -> tuple[list[Any], list[Any]]:
+    """Rendered texts and their :func:`_encode` for ``truncation=none``: the records longest (in characters)
+    first, in batches (:func:`~vramsweep.data.truncation.longest_first`), file order within a batch, and a
+    refusal at the first batch that holds a record over ``max_tokens``, naming the longest of them. Texts
+    and ids are those of one pass in file order.
+
+    Raises:
+        ContextOverflowError: a record is longer than ``max_tokens`` (its ``file:line`` and length).
+    """
+    rendered: list[Any] = [None] * len(items)
+    encoded: list[Any] = [None] * len(items)
+    read = 0
+    for batch in longest_first([_chars(it) for it in items]):
+        batch = sorted(batch)
+        for i in batch:
+            rendered[i] = _render(items[i], tok, s)
+        for i, enc in zip(batch, _encode(tok, [rendered[i][0] for i in batch])):
+            encoded[i] = enc
+        read += len(batch)
+        over = [(len(encoded[i][0]), items[i].where) for i in batch if len(encoded[i][0]) > s.max_tokens]
+        if over:
+            n, where = max(over, key=lambda x: x[0])
+            limit = f"context.max_tokens={s.max_tokens}"
+            among = (
+                f"the longest of {len(over)} of {len(items)} records longer than {limit}"
+                if read == len(items)
+                else f"the longest of {len(over)} longer than {limit} among the {read} of {len(items)} records "
+                "tokenised, longest first"
+            )
+            raise ContextOverflowError(f"{where}: {n} tokens, {among} (context.truncation=none cuts nothing)")
+    return rendered, encoded
 
 
 def _labels(ids: list[int], offs: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
@@ -338,21 +393,11 @@ def build_item_examples(items: Sequence[Item], tok: Any, s: RenderSettings) -> l
         ValueError: ``"<where>: <problem>"``: a template that does not render a record, or a record with no
             trained token.
     """
-    rendered = []
-    for it in items:
-        try:
-            rendered.append(render_item(it, tok, s))
-        except ValueError as e:
-            raise ValueError(f"{it.where}: {e}") from None
-    encoded = _encode(tok, [t for t, _ in rendered]) if rendered else []
     if s.truncation == "none":
-        over = [(len(ids), it.where) for it, (ids, _) in zip(items, encoded) if len(ids) > s.max_tokens]
-        if over:
-            n, where = max(over, key=lambda x: x[0])
-            raise ContextOverflowError(
-                f"{where}: {n} tokens, the longest of {len(over)} of {len(items)} records longer than "
-                f"context.max_tokens={s.max_tokens} (context.truncation=none cuts nothing)"
-            )
+        rendered, encoded = _render_fitting(items, tok, s)
+    else:
+        rendered = [_render(it, tok, s) for it in items]
+        encoded = _encode(tok, [t for t, _ in rendered]) if rendered else []
     out: list[Example] = []
     for it, (text, spans), (ids, offs) in zip(items, rendered, encoded):
         if len(ids) > s.max_tokens:

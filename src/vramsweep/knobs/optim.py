@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.config.errors import ConfigError
 from vramsweep.config.paths import find_option
+from vramsweep.knobs.optim_source import read_target
 from vramsweep.knobs.registry import ORDER, KnobHooks, register
 
 if TYPE_CHECKING:  # torch is imported where it runs: the estimator reads this provider without it
@@ -38,39 +40,68 @@ def optimizer_class(target: str) -> type:
     except (ImportError, AttributeError):
         cls = None
     if not isinstance(cls, type):
-        what = "names a function, not an optimizer class" if callable(cls) else "is not an importable class"
-        raise ConfigError(
-            f"optimizer._target_={target!r} {what}",
-            key="optimizer._target_",
-            allowed=["<package.module.Class>, e.g. torch.optim.AdamW"],
-        )
+        raise _target_error(target, function=callable(cls))
     return cls
+
+
+def _target_error(target: str, *, function: bool) -> ConfigError:
+    what = "names a function, not an optimizer class" if function else "is not an importable class"
+    return ConfigError(
+        f"optimizer._target_={target!r} {what}",
+        key="optimizer._target_",
+        allowed=["<package.module.Class>, e.g. torch.optim.AdamW"],
+    )
 
 
 def optimizer_kwargs(cfg: DictConfig, cls: type) -> dict[str, Any]:
     """``optimizer.kwargs`` resolved (lists become tuples: betas, Adafactor's eps), checked against the
     constructor's signature so that a keyword the class does not take names the option."""
-    o = cfg.optimizer
-    kwargs = OmegaConf.to_container(o.kwargs, resolve=True) or {}
+    kwargs = OmegaConf.to_container(cfg.optimizer.kwargs, resolve=True) or {}
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
     sig = inspect.signature(cls.__init__).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values()):
-        takes = [n for n in sig if n not in ("self", "params")]
-        for k in kwargs:
-            if k == "lr":
-                raise ConfigError(
-                    f"optimizer={o.name}: optimizer.kwargs.lr duplicates train.lr (the learning rate is passed "
-                    "from train.lr)",
-                    key="optimizer.kwargs.lr",
-                    allowed=["train.lr=<value> (and no optimizer.kwargs.lr)"],
-                )
-            if k not in sig or k in ("self", "params"):
-                raise ConfigError(
-                    f"optimizer={o.name}: {cls.__name__} takes no keyword {k!r} (optimizer.kwargs.{k})",
-                    key=f"optimizer.kwargs.{k}",
-                    allowed=[n for n in takes if n != "lr"],
-                )
+    var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values())
+    check_keywords(cfg, kwargs, cls.__name__, None if var_keyword else list(sig))
     return kwargs
+
+
+def check_keywords(
+    cfg: DictConfig, kwargs: Iterable[str], cls_name: str, params: Sequence[str] | None
+) -> None:
+    """Each of ``kwargs`` is a keyword of ``params`` (the ``__init__``'s parameter names; ``None``: it
+    takes ``**kwargs``) other than ``self``, ``params`` and ``lr`` (passed from ``train.lr``)."""
+    if params is None:
+        return
+    name = cfg.optimizer.name
+    takes = [n for n in params if n not in ("self", "params")]
+    for k in kwargs:
+        if k == "lr":
+            raise ConfigError(
+                f"optimizer={name}: optimizer.kwargs.lr duplicates train.lr (the learning rate is passed "
+                "from train.lr)",
+                key="optimizer.kwargs.lr",
+                allowed=["train.lr=<value> (and no optimizer.kwargs.lr)"],
+            )
+        if k not in takes:
+            raise ConfigError(
+                f"optimizer={name}: {cls_name} takes no keyword {k!r} (optimizer.kwargs.{k})",
+                key=f"optimizer.kwargs.{k}",
+                allowed=[n for n in takes if n != "lr"],
+            )
+
+
+def check_optimizer_source(cfg: DictConfig) -> None:
+    """:func:`optimizer_class` and :func:`optimizer_kwargs`'s checks without importing the optimizer's
+    module (a sweep's parent process never imports torch): ``_target_`` and its ``__init__`` are read
+    from source (:mod:`vramsweep.knobs.optim_source`). What cannot be read for certain is left to the
+    trial, which checks the imported class."""
+    target = str(cfg.optimizer["_target_"])
+    found = read_target(target)
+    if found is None:
+        return
+    if found.kind != "class":
+        raise _target_error(target, function=found.kind == "function")
+    kwargs = OmegaConf.to_container(cfg.optimizer.kwargs, resolve=True) or {}
+    check_keywords(cfg, kwargs, found.name, found.params)
 
 
 def build_optimizer(cfg: DictConfig, params: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer, dict]:

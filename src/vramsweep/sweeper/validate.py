@@ -6,6 +6,8 @@ type or out-of-range value raises :class:`~vramsweep.config.ConfigError` naming 
 Combinations are checked per point only for fixed designs (ablation/stacking/grid), whose points the
 user listed; in a search a bad *combination* is recorded as ``unsupported`` when sampled. Machine
 rules (CUDA, optional packages) are not checked here: those points are recorded ``unsupported``.
+``optimizer._target_`` and ``optimizer.kwargs`` are checked from the optimizer's source
+(:func:`vramsweep.knobs.optim.check_optimizer_source`): this process never imports torch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.config.compose import ConfigError, compose
+from vramsweep.knobs.optim import check_optimizer_source
 from vramsweep.sweeper.design import DesignPoint
 from vramsweep.sweeper.space import Param, merge_overrides
 
@@ -24,6 +27,7 @@ def compose_base(fixed: Sequence[str]) -> DictConfig:
     """The sweep's base config (fixed overrides only), value-checked."""
     try:
         cfg = compose(fixed, rules="values")
+        check_optimizer_source(cfg)  # once here, not in every trial (read from source: no torch here)
     except ConfigError as exc:
         raise ConfigError(f"the sweep's fixed overrides are invalid: {exc}", key=exc.key) from exc
     return cfg
@@ -47,7 +51,7 @@ def int_keys(base: DictConfig, keys: Sequence[str]) -> list[str]:
 
 
 def _probe(fixed: Sequence[str], extra: Sequence[str]) -> None:
-    compose(merge_overrides(fixed, extra), rules="values")
+    check_optimizer_source(compose(merge_overrides(fixed, extra), rules="values"))
 
 
 def validate_space(fixed: Sequence[str], dims: Sequence[Param]) -> int:
@@ -94,7 +98,7 @@ def validate_design(fixed: Sequence[str], points: Sequence[DesignPoint], *, comb
         seen.add(overrides)
         try:
             n += 1
-            compose(overrides, rules="config" if combinations else "values")
+            check_optimizer_source(compose(overrides, rules="config" if combinations else "values"))
         except ConfigError as exc:
             what = p.design.get("role") or (f"step {p.design.get('step')}" if "step" in p.design else "point")
             raise ConfigError(f"design {what} {list(p.overrides)} is invalid: {exc}", key=exc.key) from exc
