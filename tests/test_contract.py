@@ -148,6 +148,34 @@ def test_one_feasibility_rule_for_sweeper_report_and_progress(status, peak, reco
     assert (status_label(r, sweep_budget) == "over budget") is over
 
 
+@pytest.mark.parametrize("status,peak,recorded,sweep_budget,want", FEASIBILITY_CASES)
+@pytest.mark.torchfree
+def test_the_sweep_summary_counts_a_trial_as_the_progress_line_labels_it(
+    status, peak, recorded, sweep_budget, want
+):
+    """The summary's count by status (``2 ok, 1 over budget, ...``) uses the progress line's
+    ``status_label``, read from the study trial the sweeper told."""
+    import optuna
+
+    from vramsweep.sweeper.engine import summary_status
+    from vramsweep.sweeper.outcome import CONSTRAINT_KEY, DASHBOARD_CONSTRAINTS_KEY, classify, user_attrs
+    from vramsweep.sweeper.progress import status_label
+    from vramsweep.sweeper.settings import Objective
+
+    r = _case_result(status, peak, recorded, sweep_budget)
+    out = classify(r, [Objective("eval_loss", "minimize")], budget_gib=sweep_budget)
+    c = out.constraint
+    told = optuna.trial.create_trial(  # what StudyBook.tell stores
+        state=optuna.trial.TrialState[out.state],
+        values=out.values if out.state == "COMPLETE" else None,
+        user_attrs=user_attrs(r, out, "trials/0000.json"),
+        system_attrs={} if c is None else {DASHBOARD_CONSTRAINTS_KEY: [c]},
+        constraints=None if c is None else {CONSTRAINT_KEY: c},
+    )
+    assert summary_status(told) == status_label(r, sweep_budget)
+    assert (summary_status(told) == "over budget") is (status == "ok" and peak is not None and not want)
+
+
 # ------------------------------------------------------------------------------------------ schema
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.config.compose import ConfigError, check_rules, compose
-from vramsweep.config.rules import UnsupportedError, validate
+from vramsweep.config.rules import refused_point, validate
 from vramsweep.data.packing import pack_examples, packing_stats
 from vramsweep.data_prep import collate_batch, eval_batches, micro_batches, trial_data
 from vramsweep.estimate import estimate
@@ -38,7 +38,6 @@ from vramsweep.knobs.model import model_source
 from vramsweep.knobs.registry import loss_fn
 from vramsweep.knobs.vocab import kept_ids, remap_examples
 from vramsweep.longctx.loss import causal_lm_of
-from vramsweep.longctx.offload import HostMemoryError
 from vramsweep.loop import Callback, CpuMemoryTracking, Diverged, Every, Loop, Pruned, Timing, fit
 from vramsweep.measure import TensorMemoryTracker
 from vramsweep.measure.cpu import close_tracker, model_state_tensors, optimizer_state_tensors, tensor_bytes
@@ -50,7 +49,6 @@ from vramsweep.measure.steps import StepClock, install_sync_point
 from vramsweep.preflight import check_host_memory
 from vramsweep.production.checkpoint import (
     Checkpointer,
-    Preempted,
     Resume,
     check_same_config,
     latest_checkpoint,
@@ -60,7 +58,8 @@ from vramsweep.production.checkpoint import (
 from vramsweep.production.length import apply_epochs
 from vramsweep.production.outputs import LossLog, RunFolder, run_folder_for, save_outputs, write_config
 from vramsweep.record.diskfull import disk_full_reason
-from vramsweep.record.hostmem import process_rss
+from vramsweep.record.failure import classify_exception
+from vramsweep.record.hostmem import HostMemoryError, process_rss
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import new_result, write_result
 from vramsweep.record.schema import Meta, ResultSchemaError, TrialResult
@@ -70,25 +69,11 @@ from vramsweep.report.wandb_run import start_logger
 Reporter = Callable[[int, float], bool]
 
 
-def _is_host_oom(exc: BaseException) -> bool:
-    """Host (pinned) memory for offloaded activations ran out: not a device OOM."""
-
-    return isinstance(exc, HostMemoryError)
-
-
 def _check_host_memory(cfg: DictConfig, estimated: dict | None) -> None:
     try:
         check_host_memory(cfg, estimated=estimated)  # the trial's own estimate: not computed twice
     except ConfigError as exc:
         raise HostMemoryError(f"not run: {exc}") from None
-
-
-def _is_oom(exc: BaseException) -> bool:
-    import torch
-
-    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
 def _fault(kind: str, step: int) -> None:
@@ -774,7 +759,7 @@ def run_trial(
         result["meta"]["estimate_error"] = f"{type(exc).__name__}: {exc}"
 
     logger = None
-    status, reason, oom = Status.OK, None, False
+    status, reason = Status.OK, None
     try:
         _check_host_memory(
             cfg, result["estimate"]
@@ -795,10 +780,12 @@ def run_trial(
     except BaseException as exc:  # noqa: BLE001 - failures are data
         if isinstance(exc, KeyboardInterrupt):
             raise
-        status, reason, oom = _failure(exc, result)
+        status, reason, unexpected = classify_exception(exc)
+        if unexpected:  # a bug or a crash: where it happened
+            result["meta"]["traceback"] = traceback.format_exc()[-4000:]
     # Recover memory outside the except block (a live traceback pins the tensors).
     gc.collect()
-    if oom:
+    if status == Status.OOM:
         try:
             import torch
 
@@ -830,30 +817,6 @@ def _record_rss(meta: dict) -> None:
         "it shares with its fork server); rss_bytes: its resident set when the trial ended (VmRSS)"
     )
     meta["host_memory"] = host
-
-
-def _failure(exc: BaseException, result: dict) -> tuple[Status, str, bool]:
-    """(status, reason, device OOM) of the exception a trial ended with (docs/CONTRACTS.md); an unexpected
-    error keeps its traceback in ``meta.traceback``."""
-
-    if isinstance(exc, UnsupportedError):
-        return Status.UNSUPPORTED, str(exc), False
-    if isinstance(exc, ConfigError):
-        return Status.ERROR, f"config: {exc}", False
-    if isinstance(exc, Diverged):
-        return Status.DIVERGED, str(exc), False
-    if isinstance(exc, Pruned):
-        return Status.PRUNED, str(exc), False
-    if isinstance(exc, Preempted):
-        return Status.ERROR, f"preempted: {exc}", False
-    if (full := disk_full_reason(exc)) is not None:
-        return Status.ERROR, full, False  # one line, no traceback: the disk, not the config
-    if _is_host_oom(exc):
-        return Status.HOST_OOM, f"{type(exc).__name__}: {str(exc).splitlines()[0][:500]}", False
-    if _is_oom(exc):
-        return Status.OOM, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}", True
-    result["meta"]["traceback"] = traceback.format_exc()[-4000:]
-    return Status.ERROR, f"{type(exc).__name__}: {str(exc)[:500]}", False
 
 
 def _record(result: dict) -> TrialResult:
@@ -895,14 +858,19 @@ def _write(record: TrialResult, result_path: str | os.PathLike) -> None:
 def run_trial_overrides(
     overrides: list[str] | tuple[str, ...] = (), *, cfg: DictConfig | None = None, **kw: Any
 ) -> dict:
-    """Compose + validate (ConfigError propagates), then :func:`run_trial`.
+    """Compose + validate, then :func:`run_trial` (the sweeper's default trial function).
+
+    A config the rules refuse raises: ``UnsupportedError`` as it is, any other ``ConfigError`` as
+    ``UnsupportedError("invalid combination: ...")`` (:func:`~vramsweep.config.rules.refused_point`: a sweep
+    records such a point ``unsupported``).
 
     ``cfg``: the config already composed from ``overrides`` (the sweeper's pre-flight composed it): only
     the rules run, it is not composed again.
     """
 
-    if cfg is None:
-        cfg = compose(overrides, rules="all")
-    else:
-        check_rules(cfg, "all")
+    with refused_point():
+        if cfg is None:
+            cfg = compose(overrides, rules="all")
+        else:
+            check_rules(cfg, "all")
     return run_trial(cfg, overrides=list(overrides), **kw)

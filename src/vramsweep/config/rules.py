@@ -13,10 +13,11 @@ Every message names the override to change and the allowed values.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -36,6 +37,24 @@ from vramsweep.config.schema import (
 
 class UnsupportedError(ConfigError):
     """A valid config that this machine cannot run (recorded as ``unsupported`` in sweeps)."""
+
+
+@contextlib.contextmanager
+def refused_point() -> Iterator[None]:
+    """Compose or check one point of a sweep: a ``ConfigError`` becomes
+    ``UnsupportedError("invalid combination: ...")`` (an ``UnsupportedError`` passes as it is). Each value of
+    the point passed the sweep's own checks (:mod:`vramsweep.sweeper.validate`), so the rules refused its
+    combination: a grid or a search records that point ``unsupported`` (a result, not a failure counted
+    toward ``max_failure_rate``), while a plain ``ConfigError`` is a user's bad input, ``error``
+    (:mod:`vramsweep.record.failure`)."""
+    try:
+        yield
+    except UnsupportedError:
+        raise
+    except ConfigError as exc:
+        refused = UnsupportedError(f"invalid combination: {exc}", key=exc.key)
+        refused.allowed = exc.allowed
+        raise refused from exc
 
 
 def cuda_available() -> bool:

@@ -40,13 +40,9 @@ from typing import Any
 
 import torch
 
-from vramsweep.record.hostmem import FAILED, GROWING, HELD, write_marker
+from vramsweep.record.hostmem import FAILED, GROWING, HELD, HostMemoryError, write_marker
 
 GIB = 2**30
-
-
-class HostMemoryError(RuntimeError):
-    """Host (pinned) memory for the offloaded layer inputs could not be allocated or page-locked."""
 
 
 def _pin(buf: torch.Tensor) -> None:

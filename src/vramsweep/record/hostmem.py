@@ -28,6 +28,11 @@ MARKER_ENV = "VRAMSWEEP_HOST_POOL_MARKER"
 GROWING, HELD, FAILED = "growing", "held", "failed"
 
 
+class HostMemoryError(RuntimeError):
+    """Host (pinned) memory for the offloaded layer inputs could not be allocated or page-locked: the trial
+    ends ``host_oom`` (:mod:`vramsweep.record.failure`), not ``oom`` (device memory)."""
+
+
 def _proc_kib(path: str, keys: tuple[str, ...]) -> dict[str, int]:
     """``key: value kB`` lines of a ``/proc`` file, in bytes (missing file or keys: left out)."""
     out: dict[str, int] = {}
@@ -103,6 +108,7 @@ __all__ = [
     "GROWING",
     "HELD",
     "MARKER_ENV",
+    "HostMemoryError",
     "available_bytes",
     "marker_path",
     "process_rss",

@@ -53,7 +53,7 @@ from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
     sweep_identity,
     total_trials,
 )
-from vramsweep.sweeper.progress import Progress, fmt_override, plural
+from vramsweep.sweeper.progress import Progress, fmt_override, plural, status_label
 from vramsweep.sweeper.settings import SweepConfig
 from vramsweep.sweeper.storage import COPY_OF, JOB_LOST, RETRY_OF, SCREENED, requeue_lost, sqlite_path
 from vramsweep.sweeper.storage_check import check_storage
@@ -71,6 +71,21 @@ def dashboard_hint(storage: str) -> str | None:
     if importlib.util.find_spec("optuna_dashboard") is None:
         return None
     return f"vramsweep: dashboard: optuna-dashboard {storage if '@' not in storage else '<storage URL>'}"
+
+
+def summary_status(trial: Any) -> str:
+    """What the summary counts a finished study trial as: :func:`.progress.status_label` (the progress line's
+    rule: ``over budget`` for an ``ok`` trial over its budget) of its recorded status and the largest budget
+    constraint the study holds for it (``constraints:<name>``; the dashboard's list copy is the same value)."""
+    constraints = [
+        v
+        for k, v in trial.system_attrs.items()
+        if k.startswith("constraints") and isinstance(v, int | float) and not isinstance(v, bool)
+    ]
+    status = trial.user_attrs.get("status", trial.state.name.lower())
+    return status_label(
+        {"status": status, "meta": {"optuna": {"constraint": max(constraints, default=None)}}}
+    )
 
 
 class Sweep:
@@ -231,13 +246,7 @@ class Sweep:
             if t.system_attrs.get(JOB_LOST):  # lost infrastructure, not a result: never an "error"
                 jobs_lost += 1
                 continue
-            st = str(t.user_attrs.get("status", t.state.name.lower()))
-            if st == "ok" and any(
-                isinstance(v, int | float) and v > 0
-                for k, v in t.system_attrs.items()
-                if k.startswith("constraints") and not isinstance(v, list)
-            ):
-                st = "over budget"
+            st = summary_status(t)
             by_status[st] = by_status.get(st, 0) + 1
         lines = [
             f"vramsweep: sweep '{self.settings.name}' - this run: {plural(self.state.finished, 'trial')} in {wall_s:.0f} s; "

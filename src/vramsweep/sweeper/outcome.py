@@ -27,8 +27,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from vramsweep.config.compose import ConfigError
-from vramsweep.config.rules import UnsupportedError
+from vramsweep.record.failure import classify_exception
 from vramsweep.record.feasibility import over_budget_gib, result_budget_gib
 from vramsweep.record.hostmem import GROWING
 from vramsweep.record.metrics import LOSS_METRICS, METRIC_KEYS, SCALAR_METRICS, empty_metrics
@@ -191,24 +190,15 @@ def _checked(result: dict[str, Any], *, sweep: str, trial: int, overrides: list[
 def result_from_exception(
     exc: BaseException, *, sweep: str, trial: int, overrides: list[str]
 ) -> dict[str, Any]:
-    """A trial function raised: classify (contract says it should not, so this is the safety net)."""
+    """A trial function raised (the contract says it should not, so this is the safety net): its status and
+    reason are :func:`vramsweep.record.failure.classify_exception`'s, as in the trial; an unexpected error's
+    reason ends with where it happened (the last frames; there is no ``meta.traceback`` here)."""
 
-    name = type(exc).__name__
-    text = str(exc).strip() or name
-    if isinstance(exc, UnsupportedError):
-        status, reason = Status.UNSUPPORTED, text
-    elif isinstance(exc, ConfigError):
-        status, reason = Status.UNSUPPORTED, f"invalid combination: {text}"
-    elif name == "HostMemoryError":
-        status, reason = Status.HOST_OOM, f"{name}: {text}"
-    elif name == "OutOfMemoryError" or isinstance(exc, MemoryError) or "out of memory" in text.lower():
-        status, reason = Status.OOM, f"{name}: {text}"
-    elif isinstance(exc, FloatingPointError):
-        status, reason = Status.DIVERGED, f"{name}: {text}"
-    else:
+    status, reason, unexpected = classify_exception(exc)
+    if unexpected:
         tb = traceback.extract_tb(exc.__traceback__)[-3:]
         where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in reversed(tb))
-        status, reason = Status.ERROR, f"{name}: {text}" + (f" (at {where})" if where else "")
+        reason += f" (at {where})" if where else ""
     return new_result(status=status, reason=reason[:2000], sweep=sweep, trial=trial, overrides=overrides)
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import compose
+from vramsweep.config.rules import refused_point
 from vramsweep.record.diskfull import disk_full_reason
 from vramsweep.record.hostmem import MARKER_ENV, marker_path
 from vramsweep.record.metrics import MetricName as M
@@ -213,8 +214,9 @@ def execute(spec: TrialSpec) -> dict[str, Any]:
     try:
         cfg = raw = None
         if spec.preflight:
-            cfg = compose(spec.overrides, rules="none")  # the trial gets this config: composed once
-            raw = preflight_result(spec, cfg)
+            with refused_point():
+                cfg = compose(spec.overrides, rules="none")  # the trial gets this config: composed once
+                raw = preflight_result(spec, cfg)
         if raw is None:
             fn = resolve_fn(spec.trial_fn)
             raw = fn(
