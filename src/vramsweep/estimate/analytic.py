@@ -430,13 +430,20 @@ def _linear(
 
 
 def _layer_saved(
-    k: Knobs, in_rg: bool, int8: bool = True, mlp: bool | None = None, upto_attention: bool = False
+    k: Knobs,
+    in_rg: bool,
+    int8: bool = True,
+    mlp: bool | None = None,
+    upto_attention: bool = False,
+    upto_norm2: bool = False,
 ) -> _Saved:
     """Tensors one decoder layer keeps for backward (``int8=False``: without the LLM.int8 inputs, which
     a checkpointed recompute does not re-create: backward uses the original nodes' ``ctx.A``).
     ``mlp=False`` (default when ``tiling.mlp_tile_tokens`` > 0): the tiled MLP keeps only its input.
     ``upto_attention``: only what is saved up to the attention output, i.e. what is still alive when the
-    layer's backward reaches its attention (the o_proj, norm and MLP tensors after it are freed by then)."""
+    layer's backward reaches its attention (the o_proj, norm and MLP tensors after it are freed by then).
+    ``upto_norm2``: what is saved up to the second norm's output, i.e. what is alive while that norm runs
+    backward (the MLP's tensors are freed by then)."""
     if mlp is None:
         mlp = k.mlp_tile <= 0
     d, c = k.dims, k.c
@@ -471,6 +478,8 @@ def _layer_saved(
     o_in = "attn_out" if k.attention != "eager" else "attn_out_t"
     _linear(s, k, "o_proj", o_in, *shapes["o_proj"], att_rg, int8)
     ln2 = _norm(s, k, "ln2", "x2", d.hidden_size, 1, True, full)
+    if upto_norm2:
+        return s
     if not mlp:  # vramsweep.longctx.mlp: the tiled MLP's Function saves only its input (ln2_out)
         s.add("ln2_out", c * d.hidden_size)
         return s
@@ -512,6 +521,9 @@ def _int8_inputs(k: Knobs) -> float:
 # like ``ctx.A``. Not attributed to a tensor yet (the outlier columns ``subA`` are ~empty for these
 # activations); one data point, so its scaling with tokens is an assumption.
 INT8_CUDA_UNATTRIBUTED_WIDTHS = 3
+# HF RMSNorm's backward (``x.to(fp32)``, ``pow(2).mean``, ``rsqrt``): fp32 tensors of the norm's input
+# shape alive at once (CPU tracker: offloaded and plain checkpoints with a tiled MLP, both adapter dtypes)
+HF_NORM_BACKWARD_FP32_TEMPS = 5
 
 
 def eager_bytes_per_token(k: Knobs) -> float:
@@ -551,6 +563,7 @@ class ActivationTerms:
     peak_phase: str
     working: float = 0.0  # one layer's backward working set (what the allocator cycles layer by layer)
     loss_transient: float = 0.0  # blocks of the loss freed before its peak (HF: the compute-dtype logits)
+    after_mlp: bool = False  # the recompute peak comes after the layer's MLP backward (its grads exist)
 
 
 def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -> ActivationTerms:
@@ -580,6 +593,11 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
         # on a CPU device the offloaded copies are in the same memory
         offloaded = k.unsloth or (k.offload and k.device == "cuda")
         stored = 0.0 if offloaded else L * c * d.hidden_size
+        if k.offload:
+            # the embedding output (the first layer's input) stays alive beside its host copy through the
+            # whole backward: the CPU tracker and the GPU allocator trace (docs/gpu-runs/2026-12-04) both
+            # hold its block at the peak
+            stored += c * d.hidden_size
         # bitsandbytes' 8-bit matmul keeps its input as ``ctx.A`` (a plain attribute, not a saved
         # tensor), so checkpointing cannot drop it: every layer's int8 inputs stay alive
         stored += L * _int8_inputs(k)
@@ -592,10 +610,12 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
             # unless its first norm saves that very tensor (key "x": Liger's RMSNorm, or fp32 compute)
             prefetch = c * d.hidden_size * (1 if "x" in saved_one.items else 2)
         one_layer = saved_one.total + per_layer_attn + prefetch
+        # _OffloadedCheckpoint.backward holds the recomputed layer's output while it back-propagates it
+        kept_out = c * d.hidden_size if k.offload else 0.0
     else:
         layers_tok = first + (L - 1) * rest
         attn_all = L * per_layer_attn
-        one_layer = prefetch = 0.0
+        one_layer = prefetch = kept_out = 0.0
 
     # fixed: cos/sin (b, s, head_dim) in the dtype, batch int64 tensors, final norm (+ lm_head input)
     fixed_tok = 2 * c * d.head_dim + BATCH_INT_BYTES_PER_TOKEN
@@ -605,6 +625,9 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
         final.add("final_out", c * d.hidden_size)
     fixed_tok += final.total
     fixed = fixed_tok * T
+    # the final norm's backward runs before any layer's: its saved tensors are gone when a recomputed
+    # layer runs backward (neither the CPU tracker nor the GPU allocator trace holds them there)
+    final_saved = final.total * T
     # 4-D masks: SDPA with padding gets the bool (b,1,s,s) mask and its float (dtype) version, saved for
     # backward; FlashAttention-2 unpads instead. Eager's float causal mask lives through the forward,
     # and through backward too with checkpointing (it is an input of every checkpointed layer).
@@ -702,11 +725,47 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
         )
     # SDPA's flash / memory-efficient backward (CUDA): a transient workspace while one layer's attention
     # runs backward; the MLP's recompute and the dequantised weights are gone by then (the MLP comes first
-    # in a layer's backward), so the layer holds the larger of the two
+    # in a layer's backward), so the layer holds the largest of its moments (below)
     attn_ws = attention_backward_bytes_per_token(k) * T
     # the recomputed layer at its attention backward: the MLP's saved tensors are freed by then
     at_attn = _layer_saved(k, in_rg=True, int8=False, upto_attention=True).total + per_layer_attn + prefetch
-    layer_bwd = max(one_layer * T + dequant + mlp_transient, at_attn * T + attn_ws)
+    # one attention projection's weight dequantised by bitsandbytes is alive there (GPU allocator trace,
+    # 2026-12-04: one 4096 x 4096 bf16 block from ``_dequant_linear_fallback`` at the peak)
+    attn_dequant = 0.0
+    if k.quant_bits in (4, 8):
+        attn_dequant = c * max(
+            (
+                fi * fo
+                for n, (fi, fo) in d.linear_shapes().items()
+                if n in ("q_proj", "k_proj", "v_proj", "o_proj") and k.quantised(n)
+            ),
+            default=0,
+        )
+    # gradients in flight at the attention backward with offloaded checkpoints: the gradient the Function's
+    # backward received (its frame holds it), the residual gradient summed from it and the MLP branch (a
+    # new tensor, since the first is still referenced) and the attention output's gradient, each T x h
+    # (GPU allocator trace at 49,152 tokens: 3 such blocks beside the kernel's dq/dk/dv and workspace);
+    # without offload the generic gradients in flight (grad_flow)
+    attn_flow = 3 * c * d.hidden_size if k.offload else grad_flow
+    # the MLP's backward: with a tiled MLP its intermediate-width gradients exist for one tile only
+    mlp_flow = grad_flow * T
+    if k.mlp_tile > 0:
+        inter_flow = c * (2 if mlp_lora else 0.5) * d.intermediate_size
+        mlp_flow = (grad_flow - inter_flow) * T + inter_flow * min(s_len, k.mlp_tile) * b
+    mlp_moment = mlp_flow + (one_layer + kept_out) * T + dequant + mlp_transient
+    attn_moment = (attn_flow + at_attn + kept_out) * T + attn_ws + attn_dequant
+    # the second norm's backward (HF RMSNorm, unfused): the layer's tensors saved up to that norm, the
+    # incoming gradient and the norm backward's fp32 temporaries (CPU tracker: pow, its x2, the product with
+    # the gradient, the mean's division and the rsqrt product, all T x h fp32, alive together when the two
+    # branches of the input gradient are summed) -- the peak on CPU with a tiled MLP, offloaded or not
+    norm_moment = 0.0
+    if k.checkpointing and not k.fused_rms_norm:
+        upto_norm2 = _layer_saved(k, in_rg=True, int8=False, upto_norm2=True).total
+        norm_moment = (
+            upto_norm2 + per_layer_attn + prefetch + kept_out + c * d.hidden_size
+        ) * T + HF_NORM_BACKWARD_FP32_TEMPS * 4 * d.hidden_size * T
+    layer_bwd = max(mlp_moment, attn_moment, norm_moment)
+    after_mlp = layer_bwd > mlp_moment
     if k.checkpointing:
         # backward of one recomputed layer: its saved tensors + the gradients in flight (residual stream,
         # SwiGLU branches; fp32 LoRA branches in a 16-bit model double them) + DoRA's weight-norm pass,
@@ -716,7 +775,7 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
         # buffer until the embedding's backward adds to it (it only becomes ``.grad`` at the very end)
         tied_grad = k.vocab * d.hidden_size * c if (full and d.tie_word_embeddings) else 0.0
         phases["recompute"] = (
-            fixed + layers + (grad_flow * T + layer_bwd + dora_transient) * f_layers + kept_logits + tied_grad
+            fixed - final_saved + layers + (layer_bwd + dora_transient) * f_layers + kept_logits + tied_grad
         )
     elif attn_ws > 0:
         # the first attention backward (last layer): every layer's saved tensors + the kernel's workspace
@@ -732,7 +791,7 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
     # one layer's backward working set: with checkpointing the recomputed layer's saved tensors + the
     # gradients in flight; without, one layer's saved tensors (freed layer by layer in backward)
     if k.checkpointing:
-        working = grad_flow * T + layer_bwd
+        working = layer_bwd
     else:
         working = rest * T + per_layer_attn * T + attn_ws
     # HF cross-entropy: the compute-dtype logits (and, for eager attention, the last layer's score
@@ -749,6 +808,7 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
         peak_phase=peak_phase,
         working=working,
         loss_transient=loss_transient,
+        after_mlp=after_mlp,
     )
 
 
@@ -863,12 +923,15 @@ def estimate_knobs(k: Knobs, calib: dict | None = None) -> Estimate:
     workspace = optimizer_step_workspace(k, trainable)
     acts = activation_terms(k, calib, static=params + opt)
     L = k.dims.num_layers
+    mlp_names = ("gate_proj", "up_proj", "down_proj")
+    mlp_grads = sum(t.nbytes for t in trainable if any(f".{n}." in t.name for n in mlp_names))
 
     def grads_alive(phase: str) -> int:
         if k.grad_accum > 1:
             return grads  # accumulated grads of the earlier micro-batches
         if phase == "recompute":  # backward reached the first layers: the later layers' grads exist
-            return grads * (L - 1) // L
+            # (+ the recomputed layer's MLP adapter grads when the peak comes after its MLP backward)
+            return grads * (L - 1) // L + (mlp_grads // L if acts.after_mlp else 0)
         return 0  # zero_grad(set_to_none=True): no grads before backward
 
     totals = {p: v + grads_alive(p) for p, v in acts.phases.items()}
