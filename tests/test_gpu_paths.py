@@ -31,17 +31,7 @@ HAS_CUDA = torch.cuda.is_available()
 HAS_UNSLOTH = importlib.util.find_spec("unsloth") is not None
 
 #: A small Qwen3 architecture (``source=arch``) that builds in well under a second on a CPU.
-SMALL_ARCH = [
-    "model=qwen3_8b",
-    "model.vocab_size=256",
-    "model.hidden_size=128",
-    "model.intermediate_size=512",
-    "model.num_layers=2",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.head_dim=32",
-    "train.dtype=bf16",
-]
+SMALL_ARCH = ["model=qwen3_tiny_arch", "model.vocab_size=256", "train.dtype=bf16"]
 
 
 def _cfg(*overrides: str):
