@@ -6,7 +6,9 @@ import importlib.util
 import os
 import shutil
 import signal
+import sys
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -108,6 +110,35 @@ def embedded_model_dir() -> Path:
 
     cfg = compose([])
     return ensure_embedded(cfg.model, progress=False)
+
+
+@pytest.fixture()
+def fake_unsloth(monkeypatch):
+    """A fake ``unsloth`` whose ``FastLanguageModel`` records the keyword arguments of each call
+    (``{"from_pretrained": {...}, "get_peft_model": {...}}``, the dict returned): ``from_pretrained`` gives
+    a 4x4 ``Linear`` with ``kind="base"`` and ``"tokenizer"``; ``get_peft_model`` marks it ``kind="peft"``."""
+    import torch
+
+    calls: dict[str, dict] = {}
+
+    class FastLanguageModel:
+        @staticmethod
+        def from_pretrained(**kw):
+            calls["from_pretrained"] = kw
+            model = torch.nn.Linear(4, 4)
+            model.kind = "base"
+            return model, "tokenizer"
+
+        @staticmethod
+        def get_peft_model(model, **kw):
+            calls["get_peft_model"] = kw
+            model.kind = "peft"
+            return model
+
+    mod = types.ModuleType("unsloth")
+    mod.FastLanguageModel = FastLanguageModel
+    monkeypatch.setitem(sys.modules, "unsloth", mod)
+    return calls
 
 
 @pytest.fixture()

@@ -7,10 +7,8 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import sys
 import threading
 import time
-import types
 
 import pytest
 import torch
@@ -155,27 +153,6 @@ def test_qwen3_8b_cost_is_16_4_gb_in_38_shards():
         "shards": 38,
         "largest_shard_bytes": (151_936 + 1) * 4096 * 2,  # lm_head + final norm: host RAM peak
     }
-
-
-@pytest.fixture()
-def fake_unsloth(monkeypatch):
-    calls: dict[str, dict] = {}
-
-    class FastLanguageModel:
-        @staticmethod
-        def from_pretrained(**kw):
-            calls["from_pretrained"] = kw
-            return torch.nn.Linear(4, 4), "tokenizer"
-
-        @staticmethod
-        def get_peft_model(model, **kw):
-            calls["get_peft_model"] = kw
-            return model
-
-    mod = types.ModuleType("unsloth")
-    mod.FastLanguageModel = FastLanguageModel
-    monkeypatch.setitem(sys.modules, "unsloth", mod)
-    return calls
 
 
 def test_unsloth_on_an_arch_model_loads_the_materialised_folder(cache, fake_unsloth):

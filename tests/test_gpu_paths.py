@@ -205,28 +205,6 @@ print(kernels.apply_liger_to_instance(cfg, model))
 
 
 # ============================================================================================== Unsloth
-@pytest.fixture()
-def fake_unsloth(monkeypatch):
-    """A fake ``unsloth`` with ``FastLanguageModel`` recording the translated kwargs."""
-    calls: dict[str, dict] = {}
-
-    class FastLanguageModel:
-        @staticmethod
-        def from_pretrained(**kw):
-            calls["from_pretrained"] = kw
-            return SimpleNamespace(kind="base"), "tokenizer"
-
-        @staticmethod
-        def get_peft_model(model, **kw):
-            calls["get_peft_model"] = kw
-            return SimpleNamespace(kind="peft", base=model)
-
-    mod = types.ModuleType("unsloth")
-    mod.FastLanguageModel = FastLanguageModel
-    monkeypatch.setitem(sys.modules, "unsloth", mod)
-    return calls
-
-
 def test_unsloth_translates_qlora_rslora_checkpointing(fake_unsloth, tmp_path):
     cfg = _cfg(
         "kernels=unsloth",
