@@ -6,6 +6,7 @@ import importlib.util
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import types
@@ -139,6 +140,34 @@ def fake_unsloth(monkeypatch):
     mod.FastLanguageModel = FastLanguageModel
     monkeypatch.setitem(sys.modules, "unsloth", mod)
     return calls
+
+
+def slurm_skip(why: str) -> None:
+    """Skip, saying why - or fail where CI says the SLURM cluster is up (``VRAMSWEEP_REQUIRE_SLURM=1``)."""
+    if os.environ.get("VRAMSWEEP_REQUIRE_SLURM") == "1":
+        pytest.fail(f"VRAMSWEEP_REQUIRE_SLURM=1 but {why}")
+    pytest.skip(why)
+
+
+def slurm_cluster(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``bash scripts/slurm_local.sh <args>`` (start, ctld-stop, ...), its output captured."""
+    script = ROOT / "scripts" / "slurm_local.sh"
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A running single-node SLURM cluster with accounting (left running: CI stops it with the machine)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    if shutil.which("sbatch") is None or shutil.which("slurmctld") is None:
+        slurm_skip("SLURM is not installed (bash scripts/slurm_local.sh install)")
+    if os.geteuid() != 0:
+        slurm_skip("starting a SLURM cluster needs root")
+    p = slurm_cluster("start")
+    if p.returncode == 3:
+        slurm_skip(f"SLURM cannot start here: {p.stderr.strip()[-300:]}")
+    if p.returncode != 0:
+        slurm_skip(f"scripts/slurm_local.sh start failed (rc {p.returncode}): {p.stderr.strip()[-800:]}")
 
 
 @pytest.fixture()
