@@ -24,9 +24,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from _child import emit, run_child
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(one(args.overrides)))
+        emit(one(args.overrides))
         return 0
     base = [
         f"train.steps={args.steps}",
@@ -99,14 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             order = names[i % len(names) :] + names[: i % len(names)]  # rotate which arm runs first
             for arm in order:
                 over = [*base, f"train.lr={lr}", f"train.seed={seed}", *ARMS[arm]]
-                out = subprocess.run(
-                    [sys.executable, __file__, "--child", *over], capture_output=True, text=True, check=False
-                )
-                line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-                if line is None:
+                res, out = run_child([sys.executable, __file__, "--child", *over])
+                if res is None:
                     print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
                     return 1
-                res = json.loads(line[7:])
                 if res["status"] != "ok":
                     print(f"lr {lr:g} seed {seed} {arm}: {res['status']} {res['reason']}", file=sys.stderr)
                     return 1

@@ -12,11 +12,12 @@ Run:  python bench/host_rss.py [--cases imports,trial,load]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
+
+from _child import PREFIX, run_child
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -53,10 +54,11 @@ WRITE = (
 
 
 def _run(code: str, tmp: str) -> dict:
-    body = RSS + code.replace("{tmp}", tmp) + "\nimport json; print('RESULT', json.dumps(out))"
-    proc = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, check=True)
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line.split(" ", 1)[1])
+    body = RSS + code.replace("{tmp}", tmp) + f"\nimport json; print({PREFIX!r} + json.dumps(out))"
+    res, _ = run_child([sys.executable, "-c", body], check=True)
+    if res is None:
+        raise RuntimeError(f"no {PREFIX.strip()} line from the child")
+    return res
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from _child import emit, run_child
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -193,23 +193,16 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     if a.child:
-        out = ENGINES[a.child](a.overrides, a.steps)
-        print("RESULT " + json.dumps(out))
+        emit(ENGINES[a.child](a.overrides, a.steps))
         return 0
     engines = a.engines.split(",")
     res: dict[str, list[dict]] = {e: [] for e in engines}
     for rnd in range(a.rounds):
         for e in engines:
-            p = subprocess.run(
-                [sys.executable, __file__, "--child", e, "--steps", str(a.steps), *a.overrides],
-                capture_output=True,
-                text=True,
-            )
-            line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-            if p.returncode or not line:
+            r, p = run_child([sys.executable, __file__, "--child", e, "--steps", str(a.steps), *a.overrides])
+            if p.returncode or r is None:
                 print(f"[round {rnd}] {e}: FAILED\n{p.stderr[-2000:]}")
                 continue
-            r = json.loads(line[0][7:])
             res[e].append(r)
             print(
                 f"[round {rnd}] {e:8s} {r['tokens_per_s']:8.1f} tokens/s  peak {r['peak'] / 2**20 if r['peak'] else float('nan'):7.1f} MiB",

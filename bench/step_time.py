@@ -24,11 +24,11 @@ Run:  python bench/step_time.py [--short 256 --long 1024] [--rounds 2] [--steps 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
+
+from _child import emit, run_child
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -98,21 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(one(args.overrides)))
+        emit(one(args.overrides))
         return 0
     base = [f"train.steps={args.steps}", "train.eval_batches=1", "logger=none", *args.overrides]
     runs: dict[int, list[dict]] = {args.short: [], args.long: []}
     for r in range(args.rounds):
         for n in (args.short, args.long) if r % 2 == 0 else (args.long, args.short):
             over = [*base, f"context.max_tokens={n}"]
-            out = subprocess.run(
-                [sys.executable, __file__, "--child", *over], capture_output=True, text=True, check=False
-            )
-            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
+            res, out = run_child([sys.executable, __file__, "--child", *over])
+            if res is None:
                 print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
                 return 1
-            res = json.loads(line[7:])
             runs[n].append(res)
             ph = res.get("phases") or {}
             print(

@@ -282,16 +282,7 @@ DRY_OVERRIDES = [
     "hydra.sweeper.timeout_s=900",  # 2 CPU cores shared with other jobs: a 512-token CPU trial took > 150 s
 ]
 #: The dry run's weights-folder step: a small Qwen3 architecture (the GPU run writes Qwen3-8B's 16.4 GB).
-DRY_ARCH = [
-    "model=qwen3_8b",
-    "model.vocab_size=512",
-    "model.hidden_size=128",
-    "model.intermediate_size=512",
-    "model.num_layers=2",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.head_dim=32",
-]
+DRY_ARCH = ["model=qwen3_tiny_arch"]
 #: The dry run divides every ``context.max_tokens`` of the design by this (floor 128): same knobs, CPU-sized.
 DRY_CONTEXT_DIVISOR = 8
 GIB = 1024**3

@@ -6,7 +6,10 @@ import importlib.util
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -108,6 +111,63 @@ def embedded_model_dir() -> Path:
 
     cfg = compose([])
     return ensure_embedded(cfg.model, progress=False)
+
+
+@pytest.fixture()
+def fake_unsloth(monkeypatch):
+    """A fake ``unsloth`` whose ``FastLanguageModel`` records the keyword arguments of each call
+    (``{"from_pretrained": {...}, "get_peft_model": {...}}``, the dict returned): ``from_pretrained`` gives
+    a 4x4 ``Linear`` with ``kind="base"`` and ``"tokenizer"``; ``get_peft_model`` marks it ``kind="peft"``."""
+    import torch
+
+    calls: dict[str, dict] = {}
+
+    class FastLanguageModel:
+        @staticmethod
+        def from_pretrained(**kw):
+            calls["from_pretrained"] = kw
+            model = torch.nn.Linear(4, 4)
+            model.kind = "base"
+            return model, "tokenizer"
+
+        @staticmethod
+        def get_peft_model(model, **kw):
+            calls["get_peft_model"] = kw
+            model.kind = "peft"
+            return model
+
+    mod = types.ModuleType("unsloth")
+    mod.FastLanguageModel = FastLanguageModel
+    monkeypatch.setitem(sys.modules, "unsloth", mod)
+    return calls
+
+
+def slurm_skip(why: str) -> None:
+    """Skip, saying why - or fail where CI says the SLURM cluster is up (``VRAMSWEEP_REQUIRE_SLURM=1``)."""
+    if os.environ.get("VRAMSWEEP_REQUIRE_SLURM") == "1":
+        pytest.fail(f"VRAMSWEEP_REQUIRE_SLURM=1 but {why}")
+    pytest.skip(why)
+
+
+def slurm_cluster(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``bash scripts/slurm_local.sh <args>`` (start, ctld-stop, ...), its output captured."""
+    script = ROOT / "scripts" / "slurm_local.sh"
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """A running single-node SLURM cluster with accounting (left running: CI stops it with the machine)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    if shutil.which("sbatch") is None or shutil.which("slurmctld") is None:
+        slurm_skip("SLURM is not installed (bash scripts/slurm_local.sh install)")
+    if os.geteuid() != 0:
+        slurm_skip("starting a SLURM cluster needs root")
+    p = slurm_cluster("start")
+    if p.returncode == 3:
+        slurm_skip(f"SLURM cannot start here: {p.stderr.strip()[-300:]}")
+    if p.returncode != 0:
+        slurm_skip(f"scripts/slurm_local.sh start failed (rc {p.returncode}): {p.stderr.strip()[-800:]}")
 
 
 @pytest.fixture()

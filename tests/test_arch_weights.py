@@ -7,10 +7,8 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import sys
 import threading
 import time
-import types
 
 import pytest
 import torch
@@ -21,17 +19,7 @@ from vramsweep.knobs import arch_weights as aw
 from vramsweep.knobs import kernels
 
 #: A small Qwen3 architecture (``source=arch``): 4 shards (embedding, 2 layers, norm + lm_head), ~1.2 MB.
-SMALL = [
-    "model=qwen3_8b",
-    "model.vocab_size=512",
-    "model.hidden_size=128",
-    "model.intermediate_size=512",
-    "model.num_layers=2",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.head_dim=32",
-    "train.dtype=bf16",
-]
+SMALL = ["model=qwen3_tiny_arch", "train.dtype=bf16"]
 
 
 def _cfg(*extra: str):
@@ -51,13 +39,13 @@ def _sha(path) -> str:
 def test_written_once_reused_and_loadable(cache, capsys):
     cfg = _cfg()
     path, notes = aw.ensure_arch_weights(cfg)
-    assert path.parent == cache / "arch_weights" and path.name.startswith("qwen3_8b-")
+    assert path.parent == cache / "arch_weights" and path.name.startswith("qwen3_tiny_arch-")
     assert notes["written_now"] is True and (path / aw.MARKER).exists()
     shards = sorted(path.glob("model-*.safetensors"))
     assert [p.name for p in shards] == [f"model-{i:05d}-of-00004.safetensors" for i in range(1, 5)]
     assert notes["shards"] == 4 and notes["weight_bytes"] == aw.plan_bytes(cfg)["bytes"]
     assert notes["disk_bytes"] > notes["weight_bytes"] and notes["write_s"] >= 0
-    assert "writing random qwen3_8b weights once" in capsys.readouterr().err  # the progress line
+    assert "writing random qwen3_tiny_arch weights once" in capsys.readouterr().err  # the progress line
     stamps = {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
 
     path2, notes2 = aw.ensure_arch_weights(cfg)
@@ -154,7 +142,7 @@ def test_not_enough_disk_is_unsupported_and_writes_nothing(cache, monkeypatch):
     with pytest.raises(UnsupportedError, match="writes .* GB of random weights") as exc:
         aw.ensure_arch_weights(cfg, progress=False)
     assert exc.value.key == "kernels"
-    assert not list((cache / "arch_weights").glob("qwen3_8b-*"))
+    assert not list((cache / "arch_weights").glob("qwen3_tiny_arch-*"))
 
 
 def test_qwen3_8b_cost_is_16_4_gb_in_38_shards():
@@ -165,27 +153,6 @@ def test_qwen3_8b_cost_is_16_4_gb_in_38_shards():
         "shards": 38,
         "largest_shard_bytes": (151_936 + 1) * 4096 * 2,  # lm_head + final norm: host RAM peak
     }
-
-
-@pytest.fixture()
-def fake_unsloth(monkeypatch):
-    calls: dict[str, dict] = {}
-
-    class FastLanguageModel:
-        @staticmethod
-        def from_pretrained(**kw):
-            calls["from_pretrained"] = kw
-            return torch.nn.Linear(4, 4), "tokenizer"
-
-        @staticmethod
-        def get_peft_model(model, **kw):
-            calls["get_peft_model"] = kw
-            return model
-
-    mod = types.ModuleType("unsloth")
-    mod.FastLanguageModel = FastLanguageModel
-    monkeypatch.setitem(sys.modules, "unsloth", mod)
-    return calls
 
 
 def test_unsloth_on_an_arch_model_loads_the_materialised_folder(cache, fake_unsloth):

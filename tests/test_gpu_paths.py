@@ -31,17 +31,7 @@ HAS_CUDA = torch.cuda.is_available()
 HAS_UNSLOTH = importlib.util.find_spec("unsloth") is not None
 
 #: A small Qwen3 architecture (``source=arch``) that builds in well under a second on a CPU.
-SMALL_ARCH = [
-    "model=qwen3_8b",
-    "model.vocab_size=256",
-    "model.hidden_size=128",
-    "model.intermediate_size=512",
-    "model.num_layers=2",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.head_dim=32",
-    "train.dtype=bf16",
-]
+SMALL_ARCH = ["model=qwen3_tiny_arch", "model.vocab_size=256", "train.dtype=bf16"]
 
 
 def _cfg(*overrides: str):
@@ -215,28 +205,6 @@ print(kernels.apply_liger_to_instance(cfg, model))
 
 
 # ============================================================================================== Unsloth
-@pytest.fixture()
-def fake_unsloth(monkeypatch):
-    """A fake ``unsloth`` with ``FastLanguageModel`` recording the translated kwargs."""
-    calls: dict[str, dict] = {}
-
-    class FastLanguageModel:
-        @staticmethod
-        def from_pretrained(**kw):
-            calls["from_pretrained"] = kw
-            return SimpleNamespace(kind="base"), "tokenizer"
-
-        @staticmethod
-        def get_peft_model(model, **kw):
-            calls["get_peft_model"] = kw
-            return SimpleNamespace(kind="peft", base=model)
-
-    mod = types.ModuleType("unsloth")
-    mod.FastLanguageModel = FastLanguageModel
-    monkeypatch.setitem(sys.modules, "unsloth", mod)
-    return calls
-
-
 def test_unsloth_translates_qlora_rslora_checkpointing(fake_unsloth, tmp_path):
     cfg = _cfg(
         "kernels=unsloth",

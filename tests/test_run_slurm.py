@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +24,6 @@ from pathlib import Path
 
 import pytest
 
-from test_sweeper_slurm import _cluster, _skip
 from vramsweep.cli import main
 from vramsweep.config import compose
 from vramsweep.production.checkpoint import checkpoint_dirs
@@ -50,21 +48,6 @@ RUN = [
     "train.threads=1",
 ]
 SLURM = ["hydra/launcher=submitit_slurm", "hydra.launcher.partition=debug"]
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    """A running single-node cluster (left running, as tests/test_sweeper_slurm.py leaves it)."""
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    if shutil.which("sbatch") is None or shutil.which("slurmctld") is None:
-        _skip("SLURM is not installed (bash scripts/slurm_local.sh install)")
-    if os.geteuid() != 0:
-        _skip("starting a SLURM cluster needs root")
-    p = _cluster("start")
-    if p.returncode == 3:
-        _skip(f"SLURM cannot start here: {p.stderr.strip()[-300:]}")
-    if p.returncode != 0:
-        _skip(f"scripts/slurm_local.sh start failed (rc {p.returncode}): {p.stderr.strip()[-800:]}")
 
 
 def _submit(tmp_path: Path, run: Path, pause_s: float, *extra: str) -> str:

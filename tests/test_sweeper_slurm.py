@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -21,37 +20,18 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from conftest import slurm_cluster
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "slurm_local.sh"
-
-
-def _skip(why: str) -> None:
-    if os.environ.get("VRAMSWEEP_REQUIRE_SLURM") == "1":
-        pytest.fail(f"VRAMSWEEP_REQUIRE_SLURM=1 but {why}")
-    pytest.skip(why)
-
-
-def _cluster(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
-def slurm():
-    """A running single-node cluster with accounting (left running: CI stops it with the machine)."""
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    if shutil.which("sbatch") is None or shutil.which("slurmctld") is None:
-        _skip("SLURM is not installed (bash scripts/slurm_local.sh install)")
-    if os.geteuid() != 0:
-        _skip("starting a SLURM cluster needs root")
-    p = _cluster("start")
-    if p.returncode == 3:
-        _skip(f"SLURM cannot start here: {p.stderr.strip()[-300:]}")
-    if p.returncode != 0:
-        _skip(f"scripts/slurm_local.sh start failed (rc {p.returncode}): {p.stderr.strip()[-800:]}")
+def slurm(slurm):
+    """conftest's cluster, started again after this module's tests: left as found, up, with accounting."""
     yield
-    _cluster("start")  # leave it as found: up, with accounting
+    slurm_cluster("start")
 
 
 def _sweep(tmp_path: Path, name: str, points: str, fault: str | None, *extra: str) -> list[str]:
@@ -172,7 +152,7 @@ def test_a_sweep_on_slurm_survives_scancel_and_a_controller_down(slurm, tmp_path
     cmd = _sweep(
         tmp_path, name, "adapter.r=4,8", None, "hydra.sweeper.n_jobs=2", "hydra.sweeper.retry_stale=1"
     )
-    assert _cluster("ctld-stop").returncode == 0
+    assert slurm_cluster("ctld-stop").returncode == 0
     try:
         t0 = time.monotonic()
         p = subprocess.run(
@@ -180,7 +160,7 @@ def test_a_sweep_on_slurm_survives_scancel_and_a_controller_down(slurm, tmp_path
         )
         down_s = time.monotonic() - t0
     finally:
-        up = _cluster("ctld-start")
+        up = slurm_cluster("ctld-start")
     assert up.returncode == 0, up.stderr
     out = p.stdout + p.stderr
     assert p.returncode == 1, out
@@ -201,7 +181,7 @@ def test_a_sweep_on_slurm_survives_scancel_and_a_controller_down(slurm, tmp_path
 def test_without_accounting_a_cancelled_job_is_lost_within_bounded_time(slurm, tmp_path):
     """``AccountingStorageType=none``: ``sacct`` knows nothing, submitit used to wait for minutes with
     the trial RUNNING; the runner asks ``squeue`` and retries the point within seconds."""
-    p = _cluster("start", "--no-accounting")
+    p = slurm_cluster("start", "--no-accounting")
     assert p.returncode == 0, p.stderr
     try:
         name = "noacct"
@@ -221,4 +201,4 @@ def test_without_accounting_a_cancelled_job_is_lost_within_bounded_time(slurm, t
         assert len(lost) == 1 and f"job {cancelled} (slurm) ended CANCELLED" in lost[0].user_attrs["reason"]
         print(f"\nno accounting: scancel -> retried and finished in {time.monotonic() - t0:.1f} s")
     finally:
-        assert _cluster("start").returncode == 0  # accounting back on
+        assert slurm_cluster("start").returncode == 0  # accounting back on

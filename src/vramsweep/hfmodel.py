@@ -1,23 +1,24 @@
 """The two things every model source needs, below ``knobs/`` and ``embedded`` (no import cycle):
-the local artefact cache and a transformers config from the ``model`` group's dims."""
+the local artefact cache and a transformers config from the ``model`` group's dims (through
+``config.weights.SIZE_KEYS``, the table of size names that ``estimate.dims`` reads too)."""
 
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from vramsweep.config.weights import SIZE_KEYS
 from vramsweep.data.cache import CACHE_ENV, cache_path, cache_root  # noqa: F401 - re-exported
+
+
+def group_sizes(mcfg: DictConfig) -> dict[str, int]:
+    """The model group's sizes (the keys of ``config.weights.SIZE_KEYS``) as integers."""
+    return {name: int(getattr(mcfg, name)) for name in SIZE_KEYS}
 
 
 def hf_config(mcfg: DictConfig):
     """A transformers config from the model group's dims (source=embedded|arch)."""
     common = dict(
-        vocab_size=int(mcfg.vocab_size),
-        hidden_size=int(mcfg.hidden_size),
-        intermediate_size=int(mcfg.intermediate_size),
-        num_hidden_layers=int(mcfg.num_layers),
-        num_attention_heads=int(mcfg.num_heads),
-        num_key_value_heads=int(mcfg.num_kv_heads),
-        head_dim=int(mcfg.head_dim),
+        **{SIZE_KEYS[name]: v for name, v in group_sizes(mcfg).items()},
         max_position_embeddings=int(mcfg.max_position_embeddings),
         tie_word_embeddings=bool(mcfg.tie_word_embeddings),
         rms_norm_eps=float(mcfg.rms_norm_eps),

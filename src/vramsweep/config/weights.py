@@ -15,8 +15,9 @@ from typing import Any
 
 from vramsweep.config.compose import ConfigError
 
-#: model.<key> -> config.json key
-ARCH_KEYS = {
+#: model.<size> -> config.json key: the one table of the model group's sizes and their transformers names,
+#: read both ways (``hfmodel.hf_config`` writes a config from them, ``estimate/dims.py`` reads one)
+SIZE_KEYS = {
     "vocab_size": "vocab_size",
     "hidden_size": "hidden_size",
     "intermediate_size": "intermediate_size",
@@ -24,9 +25,9 @@ ARCH_KEYS = {
     "num_heads": "num_attention_heads",
     "num_kv_heads": "num_key_value_heads",
     "head_dim": "head_dim",
-    "tie_word_embeddings": "tie_word_embeddings",
-    "family": "model_type",
 }
+#: model.<key> -> config.json key: what a weights folder must match
+ARCH_KEYS = {**SIZE_KEYS, "tie_word_embeddings": "tie_word_embeddings", "family": "model_type"}
 _said_random = False
 
 

@@ -15,6 +15,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from vramsweep.config.compose import ConfigError
+from vramsweep.config.weights import SIZE_KEYS
+from vramsweep.hfmodel import group_sizes
 
 #: Projection names of one decoder layer (Llama/Qwen3 naming), in forward order.
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -65,12 +67,10 @@ def _from_hf_json(d: dict[str, Any]) -> ModelDims:
     heads = int(d["num_attention_heads"])
     hidden = int(d["hidden_size"])
     head_dim = d.get("head_dim") or hidden // heads
+    optional = ("num_kv_heads", "head_dim")
+    sizes = {name: int(d[hf]) for name, hf in SIZE_KEYS.items() if name not in optional}
     return ModelDims(
-        vocab_size=int(d["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(d["intermediate_size"]),
-        num_layers=int(d["num_hidden_layers"]),
-        num_heads=heads,
+        **sizes,
         num_kv_heads=int(d.get("num_key_value_heads") or heads),
         head_dim=int(head_dim),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -88,13 +88,7 @@ def model_dims(cfg: DictConfig) -> ModelDims:
         with open(path) as fh:
             return _from_hf_json(json.load(fh))
     return ModelDims(
-        vocab_size=int(m.vocab_size),
-        hidden_size=int(m.hidden_size),
-        intermediate_size=int(m.intermediate_size),
-        num_layers=int(m.num_layers),
-        num_heads=int(m.num_heads),
-        num_kv_heads=int(m.num_kv_heads),
-        head_dim=int(m.head_dim),
+        **group_sizes(m),
         tie_word_embeddings=bool(m.tie_word_embeddings),
         qk_norm=str(m.family) == "qwen3",
         attention_bias=False,
@@ -103,15 +97,7 @@ def model_dims(cfg: DictConfig) -> ModelDims:
 
 
 #: ``config.json`` fields that are sizes: a positive integer each (the bounds of the ``model.*`` rules).
-DIM_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-)
+DIM_FIELDS = tuple(SIZE_KEYS.values())
 MAX_DIM = 10**7
 
 

@@ -128,25 +128,21 @@ def kept_ids(
         raise ValueError(f"token ids outside the tokenizer's vocabulary [0, {vocab}): {bad[:10]}")
     specials = {i for i in special_ids(tokenizer) if 0 <= i < vocab}
     ranking = sorted(range(vocab), key=lambda i: (-counts.get(i, 0), i))
-    if mode == "corpus":
-        keep = set(counts) | specials
-    else:
-        keep = set(specials)
-        need = top_k
-        for i in ranking:
-            if need == 0:
-                break
-            if i not in keep:
-                keep.add(i)
-                need -= 1
-    need = reserve
+    keep = set(counts) | specials if mode == "corpus" else set(specials)
+    if mode == "top_k":
+        _add_by_rank(keep, ranking, top_k)
+    _add_by_rank(keep, ranking, reserve)
+    return sorted(keep)
+
+
+def _add_by_rank(keep: set[int], ranking: Iterable[int], count: int) -> None:
+    """Add the first ``count`` ids of ``ranking`` not already in ``keep`` to ``keep``."""
     for i in ranking:
-        if need == 0:
+        if count == 0:
             break
         if i not in keep:
             keep.add(i)
-            need -= 1
-    return sorted(keep)
+            count -= 1
 
 
 # ------------------------------------------------------------------------------------------------ id map

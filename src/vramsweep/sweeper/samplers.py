@@ -89,81 +89,66 @@ def motpe_sampler(**kwargs: Any) -> Any:
     return optuna.samplers.TPESampler(**kwargs)
 
 
+#: short name -> (Optuna sampler class, default keywords); ``grid`` is a fixed design (its points are
+#: enqueued, the sampler is idle) and runs a seeded ``RandomSampler`` whatever keywords it is given
+SAMPLER_TABLE: dict[str, tuple[str, dict[str, Any]]] = {
+    "tpe": (
+        "TPESampler",
+        {"multivariate": True, "group": True, "constant_liar": True, "n_startup_trials": TPE_STARTUP},
+    ),
+    "random": ("RandomSampler", {}),
+    "grid": ("RandomSampler", {}),
+    "nsga2": ("NSGAIISampler", {}),
+    "gp": ("GPSampler", {"n_startup_trials": TPE_STARTUP}),
+}
+
+#: short name -> (Optuna pruner class, default keywords); ``none`` takes no keywords
+PRUNER_TABLE: dict[str, tuple[str, dict[str, Any]]] = {
+    "median": ("MedianPruner", {"n_startup_trials": 3, "n_warmup_steps": 0}),
+    "sha": ("SuccessiveHalvingPruner", {"min_resource": 1}),
+    "hyperband": ("HyperbandPruner", {"min_resource": 1, "reduction_factor": 3}),
+    "none": ("NopPruner", {}),
+}
+
+
+def _from_spec(spec: Any, what: str, table: dict[str, tuple[str, dict[str, Any]]], **fixed: Any) -> Any:
+    """The Optuna sampler or pruner (``what``) that ``spec`` names: an instance as-is, a ``_target_`` dict
+    instantiated, a short name (or ``{name: ..., **keywords}``) looked up in ``table``. ``fixed``: keywords
+    set unless the spec gives them.
+
+    Raises:
+        ConfigError: unknown name, bad keyword, or a class this install cannot run.
+    """
+    import optuna
+
+    module = optuna.samplers if what == "sampler" else optuna.pruners
+    if isinstance(spec, module.BaseSampler if what == "sampler" else module.BasePruner):
+        return spec
+    if isinstance(spec, dict) and "_target_" in spec:
+        return _instantiate(spec, what)
+    name = spec if isinstance(spec, str) else str(spec.get("name"))
+    if name not in table:
+        raise ConfigError(f"unknown {what} {name!r}", key=f"hydra.sweeper.{what}", allowed=list(table))
+    cls_name, defaults = table[name]
+    kw = {**defaults, **fixed, **_kwargs(spec)}
+    if name in ("grid", "none"):  # keywords are not read
+        kw = dict(fixed)
+    try:  # TypeError: an unknown keyword; ValueError: Optuna's range check (n_startup_trials=-1)
+        _check_needs(cls_name, what)  # its ConfigError is a ValueError: wrapped like the others
+        return getattr(module, cls_name)(**kw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"hydra.sweeper.{what}={spec}: {exc}", key=f"hydra.sweeper.{what}") from exc
+
+
 def make_sampler(spec: Any, *, seed: int | None, n_jobs: int, n_objectives: int) -> Any:
     """The Optuna sampler for a search design.
 
     Raises:
         ConfigError: unknown name, bad keyword, or a sampler this install cannot run (``gp`` without scipy).
     """
-    import optuna
-
-    if isinstance(spec, optuna.samplers.BaseSampler):
-        return spec
-    if isinstance(spec, dict) and "_target_" in spec:
-        return _instantiate(spec, "sampler")
-    name = spec if isinstance(spec, str) else str(spec.get("name"))
-    kw = _kwargs(spec)
-    kw.setdefault("seed", seed)
-    try:
-        if name == "tpe":
-            kw.setdefault("multivariate", True)
-            kw.setdefault("group", True)
-            kw.setdefault("constant_liar", True)
-            kw.setdefault("n_startup_trials", TPE_STARTUP)
-            return optuna.samplers.TPESampler(**kw)
-        if name == "random":
-            return optuna.samplers.RandomSampler(**kw)
-        if name == "nsga2":
-            return optuna.samplers.NSGAIISampler(**kw)
-        if name == "gp":
-            _check_needs("GPSampler", "sampler")
-            kw.setdefault("n_startup_trials", TPE_STARTUP)
-            return optuna.samplers.GPSampler(**kw)
-        if name == "grid":  # only reached for a fixed design: points are enqueued, the sampler is idle
-            return optuna.samplers.RandomSampler(seed=seed)
-    except (
-        TypeError,
-        ValueError,
-    ) as exc:  # an unknown keyword, or Optuna's range check (n_startup_trials=-1)
-        raise ConfigError(f"hydra.sweeper.sampler={spec}: {exc}", key="hydra.sweeper.sampler") from exc
-    raise ConfigError(
-        f"unknown sampler {name!r}",
-        key="hydra.sweeper.sampler",
-        allowed=["tpe", "random", "grid", "nsga2", "gp"],
-    )
+    return _from_spec(spec, "sampler", SAMPLER_TABLE, seed=seed)
 
 
 def make_pruner(spec: Any, *, active: bool) -> Any:
     """The Optuna pruner (a ``NopPruner`` when pruning is not active for this study)."""
-    import optuna
-
-    if not active:
-        return optuna.pruners.NopPruner()
-    if isinstance(spec, optuna.pruners.BasePruner):
-        return spec
-    if isinstance(spec, dict) and "_target_" in spec:
-        return _instantiate(spec, "pruner")
-    name = spec if isinstance(spec, str) else str(spec.get("name"))
-    kw = _kwargs(spec)
-    try:
-        if name == "median":
-            kw.setdefault("n_startup_trials", 3)
-            kw.setdefault("n_warmup_steps", 0)
-            return optuna.pruners.MedianPruner(**kw)
-        if name == "sha":
-            kw.setdefault("min_resource", 1)
-            return optuna.pruners.SuccessiveHalvingPruner(**kw)
-        if name == "hyperband":
-            kw.setdefault("min_resource", 1)
-            kw.setdefault("reduction_factor", 3)
-            return optuna.pruners.HyperbandPruner(**kw)
-        if name == "none":
-            return optuna.pruners.NopPruner()
-    except (
-        TypeError,
-        ValueError,
-    ) as exc:  # an unknown keyword, or Optuna's range check (n_startup_trials=-1)
-        raise ConfigError(f"hydra.sweeper.pruner={spec}: {exc}", key="hydra.sweeper.pruner") from exc
-    raise ConfigError(
-        f"unknown pruner {name!r}", key="hydra.sweeper.pruner", allowed=["median", "sha", "hyperband", "none"]
-    )
+    return _from_spec(spec if active else "none", "pruner", PRUNER_TABLE)

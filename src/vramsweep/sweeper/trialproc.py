@@ -382,24 +382,19 @@ def child_main(spec: TrialSpec) -> None:
     execute(spec)
 
 
+def _failed_result(spec: TrialSpec, status: Status, reason: str) -> dict[str, Any]:
+    """A normalised result for ``spec``'s trial that ends with ``status`` and ``reason`` (not yet finalised)."""
+    ids = {"sweep": spec.sweep_name, "trial": spec.number, "overrides": spec.overrides}
+    return normalise_result(new_result(status=status.value, reason=reason, **ids), **ids)
+
+
 def _write_bad_fork_result(spec: TrialSpec) -> None:
-    res = normalise_result(
-        new_result(
-            status=Status.ERROR.value,
-            reason=(
-                "this trial process was forked from a process that had initialised CUDA, so it cannot use "
-                "the GPU: set hydra.sweeper.isolation=spawn, or remove the module that initialises CUDA "
-                "from hydra.sweeper.preload"
-            ),
-            sweep=spec.sweep_name,
-            trial=spec.number,
-            overrides=spec.overrides,
-        ),
-        sweep=spec.sweep_name,
-        trial=spec.number,
-        overrides=spec.overrides,
+    reason = (
+        "this trial process was forked from a process that had initialised CUDA, so it cannot use "
+        "the GPU: set hydra.sweeper.isolation=spawn, or remove the module that initialises CUDA "
+        "from hydra.sweeper.preload"
     )
-    res, _ = finalize(res, spec, wall_s=0.0)
+    res, _ = finalize(_failed_result(spec, Status.ERROR, reason), spec, wall_s=0.0)
     write_result(spec.result_path, res)
 
 
@@ -425,18 +420,7 @@ def parent_side_result(
     ``host_oom`` for an OOM kill while its host pool grew; ``host_pool``: the marker it left behind, kept
     as ``meta.host_memory.at_death``)."""
 
-    res = normalise_result(
-        new_result(
-            status=status.value,
-            reason=reason,
-            sweep=spec.sweep_name,
-            trial=spec.number,
-            overrides=spec.overrides,
-        ),
-        sweep=spec.sweep_name,
-        trial=spec.number,
-        overrides=spec.overrides,
-    )
+    res = _failed_result(spec, status, reason)
     if host_pool is not None:
         res["meta"]["host_memory"] = {"at_death": host_pool}
     res, _ = finalize(res, spec, wall_s=wall_s)
