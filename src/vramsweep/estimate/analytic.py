@@ -42,7 +42,9 @@ minimal loop in :mod:`vramsweep.trial`) and checked against the CPU tensor track
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from vramsweep.estimate.dims import ModelDims
 from vramsweep.record.units import GIB
@@ -566,156 +568,283 @@ class ActivationTerms:
     after_mlp: bool = False  # the recompute peak comes after the layer's MLP backward (its grads exist)
 
 
-def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -> ActivationTerms:
-    """Activation bytes at the peak of one micro-batch's forward + backward (``static``: bytes of the
-    params + optimizer state, which Unsloth's loss subtracts from the free memory it sizes chunks by)."""
-    calib = calib or {}
-    f_layers = float(calib.get("layers", 1.0))
-    f_attn = float(calib.get("attention", 1.0))
-    f_logits = float(calib.get("logits", 1.0))
-    d, c, T, L = k.dims, k.c, k.tokens, k.dims.num_layers
-    b, s_len = k.micro_batch, k.seq_len
-    full = k.method == "full"
+@dataclass(frozen=True)
+class _LayerTerms:
+    """Per-token bytes of the decoder layers, before the calibration factor (``mlp_transient``: bytes)."""
 
-    first = _layer_saved(k, in_rg=full).total  # LoRA: layer 0's input (embedding output) needs no grad
+    stored: float  # alive for backward: every layer's saved tensors, or with checkpointing what stays stored
+    attention: float  # eager probabilities of every layer kept for backward (0 with checkpointing)
+    per_layer_attn: float  # eager probabilities of one layer
+    rest: float  # one layer's saved tensors (any layer but the first)
+    one_layer: float = 0.0  # checkpointing: the recomputed layer's saved tensors + probabilities + prefetch
+    prefetch: float = 0.0  # offloaded checkpoints: input copies back on the device for the recompute
+    kept_out: float = 0.0  # offloaded checkpoints: the recomputed layer's output held by the Function
+    mlp_transient: float = 0.0  # tiled MLP: one tile's MLP tensors while it is recomputed in backward
+
+
+def _layer_terms(k: Knobs) -> _LayerTerms:
+    """What the decoder layers keep for backward. Without checkpointing every layer's saved tensors (LoRA:
+    layer 0's input, the embedding output, needs no grad) and eager probabilities; with checkpointing the
+    stored inputs (:func:`_stored_inputs`) + one layer recomputed in backward (:func:`_recomputed_layer`)."""
     rest = _layer_saved(k, in_rg=True).total
     per_layer_attn = eager_bytes_per_token(k)
-    # tiled MLP (vramsweep.longctx.mlp): one tile's MLP tensors exist while it is recomputed in backward
-    mlp_transient = 0.0
-    if k.mlp_tile > 0:
-        mlp_tok = (
-            _layer_saved(k, in_rg=True, int8=False, mlp=True).total
-            - _layer_saved(k, in_rg=True, int8=False, mlp=False).total
-        )
-        mlp_transient = mlp_tok * min(s_len, k.mlp_tile) * b
+    mlp_transient = _mlp_tile_transient(k)
     if k.checkpointing:
-        # unsloth and checkpointing=offload (vramsweep.longctx.offload) keep the layer inputs in host memory;
-        # on a CPU device the offloaded copies are in the same memory
-        offloaded = k.unsloth or (k.offload and k.device == "cuda")
-        stored = 0.0 if offloaded else L * c * d.hidden_size
-        if k.offload:
-            # the embedding output (the first layer's input) stays alive beside its host copy through the
-            # whole backward: the CPU tracker and the GPU allocator trace (docs/gpu-runs/2026-12-04) both
-            # hold its block at the peak
-            stored += c * d.hidden_size
-        # bitsandbytes' 8-bit matmul keeps its input as ``ctx.A`` (a plain attribute, not a saved
-        # tensor), so checkpointing cannot drop it: every layer's int8 inputs stay alive
-        stored += L * _int8_inputs(k)
-        layers_tok = stored
-        attn_all = 0.0
-        saved_one = _layer_saved(k, in_rg=True, int8=False)
-        prefetch = 0.0
-        if k.offload and k.device == "cuda":
-            # the prefetched input of the next layer to recompute, and the recomputed layer's own input
-            # unless its first norm saves that very tensor (key "x": Liger's RMSNorm, or fp32 compute)
-            prefetch = c * d.hidden_size * (1 if "x" in saved_one.items else 2)
-        one_layer = saved_one.total + per_layer_attn + prefetch
-        # _OffloadedCheckpoint.backward holds the recomputed layer's output while it back-propagates it
-        kept_out = c * d.hidden_size if k.offload else 0.0
-    else:
-        layers_tok = first + (L - 1) * rest
-        attn_all = L * per_layer_attn
-        one_layer = prefetch = kept_out = 0.0
+        one_layer, prefetch, kept_out = _recomputed_layer(k, per_layer_attn)
+        return _LayerTerms(
+            stored=_stored_inputs(k),
+            attention=0.0,
+            per_layer_attn=per_layer_attn,
+            rest=rest,
+            one_layer=one_layer,
+            prefetch=prefetch,
+            kept_out=kept_out,
+            mlp_transient=mlp_transient,
+        )
+    L = k.dims.num_layers
+    first = _layer_saved(k, in_rg=k.method == "full").total
+    return _LayerTerms(
+        stored=first + (L - 1) * rest,
+        attention=L * per_layer_attn,
+        per_layer_attn=per_layer_attn,
+        rest=rest,
+        mlp_transient=mlp_transient,
+    )
 
-    # fixed: cos/sin (b, s, head_dim) in the dtype, batch int64 tensors, final norm (+ lm_head input)
+
+def _mlp_tile_transient(k: Knobs) -> float:
+    """Tiled MLP (vramsweep.longctx.mlp): one tile's MLP tensors exist while it is recomputed in backward."""
+    if k.mlp_tile <= 0:
+        return 0.0
+    mlp_tok = (
+        _layer_saved(k, in_rg=True, int8=False, mlp=True).total
+        - _layer_saved(k, in_rg=True, int8=False, mlp=False).total
+    )
+    return mlp_tok * min(k.seq_len, k.mlp_tile) * k.micro_batch
+
+
+def _stored_inputs(k: Knobs) -> float:
+    """Checkpointing: per token, what every layer keeps on the device between forward and backward.
+
+    Unsloth and checkpointing=offload (vramsweep.longctx.offload) keep the layer inputs in host memory; on
+    a CPU device the offloaded copies are in the same memory. With offload the embedding output (the first
+    layer's input) stays alive beside its host copy through the whole backward: the CPU tracker and the GPU
+    allocator trace (docs/gpu-runs/2026-12-04) both hold its block at the peak. bitsandbytes' 8-bit matmul
+    keeps its input as ``ctx.A`` (a plain attribute, not a saved tensor), so checkpointing cannot drop it:
+    every layer's int8 inputs stay alive."""
+    d, c, L = k.dims, k.c, k.dims.num_layers
+    offloaded = k.unsloth or (k.offload and k.device == "cuda")
+    stored = 0.0 if offloaded else L * c * d.hidden_size
+    if k.offload:
+        stored += c * d.hidden_size
+    stored += L * _int8_inputs(k)
+    return stored
+
+
+def _recomputed_layer(k: Knobs, per_layer_attn: float) -> tuple[float, float, float]:
+    """Checkpointing: ``(one_layer, prefetch, kept_out)`` per token of the layer recomputed in backward.
+
+    ``one_layer``: its saved tensors (without the LLM.int8 inputs, which the recompute does not re-create),
+    eager probabilities and ``prefetch``: with offload on CUDA the prefetched input of the next layer to
+    recompute, and the recomputed layer's own input unless its first norm saves that very tensor (key "x":
+    Liger's RMSNorm, or fp32 compute). ``kept_out``: _OffloadedCheckpoint.backward holds the recomputed
+    layer's output while it back-propagates it."""
+    c, h = k.c, k.dims.hidden_size
+    saved_one = _layer_saved(k, in_rg=True, int8=False)
+    prefetch = 0.0
+    if k.offload and k.device == "cuda":
+        prefetch = c * h * (1 if "x" in saved_one.items else 2)
+    one_layer = saved_one.total + per_layer_attn + prefetch
+    kept_out = c * h if k.offload else 0.0
+    return one_layer, prefetch, kept_out
+
+
+@dataclass(frozen=True)
+class _FixedTerms:
+    """Bytes outside the decoder layers, alive through forward and backward."""
+
+    total: float  # cos/sin, batch tensors, the final norm's saved tensors, 4-D masks
+    final_saved: float  # the final norm's saved tensors (freed before any layer's backward)
+    eager_mask: float  # eager attention's float causal mask (in ``total`` with checkpointing)
+
+
+def _fixed_terms(k: Knobs) -> _FixedTerms:
+    """cos/sin (b, s, head_dim) in the dtype, batch int64 tensors, final norm (+ lm_head input).
+
+    The final norm's backward runs before any layer's: its saved tensors are gone when a recomputed layer
+    runs backward (neither the CPU tracker nor the GPU allocator trace holds them there). 4-D masks: SDPA
+    with padding gets the bool (b,1,s,s) mask and its float (dtype) version, saved for backward;
+    FlashAttention-2 unpads instead. Eager's float causal mask lives through the forward, and through
+    backward too with checkpointing (it is an input of every checkpointed layer); packed rows
+    (segment-wise attention, knobs/packed_attention.py) build no 4-D mask at all."""
+    d, c, T = k.dims, k.c, k.tokens
+    b, s_len = k.micro_batch, k.seq_len
     fixed_tok = 2 * c * d.head_dim + BATCH_INT_BYTES_PER_TOKEN
     final = _Saved()
-    _norm(final, k, "final_norm", "xf", d.hidden_size, 1, True, full)
-    if full:
+    _norm(final, k, "final_norm", "xf", d.hidden_size, 1, True, k.method == "full")
+    if k.method == "full":
         final.add("final_out", c * d.hidden_size)
     fixed_tok += final.total
     fixed = fixed_tok * T
-    # the final norm's backward runs before any layer's: its saved tensors are gone when a recomputed
-    # layer runs backward (neither the CPU tracker nor the GPU allocator trace holds them there)
-    final_saved = final.total * T
-    # 4-D masks: SDPA with padding gets the bool (b,1,s,s) mask and its float (dtype) version, saved for
-    # backward; FlashAttention-2 unpads instead. Eager's float causal mask lives through the forward,
-    # and through backward too with checkpointing (it is an input of every checkpointed layer).
     if k.padded_batches and k.attention == "sdpa":
         fixed += b * s_len * s_len * (1 + c)
-    # packed rows (segment-wise attention, knobs/packed_attention.py) build no 4-D mask at all
     eager_mask = b * s_len * s_len * c if k.attention == "eager" and not k.packed else 0.0
     if k.checkpointing:
         fixed += eager_mask
-    V = k.vocab
+    return _FixedTerms(total=fixed, final_saved=final.total * T, eager_mask=eager_mask)
 
-    # logits + loss at log-softmax backward: saved fp32 log-softmax + two fp32 grads (+ held logits)
-    grad_inputs = (
-        0.0  # a loss that computes its gradient in the forward keeps d(hidden) (T x h) into backward
-    )
+
+# --------------------------------------------------------------------------------------------------
+# logits + loss, by loss kind: bytes at the loss peak before the calibration factor
+
+
+@dataclass(frozen=True)
+class _LossTerms:
+    """The loss's bytes: ``logits`` at its peak; ``kept_logits`` held through backward (the loop's model
+    output); ``freed_logits``: blocks freed at the end of the forward, idle at the peak (HF: the
+    compute-dtype logits, with eager attention also the last layer's score buffers)."""
+
+    logits: float
+    kept_logits: float = 0.0
+    freed_logits: float = 0.0
+
+
+def _loss_kind(k: Knobs) -> str:
+    """The loss the trial computes: Liger's fused linear CE, Unsloth's, our chunked one, or HF's."""
     if k.liger_flce:
-        chunk = 2 ** math.ceil(math.log2(max(1, -(-T // max(1, -(-V // d.hidden_size))))))
-        logits = chunk * V * (4 + 4) + T * d.hidden_size * c  # fp32 chunk + its grad, grad_input
-        if full:
-            logits += V * d.hidden_size * 4  # fp32 grad_weight accumulated across chunks
-        kept_logits = 0.0
-    elif k.unsloth:
-        # unsloth_zoo ``UnslothFusedLoss`` (fused_losses/cross_entropy_loss.py): the model forward never
-        # returns logits; the loss and its gradient are computed chunk by chunk inside the forward
-        # (``torch.func.grad_and_value`` per chunk), into a preallocated ``grad_inputs`` (T x h, compute dtype).
-        # ``get_chunk_size``: n_chunks = ceil(T*V*16 B / target / 4) * 4 (1 when it fits), target =
-        # min(4 GiB, half the free memory) minus grad_inputs. One chunk alive at a time: its compute-dtype
-        # logits, their fp32 upcast and the gradient in the logits dtype (UNSLOTH_CE_BYTES_PER_LOGIT).
-        chunk = unsloth_ce_chunk_tokens(k, static)
-        grad_inputs = T * d.hidden_size * c
-        logits = chunk * V * UNSLOTH_CE_BYTES_PER_LOGIT + grad_inputs
-        kept_logits = 0.0
-    elif k.loss_chunk > 0:
-        # vramsweep.longctx.loss: per chunk the fp32 logits + logsumexp's fp32 temporary (then softmax and
-        # gradient in place, cast to the compute dtype); d(hidden) (T x h) kept into backward, plus the
-        # decoder output and its shifted copy
-        chunk = min(T, k.loss_chunk)
-        grad_inputs = T * d.hidden_size * c
-        logits = chunk * V * 8 + 3 * grad_inputs
-        if full:
-            logits += V * d.hidden_size * 4  # fp32 weight gradient accumulated across chunks
-        kept_logits = 0.0
-    else:
-        kept_logits = T * V * c if LOOP_KEEPS_LOGITS else 0.0
-        # forward peak at log-softmax: logits (c) + fp32 upcast (4, none when c == 4) + output (4)
-        fwd_loss = (c + (4 if c != 4 else 0) + 4) * T * V
-        logits = max(T * V * 12 + kept_logits, fwd_loss)
+        return "liger_flce"
+    if k.unsloth:
+        return "unsloth"
+    return "chunked" if k.loss_chunk > 0 else "hf"
 
-    layers = layers_tok * T * f_layers
-    attention = attn_all * T * f_attn
-    logits *= f_logits
-    phases: dict[str, float] = {"loss": fixed + layers + attention + logits}
-    # end of forward: every layer's saved tensors + the last layer's transients
+
+def _liger_flce_loss(k: Knobs, static: float) -> _LossTerms:
+    """Liger's fused linear cross-entropy: one chunk's fp32 logits + their gradient, and grad_input (T x h);
+    full fine-tuning adds the fp32 grad_weight accumulated across chunks."""
+    d, T, V = k.dims, k.tokens, k.vocab
+    chunk = 2 ** math.ceil(math.log2(max(1, -(-T // max(1, -(-V // d.hidden_size))))))
+    logits = chunk * V * (4 + 4) + T * d.hidden_size * k.c
+    if k.method == "full":
+        logits += V * d.hidden_size * 4
+    return _LossTerms(logits=logits)
+
+
+def _unsloth_loss(k: Knobs, static: float) -> _LossTerms:
+    """unsloth_zoo ``UnslothFusedLoss`` (fused_losses/cross_entropy_loss.py): the model forward never
+    returns logits; the loss and its gradient are computed chunk by chunk inside the forward
+    (``torch.func.grad_and_value`` per chunk), into a preallocated ``grad_inputs`` (T x h, compute dtype).
+    ``get_chunk_size``: n_chunks = ceil(T*V*16 B / target / 4) * 4 (1 when it fits), target = min(4 GiB,
+    half the free memory) minus grad_inputs. One chunk alive at a time: its compute-dtype logits, their
+    fp32 upcast and the gradient in the logits dtype (UNSLOTH_CE_BYTES_PER_LOGIT)."""
+    chunk = unsloth_ce_chunk_tokens(k, static)
+    grad_inputs = k.tokens * k.dims.hidden_size * k.c
+    return _LossTerms(logits=chunk * k.vocab * UNSLOTH_CE_BYTES_PER_LOGIT + grad_inputs)
+
+
+def _chunked_loss(k: Knobs, static: float) -> _LossTerms:
+    """vramsweep.longctx.loss: per chunk the fp32 logits + logsumexp's fp32 temporary (then softmax and
+    gradient in place, cast to the compute dtype); d(hidden) (T x h) kept into backward, plus the decoder
+    output and its shifted copy; full fine-tuning adds the fp32 weight gradient accumulated across chunks."""
+    T, V, h = k.tokens, k.vocab, k.dims.hidden_size
+    chunk = min(T, k.loss_chunk)
+    grad_inputs = T * h * k.c
+    logits = chunk * V * 8 + 3 * grad_inputs
+    if k.method == "full":
+        logits += V * h * 4
+    return _LossTerms(logits=logits)
+
+
+def _hf_loss(k: Knobs, static: float) -> _LossTerms:
+    """HF ``ForCausalLMLoss``: at log-softmax backward the saved fp32 log-softmax + two fp32 grads (+ the
+    logits when the loop holds them: LOOP_KEEPS_LOGITS); the forward's peak at log-softmax is the logits
+    (c) + their fp32 upcast (4, none when c == 4) + the output (4). The compute-dtype logits are freed at
+    the end of the forward."""
+    T, V, c = k.tokens, k.vocab, k.c
+    kept_logits = T * V * c if LOOP_KEEPS_LOGITS else 0.0
+    fwd_loss = (c + (4 if c != 4 else 0) + 4) * T * V
+    logits = max(T * V * 12 + kept_logits, fwd_loss)
+    return _LossTerms(logits=logits, kept_logits=kept_logits, freed_logits=T * V * c)
+
+
+LOSS_TERMS: Mapping[str, Callable[[Knobs, float], _LossTerms]] = MappingProxyType(
+    {"liger_flce": _liger_flce_loss, "unsloth": _unsloth_loss, "chunked": _chunked_loss, "hf": _hf_loss}
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# the phases of one micro-batch: forward, loss, and the backward's moments
+
+
+def _forward_transient(k: Knobs, eager_mask: float, dora: float) -> float:
+    """The ``forward`` phase ends with every layer's saved tensors + these, the last layer's transients
+    (eager: the float causal mask unless checkpointing keeps it anyway, the scores and masked scores;
+    DoRA's weight-norm pass)."""
     fwd_transient = 0.0
     if k.attention == "eager":
         if not k.checkpointing:
             fwd_transient += eager_mask
-        fwd_transient += 2 * b * d.num_heads * s_len * s_len * c  # scores + masked scores
-    dora_transient = 0.0
-    if k.dora and k.method == "lora" and k.targets:
-        # weight-norm pass per target: eye(in) -> lora_weight (in x out), fp32 weight copy, W + s*BA
-        dora_transient = max(
-            4 * (fi * fi + fi * k.r + 3 * fi * fo)
-            for n, (fi, fo) in d.linear_shapes().items()
-            if n in k.targets
-        )
-    fwd_transient += dora_transient
-    phases["forward"] = fixed + layers + attention + fwd_transient * f_layers
-    mlp_lora = (
+        fwd_transient += 2 * k.micro_batch * k.dims.num_heads * k.seq_len * k.seq_len * k.c
+    fwd_transient += dora
+    return fwd_transient
+
+
+def _dora_transient(k: Knobs) -> float:
+    """DoRA's weight-norm pass per target: eye(in) -> lora_weight (in x out), fp32 weight copy, W + s*BA."""
+    if not (k.dora and k.method == "lora" and k.targets):
+        return 0.0
+    return max(
+        4 * (fi * fi + fi * k.r + 3 * fi * fo)
+        for n, (fi, fo) in k.dims.linear_shapes().items()
+        if n in k.targets
+    )
+
+
+def _mlp_lora(k: Knobs) -> bool:
+    """fp32 LoRA branches on the MLP of a 16-bit model: they double the gradients in flight."""
+    return (
         k.method == "lora"
-        and k.adapter_bytes != c
+        and k.adapter_bytes != k.c
         and bool(k.targets & {"gate_proj", "up_proj", "down_proj"})
     )
-    if mlp_lora:
-        grad_flow = c * (2 * d.hidden_size + 2 * d.intermediate_size)
-    else:
-        grad_flow = c * (d.hidden_size + d.intermediate_size / 2)
-    # bitsandbytes backward dequantises the frozen weight (compute dtype) to get the input gradient
-    # (4-bit: ``dequantize_4bit``; LLM.int8: ``CB.to(dtype) * SCB / 127``)
+
+
+def _grad_flow(k: Knobs) -> float:
+    """Gradients in flight per token in a layer's backward: residual stream and SwiGLU branches."""
+    d, c = k.dims, k.c
+    if _mlp_lora(k):
+        return c * (2 * d.hidden_size + 2 * d.intermediate_size)
+    return c * (d.hidden_size + d.intermediate_size / 2)
+
+
+def _mlp_flow(k: Knobs, grad_flow: float) -> float:
+    """Gradients in flight during the MLP's backward (bytes): with a tiled MLP its intermediate-width
+    gradients exist for one tile only."""
+    if k.mlp_tile <= 0:
+        return grad_flow * k.tokens
+    inter_flow = k.c * (2 if _mlp_lora(k) else 0.5) * k.dims.intermediate_size
+    return (grad_flow - inter_flow) * k.tokens + inter_flow * min(k.seq_len, k.mlp_tile) * k.micro_batch
+
+
+def _largest_dequantised(k: Knobs, names: tuple[str, ...] | None = None) -> int:
+    """The largest quantised projection (among ``names``) dequantised to the compute dtype (bytes)."""
+    shapes = k.dims.linear_shapes().items()
+    return k.c * max(
+        (fi * fo for n, (fi, fo) in shapes if (names is None or n in names) and k.quantised(n)), default=0
+    )
+
+
+def _dequant_bytes(k: Knobs) -> float:
+    """bitsandbytes backward dequantises the frozen weight (compute dtype) to get the input gradient (4-bit:
+    ``dequantize_4bit``; LLM.int8: ``CB.to(dtype) * SCB / 127``). LLM.int8 on CUDA adds the forward
+    temporaries of the largest projection, alive while the recomputed layer runs (bitsandbytes 0.50 CUDA
+    ops): ``A.to(fp16)`` (2/in), ``A.abs() >= threshold`` (2 + 1 /in) and the int8 ``CA`` (1/in) during
+    quantisation; then fp16 A + CA + the int32 product (4/out) + its dequantised output (c/out)."""
+    d, c = k.dims, k.c
     dequant = 0.0
     if k.quant_bits in (4, 8):
-        dequant = c * max((fi * fo for n, (fi, fo) in d.linear_shapes().items() if k.quantised(n)), default=0)
+        dequant = _largest_dequantised(k)
     if k.quant_bits == 8 and k.device == "cuda":
-        # LLM.int8 forward temporaries of the largest projection, alive while the recomputed layer runs
-        # (bitsandbytes 0.50 CUDA ops): ``A.to(fp16)`` (2/in), ``A.abs() >= threshold`` (2 + 1 /in) and the
-        # int8 ``CA`` (1/in) during quantisation; then fp16 A + CA + the int32 product (4/out) + its
-        # dequantised output (c/out)
-        dequant += T * max(
+        dequant += k.tokens * max(
             (
                 max(6 * fi, 3 * fi + (4 + c) * fo)
                 for n, (fi, fo) in d.linear_shapes().items()
@@ -723,92 +852,167 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
             ),
             default=0,
         )
-    # SDPA's flash / memory-efficient backward (CUDA): a transient workspace while one layer's attention
-    # runs backward; the MLP's recompute and the dequantised weights are gone by then (the MLP comes first
-    # in a layer's backward), so the layer holds the largest of its moments (below)
-    attn_ws = attention_backward_bytes_per_token(k) * T
-    # the recomputed layer at its attention backward: the MLP's saved tensors are freed by then
-    at_attn = _layer_saved(k, in_rg=True, int8=False, upto_attention=True).total + per_layer_attn + prefetch
-    # one attention projection's weight dequantised by bitsandbytes is alive there (GPU allocator trace,
-    # 2026-12-04: one 4096 x 4096 bf16 block from ``_dequant_linear_fallback`` at the peak)
+    return dequant
+
+
+def _attention_moment(k: Knobs, lt: _LayerTerms, grad_flow: float, attn_ws: float) -> float:
+    """The recomputed layer at its attention backward (bytes): the MLP's saved tensors are freed by then.
+
+    One attention projection's weight dequantised by bitsandbytes is alive there (GPU allocator trace,
+    2026-12-04: one 4096 x 4096 bf16 block from ``_dequant_linear_fallback`` at the peak). Gradients in
+    flight with offloaded checkpoints: the gradient the Function's backward received (its frame holds it),
+    the residual gradient summed from it and the MLP branch (a new tensor, since the first is still
+    referenced) and the attention output's gradient, each T x h (GPU allocator trace at 49,152 tokens: 3
+    such blocks beside the kernel's dq/dk/dv and workspace); without offload the generic gradients in
+    flight (grad_flow)."""
+    at_attn = (
+        _layer_saved(k, in_rg=True, int8=False, upto_attention=True).total + lt.per_layer_attn + lt.prefetch
+    )
     attn_dequant = 0.0
     if k.quant_bits in (4, 8):
-        attn_dequant = c * max(
-            (
-                fi * fo
-                for n, (fi, fo) in d.linear_shapes().items()
-                if n in ("q_proj", "k_proj", "v_proj", "o_proj") and k.quantised(n)
-            ),
-            default=0,
-        )
-    # gradients in flight at the attention backward with offloaded checkpoints: the gradient the Function's
-    # backward received (its frame holds it), the residual gradient summed from it and the MLP branch (a
-    # new tensor, since the first is still referenced) and the attention output's gradient, each T x h
-    # (GPU allocator trace at 49,152 tokens: 3 such blocks beside the kernel's dq/dk/dv and workspace);
-    # without offload the generic gradients in flight (grad_flow)
-    attn_flow = 3 * c * d.hidden_size if k.offload else grad_flow
-    # the MLP's backward: with a tiled MLP its intermediate-width gradients exist for one tile only
-    mlp_flow = grad_flow * T
-    if k.mlp_tile > 0:
-        inter_flow = c * (2 if mlp_lora else 0.5) * d.intermediate_size
-        mlp_flow = (grad_flow - inter_flow) * T + inter_flow * min(s_len, k.mlp_tile) * b
-    mlp_moment = mlp_flow + (one_layer + kept_out) * T + dequant + mlp_transient
-    attn_moment = (attn_flow + at_attn + kept_out) * T + attn_ws + attn_dequant
-    # the second norm's backward (HF RMSNorm, unfused): the layer's tensors saved up to that norm, the
-    # incoming gradient and the norm backward's fp32 temporaries (CPU tracker: pow, its x2, the product with
-    # the gradient, the mean's division and the rsqrt product, all T x h fp32, alive together when the two
-    # branches of the input gradient are summed) -- the peak on CPU with a tiled MLP, offloaded or not
-    norm_moment = 0.0
-    if k.checkpointing and not k.fused_rms_norm:
-        upto_norm2 = _layer_saved(k, in_rg=True, int8=False, upto_norm2=True).total
-        norm_moment = (
-            upto_norm2 + per_layer_attn + prefetch + kept_out + c * d.hidden_size
-        ) * T + HF_NORM_BACKWARD_FP32_TEMPS * 4 * d.hidden_size * T
-    layer_bwd = max(mlp_moment, attn_moment, norm_moment)
-    after_mlp = layer_bwd > mlp_moment
+        attn_dequant = _largest_dequantised(k, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    attn_flow = 3 * k.c * k.dims.hidden_size if k.offload else grad_flow
+    return (attn_flow + at_attn + lt.kept_out) * k.tokens + attn_ws + attn_dequant
+
+
+def _norm_moment(k: Knobs, lt: _LayerTerms) -> float:
+    """The second norm's backward (HF RMSNorm, unfused; checkpointing only): the layer's tensors saved up to
+    that norm, the incoming gradient and the norm backward's fp32 temporaries (CPU tracker: pow, its x2, the
+    product with the gradient, the mean's division and the rsqrt product, all T x h fp32, alive together
+    when the two branches of the input gradient are summed) -- the peak on CPU with a tiled MLP, offloaded
+    or not."""
+    if not k.checkpointing or k.fused_rms_norm:
+        return 0.0
+    h, T = k.dims.hidden_size, k.tokens
+    upto_norm2 = _layer_saved(k, in_rg=True, int8=False, upto_norm2=True).total
+    return (
+        upto_norm2 + lt.per_layer_attn + lt.prefetch + lt.kept_out + k.c * h
+    ) * T + HF_NORM_BACKWARD_FP32_TEMPS * 4 * h * T
+
+
+@dataclass(frozen=True)
+class _Backward:
+    """One layer's backward (bytes) and the gradients in flight the phases reuse."""
+
+    layer: float  # the largest of the layer's backward moments
+    after_mlp: bool  # that peak comes after the layer's MLP backward (its grads exist)
+    grad_flow: float  # gradients in flight per token (:func:`_grad_flow`)
+    attn_ws: float  # SDPA's flash / memory-efficient backward workspace (bytes)
+
+
+def _layer_backward(k: Knobs, lt: _LayerTerms) -> _Backward:
+    """One layer's backward. SDPA's flash / memory-efficient backward (CUDA) needs a transient workspace
+    while one layer's attention runs backward; the MLP's recompute and the dequantised weights are gone by
+    then (the MLP comes first in a layer's backward), so the layer holds the largest of its moments: the
+    MLP's, the attention's (:func:`_attention_moment`), the second norm's (:func:`_norm_moment`)."""
+    grad_flow = _grad_flow(k)
+    attn_ws = attention_backward_bytes_per_token(k) * k.tokens
+    mlp_moment = (
+        _mlp_flow(k, grad_flow)
+        + (lt.one_layer + lt.kept_out) * k.tokens
+        + _dequant_bytes(k)
+        + lt.mlp_transient
+    )
+    layer_bwd = max(mlp_moment, _attention_moment(k, lt, grad_flow, attn_ws), _norm_moment(k, lt))
+    return _Backward(layer=layer_bwd, after_mlp=layer_bwd > mlp_moment, grad_flow=grad_flow, attn_ws=attn_ws)
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """The step's calibrated parts that every phase adds up."""
+
+    fixed: _FixedTerms
+    layers: float  # the layers' stored tensors x tokens x the "layers" factor
+    attention: float  # eager probabilities x tokens x the "attention" factor
+    logits: float  # the loss's peak x the "logits" factor
+    f_layers: float  # the "layers" factor, which also scales the per-layer transients
+
+    @property
+    def base(self) -> float:
+        """Alive until the backward starts freeing: fixed + layers + attention."""
+        return self.fixed.total + self.layers + self.attention
+
+
+def _recompute_phase(k: Knobs, p: _Parts, loss: _LossTerms, bwd: _Backward, dora: float) -> float:
+    """Backward of one recomputed layer (checkpointing): the stored inputs + its saved tensors + the
+    gradients in flight (residual stream, SwiGLU branches; fp32 LoRA branches in a 16-bit model double
+    them) + DoRA's weight-norm pass, which the recompute runs again; the final norm's saved tensors are
+    gone by then. Measured on CPU (tests/test_estimate.py): within ~3 % when this phase is the peak (small
+    vocabularies, fused cross-entropy); the loss phase is exact. Full fine-tuning with tied embeddings:
+    lm_head's weight gradient waits in autograd's input buffer until the embedding's backward adds to it
+    (it only becomes ``.grad`` at the very end)."""
+    d = k.dims
+    tied_grad = k.vocab * d.hidden_size * k.c if (k.method == "full" and d.tie_word_embeddings) else 0.0
+    fx = p.fixed
+    return (
+        fx.total - fx.final_saved + p.layers + (bwd.layer + dora) * p.f_layers + loss.kept_logits + tied_grad
+    )
+
+
+def _backward_phases(
+    k: Knobs, lt: _LayerTerms, p: _Parts, loss: _LossTerms, bwd: _Backward, dora: float
+) -> dict:
+    """The backward's phases: ``recompute`` (checkpointing, :func:`_recompute_phase`); else
+    ``attn_backward`` when the attention backward needs a workspace: the first attention backward (last
+    layer), every layer's saved tensors + the kernel's workspace; ``mlp_tile`` (tiled MLP, no
+    checkpointing): backward of a layer's tiled MLP, every layer's saved tensors + one tile's recompute +
+    gradients in flight (the intermediate-width ones for one tile only)."""
+    phases: dict[str, float] = {}
     if k.checkpointing:
-        # backward of one recomputed layer: its saved tensors + the gradients in flight (residual stream,
-        # SwiGLU branches; fp32 LoRA branches in a 16-bit model double them) + DoRA's weight-norm pass,
-        # which the recompute runs again. Measured on CPU (tests/test_estimate.py): within ~3 % when this
-        # phase is the peak (small vocabularies, fused cross-entropy); the loss phase is exact.
-        # full fine-tuning with tied embeddings: lm_head's weight gradient waits in autograd's input
-        # buffer until the embedding's backward adds to it (it only becomes ``.grad`` at the very end)
-        tied_grad = k.vocab * d.hidden_size * c if (full and d.tie_word_embeddings) else 0.0
-        phases["recompute"] = (
-            fixed - final_saved + layers + (layer_bwd + dora_transient) * f_layers + kept_logits + tied_grad
-        )
-    elif attn_ws > 0:
-        # the first attention backward (last layer): every layer's saved tensors + the kernel's workspace
-        phases["attn_backward"] = fixed + layers + attention + (grad_flow * T + attn_ws) * f_layers
+        phases["recompute"] = _recompute_phase(k, p, loss, bwd, dora)
+    elif bwd.attn_ws > 0:
+        phases["attn_backward"] = p.base + (bwd.grad_flow * k.tokens + bwd.attn_ws) * p.f_layers
     if k.mlp_tile > 0 and not k.checkpointing:
-        # backward of a layer's tiled MLP: every layer's saved tensors + one tile's recompute + gradients in
-        # flight (the intermediate-width ones for one tile only)
-        tile_tok = min(s_len, k.mlp_tile) * b
-        inter_flow = c * (2 if mlp_lora else 0.5) * d.intermediate_size
-        flow = (grad_flow - inter_flow) * T + inter_flow * tile_tok
-        phases["mlp_tile"] = fixed + layers + attention + (flow + mlp_transient) * f_layers
-    peak_phase = max(phases, key=phases.get)
-    # one layer's backward working set: with checkpointing the recomputed layer's saved tensors + the
-    # gradients in flight; without, one layer's saved tensors (freed layer by layer in backward)
+        phases["mlp_tile"] = p.base + (_mlp_flow(k, bwd.grad_flow) + lt.mlp_transient) * p.f_layers
+    return phases
+
+
+def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -> ActivationTerms:
+    """Activation bytes at the peak of one micro-batch's forward + backward (``static``: bytes of the
+    params + optimizer state, which Unsloth's loss subtracts from the free memory it sizes chunks by).
+
+    The sum of the layers' terms (:func:`_layer_terms`), the fixed ones (:func:`_fixed_terms`) and the
+    loss's (:data:`LOSS_TERMS`, by :func:`_loss_kind`), scaled by the calibration factors, at each phase:
+    ``loss``, ``forward``, and the backward's (:func:`_backward_phases`); the peak is the largest.
+    ``working``: one layer's backward working set: with checkpointing the recomputed layer's saved tensors
+    + the gradients in flight; without, one layer's saved tensors (freed layer by layer in backward).
+    ``loss_transient``: the blocks the loss frees at the end of the forward and reuses only after its peak."""
+    calib = calib or {}
+    f_layers = float(calib.get("layers", 1.0))
+    f_attn = float(calib.get("attention", 1.0))
+    f_logits = float(calib.get("logits", 1.0))
+    T = k.tokens
+    lt, fx = _layer_terms(k), _fixed_terms(k)
+    loss = LOSS_TERMS[_loss_kind(k)](k, static)
+    p = _Parts(
+        fixed=fx,
+        layers=lt.stored * T * f_layers,
+        attention=lt.attention * T * f_attn,
+        logits=loss.logits * f_logits,
+        f_layers=f_layers,
+    )
+    dora = _dora_transient(k)
+    fwd_transient = _forward_transient(k, fx.eager_mask, dora)
+    phases: dict[str, float] = {"loss": p.base + p.logits, "forward": p.base + fwd_transient * f_layers}
+    bwd = _layer_backward(k, lt)
+    phases.update(_backward_phases(k, lt, p, loss, bwd, dora))
     if k.checkpointing:
-        working = layer_bwd
+        working = bwd.layer
     else:
-        working = rest * T + per_layer_attn * T + attn_ws
-    # HF cross-entropy: the compute-dtype logits (and, for eager attention, the last layer's score
-    # buffers) are freed at the end of the forward; their blocks are only reused after the loss peak
+        working = lt.rest * T + lt.per_layer_attn * T + bwd.attn_ws
     loss_transient = 0.0
-    if not (k.liger_flce or k.unsloth or k.loss_chunk > 0):
-        loss_transient = T * V * c + (fwd_transient if k.attention == "eager" else 0.0)
+    if loss.freed_logits:
+        loss_transient = loss.freed_logits + (fwd_transient if k.attention == "eager" else 0.0)
     return ActivationTerms(
-        layers=layers,
-        attention=attention,
-        logits=logits,
-        fixed=fixed,
+        layers=p.layers,
+        attention=p.attention,
+        logits=p.logits,
+        fixed=fx.total,
         phases=phases,
-        peak_phase=peak_phase,
+        peak_phase=max(phases, key=phases.get),
         working=working,
         loss_transient=loss_transient,
-        after_mlp=after_mlp,
+        after_mlp=bwd.after_mlp,
     )
 
 
