@@ -61,6 +61,7 @@ from vramsweep.record.diskfull import disk_full_reason
 from vramsweep.record.failure import classify_exception
 from vramsweep.record.hostmem import HostMemoryError, process_rss
 from vramsweep.record.metrics import MetricName as M
+from vramsweep.record.provenance import collect_meta
 from vramsweep.record.result import new_result, write_result
 from vramsweep.record.schema import Meta, ResultSchemaError, TrialResult
 from vramsweep.record.status import Status
@@ -135,107 +136,10 @@ def default_result_path(cfg: DictConfig, overrides) -> Path:
     return folder / "result.json"
 
 
-def source_revision() -> str | None:
-    """The git commit of the vramsweep source that runs, when it runs from a git checkout of vramsweep
-    (not of whatever repository an installed copy happens to sit in)."""
-    import subprocess
-
-    pkg = Path(__file__).resolve().parent
-    try:
-        top = subprocess.run(
-            ["git", "rev-parse", "--show-toplevel", "HEAD"],
-            cwd=pkg,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.splitlines()
-    except Exception:
-        return None
-    if len(top) != 2 or Path(top[0]).resolve() / "src" / "vramsweep" != pkg:
-        return None
-    return top[1]
-
-
-def collect_meta(cfg: DictConfig) -> dict[str, Any]:
-    import platform
-
-    import torch
-
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    # Versions from package metadata: importing unsloth would patch transformers in every trial, and
-    # liger_kernel pulls in Triton; neither should happen just to read a version number.
-    from importlib.metadata import PackageNotFoundError, version
-
-    for mod, dist in (
-        ("transformers", "transformers"),
-        ("peft", "peft"),
-        ("bitsandbytes", "bitsandbytes"),
-        ("optuna", "optuna"),
-        ("hydra", "hydra-core"),
-        ("omegaconf", "omegaconf"),
-        ("wandb", "wandb"),
-        ("liger_kernel", "liger-kernel"),
-        ("unsloth", "unsloth"),
-        ("flash_attn", "flash-attn"),
-        ("triton", "triton"),
-    ):
-        try:
-            versions[mod] = version(dist)
-        except PackageNotFoundError:
-            continue
-    sha = source_revision()
-    emulated = None
-    if cfg.hardware.device == "cuda" and torch.cuda.is_available():
-        device = torch.cuda.get_device_name(torch.cuda.current_device())
-
-        row = device_peak(device)
-        # The profile names a card; the device is what ran. They differ when a bigger GPU emulates the
-        # profile's memory (meta.cuda.cap says whether the cap was applied).
-        emulated = {
-            "profile": str(cfg.hardware.name),
-            "physical_device": device,
-            "physical_key": row.key if row else None,
-            "emulated": not (row is not None and str(cfg.hardware.name).startswith(row.key + "_")),
-        }
-    else:
-        device = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()})"
-    return {
-        "device": device,
-        "hardware_profile": cfg.hardware.name,
-        "hardware_emulation": emulated,
-        "timing_conditions": timing_conditions(cfg),
-        "versions": versions,
-        "git_sha": sha,
-        "seed": int(cfg.train.seed),
-        "hostname": platform.node(),
-        "pid": os.getpid(),
-        "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-    }
-
-
-def timing_conditions(cfg: DictConfig) -> dict[str, Any]:
-    """What can disturb a throughput figure, recorded beside it: load average (1/5/15 min), CPU count,
-    torch threads, and on CUDA the other processes on the GPU (NVML; none when NVML is unavailable)."""
-    import torch
-
-    out: dict[str, Any] = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
-    with contextlib.suppress(OSError, AttributeError):
-        out["loadavg"] = [round(x, 2) for x in os.getloadavg()]
-    if cfg.hardware.device == "cuda":
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            try:
-                h = pynvml.nvmlDeviceGetHandleByIndex(0)
-                procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
-                out["other_gpu_processes"] = sum(1 for p in procs if p.pid != os.getpid())
-            finally:
-                pynvml.nvmlShutdown()
-        except Exception as exc:  # NVML missing or no permission: say so, do not guess
-            out["other_gpu_processes"] = None
-            out["nvml_error"] = f"{type(exc).__name__}: {str(exc)[:100]}"
-    return out
+def _peak_key(device: str) -> str | None:
+    """A device's row in the FLOP-peak table (``meta.hardware_emulation.physical_key``), or None."""
+    row = device_peak(device)
+    return row.key if row else None
 
 
 class _TrialProgress(Callback):
@@ -797,7 +701,7 @@ def run_trial(
     result = new_result(
         sweep=sweep, trial=trial, overrides=list(overrides), config=OmegaConf.to_container(cfg, resolve=True)
     )
-    result["meta"] = collect_meta(cfg)
+    result["meta"] = collect_meta(cfg, _peak_key)
     result["meta"]["started"] = started.isoformat()
     if design is not None:
         result["meta"]["design"] = design
