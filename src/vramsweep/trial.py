@@ -556,9 +556,9 @@ def _train_steps(
     try:
         outputs, ckpt = _run_outputs(cfg, run, resume, train_loss, evals, trained, logger, result, owners)
         step_loss = faults.wrap(loss_fn(cfg, model))  # the model's own, or chunked (tiling.loss_chunk_tokens)
-        loop = Loop(model, optimizer, scheduler, prep.batches, step_loss, device, steps)
-        loop.grad_accum, loop.max_grad_norm = int(t.grad_accum), float(t.max_grad_norm)
-        loop.clock, loop.params, loop.start_step = timing.clock, params, start
+        loop = _trial_loop(
+            cfg, prep, trained, loss_fn=step_loss, clock=timing.clock, params=params, start=start
+        )
         if resume is not None:
             resume.restore_rng()  # last: nothing from here to the first resumed step draws a random number
         fit(loop, [tracking, timing, faults, grads, progress, *wandb_rows, train_loss, evals, *outputs])
@@ -573,6 +573,29 @@ def _train_steps(
     _final_eval(result, run_eval, eval_s)
     if run is not None and run.save_adapter:
         meta["outputs"] = save_outputs(run, cfg, model, prep.tokenizer, prep.built.id_map, prep.base_path)
+
+
+def _trial_loop(
+    cfg: DictConfig, prep: Prepared, trained: tuple, *, loss_fn, clock: StepClock, params: list, start: int
+) -> Loop:
+    """The trial's :class:`~vramsweep.loop.Loop`: ``trained`` (model, optimizer, scheduler) over the prepared
+    micro-batches, ``train.steps`` steps of ``train.grad_accum`` micro-batches from step ``start``."""
+    model, optimizer, scheduler = trained
+    t = cfg.train
+    return Loop(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        batches=prep.batches,
+        loss_fn=loss_fn,
+        device=prep.built.device,
+        steps=int(t.steps),
+        grad_accum=int(t.grad_accum),
+        max_grad_norm=float(t.max_grad_norm),
+        clock=clock,
+        params=params,
+        start_step=start,
+    )
 
 
 def _with_figures(m: dict, owners: tuple[_Figures, ...]) -> dict:
