@@ -197,8 +197,17 @@ def test_fit_records_events_per_phase_and_reads_them_after_the_step():
         gpu.work(0.01, 0.05)  # the forward issues 0.05 s of device work
         return model(ids.float()).pow(2).mean()
 
-    loop = Loop(model, opt, sched, [batch] * 8, loss_fn, torch.device("cpu"), steps=4, grad_accum=2)
-    loop.clock = clock
+    loop = Loop(
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        batches=[batch] * 8,
+        loss_fn=loss_fn,
+        device=torch.device("cpu"),
+        steps=4,
+        grad_accum=2,
+        clock=clock,
+    )
     fit(loop, [Timing(clock, timed_from=1)])
     assert gpu.synchronized == 1  # the window's opening sync; nothing inside the steps
     clock.sync()

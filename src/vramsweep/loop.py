@@ -79,9 +79,11 @@ def _hooks(callbacks: Sequence[Callback], name: str) -> list[Callable]:
     return [getattr(cb, name) for cb in callbacks if getattr(type(cb), name, base) is not base]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Loop:
-    """What :func:`fit` runs: ``steps`` optimizer steps of ``grad_accum`` micro-batches each."""
+    """What :func:`fit` runs: ``steps`` optimizer steps of ``grad_accum`` micro-batches each. Built with
+    keywords only: ``Loop(model=..., optimizer=..., scheduler=..., batches=..., loss_fn=..., device=...,
+    steps=..., grad_accum=..., max_grad_norm=..., clock=..., params=..., start_step=...)``."""
 
     model: Any
     optimizer: Any

@@ -61,6 +61,7 @@ from vramsweep.record.diskfull import disk_full_reason
 from vramsweep.record.failure import classify_exception
 from vramsweep.record.hostmem import HostMemoryError, process_rss
 from vramsweep.record.metrics import MetricName as M
+from vramsweep.record.provenance import collect_meta
 from vramsweep.record.result import new_result, write_result
 from vramsweep.record.schema import Meta, ResultSchemaError, TrialResult
 from vramsweep.record.status import Status
@@ -135,119 +136,22 @@ def default_result_path(cfg: DictConfig, overrides) -> Path:
     return folder / "result.json"
 
 
-def source_revision() -> str | None:
-    """The git commit of the vramsweep source that runs, when it runs from a git checkout of vramsweep
-    (not of whatever repository an installed copy happens to sit in)."""
-    import subprocess
-
-    pkg = Path(__file__).resolve().parent
-    try:
-        top = subprocess.run(
-            ["git", "rev-parse", "--show-toplevel", "HEAD"],
-            cwd=pkg,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.splitlines()
-    except Exception:
-        return None
-    if len(top) != 2 or Path(top[0]).resolve() / "src" / "vramsweep" != pkg:
-        return None
-    return top[1]
-
-
-def collect_meta(cfg: DictConfig) -> dict[str, Any]:
-    import platform
-
-    import torch
-
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    # Versions from package metadata: importing unsloth would patch transformers in every trial, and
-    # liger_kernel pulls in Triton; neither should happen just to read a version number.
-    from importlib.metadata import PackageNotFoundError, version
-
-    for mod, dist in (
-        ("transformers", "transformers"),
-        ("peft", "peft"),
-        ("bitsandbytes", "bitsandbytes"),
-        ("optuna", "optuna"),
-        ("hydra", "hydra-core"),
-        ("omegaconf", "omegaconf"),
-        ("wandb", "wandb"),
-        ("liger_kernel", "liger-kernel"),
-        ("unsloth", "unsloth"),
-        ("flash_attn", "flash-attn"),
-        ("triton", "triton"),
-    ):
-        try:
-            versions[mod] = version(dist)
-        except PackageNotFoundError:
-            continue
-    sha = source_revision()
-    emulated = None
-    if cfg.hardware.device == "cuda" and torch.cuda.is_available():
-        device = torch.cuda.get_device_name(torch.cuda.current_device())
-
-        row = device_peak(device)
-        # The profile names a card; the device is what ran. They differ when a bigger GPU emulates the
-        # profile's memory (meta.cuda.cap says whether the cap was applied).
-        emulated = {
-            "profile": str(cfg.hardware.name),
-            "physical_device": device,
-            "physical_key": row.key if row else None,
-            "emulated": not (row is not None and str(cfg.hardware.name).startswith(row.key + "_")),
-        }
-    else:
-        device = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()})"
-    return {
-        "device": device,
-        "hardware_profile": cfg.hardware.name,
-        "hardware_emulation": emulated,
-        "timing_conditions": timing_conditions(cfg),
-        "versions": versions,
-        "git_sha": sha,
-        "seed": int(cfg.train.seed),
-        "hostname": platform.node(),
-        "pid": os.getpid(),
-        "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-    }
-
-
-def timing_conditions(cfg: DictConfig) -> dict[str, Any]:
-    """What can disturb a throughput figure, recorded beside it: load average (1/5/15 min), CPU count,
-    torch threads, and on CUDA the other processes on the GPU (NVML; none when NVML is unavailable)."""
-    import torch
-
-    out: dict[str, Any] = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
-    with contextlib.suppress(OSError, AttributeError):
-        out["loadavg"] = [round(x, 2) for x in os.getloadavg()]
-    if cfg.hardware.device == "cuda":
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            try:
-                h = pynvml.nvmlDeviceGetHandleByIndex(0)
-                procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
-                out["other_gpu_processes"] = sum(1 for p in procs if p.pid != os.getpid())
-            finally:
-                pynvml.nvmlShutdown()
-        except Exception as exc:  # NVML missing or no permission: say so, do not guess
-            out["other_gpu_processes"] = None
-            out["nvml_error"] = f"{type(exc).__name__}: {str(exc)[:100]}"
-    return out
+def _peak_key(device: str) -> str | None:
+    """A device's row in the FLOP-peak table (``meta.hardware_emulation.physical_key``), or None."""
+    row = device_peak(device)
+    return row.key if row else None
 
 
 class _TrialProgress(Callback):
     """A live line for a single trial on a terminal (step k/N, loss, tokens/s, peak, ETA); silent when
     stderr is not a TTY (sweep trials log to files; CI logs stay short) or ``VRAMSWEEP_PROGRESS=0``."""
 
-    def __init__(self, steps: int, cfg: DictConfig, timing: Timing, m: dict, initial: int = 0):
+    def __init__(self, steps: int, cfg: DictConfig, timing: Timing, peak: _PeakRecorder, initial: int = 0):
         import sys
 
         self.bar = None
         self.cuda = cfg.hardware.device == "cuda"
-        self.timing, self.m = timing, m
+        self.timing, self.peak = timing, peak
         if sys.stderr.isatty() and os.environ.get("VRAMSWEEP_PROGRESS", "1") != "0":
             from tqdm.auto import tqdm
 
@@ -265,7 +169,7 @@ class _TrialProgress(Callback):
         post = {"loss": f"{loss:.3f}"}
         if (tps := self.timing.tokens_per_s()) is not None:
             post["tok/s"] = f"{tps:,.0f}"
-        peak = self.m.get(M.PEAK_MEMORY_BYTES)
+        peak = self.peak.bytes
         if self.cuda:
             import torch
 
@@ -283,8 +187,8 @@ class _TrialProgress(Callback):
 class _WandbRows(Callback):
     """Per-step W&B history: loss, lr, tokens/s so far (timed steps), the step's wall time, memory."""
 
-    def __init__(self, logger, scheduler, timing: Timing, m: dict):
-        self.logger, self.scheduler, self.timing, self.m = logger, scheduler, timing, m
+    def __init__(self, logger, scheduler, timing: Timing, peak: _PeakRecorder):
+        self.logger, self.scheduler, self.timing, self.peak = logger, scheduler, timing, peak
 
     def on_loss(self, step: int, loss: float) -> None:
         row = {"train/loss": loss, "train/lr": self.scheduler.get_last_lr()[0]}
@@ -297,49 +201,76 @@ class _WandbRows(Callback):
 
             row["memory/allocated_bytes"] = torch.cuda.memory_allocated()
             row["memory/peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
-        elif self.m.get(M.PEAK_MEMORY_BYTES):
-            row["memory/peak_tracked_bytes"] = self.m[M.PEAK_MEMORY_BYTES]
+        elif self.peak.bytes:
+            row["memory/peak_tracked_bytes"] = self.peak.bytes
         self.logger.log(row, step=step + 1)
 
 
-class _TrainLoss(Callback):
+class _Figures:
+    """A callback that owns figures of the result: the metrics and meta entries it measured so far, which
+    the trial merges into the result (:func:`_keep_figures`; also when the trial fails)."""
+
+    def metrics(self) -> dict[str, Any]:
+        return {}
+
+    def meta(self) -> dict[str, Any]:
+        return {}
+
+
+class _TrainLoss(Callback, _Figures):
     """``metrics.train_loss``: the mean of the last 5 step losses, kept from step 0 and in the timed window."""
 
-    def __init__(self, timing: Timing, m: dict):
-        self.timing, self.m, self.losses = timing, m, []
+    def __init__(self, timing: Timing):
+        self.timing, self.losses = timing, []
+        self.value: float | None = None  # None: no loss kept yet
 
     def on_loss(self, step: int, loss: float) -> None:
         self.losses.append(loss)
         if self.timing.t_start is not None or step == 0:
             last = self.losses[-5:]
-            self.m[M.TRAIN_LOSS] = sum(last) / len(last)
+            self.value = sum(last) / len(last)
+
+    def metrics(self) -> dict[str, Any]:
+        return {} if self.value is None else {M.TRAIN_LOSS: self.value}
 
 
-class _PeakRecorder:
-    """Records the CPU tensor tracker's peak and breakdown when :class:`CpuMemoryTracking` closes it."""
+class _PeakRecorder(_Figures):
+    """Records the CPU tensor tracker's peak and breakdown when :class:`CpuMemoryTracking` closes it.
+    ``bytes``: that peak, or until then ``so_far`` (a resumed run's peak), for the progress line and W&B."""
 
-    def __init__(self, m: dict, meta: dict, optimizer):
-        self.m, self.meta, self.optimizer = m, meta, optimizer
+    def __init__(self, optimizer, so_far: int | None = None):
+        self.optimizer, self.bytes = optimizer, so_far
+        self.breakdown: dict | None = None  # None: the tracker was not closed
+        self.note: str | None = None
 
     def __call__(self, tracker) -> None:
-        m = self.m
-        m[M.PEAK_MEMORY_BYTES], m[M.MEMORY_BREAKDOWN_BYTES], note = close_tracker(tracker, self.optimizer)
-        m[M.MEMORY_KIND] = "cpu_tracked"
-        if note:
-            self.meta["memory_note"] = note
+        self.bytes, self.breakdown, self.note = close_tracker(tracker, self.optimizer)
+
+    def metrics(self) -> dict[str, Any]:
+        if self.breakdown is None:
+            return {}
+        return {
+            M.PEAK_MEMORY_BYTES: self.bytes,
+            M.MEMORY_BREAKDOWN_BYTES: self.breakdown,
+            M.MEMORY_KIND: "cpu_tracked",
+        }
+
+    def meta(self) -> dict[str, Any]:
+        return {"memory_note": self.note} if self.note else {}
 
 
-class _PeriodicEval(Every):
+class _PeriodicEval(Every, _Figures):
     """Evaluation every ``train.eval_every`` steps: ``intermediate_eval``, ``eval_loss``/``eval_ppl`` so far,
     W&B ``eval/loss``; a non-finite loss is :class:`Diverged`, the sweeper's verdict may :class:`Pruned`."""
 
-    def __init__(self, cfg: DictConfig, run_eval, timing: Timing, progress, m: dict, logger, reporter):
+    def __init__(self, cfg: DictConfig, run_eval, timing: Timing, progress, logger, reporter):
         super().__init__(int(cfg.train.eval_every), int(cfg.train.steps), self.evaluate)
-        self.run_eval, self.timing, self.progress, self.m = run_eval, timing, progress, m
+        self.run_eval, self.timing, self.progress = run_eval, timing, progress
         self.logger, self.reporter = logger, reporter
         self.say = False  # a production run prints an eval line (stderr) at every evaluation
         self.steps = int(cfg.train.steps)
-        m[M.INTERMEDIATE_EVAL] = []
+        self.intermediate: list[dict] = []
+        self.loss: float | None = None  # the last evaluation's loss; None: none yet
 
     def evaluate(self, step: int) -> None:
         te = time.perf_counter()
@@ -348,9 +279,8 @@ class _PeriodicEval(Every):
         self.progress.phase("train")
         if self.timing.t_start is not None:
             self.timing.eval_s += time.perf_counter() - te
-        m = self.m
-        m[M.INTERMEDIATE_EVAL].append({"step": step, M.EVAL_LOSS: ev.loss, M.TASK_SCORE: ev.task_score})
-        m[M.EVAL_LOSS], m[M.EVAL_PPL] = ev.loss, math.exp(min(ev.loss, 50.0))
+        self.intermediate.append({"step": step, M.EVAL_LOSS: ev.loss, M.TASK_SCORE: ev.task_score})
+        self.loss = ev.loss
         if self.logger is not None:
             self.logger.log({"eval/loss": ev.loss}, step=step)
         if self.say:
@@ -365,6 +295,12 @@ class _PeriodicEval(Every):
             raise Diverged(f"eval loss is {ev.loss} at optimizer step {step}")
         if self.reporter is not None and self.reporter(step, ev.loss):
             raise Pruned(f"pruned by the sweeper after {step} steps (eval_loss {ev.loss:.4f})")
+
+    def metrics(self) -> dict[str, Any]:
+        m: dict[str, Any] = {M.INTERMEDIATE_EVAL: self.intermediate}
+        if self.loss is not None:
+            m[M.EVAL_LOSS], m[M.EVAL_PPL] = self.loss, math.exp(min(self.loss, 50.0))
+        return m
 
 
 def _train(
@@ -610,32 +546,71 @@ def _train_steps(
     scheduler = build_scheduler(cfg, optimizer)
     if resume is not None:
         resume.apply(model, optimizer, scheduler)
-    faults, grads = _Faults(), _Grads(params)
-    tracking = CpuMemoryTracking(tracker, tracked, _PeakRecorder(m, meta, optimizer))
-    progress = _TrialProgress(steps, cfg, timing, m, initial=start)
-    wandb_rows = [_WandbRows(logger, scheduler, timing, m)] if logger is not None else []
-    evals = _PeriodicEval(cfg, run_eval, timing, progress, m, logger, reporter)
-    train_loss = _TrainLoss(timing, m)
-    trained = (model, optimizer, scheduler)
-    outputs, ckpt = _run_outputs(cfg, run, resume, train_loss, evals, trained, logger, result)
-    # the model's own loss, or the chunked one (tiling.loss_chunk_tokens)
-    loop = Loop(model, optimizer, scheduler, prep.batches, faults.wrap(loss_fn(cfg, model)), device, steps)
-    loop.grad_accum, loop.max_grad_norm = int(t.grad_accum), float(t.max_grad_norm)
-    loop.clock, loop.params, loop.start_step = timing.clock, params, start
-    if resume is not None:
-        resume.restore_rng()  # last: nothing between here and the first resumed step draws a random number
+    faults, grads, peak = _Faults(), _Grads(params), _PeakRecorder(optimizer, m.get(M.PEAK_MEMORY_BYTES))
+    tracking = CpuMemoryTracking(tracker, tracked, peak)
+    progress = _TrialProgress(steps, cfg, timing, peak, initial=start)
+    wandb_rows = [_WandbRows(logger, scheduler, timing, peak)] if logger is not None else []
+    evals = _PeriodicEval(cfg, run_eval, timing, progress, logger, reporter)
+    train_loss = _TrainLoss(timing)
+    owners, trained, ckpt = (train_loss, evals, peak), (model, optimizer, scheduler), None
     try:
+        outputs, ckpt = _run_outputs(cfg, run, resume, train_loss, evals, trained, logger, result, owners)
+        step_loss = faults.wrap(loss_fn(cfg, model))  # the model's own, or chunked (tiling.loss_chunk_tokens)
+        loop = _trial_loop(
+            cfg, prep, trained, loss_fn=step_loss, clock=timing.clock, params=params, start=start
+        )
+        if resume is not None:
+            resume.restore_rng()  # last: nothing from here to the first resumed step draws a random number
         fit(loop, [tracking, timing, faults, grads, progress, *wandb_rows, train_loss, evals, *outputs])
+        tracking.close()  # every step was a tracked one: keep the tracked peak anyway
     finally:
         progress.close()
         if ckpt is not None:
             ckpt.close()
-    tracking.close()  # every step was a tracked one: keep the tracked peak anyway
+        _keep_figures(result, owners)  # what the callbacks measured, also when the trial failed
     _record_throughput(cfg, result, prep.built, timing)
     _record_memory(result, model, optimizer, grads, cuda_mon)
     _final_eval(result, run_eval, eval_s)
     if run is not None and run.save_adapter:
         meta["outputs"] = save_outputs(run, cfg, model, prep.tokenizer, prep.built.id_map, prep.base_path)
+
+
+def _trial_loop(
+    cfg: DictConfig, prep: Prepared, trained: tuple, *, loss_fn, clock: StepClock, params: list, start: int
+) -> Loop:
+    """The trial's :class:`~vramsweep.loop.Loop`: ``trained`` (model, optimizer, scheduler) over the prepared
+    micro-batches, ``train.steps`` steps of ``train.grad_accum`` micro-batches from step ``start``."""
+    model, optimizer, scheduler = trained
+    t = cfg.train
+    return Loop(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        batches=prep.batches,
+        loss_fn=loss_fn,
+        device=prep.built.device,
+        steps=int(t.steps),
+        grad_accum=int(t.grad_accum),
+        max_grad_norm=float(t.max_grad_norm),
+        clock=clock,
+        params=params,
+        start_step=start,
+    )
+
+
+def _with_figures(m: dict, owners: tuple[_Figures, ...]) -> dict:
+    """The metrics so far: the trial's own, with those its callbacks own."""
+    out = dict(m)
+    for owner in owners:
+        out.update(owner.metrics())
+    return out
+
+
+def _keep_figures(result: dict, owners: tuple[_Figures, ...]) -> None:
+    """Merge the figures the callbacks own into the result's metrics and meta."""
+    result["metrics"].update(_with_figures({}, owners))
+    for owner in owners:
+        result["meta"].update(owner.meta())
 
 
 def _seed_and_threads(t: DictConfig) -> None:
@@ -670,6 +645,7 @@ def _run_outputs(
     trained: tuple,
     logger,
     result: dict,
+    owners: tuple[_Figures, ...],
 ) -> tuple[list[Callback], Checkpointer | None]:
     """A run folder's callbacks: the loss log, and in a production run the checkpointer (docs/RUNS.md)."""
     if run is None:
@@ -686,7 +662,7 @@ def _run_outputs(
         int(t.save_every),
         int(t.keep_checkpoints),
         *trained,
-        _state_so_far(log, result["metrics"], logger),
+        _state_so_far(log, lambda: _with_figures(result["metrics"], owners), logger),
         int(t.steps),
         stats=result["meta"].setdefault("checkpoints", {}),
     )
@@ -713,14 +689,14 @@ def _resume_point(cfg: DictConfig, run: RunFolder | None, result: dict) -> Resum
     return resume
 
 
-def _state_so_far(log: LossLog, m: dict, logger) -> Callable[[], dict]:
+def _state_so_far(log: LossLog, metrics: Callable[[], dict], logger) -> Callable[[], dict]:
     """What a checkpoint keeps besides tensors: the loss rows, the metrics so far, the W&B run id."""
 
     def state() -> dict:
         run_id = getattr(getattr(logger, "run", None), "id", None)
         return {
             "losses": list(log.rows),
-            "metrics": json.loads(json.dumps(m, default=str)),
+            "metrics": json.loads(json.dumps(metrics(), default=str)),
             "wandb_run_id": run_id,
         }
 
@@ -748,7 +724,7 @@ def run_trial(
     result = new_result(
         sweep=sweep, trial=trial, overrides=list(overrides), config=OmegaConf.to_container(cfg, resolve=True)
     )
-    result["meta"] = collect_meta(cfg)
+    result["meta"] = collect_meta(cfg, _peak_key)
     result["meta"]["started"] = started.isoformat()
     if design is not None:
         result["meta"]["design"] = design
