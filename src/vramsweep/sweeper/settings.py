@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,8 @@ from vramsweep.config.urls import mask_secret, mask_url, normalise_storage_url  
 from vramsweep.record.metrics import OBJECTIVE_METRICS, PRUNABLE_METRICS, is_objective
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import is_quality_metric, metric_direction
+from vramsweep.sweeper.samplers import PRUNERS, SAMPLERS  # noqa: F401 - re-exported (one table: samplers.py)
 
-#: Samplers accepted by short name (``hydra.sweeper.sampler=<name>``).
-SAMPLERS = ("tpe", "random", "grid", "nsga2", "gp")
-#: Pruners accepted by short name (``hydra.sweeper.pruner=<name>``).
-PRUNERS = ("median", "sha", "hyperband", "none")
 #: Sweep designs (``sweep.design``).
 DESIGNS = ("search", "grid", "ablation", "stacking")  # + "max_context" (sweeper/maxctx.py, its own driver)
 #: Trial isolation modes (``hydra.sweeper.isolation``).
@@ -49,9 +47,52 @@ DEFAULT_PRELOAD = (
 DEFAULT_TRIAL_FN = "vramsweep.trial:run_trial_overrides"
 
 
+#: Most worker slots of one sweep process (``hydra.sweeper.n_jobs``): each is a thread here plus a trial
+#: process (or a launcher job in flight); more than this fails on thread or process limits mid-sweep.
+MAX_N_JOBS = 256
+#: Most trials one study may hold (``hydra.sweeper.n_trials``): every slot is enqueued in the study before
+#: the first trial starts, so a mistyped count would spend minutes writing slots.
+MAX_N_TRIALS = 10_000
+#: Shortest ``hydra.sweeper.timeout_s``: starting a trial process alone takes about a second, so a shorter
+#: limit kills every trial.
+MIN_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Type and range of one ``hydra.sweeper.*`` setting (carried by its :class:`SweeperConf` field; :data:`SETTING_RULES`).
+
+    ``kind``: ``int``, ``float``, ``bool``, ``str``, ``choice`` (one of ``choices``), ``spec`` (a name in
+    ``choices`` or a dict, checked by :func:`_check_spec`), ``direction`` (``minimize``/``maximize`` or a list
+    of them), ``strs`` (a list of names), ``map`` (a dict) or ``any`` (checked where it is parsed).
+    ``lo``/``hi`` bound numbers (inclusive unless ``lo_open``); ``nullable`` allows ``null`` (``hint`` says
+    what it means); ``check`` is a further check of a given, non-null value (a format, a module that must
+    exist) that raises :class:`ConfigError`.
+    """
+
+    kind: str
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    nullable: bool = False
+    choices: tuple[str, ...] = ()
+    hint: str = ""
+    check: Callable[[Any], None] | None = None
+
+
+def setting(rule: Rule, default: Any = None, *, factory: Callable[[], Any] | None = None) -> Any:
+    """A :class:`SweeperConf` field with its :class:`Rule` beside it (read by :func:`check_conf`)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"rule": rule})
+    return field(default=default, metadata={"rule": rule})
+
+
 @dataclass
 class SweeperConf:
     """``hydra.sweeper.*`` settings (see docs/SWEEPS.md for the full story).
+
+    Each field carries its :class:`Rule` (type, range, allowed values) beside its type: :func:`check_conf`
+    reads them. Adding a setting = one field here and one line below (docs/SWEEPS.md).
 
     Attributes:
         n_trials: study total; a re-run continues and runs exactly the remainder. ``null`` = every
@@ -99,90 +140,43 @@ class SweeperConf:
             suggests more params, as in hydra-optuna-sweeper.
     """
 
-    n_trials: int | None = None
-    n_jobs: int = 1
-    storage: str | None = None
-    study_name: str | None = None
-    sampler: Any = None
-    pruner: Any = "median"
-    direction: Any = None
-    objectives: Any = None
-    params: dict[str, Any] = field(default_factory=dict)
-    seed: int | None = None
-    isolation: str = "fork"
-    trial_fn: str = DEFAULT_TRIAL_FN
-    preload: list[str] = field(default_factory=lambda: list(DEFAULT_PRELOAD))
-    max_failure_rate: float = 0.5
-    min_trials_for_failure_rate: int = 4
-    timeout_s: float | None = None
-    heartbeat_s: float = 10.0
-    grace_s: float = 120.0
-    retry_stale: int = 3
-    dedup: bool = True
-    sweep_dir: str | None = None
-    cuda_devices: list[str] | None = None
-    progress: bool = True
-    custom_search_space: str | None = None
+    n_trials: int | None = setting(
+        Rule("int", 0, MAX_N_TRIALS, nullable=True, hint="every point of a design, 20 for a search"), None
+    )
+    n_jobs: int = setting(Rule("int", 1, MAX_N_JOBS), 1)
+    storage: str | None = setting(Rule("str", nullable=True, hint="sqlite:///<sweep dir>/study.db"), None)
+    study_name: str | None = setting(Rule("str", nullable=True, hint="the sweep's name"), None)
+    sampler: Any = setting(Rule("spec", nullable=True, choices=SAMPLERS), None)
+    pruner: Any = setting(Rule("spec", choices=PRUNERS), "median")
+    direction: Any = setting(Rule("direction", nullable=True), None)
+    objectives: Any = setting(Rule("any", nullable=True), None)
+    params: dict[str, Any] = setting(Rule("map", nullable=True), factory=dict)
+    seed: int | None = setting(Rule("int", 0, 2**32 - 1, nullable=True, hint="a random seed"), None)
+    isolation: str = setting(Rule("choice", choices=ISOLATIONS), "fork")
+    trial_fn: str = setting(Rule("str", check=lambda v: _check_trial_fn_setting(v)), DEFAULT_TRIAL_FN)
+    preload: list[str] = setting(
+        Rule("strs", nullable=True, check=lambda v: _check_preload(v)), factory=lambda: list(DEFAULT_PRELOAD)
+    )
+    max_failure_rate: float = setting(Rule("float", 0.0, 1.0), 0.5)
+    min_trials_for_failure_rate: int = setting(Rule("int", 1, MAX_N_TRIALS), 4)
+    timeout_s: float | None = setting(
+        Rule("float", MIN_TIMEOUT_S, None, nullable=True, hint="no limit"), None
+    )
+    heartbeat_s: float = setting(Rule("float", 0.0, 3600.0, lo_open=True), 10.0)
+    grace_s: float = setting(Rule("float", 0.0, None, lo_open=True), 120.0)
+    retry_stale: int = setting(Rule("int", 0, 100), 3)
+    dedup: bool = setting(Rule("bool"), True)
+    sweep_dir: str | None = setting(Rule("str", nullable=True, hint="<results_dir>/sweeps/<name>"), None)
+    cuda_devices: list[str] | None = setting(
+        Rule("strs", nullable=True, hint="every visible device", check=lambda v: _check_cuda_devices(v)), None
+    )
+    progress: bool = setting(Rule("bool"), True)
+    custom_search_space: str | None = setting(Rule("str", nullable=True, check=lambda v: _check_css(v)), None)
 
 
-#: Most worker slots of one sweep process (``hydra.sweeper.n_jobs``): each is a thread here plus a trial
-#: process (or a launcher job in flight); more than this fails on thread or process limits mid-sweep.
-MAX_N_JOBS = 256
-#: Most trials one study may hold (``hydra.sweeper.n_trials``): every slot is enqueued in the study before
-#: the first trial starts, so a mistyped count would spend minutes writing slots.
-MAX_N_TRIALS = 10_000
-#: Shortest ``hydra.sweeper.timeout_s``: starting a trial process alone takes about a second, so a shorter
-#: limit kills every trial.
-MIN_TIMEOUT_S = 1.0
-
-
-@dataclass(frozen=True)
-class Rule:
-    """Type and range of one ``hydra.sweeper.*`` setting (see :data:`SETTING_RULES`).
-
-    ``kind``: ``int``, ``float``, ``bool``, ``str``, ``choice`` (one of ``choices``), ``spec`` (a name in
-    ``choices`` or a dict, checked by :func:`_check_spec`), ``direction`` (``minimize``/``maximize`` or a list
-    of them), ``strs`` (a list of names), ``map`` (a dict) or ``any`` (checked where it is parsed).
-    ``lo``/``hi`` bound numbers (inclusive unless ``lo_open``); ``nullable`` allows ``null`` (``hint`` says
-    what it means).
-    """
-
-    kind: str
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-    nullable: bool = False
-    choices: tuple[str, ...] = ()
-    hint: str = ""
-
-
-#: Every ``hydra.sweeper.*`` key: its type and range, checked before anything is planned, written or run.
-SETTING_RULES: dict[str, Rule] = {
-    "n_trials": Rule("int", 0, MAX_N_TRIALS, nullable=True, hint="every point of a design, 20 for a search"),
-    "n_jobs": Rule("int", 1, MAX_N_JOBS),
-    "storage": Rule("str", nullable=True, hint="sqlite:///<sweep dir>/study.db"),
-    "study_name": Rule("str", nullable=True, hint="the sweep's name"),
-    "sampler": Rule("spec", nullable=True, choices=SAMPLERS),
-    "pruner": Rule("spec", choices=PRUNERS),
-    "direction": Rule("direction", nullable=True),
-    "objectives": Rule("any", nullable=True),
-    "params": Rule("map", nullable=True),
-    "seed": Rule("int", 0, 2**32 - 1, nullable=True, hint="a random seed"),
-    "isolation": Rule("choice", choices=ISOLATIONS),
-    "trial_fn": Rule("str"),
-    "preload": Rule("strs", nullable=True),
-    "max_failure_rate": Rule("float", 0.0, 1.0),
-    "min_trials_for_failure_rate": Rule("int", 1, MAX_N_TRIALS),
-    "timeout_s": Rule("float", MIN_TIMEOUT_S, None, nullable=True, hint="no limit"),
-    "heartbeat_s": Rule("float", 0.0, 3600.0, lo_open=True),
-    "grace_s": Rule("float", 0.0, None, lo_open=True),
-    "retry_stale": Rule("int", 0, 100),
-    "dedup": Rule("bool"),
-    "sweep_dir": Rule("str", nullable=True, hint="<results_dir>/sweeps/<name>"),
-    "cuda_devices": Rule("strs", nullable=True, hint="every visible device"),
-    "progress": Rule("bool"),
-    "custom_search_space": Rule("str", nullable=True),
-}
+#: Every ``hydra.sweeper.*`` key: its type and range (read from the :class:`SweeperConf` fields), checked
+#: before anything is planned, written or run.
+SETTING_RULES: dict[str, Rule] = {f.name: f.metadata["rule"] for f in fields(SweeperConf)}
 
 
 def _fmt_num(v: float) -> str:
@@ -285,37 +279,21 @@ def check_setting(key: str, value: Any) -> None:
             raise bad()
 
 
-def check_sweeper_settings(sweeper: dict[str, Any]) -> None:
-    """Type and range of every ``hydra.sweeper.*`` key given (:data:`SETTING_RULES`), plus the rules that
-    tie two keys or a key's format: before the sweep is planned, any folder made or any trial run."""
+def check_conf(sweeper: dict[str, Any]) -> None:
+    """Every ``hydra.sweeper.*`` key given, against the :class:`Rule` its :class:`SweeperConf` field carries
+    (type and range first, then each rule's ``check``), plus the one rule that ties two keys: before the
+    sweep is planned, any folder made or any trial run."""
 
-    for k, v in sweeper.items():
-        if k in ("_target_", "_recursive_", "_convert_", "_partial_", "defaults"):
-            continue
+    given = {
+        k: v
+        for k, v in sweeper.items()
+        if k not in ("_target_", "_recursive_", "_convert_", "_partial_", "defaults")
+    }
+    for k, v in given.items():
         check_setting(k, v)
-    trial_fn = sweeper.get("trial_fn")
-    if trial_fn is not None and not re.fullmatch(r"[\w.]+:\w+", str(trial_fn)):
-        raise ConfigError(
-            f"hydra.sweeper.trial_fn={trial_fn!r} must be 'module:function'",
-            key="hydra.sweeper.trial_fn",
-            allowed=[DEFAULT_TRIAL_FN],
-        )
-    if trial_fn is not None:
-        _check_trial_fn(str(trial_fn))
-    css = sweeper.get("custom_search_space")
-    if css is not None:
-        resolve_custom_search_space(str(css))
-    devices = sweeper.get("cuda_devices")
-    if devices:
-        bad = [d for d in devices if not re.fullmatch(r"\d+|GPU-[0-9A-Fa-f-]+|MIG-[\w/-]+", str(d).strip())]
-        if bad:
-            raise ConfigError(
-                f"hydra.sweeper.cuda_devices={list(devices)} has {bad[0]!r}, not a device",
-                key="hydra.sweeper.cuda_devices",
-                allowed=["device indices >= 0, e.g. [0,1]", "GPU-<uuid>", "MIG-<uuid>"],
-            )
-    for module in sweeper.get("preload") or []:
-        _check_importable(str(module))
+    for k, rule in SETTING_RULES.items():
+        if rule.check is not None and given.get(k) is not None:
+            rule.check(given[k])
     hb = sweeper.get("heartbeat_s", SweeperConf.heartbeat_s)
     grace = sweeper.get("grace_s", SweeperConf.grace_s)
     if float(grace) < 2 * float(hb):
@@ -325,6 +303,36 @@ def check_sweeper_settings(sweeper: dict[str, Any]) -> None:
             key="hydra.sweeper.grace_s",
             allowed=[f">= {2 * float(hb):g}"],
         )
+
+
+def _check_trial_fn_setting(trial_fn: Any) -> None:
+    """``hydra.sweeper.trial_fn``: ``module:function``, a module that exists defining that function."""
+    if not re.fullmatch(r"[\w.]+:\w+", str(trial_fn)):
+        raise ConfigError(
+            f"hydra.sweeper.trial_fn={trial_fn!r} must be 'module:function'",
+            key="hydra.sweeper.trial_fn",
+            allowed=[DEFAULT_TRIAL_FN],
+        )
+    _check_trial_fn(str(trial_fn))
+
+
+def _check_css(css: Any) -> None:
+    resolve_custom_search_space(str(css))
+
+
+def _check_cuda_devices(devices: Any) -> None:
+    bad = [d for d in devices if not re.fullmatch(r"\d+|GPU-[0-9A-Fa-f-]+|MIG-[\w/-]+", str(d).strip())]
+    if bad:
+        raise ConfigError(
+            f"hydra.sweeper.cuda_devices={list(devices)} has {bad[0]!r}, not a device",
+            key="hydra.sweeper.cuda_devices",
+            allowed=["device indices >= 0, e.g. [0,1]", "GPU-<uuid>", "MIG-<uuid>"],
+        )
+
+
+def _check_preload(modules: Any) -> None:
+    for module in modules:
+        _check_importable(str(module))
 
 
 def resolve_custom_search_space(path: str) -> Any:
@@ -750,7 +758,7 @@ def sweeper_conf(sweeper: dict[str, Any]) -> SweeperConf:
                 f"unknown setting hydra.sweeper.{k}", key=f"hydra.sweeper.{k}", allowed=sorted(known)
             )
         setattr(conf, k, v)
-    check_sweeper_settings(sweeper)  # type and range of every key (SETTING_RULES), before anything else
+    check_conf(sweeper)  # type and range of every key (its field's Rule), before anything else
     return conf
 
 
