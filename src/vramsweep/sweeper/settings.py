@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -415,58 +415,62 @@ class Objective:
     direction: str  # "minimize" | "maximize"
 
 
-@dataclass
-class Settings:
-    """Everything a sweep needs, resolved and validated (the content of ``sweep.json``)."""
+#: ``sweep:`` keys a :class:`Settings` reads through from its :class:`SweepConfig`.
+_SWEEP_KEYS = ("baseline", "factors", "stack", "preflight")
 
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a sweep needs, resolved and validated (the content of ``sweep.json``): a thin, frozen view
+    of the checked :class:`SweeperConf` (``conf``) and :class:`SweepConfig` (``sweep``) plus the values derived
+    from them. Every ``hydra.sweeper.*`` key and ``sweep.baseline/factors/stack/preflight`` read through
+    (``settings.retry_stale`` is ``settings.conf.retry_stale``); only derived values are fields here."""
+
+    conf: SweeperConf
+    sweep: SweepConfig
     name: str
     design: str
     objectives: list[Objective]
-    baseline: list[str]
-    factors: list[list[str]]
-    stack: list[str]
     repeats: int
-    preflight: bool
-    n_trials: int | None
     n_jobs: int
     storage: str
     study_name: str
     sampler: Any
     pruner: Any
     params: dict[str, str]
-    seed: int | None
-    isolation: str
-    trial_fn: str
-    preload: list[str]
-    max_failure_rate: float
-    min_trials_for_failure_rate: int
-    timeout_s: float | None
-    heartbeat_s: float
-    grace_s: float
-    retry_stale: int
-    dedup: bool
     sweep_dir: Path
-    cuda_devices: list[str] | None
-    progress: bool
     results_dir: str = "results"
     budget_gib: float = 0.0
     #: named by a sweep file, ``sweep.name=`` or ``hydra.sweeper.study_name`` (else named by its identity hash)
     named: bool = True
-    storage_given: bool = False
-    sweep_dir_given: bool = False
     #: why this design (for the describe line), e.g. "command-line lists"
     design_reason: str = ""
     #: ``sweep.edge_start`` resolved: a search with a budget starts at the edge (:mod:`vramsweep.sweeper.edge`)
     edge_start: bool = False
 
-    def rename(self, name: str) -> None:
-        """Give an unnamed (ad-hoc) sweep its name: study name, folder and default storage follow it."""
-        self.name = name
-        self.study_name = name
+    def __getattr__(self, key: str) -> Any:
+        """A ``hydra.sweeper.*`` key from ``conf``, or a ``sweep:`` key from ``sweep``."""
+        if key in SweeperConf.__dataclass_fields__:
+            return getattr(self.__dict__["conf"], key)
+        if key in _SWEEP_KEYS:
+            return getattr(self.__dict__["sweep"], key)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
+
+    @property
+    def storage_given(self) -> bool:
+        return bool(self.conf.storage)
+
+    @property
+    def sweep_dir_given(self) -> bool:
+        return bool(self.conf.sweep_dir)
+
+    def renamed(self, name: str) -> Settings:
+        """An unnamed (ad-hoc) sweep given its name: study name, folder and default storage follow it."""
+        sweep_dir = self.sweep_dir
         if not self.sweep_dir_given:
-            self.sweep_dir = Path(os.path.abspath(Path(self.results_dir) / "sweeps" / name))
-        if not self.storage_given:
-            self.storage = f"sqlite:///{self.sweep_dir / 'study.db'}"
+            sweep_dir = Path(os.path.abspath(Path(self.results_dir) / "sweeps" / name))
+        storage = self.storage if self.storage_given else f"sqlite:///{sweep_dir / 'study.db'}"
+        return replace(self, name=name, study_name=name, sweep_dir=sweep_dir, storage=storage)
 
     @property
     def sampler_name(self) -> str:
@@ -759,7 +763,27 @@ def sweeper_conf(sweeper: dict[str, Any]) -> SweeperConf:
             )
         setattr(conf, k, v)
     check_conf(sweeper)  # type and range of every key (its field's Rule), before anything else
-    return conf
+    return _normalised(conf)
+
+
+#: how a checked value of each :attr:`Rule.kind` is normalised (``n_jobs=2.0`` -> 2, ``cuda_devices=[0]`` -> ["0"])
+_NORMALISE = {
+    "int": int,
+    "float": float,
+    "bool": bool,
+    "strs": lambda v: [str(x) for x in v] or None,
+}
+
+
+def _normalised(conf: SweeperConf) -> SweeperConf:
+    """``conf`` with each value in its rule's type (``null`` stays; ``n_trials``/``seed`` as given)."""
+    out = {}
+    for f in fields(conf):
+        value, norm = getattr(conf, f.name), _NORMALISE.get(f.metadata["rule"].kind)
+        keep = value is None or norm is None or f.name in ("n_trials", "seed")
+        out[f.name] = value if keep else norm(value)
+    out["preload"] = out["preload"] or []
+    return SweeperConf(**out)
 
 
 def _sampler_spec(conf: SweeperConf) -> Any:
@@ -854,6 +878,8 @@ def resolve_settings(
     *,
     cli_params: dict[str, str] | None = None,
     sweep_file: str | None = None,
+    pinned: set[str] | None = None,
+    budget_gib: float | None = None,
 ) -> Settings:
     """Merge ``hydra.sweeper.*`` (``sweeper``, a :class:`SweeperConf`) with the task config's ``sweep:``
     node (a :class:`SweepConfig`) into :class:`Settings`.
@@ -863,6 +889,8 @@ def resolve_settings(
         task_cfg: the composed task config as a plain dict (``sweep``, ``results_dir``, ``hardware``).
         cli_params: search-space entries from the command line (override ``params``).
         sweep_file: the selected ``sweep=<name>`` option, if any (a sweep file may ask for a search).
+        pinned: keys the command line fixes: taken out of the search space once the design is chosen.
+        budget_gib: ``hardware.budget_gib`` of the composed base config (``None``: the task config's).
 
     The design: :func:`_choose_design`.
     """
@@ -889,44 +917,28 @@ def resolve_settings(
     _check_design_parts(sweep, design, params)
     results_dir = str(task_cfg.get("results_dir") or "results")
     sweep_dir = Path(os.path.abspath(conf.sweep_dir or Path(results_dir) / "sweeps" / name))
-    budget_gib = float((task_cfg.get("hardware") or {}).get("budget_gib") or 0.0)
+    task_budget = float((task_cfg.get("hardware") or {}).get("budget_gib") or 0.0)
+    params = {k: v for k, v in params.items() if k not in (pinned or ())}
     return Settings(
+        conf=conf,
+        sweep=sweep,
         name=name,
         design=design,
         objectives=objectives,
-        baseline=sweep.baseline,
-        factors=sweep.factors,
-        stack=sweep.stack,
         repeats=sweep.repeats if sweep.repeats is not None else default_repeats(design, objectives),
-        preflight=sweep.preflight,
-        n_trials=conf.n_trials,
-        n_jobs=int(conf.n_jobs),
+        # isolation=inprocess runs one trial at a time
+        n_jobs=1 if conf.isolation == "inprocess" else int(conf.n_jobs),
         storage=_storage_url(conf, sweep_dir),
         study_name=str(conf.study_name or name),
         sampler=sampler,
         pruner=_check_spec(conf.pruner, PRUNERS, "hydra.sweeper.pruner"),
         params=params,
-        seed=conf.seed,
-        isolation=conf.isolation,
-        trial_fn=conf.trial_fn,
-        preload=[str(m) for m in (conf.preload or [])],
-        max_failure_rate=float(conf.max_failure_rate),
-        min_trials_for_failure_rate=int(conf.min_trials_for_failure_rate),
-        timeout_s=None if conf.timeout_s is None else float(conf.timeout_s),
-        heartbeat_s=float(conf.heartbeat_s),
-        grace_s=float(conf.grace_s),
-        retry_stale=int(conf.retry_stale),
-        dedup=bool(conf.dedup),
         sweep_dir=sweep_dir,
-        cuda_devices=[str(d) for d in conf.cuda_devices] if conf.cuda_devices else None,
-        progress=bool(conf.progress),
         results_dir=results_dir,
-        budget_gib=budget_gib,
+        budget_gib=budget_gib if budget_gib is not None else task_budget,
         named=named,
-        storage_given=bool(conf.storage),
-        sweep_dir_given=bool(conf.sweep_dir),
         design_reason=reason,
-        edge_start=edge_start_setting(sweep, design, budget_gib),
+        edge_start=edge_start_setting(sweep, design, task_budget),
     )
 
 
