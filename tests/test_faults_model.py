@@ -203,10 +203,10 @@ def test_refused_before_the_trial_naming_the_key(tmp_path, capsys, monkeypatch, 
 
 def test_the_default_skip_list_and_a_valid_trial_fn_still_pass():
     from vramsweep.config import compose
-    from vramsweep.sweeper.settings import check_sweeper_settings
+    from vramsweep.sweeper.settings import check_conf
 
     compose(["quant=int8"], rules="config")
     compose(["quant=int8", "quant.skip_modules=[lm_head,model.layers.0.mlp.down_proj]"], rules="config")
     compose(["adapter=dora", "quant=nf4", "train.seed=4294967295"], rules="config")
-    check_sweeper_settings({"trial_fn": "fakes:fake_trial"})
-    check_sweeper_settings({"trial_fn": "vramsweep.trial:run_trial_overrides"})
+    check_conf({"trial_fn": "fakes:fake_trial"})
+    check_conf({"trial_fn": "vramsweep.trial:run_trial_overrides"})

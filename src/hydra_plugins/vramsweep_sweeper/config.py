@@ -5,6 +5,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from vramsweep.sweeper.samplers import SAMPLER_GROUP
 from vramsweep.sweeper.settings import SweeperConf
 
 
@@ -24,17 +25,7 @@ ConfigStore.instance().store(
     group="hydra/sweeper", name="vramsweep", node=VramsweepSweeperConf, provider="vramsweep"
 )
 
-#: hydra-optuna-sweeper's sampler group (``hydra/sweeper/sampler=tpe``, then ``hydra.sweeper.sampler.seed=1``)
-SAMPLER_GROUP = {
-    "tpe": "optuna.samplers.TPESampler",
-    "random": "optuna.samplers.RandomSampler",
-    "cmaes": "optuna.samplers.CmaEsSampler",
-    "nsgaii": "optuna.samplers.NSGAIISampler",
-    "motpe": "vramsweep.sweeper.samplers.motpe_sampler",  # removed in Optuna 4.0: TPE, said in one line
-    "qmc": "optuna.samplers.QMCSampler",
-    "grid": "optuna.samplers.GridSampler",
-    "gp": "optuna.samplers.GPSampler",
-}
+# hydra-optuna-sweeper's sampler group (``hydra/sweeper/sampler=tpe``, then ``hydra.sweeper.sampler.seed=1``)
 for _name, _target in SAMPLER_GROUP.items():
     ConfigStore.instance().store(
         group="hydra/sweeper/sampler",

@@ -16,13 +16,12 @@ from typing import Any
 from vramsweep.sweeper.plan import (
     IDENTITY,
     Plan,
-    check_trial_cap,
     name_sweep,
     pinned_settings,
     plan_design,
+    sweep_frame,
     total_trials,
 )
-from vramsweep.sweeper.space import merge_overrides, parse_params
 from vramsweep.sweeper.storage import JOB_LOST, RETRIES, SLOT, make_storage, requeue_lost, sqlite_path
 
 
@@ -40,14 +39,14 @@ def _finished_study(
     sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]
 ) -> tuple[Any, Any] | None:
     settings, cli_fixed = pinned_settings(sweeper_cfg, task_cfg, arguments)
-    dims, fixed_params = parse_params(settings.params)
-    check_trial_cap(settings, dims)  # over the cap: the validated path refuses it at once
-    fixed = merge_overrides(fixed_params, cli_fixed)
+    dims, fixed = sweep_frame(settings, cli_fixed)  # over the cap: the validated path refuses it at once
     base_seed = int((task_cfg.get("train") or {}).get("seed", 0))
     design = plan_design(settings, dims, base_seed)
-    n_total = total_trials(settings, design, dims)
-    plan = Plan(settings, fixed, dims, design, int(n_total), base_seed)
-    name_sweep(plan)  # the study name (ad-hoc sweeps: <keys>-<identity hash>) and the identity to match
+    # the study name (ad-hoc sweeps: <keys>-<identity hash>) and the identity to match
+    plan = name_sweep(
+        Plan(settings, fixed, dims, design, int(total_trials(settings, design, dims)), base_seed)
+    )
+    settings = plan.settings
     db = sqlite_path(settings.storage)
     if db is None or not db.is_file():  # remote storages (and new sweeps) take the normal path
         return None
@@ -71,7 +70,7 @@ def _finished_study(
     if any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in trials):
         return None
     slots = {t.system_attrs.get(SLOT) for t in trials}
-    if any(k not in slots for k in range(n_total)):
+    if any(k not in slots for k in range(plan.n_total)):
         return None
     if any(
         t.system_attrs.get(JOB_LOST) or int(t.system_attrs.get(RETRIES, 0)) < settings.retry_stale

@@ -20,7 +20,7 @@ from typing import Any
 
 from vramsweep.config.compose import ConfigError
 from vramsweep.sweeper.samplers import make_sampler
-from vramsweep.sweeper.settings import _param_str, check_sweeper_settings, resolve_custom_search_space
+from vramsweep.sweeper.settings import _param_str, check_conf, resolve_custom_search_space
 from vramsweep.sweeper.space import (
     Param,
     cli_sweep_params,
@@ -112,7 +112,7 @@ def plan_function_sweep(settings: dict[str, Any], arguments: list[str]) -> Funct
     if isinstance(sampler_spec, dict) and not sampler_spec.get("name") and not sampler_spec.get("_target_"):
         # a conf that sets only ``sampler.seed`` (upstream's examples): upstream's default sampler, TPE
         settings = {**settings, "sampler": {"name": "tpe", **sampler_spec}}
-    check_sweeper_settings(settings)  # every hydra.sweeper.* key: type and range
+    check_conf(settings)  # every hydra.sweeper.* key: type and range
     cli_params, cli_fixed = cli_sweep_params(arguments)
     params = {str(k): _param_str(v) for k, v in (settings.get("params") or {}).items()} | cli_params
     pinned = {override_key(o) for o in cli_fixed}  # `y=0` on the command line pins a param, as upstream

@@ -41,7 +41,7 @@ from vramsweep.record.result import atomic_write_json, atomic_write_text, write_
 from vramsweep.record.status import Status
 from vramsweep.record.units import GIB
 from vramsweep.sweeper.isolation import make_runner
-from vramsweep.sweeper.settings import DEFAULT_PRELOAD, DEFAULT_TRIAL_FN, SweepConfig, check_sweeper_settings
+from vramsweep.sweeper.settings import DEFAULT_PRELOAD, DEFAULT_TRIAL_FN, SweepConfig, check_conf
 from vramsweep.sweeper.space import override_key
 from vramsweep.sweeper.trialproc import TrialSpec
 
@@ -260,7 +260,7 @@ def plan_max_context(
     """Check everything (bounds, every config composes and passes the rules, a budget) and predict each
     config's max context; raise ``ConfigError`` before anything is written."""
 
-    check_sweeper_settings(sweeper_cfg)  # every hydra.sweeper.* key: type and range (timeout_s, n_jobs, ...)
+    check_conf(sweeper_cfg)  # every hydra.sweeper.* key: type and range (timeout_s, n_jobs, ...)
     sweep = SweepConfig.from_dict(task_cfg.get("sweep"))
     name = str(sweeper_cfg.get("study_name") or sweep.name or "max_context")
     bounds = sweep.max_context

@@ -10,7 +10,7 @@ import json
 import re
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vramsweep.config.compose import ConfigError, compose
@@ -35,9 +35,10 @@ DEFAULT_SEARCH_TRIALS = 20
 MAX_TRIALS = 10_000
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """The validated sweep: settings, fixed overrides, space and (for fixed designs) points."""
+    """The validated sweep: settings, fixed overrides, space and (for fixed designs) points; built once, by
+    :func:`plan_sweep` (or, unvalidated, by the finished-study fast path), and named by :func:`name_sweep`."""
 
     settings: Settings
     fixed: list[str]
@@ -82,17 +83,18 @@ def identity_hash(identity: dict[str, Any]) -> str:
     return hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
 
 
-def name_sweep(plan: Plan) -> None:
-    """An ad-hoc sweep (no sweep file, ``sweep.name`` or ``study_name``) is named ``<swept keys>-<hash>``,
-    so each distinct sweep gets its own folder and study, and the same command resumes its own."""
-    s = plan.settings
-    plan.identity = sweep_identity(plan)
-    plan.sweep_id = identity_hash(plan.identity)
-    if s.named:
-        return
-    keys = [d.key for d in plan.dims] or list(design_choices(plan.design or []))
-    stem = re.sub(r"[^A-Za-z0-9_.\-]+", "_", "-".join(keys))[:48].strip("-_") or "multirun"
-    s.rename(f"{stem}-{plan.sweep_id}")
+def name_sweep(plan: Plan) -> Plan:
+    """``plan`` with its identity and hash; an ad-hoc sweep (no sweep file, ``sweep.name`` or ``study_name``)
+    is named ``<swept keys>-<hash>``, so each distinct sweep gets its own folder and study, and the same
+    command resumes its own."""
+    identity = sweep_identity(plan)
+    sweep_id = identity_hash(identity)
+    settings = plan.settings
+    if not settings.named:
+        keys = [d.key for d in plan.dims] or list(design_choices(plan.design or []))
+        stem = re.sub(r"[^A-Za-z0-9_.\-]+", "_", "-".join(keys))[:48].strip("-_") or "multirun"
+        settings = settings.renamed(f"{stem}-{sweep_id}")
+    return replace(plan, settings=settings, identity=identity, sweep_id=sweep_id)
 
 
 def check_trial_cap(settings: Settings, dims: list[Param]) -> None:
@@ -159,28 +161,43 @@ def total_trials(settings: Settings, design: list[DesignPoint] | None, dims: lis
 
 
 def pinned_settings(
-    sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str], *, say: bool = False
+    sweeper_cfg: dict[str, Any],
+    task_cfg: dict[str, Any],
+    arguments: list[str],
+    *,
+    say: bool = False,
+    budget_gib: float | None = None,
 ) -> tuple[Settings, list[str]]:
     """The sweep's settings with the command line's lists as parameters and its fixed overrides taken out
     of the search space (they win); returns ``(settings, the command line's fixed overrides)``."""
     cli_params, cli_fixed = cli_sweep_params(arguments)
     sweep_node = task_cfg.get("sweep") or {}
+    pinned = {override_key(o) for o in cli_fixed}
     settings = resolve_settings(
         sweeper_cfg,
         task_cfg,
         cli_params=cli_params,
         sweep_file=sweep_node.get("name") if sweep_node else None,
+        pinned=pinned,
+        budget_gib=budget_gib,
     )
-    pinned = {override_key(o) for o in cli_fixed}
     if say:
-        for k in settings.params:
+        for k in dict.fromkeys([*(str(k) for k in sweeper_cfg.get("params") or {}), *cli_params]):
             if k in pinned:
                 print(
                     f"vramsweep: {k} is fixed on the command line: removed from the search space",
                     file=sys.stderr,
                 )
-    settings.params = {k: v for k, v in settings.params.items() if k not in pinned}
     return settings, cli_fixed
+
+
+def sweep_frame(settings: Settings, cli_fixed: list[str]) -> tuple[list[Param], list[str]]:
+    """``(dims, fixed overrides)``: the search space as given (not yet typed by a composed config) and the
+    sweep file's fixed params followed by the command line's fixed overrides (they win), the trial cap
+    checked before any config is composed or point built. Shared by :func:`plan_sweep` and the fast path."""
+    dims, fixed_params = parse_params(settings.params)
+    check_trial_cap(settings, dims)
+    return dims, merge_overrides(fixed_params, cli_fixed)
 
 
 def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]) -> Plan:
@@ -189,15 +206,16 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
 
     warnings.filterwarnings("ignore", category=ExperimentalWarning)  # TPE's `group`, metric names
 
-    settings, cli_fixed = pinned_settings(sweeper_cfg, task_cfg, arguments, say=True)
-    params = settings.params
-    # the sweep file's fixed params first, the command line's fixed overrides last (they win)
-    dims0, fixed_params = parse_params(params)
-    check_trial_cap(settings, dims0)  # before any config is composed or point built
-    fixed = merge_overrides(fixed_params, cli_fixed)
+    settings, cli_fixed = pinned_settings(sweeper_cfg, task_cfg, arguments)
+    dims0, fixed = sweep_frame(settings, cli_fixed)
     base = compose_base(fixed)
-    dims, _ = parse_params(params, int_keys=int_keys(base, [d.key for d in dims0 if d.kind == "interval"]))
-    settings.budget_gib = float(base.hardware.budget_gib or 0.0)
+    # the budget of the composed base config (the sweep file's fixed params may set it): resolved once more
+    settings, _ = pinned_settings(
+        sweeper_cfg, task_cfg, arguments, say=True, budget_gib=float(base.hardware.budget_gib or 0.0)
+    )
+    dims, _ = parse_params(
+        settings.params, int_keys=int_keys(base, [d.key for d in dims0 if d.kind == "interval"])
+    )
     base_seed = int(base.train.seed)
     if dims:
         validate_space(fixed, dims)
@@ -240,13 +258,10 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
             "vramsweep: pruning is on but train.eval_every=0 (no intermediate evals): set train.eval_every",
             file=sys.stderr,
         )
-    if settings.isolation == "inprocess" and settings.n_jobs > 1:
+    if settings.isolation == "inprocess" and settings.conf.n_jobs > 1:
         print("vramsweep: isolation=inprocess runs one trial at a time: n_jobs set to 1", file=sys.stderr)
-        settings.n_jobs = 1
-    plan = Plan(settings, fixed, dims, design, int(n_total), base_seed)
-    plan.wandb = str((task_cfg.get("logger") or {}).get("name")) == "wandb" or "logger=wandb" in fixed
-    name_sweep(plan)
-    return plan
+    wandb = str((task_cfg.get("logger") or {}).get("name")) == "wandb" or "logger=wandb" in fixed
+    return name_sweep(Plan(settings, fixed, dims, design, int(n_total), base_seed, wandb=wandb))
 
 
 def identity_diff(old: dict[str, Any], new: dict[str, Any]) -> str:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,8 @@ from vramsweep.config.urls import mask_secret, mask_url, normalise_storage_url  
 from vramsweep.record.metrics import OBJECTIVE_METRICS, PRUNABLE_METRICS, is_objective
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import is_quality_metric, metric_direction
+from vramsweep.sweeper.samplers import PRUNERS, SAMPLERS  # noqa: F401 - re-exported (one table: samplers.py)
 
-#: Samplers accepted by short name (``hydra.sweeper.sampler=<name>``).
-SAMPLERS = ("tpe", "random", "grid", "nsga2", "gp")
-#: Pruners accepted by short name (``hydra.sweeper.pruner=<name>``).
-PRUNERS = ("median", "sha", "hyperband", "none")
 #: Sweep designs (``sweep.design``).
 DESIGNS = ("search", "grid", "ablation", "stacking")  # + "max_context" (sweeper/maxctx.py, its own driver)
 #: Trial isolation modes (``hydra.sweeper.isolation``).
@@ -49,9 +47,52 @@ DEFAULT_PRELOAD = (
 DEFAULT_TRIAL_FN = "vramsweep.trial:run_trial_overrides"
 
 
+#: Most worker slots of one sweep process (``hydra.sweeper.n_jobs``): each is a thread here plus a trial
+#: process (or a launcher job in flight); more than this fails on thread or process limits mid-sweep.
+MAX_N_JOBS = 256
+#: Most trials one study may hold (``hydra.sweeper.n_trials``): every slot is enqueued in the study before
+#: the first trial starts, so a mistyped count would spend minutes writing slots.
+MAX_N_TRIALS = 10_000
+#: Shortest ``hydra.sweeper.timeout_s``: starting a trial process alone takes about a second, so a shorter
+#: limit kills every trial.
+MIN_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Type and range of one ``hydra.sweeper.*`` setting (carried by its :class:`SweeperConf` field; :data:`SETTING_RULES`).
+
+    ``kind``: ``int``, ``float``, ``bool``, ``str``, ``choice`` (one of ``choices``), ``spec`` (a name in
+    ``choices`` or a dict, checked by :func:`_check_spec`), ``direction`` (``minimize``/``maximize`` or a list
+    of them), ``strs`` (a list of names), ``map`` (a dict) or ``any`` (checked where it is parsed).
+    ``lo``/``hi`` bound numbers (inclusive unless ``lo_open``); ``nullable`` allows ``null`` (``hint`` says
+    what it means); ``check`` is a further check of a given, non-null value (a format, a module that must
+    exist) that raises :class:`ConfigError`.
+    """
+
+    kind: str
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    nullable: bool = False
+    choices: tuple[str, ...] = ()
+    hint: str = ""
+    check: Callable[[Any], None] | None = None
+
+
+def setting(rule: Rule, default: Any = None, *, factory: Callable[[], Any] | None = None) -> Any:
+    """A :class:`SweeperConf` field with its :class:`Rule` beside it (read by :func:`check_conf`)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"rule": rule})
+    return field(default=default, metadata={"rule": rule})
+
+
 @dataclass
 class SweeperConf:
     """``hydra.sweeper.*`` settings (see docs/SWEEPS.md for the full story).
+
+    Each field carries its :class:`Rule` (type, range, allowed values) beside its type: :func:`check_conf`
+    reads them. Adding a setting = one field here and one line below (docs/SWEEPS.md).
 
     Attributes:
         n_trials: study total; a re-run continues and runs exactly the remainder. ``null`` = every
@@ -99,90 +140,43 @@ class SweeperConf:
             suggests more params, as in hydra-optuna-sweeper.
     """
 
-    n_trials: int | None = None
-    n_jobs: int = 1
-    storage: str | None = None
-    study_name: str | None = None
-    sampler: Any = None
-    pruner: Any = "median"
-    direction: Any = None
-    objectives: Any = None
-    params: dict[str, Any] = field(default_factory=dict)
-    seed: int | None = None
-    isolation: str = "fork"
-    trial_fn: str = DEFAULT_TRIAL_FN
-    preload: list[str] = field(default_factory=lambda: list(DEFAULT_PRELOAD))
-    max_failure_rate: float = 0.5
-    min_trials_for_failure_rate: int = 4
-    timeout_s: float | None = None
-    heartbeat_s: float = 10.0
-    grace_s: float = 120.0
-    retry_stale: int = 3
-    dedup: bool = True
-    sweep_dir: str | None = None
-    cuda_devices: list[str] | None = None
-    progress: bool = True
-    custom_search_space: str | None = None
+    n_trials: int | None = setting(
+        Rule("int", 0, MAX_N_TRIALS, nullable=True, hint="every point of a design, 20 for a search"), None
+    )
+    n_jobs: int = setting(Rule("int", 1, MAX_N_JOBS), 1)
+    storage: str | None = setting(Rule("str", nullable=True, hint="sqlite:///<sweep dir>/study.db"), None)
+    study_name: str | None = setting(Rule("str", nullable=True, hint="the sweep's name"), None)
+    sampler: Any = setting(Rule("spec", nullable=True, choices=SAMPLERS), None)
+    pruner: Any = setting(Rule("spec", choices=PRUNERS), "median")
+    direction: Any = setting(Rule("direction", nullable=True), None)
+    objectives: Any = setting(Rule("any", nullable=True), None)
+    params: dict[str, Any] = setting(Rule("map", nullable=True), factory=dict)
+    seed: int | None = setting(Rule("int", 0, 2**32 - 1, nullable=True, hint="a random seed"), None)
+    isolation: str = setting(Rule("choice", choices=ISOLATIONS), "fork")
+    trial_fn: str = setting(Rule("str", check=lambda v: _check_trial_fn_setting(v)), DEFAULT_TRIAL_FN)
+    preload: list[str] = setting(
+        Rule("strs", nullable=True, check=lambda v: _check_preload(v)), factory=lambda: list(DEFAULT_PRELOAD)
+    )
+    max_failure_rate: float = setting(Rule("float", 0.0, 1.0), 0.5)
+    min_trials_for_failure_rate: int = setting(Rule("int", 1, MAX_N_TRIALS), 4)
+    timeout_s: float | None = setting(
+        Rule("float", MIN_TIMEOUT_S, None, nullable=True, hint="no limit"), None
+    )
+    heartbeat_s: float = setting(Rule("float", 0.0, 3600.0, lo_open=True), 10.0)
+    grace_s: float = setting(Rule("float", 0.0, None, lo_open=True), 120.0)
+    retry_stale: int = setting(Rule("int", 0, 100), 3)
+    dedup: bool = setting(Rule("bool"), True)
+    sweep_dir: str | None = setting(Rule("str", nullable=True, hint="<results_dir>/sweeps/<name>"), None)
+    cuda_devices: list[str] | None = setting(
+        Rule("strs", nullable=True, hint="every visible device", check=lambda v: _check_cuda_devices(v)), None
+    )
+    progress: bool = setting(Rule("bool"), True)
+    custom_search_space: str | None = setting(Rule("str", nullable=True, check=lambda v: _check_css(v)), None)
 
 
-#: Most worker slots of one sweep process (``hydra.sweeper.n_jobs``): each is a thread here plus a trial
-#: process (or a launcher job in flight); more than this fails on thread or process limits mid-sweep.
-MAX_N_JOBS = 256
-#: Most trials one study may hold (``hydra.sweeper.n_trials``): every slot is enqueued in the study before
-#: the first trial starts, so a mistyped count would spend minutes writing slots.
-MAX_N_TRIALS = 10_000
-#: Shortest ``hydra.sweeper.timeout_s``: starting a trial process alone takes about a second, so a shorter
-#: limit kills every trial.
-MIN_TIMEOUT_S = 1.0
-
-
-@dataclass(frozen=True)
-class Rule:
-    """Type and range of one ``hydra.sweeper.*`` setting (see :data:`SETTING_RULES`).
-
-    ``kind``: ``int``, ``float``, ``bool``, ``str``, ``choice`` (one of ``choices``), ``spec`` (a name in
-    ``choices`` or a dict, checked by :func:`_check_spec`), ``direction`` (``minimize``/``maximize`` or a list
-    of them), ``strs`` (a list of names), ``map`` (a dict) or ``any`` (checked where it is parsed).
-    ``lo``/``hi`` bound numbers (inclusive unless ``lo_open``); ``nullable`` allows ``null`` (``hint`` says
-    what it means).
-    """
-
-    kind: str
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-    nullable: bool = False
-    choices: tuple[str, ...] = ()
-    hint: str = ""
-
-
-#: Every ``hydra.sweeper.*`` key: its type and range, checked before anything is planned, written or run.
-SETTING_RULES: dict[str, Rule] = {
-    "n_trials": Rule("int", 0, MAX_N_TRIALS, nullable=True, hint="every point of a design, 20 for a search"),
-    "n_jobs": Rule("int", 1, MAX_N_JOBS),
-    "storage": Rule("str", nullable=True, hint="sqlite:///<sweep dir>/study.db"),
-    "study_name": Rule("str", nullable=True, hint="the sweep's name"),
-    "sampler": Rule("spec", nullable=True, choices=SAMPLERS),
-    "pruner": Rule("spec", choices=PRUNERS),
-    "direction": Rule("direction", nullable=True),
-    "objectives": Rule("any", nullable=True),
-    "params": Rule("map", nullable=True),
-    "seed": Rule("int", 0, 2**32 - 1, nullable=True, hint="a random seed"),
-    "isolation": Rule("choice", choices=ISOLATIONS),
-    "trial_fn": Rule("str"),
-    "preload": Rule("strs", nullable=True),
-    "max_failure_rate": Rule("float", 0.0, 1.0),
-    "min_trials_for_failure_rate": Rule("int", 1, MAX_N_TRIALS),
-    "timeout_s": Rule("float", MIN_TIMEOUT_S, None, nullable=True, hint="no limit"),
-    "heartbeat_s": Rule("float", 0.0, 3600.0, lo_open=True),
-    "grace_s": Rule("float", 0.0, None, lo_open=True),
-    "retry_stale": Rule("int", 0, 100),
-    "dedup": Rule("bool"),
-    "sweep_dir": Rule("str", nullable=True, hint="<results_dir>/sweeps/<name>"),
-    "cuda_devices": Rule("strs", nullable=True, hint="every visible device"),
-    "progress": Rule("bool"),
-    "custom_search_space": Rule("str", nullable=True),
-}
+#: Every ``hydra.sweeper.*`` key: its type and range (read from the :class:`SweeperConf` fields), checked
+#: before anything is planned, written or run.
+SETTING_RULES: dict[str, Rule] = {f.name: f.metadata["rule"] for f in fields(SweeperConf)}
 
 
 def _fmt_num(v: float) -> str:
@@ -285,37 +279,21 @@ def check_setting(key: str, value: Any) -> None:
             raise bad()
 
 
-def check_sweeper_settings(sweeper: dict[str, Any]) -> None:
-    """Type and range of every ``hydra.sweeper.*`` key given (:data:`SETTING_RULES`), plus the rules that
-    tie two keys or a key's format: before the sweep is planned, any folder made or any trial run."""
+def check_conf(sweeper: dict[str, Any]) -> None:
+    """Every ``hydra.sweeper.*`` key given, against the :class:`Rule` its :class:`SweeperConf` field carries
+    (type and range first, then each rule's ``check``), plus the one rule that ties two keys: before the
+    sweep is planned, any folder made or any trial run."""
 
-    for k, v in sweeper.items():
-        if k in ("_target_", "_recursive_", "_convert_", "_partial_", "defaults"):
-            continue
+    given = {
+        k: v
+        for k, v in sweeper.items()
+        if k not in ("_target_", "_recursive_", "_convert_", "_partial_", "defaults")
+    }
+    for k, v in given.items():
         check_setting(k, v)
-    trial_fn = sweeper.get("trial_fn")
-    if trial_fn is not None and not re.fullmatch(r"[\w.]+:\w+", str(trial_fn)):
-        raise ConfigError(
-            f"hydra.sweeper.trial_fn={trial_fn!r} must be 'module:function'",
-            key="hydra.sweeper.trial_fn",
-            allowed=[DEFAULT_TRIAL_FN],
-        )
-    if trial_fn is not None:
-        _check_trial_fn(str(trial_fn))
-    css = sweeper.get("custom_search_space")
-    if css is not None:
-        resolve_custom_search_space(str(css))
-    devices = sweeper.get("cuda_devices")
-    if devices:
-        bad = [d for d in devices if not re.fullmatch(r"\d+|GPU-[0-9A-Fa-f-]+|MIG-[\w/-]+", str(d).strip())]
-        if bad:
-            raise ConfigError(
-                f"hydra.sweeper.cuda_devices={list(devices)} has {bad[0]!r}, not a device",
-                key="hydra.sweeper.cuda_devices",
-                allowed=["device indices >= 0, e.g. [0,1]", "GPU-<uuid>", "MIG-<uuid>"],
-            )
-    for module in sweeper.get("preload") or []:
-        _check_importable(str(module))
+    for k, rule in SETTING_RULES.items():
+        if rule.check is not None and given.get(k) is not None:
+            rule.check(given[k])
     hb = sweeper.get("heartbeat_s", SweeperConf.heartbeat_s)
     grace = sweeper.get("grace_s", SweeperConf.grace_s)
     if float(grace) < 2 * float(hb):
@@ -325,6 +303,36 @@ def check_sweeper_settings(sweeper: dict[str, Any]) -> None:
             key="hydra.sweeper.grace_s",
             allowed=[f">= {2 * float(hb):g}"],
         )
+
+
+def _check_trial_fn_setting(trial_fn: Any) -> None:
+    """``hydra.sweeper.trial_fn``: ``module:function``, a module that exists defining that function."""
+    if not re.fullmatch(r"[\w.]+:\w+", str(trial_fn)):
+        raise ConfigError(
+            f"hydra.sweeper.trial_fn={trial_fn!r} must be 'module:function'",
+            key="hydra.sweeper.trial_fn",
+            allowed=[DEFAULT_TRIAL_FN],
+        )
+    _check_trial_fn(str(trial_fn))
+
+
+def _check_css(css: Any) -> None:
+    resolve_custom_search_space(str(css))
+
+
+def _check_cuda_devices(devices: Any) -> None:
+    bad = [d for d in devices if not re.fullmatch(r"\d+|GPU-[0-9A-Fa-f-]+|MIG-[\w/-]+", str(d).strip())]
+    if bad:
+        raise ConfigError(
+            f"hydra.sweeper.cuda_devices={list(devices)} has {bad[0]!r}, not a device",
+            key="hydra.sweeper.cuda_devices",
+            allowed=["device indices >= 0, e.g. [0,1]", "GPU-<uuid>", "MIG-<uuid>"],
+        )
+
+
+def _check_preload(modules: Any) -> None:
+    for module in modules:
+        _check_importable(str(module))
 
 
 def resolve_custom_search_space(path: str) -> Any:
@@ -407,58 +415,62 @@ class Objective:
     direction: str  # "minimize" | "maximize"
 
 
-@dataclass
-class Settings:
-    """Everything a sweep needs, resolved and validated (the content of ``sweep.json``)."""
+#: ``sweep:`` keys a :class:`Settings` reads through from its :class:`SweepConfig`.
+_SWEEP_KEYS = ("baseline", "factors", "stack", "preflight")
 
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a sweep needs, resolved and validated (the content of ``sweep.json``): a thin, frozen view
+    of the checked :class:`SweeperConf` (``conf``) and :class:`SweepConfig` (``sweep``) plus the values derived
+    from them. Every ``hydra.sweeper.*`` key and ``sweep.baseline/factors/stack/preflight`` read through
+    (``settings.retry_stale`` is ``settings.conf.retry_stale``); only derived values are fields here."""
+
+    conf: SweeperConf
+    sweep: SweepConfig
     name: str
     design: str
     objectives: list[Objective]
-    baseline: list[str]
-    factors: list[list[str]]
-    stack: list[str]
     repeats: int
-    preflight: bool
-    n_trials: int | None
     n_jobs: int
     storage: str
     study_name: str
     sampler: Any
     pruner: Any
     params: dict[str, str]
-    seed: int | None
-    isolation: str
-    trial_fn: str
-    preload: list[str]
-    max_failure_rate: float
-    min_trials_for_failure_rate: int
-    timeout_s: float | None
-    heartbeat_s: float
-    grace_s: float
-    retry_stale: int
-    dedup: bool
     sweep_dir: Path
-    cuda_devices: list[str] | None
-    progress: bool
     results_dir: str = "results"
     budget_gib: float = 0.0
     #: named by a sweep file, ``sweep.name=`` or ``hydra.sweeper.study_name`` (else named by its identity hash)
     named: bool = True
-    storage_given: bool = False
-    sweep_dir_given: bool = False
     #: why this design (for the describe line), e.g. "command-line lists"
     design_reason: str = ""
     #: ``sweep.edge_start`` resolved: a search with a budget starts at the edge (:mod:`vramsweep.sweeper.edge`)
     edge_start: bool = False
 
-    def rename(self, name: str) -> None:
-        """Give an unnamed (ad-hoc) sweep its name: study name, folder and default storage follow it."""
-        self.name = name
-        self.study_name = name
+    def __getattr__(self, key: str) -> Any:
+        """A ``hydra.sweeper.*`` key from ``conf``, or a ``sweep:`` key from ``sweep``."""
+        if key in SweeperConf.__dataclass_fields__:
+            return getattr(self.__dict__["conf"], key)
+        if key in _SWEEP_KEYS:
+            return getattr(self.__dict__["sweep"], key)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
+
+    @property
+    def storage_given(self) -> bool:
+        return bool(self.conf.storage)
+
+    @property
+    def sweep_dir_given(self) -> bool:
+        return bool(self.conf.sweep_dir)
+
+    def renamed(self, name: str) -> Settings:
+        """An unnamed (ad-hoc) sweep given its name: study name, folder and default storage follow it."""
+        sweep_dir = self.sweep_dir
         if not self.sweep_dir_given:
-            self.sweep_dir = Path(os.path.abspath(Path(self.results_dir) / "sweeps" / name))
-        if not self.storage_given:
-            self.storage = f"sqlite:///{self.sweep_dir / 'study.db'}"
+            sweep_dir = Path(os.path.abspath(Path(self.results_dir) / "sweeps" / name))
+        storage = self.storage if self.storage_given else f"sqlite:///{sweep_dir / 'study.db'}"
+        return replace(self, name=name, study_name=name, sweep_dir=sweep_dir, storage=storage)
 
     @property
     def sampler_name(self) -> str:
@@ -750,8 +762,28 @@ def sweeper_conf(sweeper: dict[str, Any]) -> SweeperConf:
                 f"unknown setting hydra.sweeper.{k}", key=f"hydra.sweeper.{k}", allowed=sorted(known)
             )
         setattr(conf, k, v)
-    check_sweeper_settings(sweeper)  # type and range of every key (SETTING_RULES), before anything else
-    return conf
+    check_conf(sweeper)  # type and range of every key (its field's Rule), before anything else
+    return _normalised(conf)
+
+
+#: how a checked value of each :attr:`Rule.kind` is normalised (``n_jobs=2.0`` -> 2, ``cuda_devices=[0]`` -> ["0"])
+_NORMALISE = {
+    "int": int,
+    "float": float,
+    "bool": bool,
+    "strs": lambda v: [str(x) for x in v] or None,
+}
+
+
+def _normalised(conf: SweeperConf) -> SweeperConf:
+    """``conf`` with each value in its rule's type (``null`` stays; ``n_trials``/``seed`` as given)."""
+    out = {}
+    for f in fields(conf):
+        value, norm = getattr(conf, f.name), _NORMALISE.get(f.metadata["rule"].kind)
+        keep = value is None or norm is None or f.name in ("n_trials", "seed")
+        out[f.name] = value if keep else norm(value)
+    out["preload"] = out["preload"] or []
+    return SweeperConf(**out)
 
 
 def _sampler_spec(conf: SweeperConf) -> Any:
@@ -846,6 +878,8 @@ def resolve_settings(
     *,
     cli_params: dict[str, str] | None = None,
     sweep_file: str | None = None,
+    pinned: set[str] | None = None,
+    budget_gib: float | None = None,
 ) -> Settings:
     """Merge ``hydra.sweeper.*`` (``sweeper``, a :class:`SweeperConf`) with the task config's ``sweep:``
     node (a :class:`SweepConfig`) into :class:`Settings`.
@@ -855,6 +889,8 @@ def resolve_settings(
         task_cfg: the composed task config as a plain dict (``sweep``, ``results_dir``, ``hardware``).
         cli_params: search-space entries from the command line (override ``params``).
         sweep_file: the selected ``sweep=<name>`` option, if any (a sweep file may ask for a search).
+        pinned: keys the command line fixes: taken out of the search space once the design is chosen.
+        budget_gib: ``hardware.budget_gib`` of the composed base config (``None``: the task config's).
 
     The design: :func:`_choose_design`.
     """
@@ -881,44 +917,28 @@ def resolve_settings(
     _check_design_parts(sweep, design, params)
     results_dir = str(task_cfg.get("results_dir") or "results")
     sweep_dir = Path(os.path.abspath(conf.sweep_dir or Path(results_dir) / "sweeps" / name))
-    budget_gib = float((task_cfg.get("hardware") or {}).get("budget_gib") or 0.0)
+    task_budget = float((task_cfg.get("hardware") or {}).get("budget_gib") or 0.0)
+    params = {k: v for k, v in params.items() if k not in (pinned or ())}
     return Settings(
+        conf=conf,
+        sweep=sweep,
         name=name,
         design=design,
         objectives=objectives,
-        baseline=sweep.baseline,
-        factors=sweep.factors,
-        stack=sweep.stack,
         repeats=sweep.repeats if sweep.repeats is not None else default_repeats(design, objectives),
-        preflight=sweep.preflight,
-        n_trials=conf.n_trials,
-        n_jobs=int(conf.n_jobs),
+        # isolation=inprocess runs one trial at a time
+        n_jobs=1 if conf.isolation == "inprocess" else int(conf.n_jobs),
         storage=_storage_url(conf, sweep_dir),
         study_name=str(conf.study_name or name),
         sampler=sampler,
         pruner=_check_spec(conf.pruner, PRUNERS, "hydra.sweeper.pruner"),
         params=params,
-        seed=conf.seed,
-        isolation=conf.isolation,
-        trial_fn=conf.trial_fn,
-        preload=[str(m) for m in (conf.preload or [])],
-        max_failure_rate=float(conf.max_failure_rate),
-        min_trials_for_failure_rate=int(conf.min_trials_for_failure_rate),
-        timeout_s=None if conf.timeout_s is None else float(conf.timeout_s),
-        heartbeat_s=float(conf.heartbeat_s),
-        grace_s=float(conf.grace_s),
-        retry_stale=int(conf.retry_stale),
-        dedup=bool(conf.dedup),
         sweep_dir=sweep_dir,
-        cuda_devices=[str(d) for d in conf.cuda_devices] if conf.cuda_devices else None,
-        progress=bool(conf.progress),
         results_dir=results_dir,
-        budget_gib=budget_gib,
+        budget_gib=budget_gib if budget_gib is not None else task_budget,
         named=named,
-        storage_given=bool(conf.storage),
-        sweep_dir_given=bool(conf.sweep_dir),
         design_reason=reason,
-        edge_start=edge_start_setting(sweep, design, budget_gib),
+        edge_start=edge_start_setting(sweep, design, task_budget),
     )
 
 
