@@ -24,6 +24,7 @@ from vramsweep.trial import run_trial
 pytestmark = pytest.mark.usefixtures("embedded_model_dir")
 
 STEPS = ["train.steps=6", "train.warmup_steps=1", "adapter.dropout=0.1"]  # dropout: the RNG state matters
+EVALS = ["train.eval_every=2"]  # an evaluation before the step-2 checkpoint, two after it
 
 
 def _run(out: Path, *extra: str) -> dict:
@@ -51,12 +52,12 @@ def _same_adapter(a: Path, b: Path) -> None:
 
 
 def test_a_run_stopped_and_resumed_ends_bitwise_equal(tmp_path, monkeypatch):
-    whole = _run(tmp_path / "whole")
+    whole = _run(tmp_path / "whole", *EVALS)
     assert whole["status"] == "ok", whole["reason"]
     assert not (tmp_path / "whole" / "checkpoints").exists()  # save_every=0: no periodic checkpoint
 
     monkeypatch.setenv("VRAMSWEEP_FAULT", "error@3")  # the process "dies" before step 3's first micro-batch
-    cut = _run(tmp_path / "cut", "train.save_every=2", "train.keep_checkpoints=1")
+    cut = _run(tmp_path / "cut", "train.save_every=2", "train.keep_checkpoints=1", *EVALS)
     assert cut["status"] == "error"
     ckpts = checkpoint_dirs(tmp_path / "cut")
     assert [p.name for p in ckpts] == ["step-00000002"]
@@ -69,7 +70,9 @@ def test_a_run_stopped_and_resumed_ends_bitwise_equal(tmp_path, monkeypatch):
     assert latest_checkpoint(tmp_path / "cut") == ckpts[0]
 
     monkeypatch.delenv("VRAMSWEEP_FAULT")
-    res = _run(tmp_path / "cut", "train.save_every=2", "train.keep_checkpoints=1", "train.resume=auto")
+    res = _run(
+        tmp_path / "cut", "train.save_every=2", "train.keep_checkpoints=1", "train.resume=auto", *EVALS
+    )
     assert res["status"] == "ok", res["reason"]
     assert res["meta"]["resumed_from"]["next_step"] == 2
     assert [r["loss"] for r in _losses(tmp_path / "cut")] == [r["loss"] for r in _losses(tmp_path / "whole")]
@@ -77,6 +80,9 @@ def test_a_run_stopped_and_resumed_ends_bitwise_equal(tmp_path, monkeypatch):
     _same_adapter(tmp_path / "cut", tmp_path / "whole")
     assert res["metrics"]["initial_eval_loss"] == whole["metrics"]["initial_eval_loss"]
     assert res["metrics"]["eval_loss"] == whole["metrics"]["eval_loss"]
+    # the evaluations before the checkpoint are the run's too (docs/RUNS.md): 2 and 4 as uncut (6: the final)
+    assert [e["step"] for e in whole["metrics"]["intermediate_eval"]] == [2, 4]
+    assert res["metrics"]["intermediate_eval"] == whole["metrics"]["intermediate_eval"]
     # the newest K=1 complete checkpoint kept
     assert [p.name for p in checkpoint_dirs(tmp_path / "cut")] == ["step-00000006"]
     # what checkpointing cost is recorded (bench/checkpoint_cost.py reads it): the resumed run wrote 2

@@ -263,13 +263,13 @@ class _PeriodicEval(Every, _Figures):
     """Evaluation every ``train.eval_every`` steps: ``intermediate_eval``, ``eval_loss``/``eval_ppl`` so far,
     W&B ``eval/loss``; a non-finite loss is :class:`Diverged`, the sweeper's verdict may :class:`Pruned`."""
 
-    def __init__(self, cfg: DictConfig, run_eval, timing: Timing, progress, logger, reporter):
+    def __init__(self, cfg: DictConfig, run_eval, timing: Timing, progress, logger, reporter, so_far=()):
         super().__init__(int(cfg.train.eval_every), int(cfg.train.steps), self.evaluate)
         self.run_eval, self.timing, self.progress = run_eval, timing, progress
         self.logger, self.reporter = logger, reporter
         self.say = False  # a production run prints an eval line (stderr) at every evaluation
         self.steps = int(cfg.train.steps)
-        self.intermediate: list[dict] = []
+        self.intermediate: list[dict] = list(so_far)  # a resumed run's: those before its checkpoint
         self.loss: float | None = None  # the last evaluation's loss; None: none yet
 
     def evaluate(self, step: int) -> None:
@@ -550,7 +550,7 @@ def _train_steps(
     tracking = CpuMemoryTracking(tracker, tracked, peak)
     progress = _TrialProgress(steps, cfg, timing, peak, initial=start)
     wandb_rows = [_WandbRows(logger, scheduler, timing, peak)] if logger is not None else []
-    evals = _PeriodicEval(cfg, run_eval, timing, progress, logger, reporter)
+    evals = _PeriodicEval(cfg, run_eval, timing, progress, logger, reporter, m.get(M.INTERMEDIATE_EVAL) or ())
     train_loss = _TrainLoss(timing)
     owners, trained, ckpt = (train_loss, evals, peak), (model, optimizer, scheduler), None
     try:
