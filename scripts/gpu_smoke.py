@@ -72,14 +72,8 @@ PROFILE_TOKENS = (1024, 4096)
 #: plus its start (issue 37.9), leaving the rest of the loan for a rerun of a single step. Hard: it counts from
 #: the shell's start (``VRAMSWEEP_SMOKE_T0``: bundle extraction included) to the last file written.
 DEFAULT_BUDGET_S = 540.0
-#: Seconds per sweep trial, slot to slot, measured on 2026-12-01 (10 spawn trials, H200, Qwen3-8B
-#: nf4_dq, <= 4,096 tokens; tests/fixtures/gpu_2026-12-01/smoke_timing.json): first start to last finish
-#: 185.4 s = 18.5 s per trial (slowest slot 27.8 s, int8).
-MEASURED_TRIAL_S = 18.5
-#: The plan's margin over the measured per-trial time (the unproven knobs may be slower).
+#: The plan's margin over a probe point's measured steps (a longer step was never measured).
 TRIAL_MARGIN = 1.5
-#: What the plan gives each sweep point: >= MEASURED_TRIAL_S x TRIAL_MARGIN (tested against the fixture).
-TRIAL_S = 28.0
 #: CLI start, study creation and the first trial's interpreter (2026-12-01: 22.9 s from the sweep's stamp
 #: to trial 0's start, 6-7 s of it that trial's spawn).
 SWEEP_STARTUP_S = 25.0
@@ -88,8 +82,6 @@ SPAWN_S = 7.0
 #: Extracting + activating the 47.1 MiB bundle, in the shell before this driver (inside the budget): 22.9 s
 #: measured on 2 shared CPU cores at load 9 (2026-12-02, python tarfile, 254 MiB out), x 1.3.
 EXTRACT_S = 30.0
-#: Measured 2026-12-01 (H200, 15 GiB cap, nf4_dq + liger + checkpointing=on): 6,337 tokens/s at 12,288 tokens.
-LONG_TOKENS_PER_S = 6337.0
 #: A probe point in a fresh interpreter, measured 2026-12-04 (H200, Qwen3-8B nf4_dq + liger + offload + tiled
 #: MLP, compute adapters): 76 s for one step at 32,768 tokens (the first 8B build of the run) and 61.3 s for
 #: two steps (5,038 tokens/s, 6.5 s a step): a 70 s slot (interpreter, imports, build, eval; 76 - 6.5, the
@@ -179,8 +171,8 @@ OPT_IN = ("memprobe_fp32", "snapshot", "step_time")
 
 
 def step_s(tokens: int) -> float:
-    """Seconds of one Qwen3-8B training step of ``tokens`` from the 2026-12-01 rate at 12,288 tokens
-    (:data:`LONG_TOKENS_PER_S`), the per-token cost growing with causal attention (:data:`ATTN_EQ_TOKENS`)."""
+    """Seconds of one Qwen3-8B training step of ``tokens`` from the 2026-12-04 rate at 32,768 tokens
+    (:data:`PROBE_TOKENS_PER_S`), the per-token cost growing with causal attention (:data:`ATTN_EQ_TOKENS`)."""
     growth = (1 + tokens / ATTN_EQ_TOKENS) / (1 + PROBE_RATE_TOKENS / ATTN_EQ_TOKENS)
     return tokens / PROBE_TOKENS_PER_S * growth
 

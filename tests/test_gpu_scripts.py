@@ -163,18 +163,7 @@ def test_bundle_activation_lets_the_image_copy_win(tmp_path, capsys):
 
 
 # ============================================================== issue 25: a smoke that fits its budget
-TIMING = ROOT / "tests" / "fixtures" / "gpu_2026-12-01" / "smoke_timing.json"
 SWEEP_FILE = ROOT / "sweeps" / "gpu_smoke.yaml"
-
-
-def _measured_trial_s() -> float:
-    """Seconds per trial of the 2026-12-01 smoke (spawn isolation): first start to last finish / trials."""
-    from datetime import datetime
-
-    data = json.loads(TIMING.read_text())
-    starts = [datetime.fromisoformat(t["started"]) for t in data["trials"] if t["started"]]
-    ends = [datetime.fromisoformat(t["finished"]) for t in data["trials"] if t["finished"]]
-    return (max(ends) - min(starts)).total_seconds() / len(data["trials"])
 
 
 DEVICE_ORDER = ["bundle", "env", "fork", "exact", "batching", "memprobe", "trial", "report"]
