@@ -243,13 +243,14 @@ def print_result(res: dict, path: object) -> None:
     if m.get(M.TOKENS_PER_S) is not None or m.get(M.STEP_TIME_S) is not None:
         step = f" {metric(M.STEP_TIME_S).unit}"
         print(
-            f"{title(M.TOKENS_PER_S)}: {_human(m, M.TOKENS_PER_S)}"
-            f"   {title(M.STEP_TIME_S)}: {_human(m, M.STEP_TIME_S, step)}   {title(M.MFU)}: {_human(m, M.MFU)}"
+            f"{title(M.TOKENS_PER_S)}: {_human(m, M.TOKENS_PER_S)}   {title(M.STEP_TIME_S)}: "
+            f"{_human(m, M.STEP_TIME_S, step)}   {title(M.MFU)}: {_human(m, M.MFU)}"
         )
     if m.get(M.EVAL_LOSS) is not None or m.get(M.INITIAL_EVAL_LOSS) is not None:
         print(
             f"{title(M.EVAL_LOSS)}: {_human(m, M.INITIAL_EVAL_LOSS)} -> {_human(m, M.EVAL_LOSS)}"
-            f"   {label(M.EVAL_PPL)}: {_human(m, M.EVAL_PPL)}   {title(M.TASK_SCORE)}: {_human(m, M.TASK_SCORE)}"
+            f"   {label(M.EVAL_PPL)}: {_human(m, M.EVAL_PPL)}   {title(M.TASK_SCORE)}: "
+            f"{_human(m, M.TASK_SCORE)}"
         )
     est = res.get("estimate") or {}
     if est.get(M.PEAK_MEMORY_BYTES):
@@ -410,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--suggest",
         action="store_true",
-        help="the cheapest knob changes that fit hardware.budget_gib (with --calibrate SWEEP_DIR: calibrated)",
+        help="the cheapest knob changes that fit hardware.budget_gib (with --calibrate SWEEP_DIR: "
+        "calibrated)",
     )
     e.add_argument(
         "--any-install",

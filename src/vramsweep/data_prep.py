@@ -80,7 +80,8 @@ def render_settings(cfg: DictConfig, tokenizer: Any, fmt: str) -> Any:
         train_on = default_train_on(fmt)
     elif train_on not in choices:
         raise ValueError(
-            f"data.train_on={train_on} does not apply to format {fmt!r}; use auto or one of {', '.join(choices)}"
+            f"data.train_on={train_on} does not apply to format {fmt!r}; use auto or one of "
+            f"{', '.join(choices)}"
         )
     return RenderSettings(
         train_on=train_on,
@@ -200,7 +201,8 @@ def build_trial_data(cfg: DictConfig, tokenizer: Any) -> TrialData:
 
 
 def trial_data(cfg: DictConfig, tokenizer: Any) -> TrialData:
-    """Documents -> examples, or exact-length random tokens (``data=random``, or a model without tokenizer)."""
+    """Documents -> examples, or exact-length random tokens (``data=random``, or a model without
+    tokenizer)."""
     if tokenizer is None or cfg.data.source == "random":
         return random_token_data(cfg)
     return build_trial_data(cfg, tokenizer)

@@ -7,7 +7,8 @@ Recipe 3 (deterministic, seeded, from the project's own generator; never the fin
    step): a segment of 8-64 random tokens, then the same segment again, loss on the repeat only. Varied
    lengths matter: with one length the model learns "copy the token N back" instead of content-based
    copying (induction heads), which forms only after ~1,300-1,800 steps (~2M tokens) at this LR
-   (docs/measurements/2026-12-01-embedded-recipe-search.md, bench/copy_drill_probe.py); drills of document text instead of random tokens delay it past 2,200 steps.
+   (docs/measurements/2026-12-01-embedded-recipe-search.md, bench/copy_drill_probe.py); drills of document
+   text instead of random tokens delay it past 2,200 steps.
 3. **Documents** (``model.pretrain_steps``, cosine LR :data:`DOC_LR`, ``model.pretrain_batch`` documents a
    step, each cut at ``model.pretrain_seq_len`` tokens): whole documents, so a fact's statement and its
    repeat ~2k tokens later share a row. Every step adds a drill batch at loss weight :data:`DRILL_MIX` so
@@ -168,7 +169,8 @@ def _param_count(mcfg: DictConfig) -> int:
 def build_note(mcfg: DictConfig) -> str | None:
     """One line when the embedded base for ``mcfg`` is neither cached nor the shipped asset (a ``model.*``
     override changed its recipe): the first trial then pre-trains a new base. It names the changed keys and
-    the time that takes, scaled from the shipped base's recorded build (steps x weights); ``None`` otherwise."""
+    the time that takes, scaled from the shipped base's recorded build (steps x weights); ``None``
+    otherwise."""
     if str(mcfg.get("source", "embedded")) != "embedded":
         return None
 
@@ -190,8 +192,8 @@ def build_note(mcfg: DictConfig) -> str | None:
         )
     what = f"model.* {' '.join(changed)}" if changed else "these model.* values"
     return (
-        f"note: {what}: no embedded base is cached for it, so the first trial pre-trains one before it trains "
-        f"({steps:,} steps, {params / 1e6:.1f} M weights{took}; once, cached in {out})"
+        f"note: {what}: no embedded base is cached for it, so the first trial pre-trains one "
+        f"before it trains ({steps:,} steps, {params / 1e6:.1f} M weights{took}; once, cached in {out})"
     )
 
 
@@ -278,7 +280,8 @@ def _task_rows(doc: dict, tokenizer, rng: random.Random, instructions: str) -> l
 
 
 def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dict:
-    """Build tokenizer + pre-trained tiny model into ``out`` (atomic: tmp dir, then rename). Recipe 3 above."""
+    """Build tokenizer + pre-trained tiny model into ``out`` (atomic: tmp dir, then rename). Recipe 3
+    above."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, get_scheduler

@@ -90,7 +90,8 @@ def _version(dist: str) -> str | None:
 
 
 def torch_build() -> tuple[str | None, str | None]:
-    """(torch version, CUDA version it was built for or None) from ``torch/version.py``, torch not imported."""
+    """(torch version, CUDA version it was built for or None) from ``torch/version.py``, torch not
+    imported."""
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
         return None, None

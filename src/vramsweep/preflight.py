@@ -18,8 +18,9 @@ Checks:
   typo) and ``+experiment=<name>`` (:func:`check_option`, shared with the sweeper);
 * ``VRAMSWEEP_FAULT`` (the fault-injection test hook) has one of the forms the trial understands;
 * host memory: the pinned pool of ``checkpointing=offload`` (the estimator's ``host_bytes``) plus the trial
-  process's own headroom (:data:`HOST_PROCESS_HEADROOM_BYTES`) fits in the RAM this machine has available (:func:`check_host_memory`; the trial itself checks again and records
-  ``host_oom`` without building anything).
+  process's own headroom (:data:`HOST_PROCESS_HEADROOM_BYTES`) fits in the RAM this machine has available
+  (:func:`check_host_memory`; the trial itself checks again and records ``host_oom`` without building
+  anything).
 """
 
 from __future__ import annotations
@@ -294,8 +295,8 @@ def _check_cpu_memory(cfg: Any, available: int | None, estimated: dict | None) -
     allowed = [f"train.micro_batch<={max(1, mb * have // need)}"] if mb > 1 else []
     raise ConfigError(
         f"the estimated peak of this trial, {need / GIB:.2f} GiB at context.max_tokens="
-        f"{int(cfg.context.max_tokens)} x train.micro_batch={mb}, is more than the {have / GIB:.2f} GiB of RAM "
-        "available on this machine (hardware=cpu: the trial's memory is the host's)",
+        f"{int(cfg.context.max_tokens)} x train.micro_batch={mb}, is more than the {have / GIB:.2f} GiB of "
+        "RAM available on this machine (hardware=cpu: the trial's memory is the host's)",
         key="train.micro_batch" if mb > 1 else "context.max_tokens",
         allowed=[*allowed, "a smaller context.max_tokens", "a machine with more RAM"],
     )
@@ -391,8 +392,8 @@ def check_study_file(storage_url: str) -> None:
         ) from None
     if head != SQLITE_MAGIC:
         raise ConfigError(
-            f"hydra.sweeper.storage: {path} is not a SQLite database: move it aside (the result JSONs next to "
-            "it are kept) or use another hydra.sweeper.study_name/sweep_dir",
+            f"hydra.sweeper.storage: {path} is not a SQLite database: move it aside (the result "
+            "JSONs next to it are kept) or use another hydra.sweeper.study_name/sweep_dir",
             key="hydra.sweeper.storage",
         )
 
@@ -523,9 +524,9 @@ def _single_section_error(
 ) -> ConfigError:
     n = len(docs)
     return ConfigError(
-        f"{what}: no document has 2 or more sections ({n} document{'s' if n != 1 else ''}{' ' + role if role else ''}, "
-        f"{'each ' if n != 1 else ''}with one): every "
-        "example predicts a section from the sections before it, so there would be no example",
+        f"{what}: no document has 2 or more sections ({n} "
+        f"document{'s' if n != 1 else ''}{' ' + role if role else ''}, {'each ' if n != 1 else ''}with "
+        "one): every example predicts a section from the sections before it, so there would be no example",
         key=key,
         allowed=allowed,
     )
@@ -584,9 +585,10 @@ def check_data(cfg: Any) -> None:
         if jsonl:
             n = len(held_out)
             raise ConfigError(
-                f"data.path={d.path}: the last {n} document{'s' if n != 1 else ''}, held out for eval (data.eval_path "
-                f"is unset), {'have a single section each' if n != 1 else 'has a single section'}: the eval would "
-                "have no example",
+                f"data.path={d.path}: the last {n} document{'s' if n != 1 else ''}, held out for eval "
+                "(data.eval_path is unset), "
+                f"{'have a single section each' if n != 1 else 'has a single section'}: the eval would have "
+                "no example",
                 key="data.eval_path",
                 allowed=["data.eval_path=<jsonl of documents with >= 2 sections>", *sections_allowed],
             )
@@ -612,8 +614,8 @@ def check_data(cfg: Any) -> None:
     fixed = tok.fixed_tokens(str(d.instructions))
     if max_tokens - fixed < 1:
         raise ConfigError(
-            f"context.max_tokens={max_tokens} leaves no room for a target: data.instructions and the separators "
-            f"alone take {fixed} tokens",
+            f"context.max_tokens={max_tokens} leaves no room for a target: data.instructions and "
+            f"the separators alone take {fixed} tokens",
             key="context.max_tokens",
             allowed=[f">= {fixed + 1}", "a shorter data.instructions"],
         )
@@ -670,7 +672,8 @@ def check_records(cfg: Any, folder: Path) -> None:
     """Chat / prompt-completion / alpaca / text records: build the trial's examples with its tokenizer (the
     tokenisation cache keeps them for the trial), so a template that fails to render a record, a record with
     no trained token, a ``data.train_on`` that does not apply, a missing chat template and, with
-    ``context.truncation=none``, the longest record over ``context.max_tokens`` fail here, naming the record."""
+    ``context.truncation=none``, the longest record over ``context.max_tokens`` fail here, naming the
+    record."""
     from vramsweep.data.tokenizer import load_tokenizer
 
     try:
@@ -741,7 +744,8 @@ def check_cache(cfg: Any) -> None:
         return
     if free < need:
         raise ConfigError(
-            f"{label}: only {free / 2**20:.0f} MiB free on {where}, the model cache needs {need / 2**20:.0f} MiB",
+            f"{label}: only {free / 2**20:.0f} MiB free on {where}, the model cache needs "
+            f"{need / 2**20:.0f} MiB",
             key=CACHE_ENV,
             allowed=allowed,
         )

@@ -218,7 +218,8 @@ class _Figures:
 
 
 class _TrainLoss(Callback, _Figures):
-    """``metrics.train_loss``: the mean of the last 5 step losses, kept from step 0 and in the timed window."""
+    """``metrics.train_loss``: the mean of the last 5 step losses, kept from step 0 and in the timed
+    window."""
 
     def __init__(self, timing: Timing):
         self.timing, self.losses = timing, []

@@ -125,7 +125,8 @@ PLUGIN_PACKAGES = {
 
 
 def hydra_group_options(group: str) -> list[str]:
-    """The options of one of Hydra's groups (``hydra/launcher``...) that Hydra and its installed plugins offer."""
+    """The options of one of Hydra's groups (``hydra/launcher``...) that Hydra and its installed plugins
+    offer."""
     try:
         from hydra.core.config_store import ConfigStore
         from hydra.core.plugins import Plugins
@@ -187,7 +188,8 @@ def check_deletions(overrides: Sequence[str]) -> None:
             key = ov[1:].partition("=")[0]
             if key in CONFIG_GROUPS:
                 raise ConfigError(
-                    f"{ov}: the {key} group is required and cannot be removed; choose an option with {key}=<option>",
+                    f"{ov}: the {key} group is required and cannot be removed; choose an option "
+                    f"with {key}=<option>",
                     key=key,
                     allowed=list_options(key),
                 )

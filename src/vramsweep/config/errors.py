@@ -27,7 +27,8 @@ def one_line(msg: str) -> str:
 
 #: Hydra's override lexer (ANTLR) failing on an unquoted value: a space, ``( ) [ ] { } , = ' "`` in a path.
 _LEXER = re.compile(
-    r"mismatched input|no viable alternative|LexerNoViableAlt|token recognition error|extraneous input|missing '.*' at"
+    r"mismatched input|no viable alternative|LexerNoViableAlt|token recognition error|extraneous "
+    r"input|missing '.*' at"
 )
 QUOTE_HINT = (
     "a value with spaces or any of ( ) [ ] { } , = ' \" must be quoted for Hydra: key='my value' "

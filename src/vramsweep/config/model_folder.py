@@ -1,5 +1,5 @@
-"""A local model folder (``model.path``) checked before anything is built, without loading a weight (issue 40.2,
-40.4): torch-free, reading only ``config.json``, the tokenizer's file names and the safetensors headers.
+"""A local model folder (``model.path``) checked before anything is built, without loading a weight (issue
+40.2, 40.4): torch-free, reading only ``config.json``, the tokenizer's file names and the safetensors headers.
 
 Refused in one line naming the file and the problem (:class:`~vramsweep.config.errors.ConfigError`):
 
@@ -245,8 +245,8 @@ def _check_shapes(hf: dict[str, Any], shapes: dict[str, list[int]], folder: Path
         if name.endswith("embed_tokens.weight") and shape != [vocab, hidden]:
             raise _err(
                 key,
-                f"{folder}: {name} is {shape[0] if shape else '?'} x {shape[1] if len(shape) > 1 else '?'} but "
-                f"config.json has vocab_size={vocab}, hidden_size={hidden}",
+                f"{folder}: {name} is {shape[0] if shape else '?'} x {shape[1] if len(shape) > 1 else '?'} "
+                f"but config.json has vocab_size={vocab}, hidden_size={hidden}",
                 allowed,
             )
     n_layers = hf.get("num_hidden_layers")
@@ -257,7 +257,8 @@ def _check_shapes(hf: dict[str, Any], shapes: dict[str, list[int]], folder: Path
         if any(n.endswith("embed_tokens.weight") for n in shapes):
             raise _err(
                 key,
-                f"{folder}: tie_word_embeddings=false but the weights hold no lm_head.weight (it would be random)",
+                f"{folder}: tie_word_embeddings=false but the weights hold no lm_head.weight (it "
+                "would be random)",
                 allowed,
             )
 

@@ -150,8 +150,8 @@ def check_adapter_targets(cfg: Any, table: ModuleTable | None = None) -> None:
             pattern = re.compile(targets)
         except re.error as exc:
             raise ConfigError(
-                f"adapter.targets={targets!r} is not a valid regular expression ({exc}); a list matches module "
-                f"names by suffix: adapter.targets=[{targets}]",
+                f"adapter.targets={targets!r} is not a valid regular expression ({exc}); a list "
+                f"matches module names by suffix: adapter.targets=[{targets}]",
                 key="adapter.targets",
                 allowed=allowed,
             ) from None
@@ -171,8 +171,8 @@ def check_adapter_targets(cfg: Any, table: ModuleTable | None = None) -> None:
         matched = _peft_matches(t, names)
         if not matched:
             raise ConfigError(
-                f"adapter.targets: {t!r} matches no module of {label} (PEFT adapts a module whose name equals "
-                f"an entry or ends with '.<entry>')",
+                f"adapter.targets: {t!r} matches no module of {label} (PEFT adapts a module whose "
+                "name equals an entry or ends with '.<entry>')",
                 key="adapter.targets",
                 allowed=allowed,
             )
@@ -231,8 +231,8 @@ def check_quant_skip(cfg: Any, table: ModuleTable | None = None) -> None:
     skips = [str(p) for p in q.get("skip_modules") or []]
     if _tied(cfg) and not any(p and _skip_matches(p, ["lm_head"]) for p in skips if _valid_re(p)):
         raise ConfigError(  # transformers keeps lm_head unquantised unless given a list without it
-            f"quant.skip_modules={skips} quantises lm_head, which is tied to the embedding: bitsandbytes then "
-            "fails in the trial; keep 'lm_head' in the list",
+            f"quant.skip_modules={skips} quantises lm_head, which is tied to the embedding: "
+            "bitsandbytes then fails in the trial; keep 'lm_head' in the list",
             key="quant.skip_modules",
             allowed=["[lm_head] (the default)", "[lm_head, <more modules>]"],
         )
@@ -262,8 +262,8 @@ def _check_skip_entries(cfg: Any, table: ModuleTable) -> None:
             ) from None
         if not _skip_matches(p, linears):
             raise ConfigError(
-                f"quant.skip_modules: {p!r} matches no Linear module of {_model_label(cfg, table)} (it would be "
-                "ignored and every Linear quantised)",
+                f"quant.skip_modules: {p!r} matches no Linear module of {_model_label(cfg, table)} "
+                "(it would be ignored and every Linear quantised)",
                 key="quant.skip_modules",
                 allowed=allowed,
             )

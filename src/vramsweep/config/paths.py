@@ -56,12 +56,14 @@ _EXPLICIT: contextvars.ContextVar[Path | None] = contextvars.ContextVar("vramswe
 
 
 def packaged_conf_dir() -> Path:
-    """The shipped config groups and ``train.yaml``: the checkout's ``conf/`` (a wheel: ``vramsweep/conf``)."""
+    """The shipped config groups and ``train.yaml``: the checkout's ``conf/`` (a wheel:
+    ``vramsweep/conf``)."""
     return _PACKAGED
 
 
 def packaged_sweeps_dir() -> Path:
-    """The shipped sweep files (group ``sweep``): the checkout's ``sweeps/`` (a wheel: ``vramsweep/sweeps``)."""
+    """The shipped sweep files (group ``sweep``): the checkout's ``sweeps/`` (a wheel:
+    ``vramsweep/sweeps``)."""
     return _SWEEPS
 
 

@@ -81,8 +81,8 @@ def plan(cfg: Any) -> dict[str, Any]:
     orig = r.get("original_max_position_embeddings") if r is not None else None
     orig = int(orig) if orig is not None else native
     positions = int(orig * factor) if orig is not None else None
-    # dynamic NTK reads config.max_position_embeddings as the original length; yarn/linear get the extended one
-    # (transformers checks yarn's factor against max_position_embeddings / original)
+    # dynamic NTK reads config.max_position_embeddings as the original length; yarn/linear get the extended
+    # one (transformers checks yarn's factor against max_position_embeddings / original)
     max_pos = orig if kind == "dynamic" else positions
     return {
         "type": kind,

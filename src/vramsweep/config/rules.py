@@ -166,7 +166,8 @@ def check_values(cfg: DictConfig) -> None:
             )
     elif not targets or not all(isinstance(t, str) and t for t in targets):
         raise ConfigError(
-            f"adapter.targets={list(targets) if targets is not None else targets} must be 'all-linear' or a non-empty list of module names",
+            f"adapter.targets={list(targets) if targets is not None else targets} must be "
+            "'all-linear' or a non-empty list of module names",
             key="adapter.targets",
             allowed=["all-linear", "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"],
         )
@@ -217,7 +218,8 @@ def check_values(cfg: DictConfig) -> None:
     _check_range(cfg, "train.measure_warmup_steps", 0, 10**7, integer=True)
     if cfg.train.measure_warmup_steps >= cfg.train.steps:
         raise ConfigError(
-            f"train.measure_warmup_steps={cfg.train.measure_warmup_steps} leaves no measured step with train.steps={cfg.train.steps}",
+            f"train.measure_warmup_steps={cfg.train.measure_warmup_steps} leaves no measured step "
+            f"with train.steps={cfg.train.steps}",
             key="train.measure_warmup_steps",
             allowed=[f"0..{cfg.train.steps - 1}"],
         )
@@ -308,15 +310,16 @@ def _rules_combinations(cfg: DictConfig) -> None:
         )
     if offload and cfg.checkpointing.use_reentrant:
         raise ConfigError(
-            "checkpointing=offload runs its own checkpoint function: checkpointing.use_reentrant must be false",
+            "checkpointing=offload runs its own checkpoint function: checkpointing.use_reentrant "
+            "must be false",
             key="checkpointing.use_reentrant",
             allowed=["false"],
         )
     tiled = int(cfg.tiling.loss_chunk_tokens) > 0 or int(cfg.tiling.mlp_tile_tokens) > 0
     if tiled and cfg.kernels.unsloth:
         raise ConfigError(
-            f"tiling={cfg.tiling.name} cannot be combined with kernels=unsloth: Unsloth replaces the MLP and the "
-            "loss with its own kernels (its fused loss is already chunked)",
+            f"tiling={cfg.tiling.name} cannot be combined with kernels=unsloth: Unsloth replaces "
+            "the MLP and the loss with its own kernels (its fused loss is already chunked)",
             key="tiling",
             allowed=["off"],
         )
@@ -328,8 +331,9 @@ def _rules_combinations(cfg: DictConfig) -> None:
         # one owner of the loss: our chunked loss would bypass Liger's fused linear cross-entropy while the
         # build notes and the estimate say FLCE runs
         raise ConfigError(
-            f"tiling={cfg.tiling.name} (chunked loss, tiling.loss_chunk_tokens={int(cfg.tiling.loss_chunk_tokens)}) "
-            "cannot be combined with kernels=liger's fused linear cross-entropy: both replace the loss",
+            f"tiling={cfg.tiling.name} (chunked loss, "
+            f"tiling.loss_chunk_tokens={int(cfg.tiling.loss_chunk_tokens)}) cannot be combined "
+            "with kernels=liger's fused linear cross-entropy: both replace the loss",
             key="tiling",
             allowed=[
                 "kernels=liger tiling=mlp (Liger's fused loss + the tiled MLP)",
@@ -475,13 +479,15 @@ def _rules_data(cfg: DictConfig) -> None:
         os.path.expanduser(str(tpl))
     ):
         raise ConfigError(
-            f"data.chat_template={tpl!r} is neither a built-in template (chatml, embedded) nor a readable Jinja file",
+            f"data.chat_template={tpl!r} is neither a built-in template (chatml, embedded) nor a "
+            "readable Jinja file",
             key="data.chat_template",
             allowed=["chatml", "embedded", "<path to a .jinja file>", "null (the tokenizer's own)"],
         )
     if str(d.source) == "embedded" and str(d.train_on) != "auto":
         raise ConfigError(
-            f"data.train_on={d.train_on} does not apply to sectioned documents (the target section is trained)",
+            f"data.train_on={d.train_on} does not apply to sectioned documents (the target section "
+            "is trained)",
             key="data.train_on",
             allowed=["auto"],
         )
@@ -534,7 +540,8 @@ def check_machine(cfg: DictConfig, *, has_cuda: bool | None = None) -> None:
         if not _module_available("flash_attn"):
             raise UnsupportedError(
                 "attention=flash_attention_2 needs the flash-attn package, not installed: "
-                f"{INSTALL_HINTS['flash_attn']}; attention=sdpa uses PyTorch's FlashAttention-2 kernel on CUDA",
+                f"{INSTALL_HINTS['flash_attn']}; attention=sdpa uses PyTorch's FlashAttention-2 "
+                "kernel on CUDA",
                 key="attention",
                 allowed=["eager", "sdpa"],
             )
@@ -547,7 +554,8 @@ def check_machine(cfg: DictConfig, *, has_cuda: bool | None = None) -> None:
             )
         if not _module_available("liger_kernel"):
             raise UnsupportedError(
-                f"kernels=liger needs liger-kernel, not installed: {INSTALL_HINTS['liger_kernel']}; {ENV_HINT}",
+                "kernels=liger needs liger-kernel, not installed: "
+                f"{INSTALL_HINTS['liger_kernel']}; {ENV_HINT}",
                 key="kernels",
                 allowed=[k for k in kernels_here(has_cuda) if k != "liger"],
             )
@@ -609,7 +617,8 @@ def _rules_rope(cfg: DictConfig) -> None:
             _check_range(cfg, "rope.original_max_position_embeddings", 32, 10**7, integer=True)
     if scaled and cfg.kernels.unsloth:
         raise UnsupportedError(
-            f"kernels=unsloth sets RoPE scaling itself from its max_seq_length: rope={r.name} cannot be applied",
+            f"kernels=unsloth sets RoPE scaling itself from its max_seq_length: rope={r.name} "
+            "cannot be applied",
             key="rope",
             allowed=["none"],
         )
@@ -622,8 +631,8 @@ def _rules_rope(cfg: DictConfig) -> None:
     )
     if scaled and p["existing"] is not None:
         raise ConfigError(
-            f"rope={r.name}: model.path's config.json already scales RoPE ({p['existing']}); keep it with rope=none "
-            "or remove it from config.json",
+            f"rope={r.name}: model.path's config.json already scales RoPE ({p['existing']}); keep "
+            "it with rope=none or remove it from config.json",
             key="rope",
             allowed=["none"],
         )
@@ -649,8 +658,8 @@ def _rules_rope(cfg: DictConfig) -> None:
         )
     k = needed_factor(tokens, orig)
     raise ConfigError(
-        f"context.max_tokens={tokens} is longer than rope={r.name}'s positions ({orig} x rope.factor={r.factor} "
-        f"= {p['positions']}); raise it: rope.factor={k}",
+        f"context.max_tokens={tokens} is longer than rope={r.name}'s positions ({orig} x "
+        f"rope.factor={r.factor} = {p['positions']}); raise it: rope.factor={k}",
         key="context.max_tokens",
         allowed=[f"32..{p['positions']}", f"rope.factor={k}"],
     )

@@ -196,7 +196,8 @@ class VocabConfig:
 @dataclass
 class DataConfig:
     name: str = "synthetic"
-    # embedded (synthetic documents) | embedded_chat (the shipped chat set) | file | jsonl (data.path) | random
+    # embedded (synthetic documents) | embedded_chat (the shipped chat set) | file | jsonl (data.path) |
+    # random
     source: str = "embedded"
     path: Optional[str] = None  # .jsonl / .json / .parquet / datasets folder when source=file|jsonl
     eval_path: Optional[str] = None  # held-out file; else a folder's test split, else the last 10 %

@@ -11,7 +11,8 @@ _URL_SECRET = re.compile(r"(://[^:/@]*:)(.*)@")
 
 
 def mask_url(url: str) -> str:
-    """``postgresql://u:secret@h/db`` -> ``postgresql://u:***@h/db`` (``u:se@cret@h`` too: nothing of it shown)."""
+    """``postgresql://u:secret@h/db`` -> ``postgresql://u:***@h/db`` (``u:se@cret@h`` too: nothing of it
+    shown)."""
     return _URL_SECRET.sub(r"\1***@", url, count=1)
 
 

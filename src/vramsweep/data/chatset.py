@@ -1,4 +1,5 @@
-"""The shipped chat set (``data=grant_chat``): questions about the synthetic grant reports, answered from them.
+"""The shipped chat set (``data=grant_chat``): questions about the synthetic grant reports, answered from
+them.
 
 Deterministic like the documents it is built from (:func:`vramsweep.data.synthetic.generate_documents` with
 the same seed): each conversation is a system prompt, a first user turn that shares the report's sections

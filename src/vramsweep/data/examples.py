@@ -71,7 +71,8 @@ def _special_ids(tokenizer: Any) -> tuple[list[int], list[int], int]:
 def _fact_spans(
     doc: dict[str, Any], i: int, text: str, offsets: list[tuple[int, int]], base: int, n_kept: int
 ) -> list[tuple[int, int]]:
-    """Token spans (shifted by ``base``) of the values of facts repeated in section ``i`` and stated earlier."""
+    """Token spans (shifted by ``base``) of the values of facts repeated in section ``i`` and stated
+    earlier."""
     spans: set[tuple[int, int]] = set()
     for fact in doc.get("facts") or []:
         if i not in fact.get("repeated_in", ()) or not fact["stated_in"] < i:

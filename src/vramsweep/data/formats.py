@@ -1,16 +1,20 @@
-"""Record formats: detected from a record's keys (or set with ``data.format``) and normalised into an :class:`Item`.
+"""Record formats: detected from a record's keys (or set with ``data.format``) and normalised into an
+:class:`Item`.
 
-=====================  =============================================================  ==========================
-format                 a record                                                       rendered as
-=====================  =============================================================  ==========================
-``messages``           ``{"messages": [{"role": "user", "content": "..."}, ...]}``    the chat template
-``sharegpt``           ``{"conversations": [{"from": "human", "value": "..."}, ...]}``  mapped onto ``messages``
-``prompt_completion``  ``{"prompt": "...", "completion": "..."}`` (strings: plain      plain text, or the chat
-                       text) or both message lists (TRL's conversational form)         template for lists
-``alpaca``             ``{"instruction": "...", "input": "...", "output": "..."}``     user / assistant turns
-``text``               ``{"text": "..."}``                                            plain text + EOS
-``documents``          ``{"sections": [{"heading": "...", "text": "..."}], ...}``      sectioned documents
-=====================  =============================================================  ==========================
+=====================  ===============================================================  ======================
+format                 a record                                                         rendered as
+=====================  ===============================================================  ======================
+``messages``           ``{"messages": [{"role": "user", "content": "..."}, ...]}``      the chat template
+``sharegpt``           ``{"conversations": [{"from": "human", "value": "..."}, ...]}``  mapped onto
+                                                                                        ``messages``
+``prompt_completion``  ``{"prompt": "...", "completion": "..."}`` (strings: plain        plain text, or the
+                       text) or both message lists (TRL's conversational form)           chat template for
+                                                                                        lists
+``alpaca``             ``{"instruction": "...", "input": "...", "output": "..."}``       user / assistant
+                                                                                        turns
+``text``               ``{"text": "..."}``                                              plain text + EOS
+``documents``          ``{"sections": [{"heading": "...", "text": "..."}], ...}``        sectioned documents
+=====================  ===============================================================  ======================
 
 Roles are ``system``, ``user``, ``assistant`` and ``tool`` (sharegpt's ``human``/``gpt``/``observation``/
 ``function_call`` are mapped onto them). One file holds one format: a record of another format is an error
@@ -223,8 +227,8 @@ def normalize_records(records: Sequence[Record], fmt: str = "auto") -> list[Item
             if missing:
                 what = "column(s)" if ":row " in rec.where else "field(s)"
                 raise ValueError(
-                    f"{rec.where}: data.format={fmt} needs the {what} {missing}, missing here; the record has "
-                    f"{sorted(rec.obj)}"
+                    f"{rec.where}: data.format={fmt} needs the {what} {missing}, missing here; the record "
+                    f"has {sorted(rec.obj)}"
                 )
             found = fmt
         if found is None:

@@ -64,7 +64,8 @@ def load_user_data(path: str, eval_path: str | None = None, fmt: str = "auto") -
         return UserData(train, held, found, "test split", sha)
     if len(train) < 2:
         raise ValueError(
-            f"data.path={path}: need at least 2 records (or data.eval_path) for a held-out eval, got {len(train)}"
+            f"data.path={path}: need at least 2 records (or data.eval_path) for a held-out eval, "
+            f"got {len(train)}"
         )
     n_eval = max(1, int(len(train) * EVAL_FRACTION))
     return UserData(train[:-n_eval], train[-n_eval:], found, "last 10 %", sha)

@@ -1,4 +1,5 @@
-"""Packing: training examples concatenated into rows of ``context.max_tokens``, without cross-example attention.
+"""Packing: training examples concatenated into rows of ``context.max_tokens``, without cross-example
+attention.
 
 :func:`pack_examples` fills rows by best-fit decreasing (each example, longest first, goes into the row
 whose free space it fills best; ties between equal lengths keep a seeded order), then orders the rows by a
@@ -12,8 +13,9 @@ does — so a row's token losses are exactly its examples' token losses.
 example and pads it to ``context.max_tokens`` with a trailing segment of its own; the loop then passes no
 attention mask; under eager/SDPA the model runs :mod:`vramsweep.knobs.packed_attention` (causal attention
 per segment, split at the positions' restarts; no ``T x T`` mask), under ``flash_attention_2`` the varlen
-kernel: no token attends to another example. With token-weighted accumulation (:func:`vramsweep.loop.token_weights`) the
-loss and gradients of a packed step equal those of its examples unpacked (``tests/test_packing.py``).
+kernel: no token attends to another example. With token-weighted accumulation
+(:func:`vramsweep.loop.token_weights`) the loss and gradients of a packed step equal those of its examples
+unpacked (``tests/test_packing.py``).
 """
 
 from __future__ import annotations

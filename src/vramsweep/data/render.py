@@ -63,8 +63,8 @@ _TRAIN_ON_BY_FORMAT = {
 
 
 def default_train_on(fmt: str) -> str:
-    """``data.train_on=auto`` for a format: assistant turns for chats, the completion for prompt/completion and
-    alpaca, everything for text."""
+    """``data.train_on=auto`` for a format: assistant turns for chats, the completion for prompt/completion
+    and alpaca, everything for text."""
     return _TRAIN_ON_BY_FORMAT[fmt][0]
 
 
@@ -263,8 +263,8 @@ def _render_fitting(items: Sequence[Item], tok: Any, s: RenderSettings) -> tuple
             among = (
                 f"the longest of {len(over)} of {len(items)} records longer than {limit}"
                 if read == len(items)
-                else f"the longest of {len(over)} longer than {limit} among the {read} of {len(items)} records "
-                "tokenised, longest first"
+                else f"the longest of {len(over)} longer than {limit} among the {read} of {len(items)} "
+                "records tokenised, longest first"
             )
             raise ContextOverflowError(f"{where}: {n} tokens, {among} (context.truncation=none cuts nothing)")
     return rendered, encoded

@@ -1,4 +1,5 @@
-"""Where records come from: ``.jsonl``, ``.json`` (a list), ``.parquet`` or a ``datasets`` ``save_to_disk`` folder.
+"""Where records come from: ``.jsonl``, ``.json`` (a list), ``.parquet`` or a ``datasets`` ``save_to_disk``
+folder.
 
 Local files only; nothing is downloaded. Every record is returned with its location (``file:line`` for
 JSON Lines and JSON, ``file:row N`` for Parquet and dataset folders) so that each later problem names it.

@@ -420,7 +420,8 @@ def _summary(c: _Ctx) -> str:
         f"{c.title_prefix} {c.coordinator} at {host}."
     )
     pool = (
-        "The project addresses {aspect} in the field of {topic}, a challenge that affects {users} across Europe.",
+        "The project addresses {aspect} in the field of {topic}, a challenge that affects {users} "
+        "across Europe.",
         "Current approaches to {topic} are fragmented, expensive and rarely tested under real conditions.",
         "We will combine {m1} with {m2} to deliver {o1} that {users} can adopt without specialist support.",
         "The consortium has a strong track record in {topic} and in working directly with {users}.",
@@ -428,7 +429,8 @@ def _summary(c: _Ctx) -> str:
         "By the end of the project, {users} will have access to {o2} and to evidence on what works.",
         "The results will be shared openly and will inform national and European policy on {aspect}.",
         "Existing solutions for {aspect} do not scale, and their costs remain too high for most {users}.",
-        "Recent advances in {m1} make it possible, for the first time, to address {aspect} at a realistic cost.",
+        "Recent advances in {m1} make it possible, for the first time, to address {aspect} at a "
+        "realistic cost.",
         "The project is built around pilots in which {users} test the new methods in their daily work.",
         "Particular attention is given to the needs of small organisations, which are often left behind.",
         "The expected results go well beyond the state of the art in {topic}.",
@@ -473,7 +475,8 @@ def _consortium(c: _Ctx) -> str:
         tag = " (coordinator)" if j == 1 else ""
         lines.append(f"- Partner {j}{tag}: {name}, {city} ({country}), {role}.")
     pool = (
-        "The partners have collaborated in earlier national projects and share common tools and data formats.",
+        "The partners have collaborated in earlier national projects and share common tools and "
+        "data formats.",
         "Each partner was selected for a specific role, and there is no duplication of expertise.",
         "The consortium includes both academic and non-academic partners to ensure real-world uptake.",
         "Decisions are taken by a steering committee in which every partner has one vote.",
@@ -489,8 +492,8 @@ def _objectives(c: _Ctx) -> str:
     n_obj = r.randint(3, 6)
     lines = [
         f"The overall aim of the project is to make {c.topic} {c.adjective} and affordable for {c.users}. "
-        f"The work is organised in {NUMBER_WORDS[c.n_wps]} work packages, and the project pursues the following "
-        f"specific objectives:"
+        f"The work is organised in {NUMBER_WORDS[c.n_wps]} work packages, and the project pursues "
+        "the following specific objectives:"
     ]
     templates = (
         "To {verb} {m} for {aspect} under real operating conditions.",
@@ -555,7 +558,8 @@ def _work_package(c: _Ctx, k: int) -> str:
         "Results will be reviewed by the advisory board, and the plan will be adjusted where needed.",
         "We will {verb} {m} with a focus on {aspect} and on the costs for {users}.",
         "The task produces intermediate results that feed directly into the following work packages.",
-        "Special attention will be paid to gender balance and to the involvement of early-career researchers.",
+        "Special attention will be paid to gender balance and to the involvement of early-career "
+        "researchers.",
         "The software developed in this task will be released under an open licence.",
         "The partners will hold monthly technical meetings to coordinate the work.",
         "Performance will be measured against indicators agreed with {users} at the start of the task.",
@@ -659,7 +663,8 @@ def _optional(c: _Ctx, heading: str) -> str:
     r = c.rng
     pools = {
         "Expected impact": (
-            "The project will reduce {aspect} for {users} and create new opportunities for European companies.",
+            "The project will reduce {aspect} for {users} and create new opportunities for "
+            "European companies.",
             "We expect {o} to be adopted by many organisations soon after the end of the project.",
             "The results contribute to the European Green Deal and to the Sustainable Development Goals.",
             "Better evidence on {aspect} will support more effective public policy.",
@@ -722,8 +727,8 @@ def _financial_summary(c: _Ctx) -> str:
 def _conclusions(c: _Ctx) -> str:
     r = c.rng
     first = (
-        f"In summary, {c.acronym} is coordinated by {c.title_prefix} {c.coordinator}, starts on {c.start_date} "
-        f"and is organised in {NUMBER_WORDS[c.n_wps]} work packages."
+        f"In summary, {c.acronym} is coordinated by {c.title_prefix} {c.coordinator}, starts on "
+        f"{c.start_date} and is organised in {NUMBER_WORDS[c.n_wps]} work packages."
     )
     pool = (
         "The project will deliver {o} and lasting benefits for {users}.",

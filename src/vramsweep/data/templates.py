@@ -13,7 +13,8 @@ __all__ = ["BUILTIN_TEMPLATES", "CHATML", "EMBEDDED_CHAT_TEMPLATE"]
 #: ChatML (Qwen, many others): ``<|im_start|>{role}\n{content}<|im_end|>\n``.
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ "
+    "'<|im_start|>assistant\\n' }}{% endif %}"
 )
 #: The embedded tiny model's template: ChatML's layout with the tokenizer's own ``<|bos|>`` / ``<|eos|>`` as
 #: the turn markers (its 3,072 ids fill the embedding, so new tokens would need rows the weights lack).

@@ -89,7 +89,8 @@ def _check(budget: int, strategy: str, decay: float, min_tokens_per_section: int
 
 
 def _water_fill(lengths: Sequence[int], weights: Sequence[float], budget: int) -> list[float]:
-    """Real shares ``min(L_k, theta * w_k)`` adding up to ``min(budget, sum L)`` (zero weight -> zero share)."""
+    """Real shares ``min(L_k, theta * w_k)`` adding up to ``min(budget, sum L)`` (zero weight -> zero
+    share)."""
     if sum(lengths) <= budget:
         return [float(n) for n in lengths]
     shares = [0.0] * len(lengths)
@@ -223,7 +224,8 @@ def truncate_sections(
     decay: float = 0.5,
     min_tokens_per_section: int = 16,
 ) -> list[list[int]]:
-    """Fit ``sections`` (token lists, oldest -> newest) into ``budget`` tokens (module docstring for the rules).
+    """Fit ``sections`` (token lists, oldest -> newest) into ``budget`` tokens (module docstring for the
+    rules).
 
     Args:
         sections: one token list per section, oldest first.

@@ -148,7 +148,8 @@ def preflight(cfg: DictConfig, margin: float = 0.10) -> tuple[bool, dict[str, An
 def max_context(
     cfg: DictConfig, *, calibration: dict | bool | None = None, hi: int | None = None
 ) -> dict[str, Any]:
-    """Longest ``context.max_tokens`` whose estimate fits ``hardware.budget_gib`` (bisection on the estimator).
+    """Longest ``context.max_tokens`` whose estimate fits ``hardware.budget_gib`` (bisection on the
+    estimator).
 
     Every micro-batch is taken to be ``max_tokens`` long (the estimator's worst case). The estimate grows
     with the tokens (Unsloth's loss chunks aside, whose count steps up by 4), so the bisection finds the

@@ -27,7 +27,8 @@ minimal loop in :mod:`vramsweep.trial`) and checked against the CPU tensor track
 * Logits + loss: HF ``ForCausalLMLoss`` upcasts the logits to fp32 and ``cross_entropy`` saves the fp32
   log-softmax; at the peak (log-softmax backward) the saved log-softmax and its incoming and outgoing
   fp32 gradients are alive: 12 bytes per token x vocab entry (+ c when the loop keeps the model output,
-  and with it the logits, through backward: :data:`LOOP_KEEPS_LOGITS`). Liger's fused linear cross-entropy (Hsu et al. 2024, arXiv 2410.10989) chunks it.
+  and with it the logits, through backward: :data:`LOOP_KEEPS_LOGITS`). Liger's fused linear cross-entropy
+  (Hsu et al. 2024, arXiv 2410.10989) chunks it.
 * Fused kernels, flag by flag: Liger's RMSNorm (``LigerRMSNormFunction``: saves the input and the fp32
   rstd), SwiGLU (``LigerSiLUMulFunction``: saves its two inputs, recomputes silu) and fused linear
   cross-entropy follow ``kernels.liger_rms_norm`` / ``liger_swiglu`` / ``liger_fused_linear_cross_entropy``

@@ -1,4 +1,5 @@
-"""``vramsweep estimate [overrides] [--json] [--max-context]`` and ``vramsweep estimate --calibrate <sweep dir>``."""
+"""``vramsweep estimate [overrides] [--json] [--max-context]`` and
+``vramsweep estimate --calibrate <sweep dir>``."""
 
 from __future__ import annotations
 
@@ -130,8 +131,8 @@ def run_estimate(overrides: list[str], *, as_json: bool, max_context: bool = Fal
                     error_line(
                         "estimate",
                         f"--max-context needs a memory budget, hardware.budget_gib={cfg.hardware.budget_gib} "
-                        f"(hardware={cfg.hardware.name}); pick a profile with one (e.g. hardware=rtx4080_16gb) "
-                        "or set hardware.budget_gib",
+                        f"(hardware={cfg.hardware.name}); pick a profile with one (e.g. "
+                        "hardware=rtx4080_16gb) or set hardware.budget_gib",
                     ),
                     file=sys.stderr,
                 )
@@ -145,7 +146,10 @@ def run_estimate(overrides: list[str], *, as_json: bool, max_context: bool = Fal
     except (OSError, KeyError, ValueError) as exc:  # anything else unreadable
         print(error_line("estimate", f"{type(exc).__name__}: {exc}"), file=sys.stderr)
         return 2
-    title = f"estimate ({' '.join(overrides) or 'defaults'}): model={cfg.model.name}, hardware={cfg.hardware.name}"
+    title = (
+        f"estimate ({' '.join(overrides) or 'defaults'}): model={cfg.model.name}, "
+        f"hardware={cfg.hardware.name}"
+    )
     if max_context:
         if as_json:
             print(json.dumps(res, indent=2))
@@ -176,8 +180,8 @@ def run_calibrate(sweep_dir: str) -> int:
 
     Results are read from ``<sweep>/trials/*.json`` (or any ``result.json`` below the folder); the
     constants go to ``<results_dir>/calibration/<device>.json`` where ``results_dir`` is the folder
-    above ``sweeps/`` (for a folder elsewhere, ``results/``). Returns 0 when at least one device was calibrated,
-    2 when the folder does not exist or no trial was usable (one error line).
+    above ``sweeps/`` (for a folder elsewhere, ``results/``). Returns 0 when at least one device was
+    calibrated, 2 when the folder does not exist or no trial was usable (one error line).
     """
     from vramsweep.estimate.calibration import calibrate, save_calibration
 
@@ -302,7 +306,10 @@ def run_suggest(
     if as_json:
         print(json.dumps(res, indent=2))
         return 0
-    title = f"estimate --suggest ({' '.join(overrides) or 'defaults'}): model={cfg.model.name}, hardware={cfg.hardware.name}"
+    title = (
+        f"estimate --suggest ({' '.join(overrides) or 'defaults'}): model={cfg.model.name}, "
+        f"hardware={cfg.hardware.name}"
+    )
     text = format_suggest(res, title)
     if calibrate_dir is not None:
         src = res["calibration_source"]

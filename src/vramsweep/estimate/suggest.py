@@ -90,7 +90,8 @@ COSTS: dict[str, Cost] = {
     ),
 }
 
-#: Host-to-device bandwidth assumed when the hardware profile gives none: PCIe 4.0 x16, 31.5 GB/s per direction.
+#: Host-to-device bandwidth assumed when the hardware profile gives none: PCIe 4.0 x16, 31.5 GB/s per
+#: direction.
 DEFAULT_PCIE = 31.5e9
 #: Fraction of the card's peak FLOP/s a training step reaches (to turn FLOPs into seconds for the PCIe term).
 ASSUMED_MFU = 0.4
@@ -263,9 +264,10 @@ def apply_choice(cfg: DictConfig, base: dict[str, Any], choice: dict[str, Any]) 
 def offload_seconds(cfg: DictConfig, seq_tokens: int) -> tuple[float, float, str]:
     """Extra step-time factor of ``checkpointing=offload`` from its PCIe traffic, and the figures behind it.
 
-    Traffic per micro-batch: each layer's input (tokens x hidden x dtype bytes) to host in the forward and back
-    in the backward. Compute time: 4 x params x tokens FLOPs (6 with adapter=full: weight gradients too) at :data:`ASSUMED_MFU` of the card's peak. The copy
-    runs on a side stream: the factor counts only the part not hidden behind the compute.
+    Traffic per micro-batch: each layer's input (tokens x hidden x dtype bytes) to host in the forward and
+    back in the backward. Compute time: 4 x params x tokens FLOPs (6 with adapter=full: weight gradients too)
+    at :data:`ASSUMED_MFU` of the card's peak. The copy runs on a side stream: the factor counts only the
+    part not hidden behind the compute.
     """
 
     d = model_dims(cfg)
@@ -416,7 +418,8 @@ def _rank(choice: dict[str, Any], space: dict[str, list[Any]]) -> tuple[int, ...
 
 def probes(space: dict[str, list[Any]]) -> list[dict[str, Any]]:
     """The all-out set (every knob at its most saving value), then the same with one knob lowered to each of
-    its other values (liger's fused loss and a chunked loss are one owner of the loss: liger drops loss tiling)."""
+    its other values (liger's fused loss and a chunked loss are one owner of the loss: liger drops loss
+    tiling)."""
     top = {k: v[-1] for k, v in space.items()}
 
     def fix(c: dict[str, Any]) -> dict[str, Any]:
@@ -447,7 +450,8 @@ def _valid(cfg: DictConfig) -> str | None:
 
 
 def _fast_invalid(c: dict[str, Any]) -> bool:
-    """The combination rules checked without building the config (validate still runs on what is estimated)."""
+    """The combination rules checked without building the config (validate still runs on what is
+    estimated)."""
     return c["kernels"] == "liger" and c["tiling"][0] == 1
 
 
@@ -521,7 +525,8 @@ def suggest(
     max_estimates: int = MAX_ESTIMATES,
     any_install: bool = False,
 ) -> dict[str, Any]:
-    """The cheapest change sets that fit ``hardware.budget_gib`` (or, if the config fits, what its spare buys).
+    """The cheapest change sets that fit ``hardware.budget_gib`` (or, if the config fits, what its spare
+    buys).
 
     Returns ``{"fits", "budget_bytes", "estimate" (the user's), "suggestions": [{"overrides", "peak_bytes",
     "required_bytes", "headroom_bytes", "speed_factor", "reason", "max_tokens"?}], "speed_model" (one line per
@@ -634,8 +639,9 @@ def suggest(
 
 
 def spare(cfg: DictConfig, calibration: Any) -> dict[str, Any]:
-    """What a config that fits could afford (``cfg`` is changed and put back): the largest micro-batch (doubling), adapter rank (doubling, not
-    for ``adapter=full``) and context (bisection) that still fit, each changed alone."""
+    """What a config that fits could afford (``cfg`` is changed and put back): the largest micro-batch
+    (doubling), adapter rank (doubling, not for ``adapter=full``) and context (bisection) that still fit, each
+    changed alone."""
 
     def grow(key: str, start: int, cap: int) -> int:
         best, v = start, start * 2
@@ -675,7 +681,8 @@ def format_suggest(res: dict[str, Any], title: str = "") -> str:
     sug = res["suggestions"]
     if not sug:
         lines.append(
-            "no set of the searched changes fits: shorten context.max_tokens (--max-context gives the longest)"
+            "no set of the searched changes fits: shorten context.max_tokens (--max-context gives "
+            "the longest)"
         )
     else:
         mc = "max_tokens" in sug[0]

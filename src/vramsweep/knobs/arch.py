@@ -41,7 +41,8 @@ def _device(device: torch.device | str) -> torch.device:
 
 
 def meta_skeleton(cfg: DictConfig) -> torch.nn.Module:
-    """The model for ``cfg.model`` on the meta device (no storage), with ``cfg.attention`` and ``cfg.rope`` set.
+    """The model for ``cfg.model`` on the meta device (no storage), with ``cfg.attention`` and ``cfg.rope``
+    set.
 
     Liger class patches applied before this call take effect (the modules are instantiated here).
     """

@@ -20,8 +20,8 @@ disk, and ``model=qwen3_8b`` (``source=arch``) has none. :func:`ensure_arch_weig
   as ``<key>.tmp``, renamed, and ``COMPLETE`` is written last: a folder without it is never used (it is
   deleted and rewritten). A progress line goes to stderr every few seconds while writing.
 
-Cost (docs/GPU.md, "Unsloth on architecture-only models"): bytes = parameters x dtype size (Qwen3-8B bf16: 8,190,735,360 parameters,
-16,381,470,720 bytes, 38 shards); the time is measured and recorded in the folder's
+Cost (docs/GPU.md, "Unsloth on architecture-only models"): bytes = parameters x dtype size (Qwen3-8B bf16:
+8,190,735,360 parameters, 16,381,470,720 bytes, 38 shards); the time is measured and recorded in the folder's
 ``vramsweep_arch_weights.json`` and in each trial's ``meta.build.arch_weights``.
 """
 
@@ -201,7 +201,8 @@ def write_arch_weights(
                 rate = state["written"] / max(now - t0, 1e-9)
                 _progress(
                     f"  {state['done']}/{n} shards, {state['written'] / 1e9:.2f}/{total / 1e9:.2f} GB, "
-                    f"{now - t0:.0f} s ({rate / 1e6:.0f} MB/s, ~{(total - state['written']) / max(rate, 1):.0f} s left)"
+                    f"{now - t0:.0f} s ({rate / 1e6:.0f} MB/s, "
+                    f"~{(total - state['written']) / max(rate, 1):.0f} s left)"
                 )
                 state["last_print"] = now
 

@@ -97,8 +97,8 @@ def _estimate(cfg: Any, e: Any) -> dict[str, Any]:
     impl = str(cfg.attention.implementation)
     if e.fields.get("padded_batches") and impl == "sdpa":
         e.note(
-            "micro_batch > 1 on documents of different lengths: SDPA gets (b,1,s,s) bool + float padding masks "
-            "and repeat_kv copies of k/v (no native GQA with a mask)"
+            "micro_batch > 1 on documents of different lengths: SDPA gets (b,1,s,s) bool + float "
+            "padding masks and repeat_kv copies of k/v (no native GQA with a mask)"
         )
     if e.fields.get("packed") and impl in ("sdpa", "eager"):
         e.note(

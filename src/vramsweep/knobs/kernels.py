@@ -1,11 +1,11 @@
 """Fused-kernel dispatch: Liger (Triton patches) or Unsloth (its own loader). Never both (rules.py).
 
-* ``kernels=liger``: before the model is instantiated, ``liger_kernel.transformers.apply_liger_kernel_to_<family>``
-  swaps the family's modeling classes (RMSNorm, SwiGLU MLP, RoPE) and the causal-LM ``forward`` (fused
-  linear cross-entropy: the ``seq x vocab`` logits are never materialised in training). The family is
-  ``model.family`` for embedded/arch models and ``model_type`` of ``<model.path>/config.json`` for local
-  checkpoints. After the build, :func:`apply_liger_to_instance` checks that the patches took effect (a
-  knob that silently did nothing would measure the baseline twice).
+* ``kernels=liger``: before the model is instantiated,
+  ``liger_kernel.transformers.apply_liger_kernel_to_<family>`` swaps the family's modeling classes (RMSNorm,
+  SwiGLU MLP, RoPE) and the causal-LM ``forward`` (fused linear cross-entropy: the ``seq x vocab`` logits are
+  never materialised in training). The family is ``model.family`` for embedded/arch models and ``model_type``
+  of ``<model.path>/config.json`` for local checkpoints. After the build, :func:`apply_liger_to_instance`
+  checks that the patches took effect (a knob that silently did nothing would measure the baseline twice).
 * ``kernels=unsloth``: the model is loaded through ``unsloth.FastLanguageModel`` with our knobs translated
   (:func:`unsloth_kwargs`): ``load_in_4bit`` / ``load_in_8bit`` / ``load_in_16bit``, ``max_seq_length``,
   ``dtype``, full fine-tuning, and ``get_peft_model`` with rank/alpha/dropout/targets/RS-LoRA/DoRA and
@@ -373,9 +373,9 @@ def _estimate(cfg: DictConfig, e: Any) -> dict[str, Any]:
         )
     if unsloth:
         e.note(
-            "Unsloth: fused RMSNorm/SwiGLU; its fused chunked cross-entropy computes the loss gradient inside "
-            "the forward, one chunk of the logits at a time (unsloth_zoo UnslothFusedLoss); with "
-            "checkpointing the layer inputs are offloaded to host memory"
+            "Unsloth: fused RMSNorm/SwiGLU; its fused chunked cross-entropy computes the loss "
+            "gradient inside the forward, one chunk of the logits at a time (unsloth_zoo "
+            "UnslothFusedLoss); with checkpointing the layer inputs are offloaded to host memory"
         )
     return {
         "liger": liger,

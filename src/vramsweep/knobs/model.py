@@ -4,9 +4,10 @@ Every config group that changes what is built registers its hooks beside its cod
 runs them stage by stage (:attr:`Built.notes` records what each applied, ``meta.build``):
 
 * patch: ``kernels`` (Liger's class patches, before any model class is instantiated);
-* load: ``attention`` (``attn_implementation``), ``rope`` (``rope_parameters`` on the config, ``knobs/rope.py``),
-  ``quant`` (a ``BitsAndBytesConfig``), ``kernels`` (Unsloth's ``FastLanguageModel``, which builds the whole
-  trial model and ends the pipeline), ``model`` (``from_pretrained`` or the ``source=arch`` skeleton);
+* load: ``attention`` (``attn_implementation``), ``rope`` (``rope_parameters`` on the config,
+  ``knobs/rope.py``), ``quant`` (a ``BitsAndBytesConfig``), ``kernels`` (Unsloth's ``FastLanguageModel``,
+  which builds the whole trial model and ends the pipeline), ``model`` (``from_pretrained`` or the
+  ``source=arch`` skeleton);
 * build: read-back notes (``attn_implementation``, ``rope``, ``quantised_layers``), ``vocab`` (slicing),
   ``checkpointing``, ``adapter`` (PEFT LoRA / RS-LoRA / DoRA, or full), ``kernels`` (Liger's instance check),
   then the knobs on the finished model (``offload``, ``mlp_tiles``, ``loss_chunks``: ``meta.build.knobs``).

@@ -2,8 +2,8 @@
 
 transformers 5 reads ``config.rope_parameters`` (``rope_type``, ``rope_theta``, ``factor``,
 ``original_max_position_embeddings``) when it creates the rotary embedding: its ``inv_freq`` and
-``attention_scaling`` (YaRN's 0.1·ln(factor) + 1 on cos/sin) follow from them. :func:`apply_rope` sets them the
-way ``RotaryEmbeddingConfigMixin.validate_rope`` checks them, and sets ``max_position_embeddings`` to the
+``attention_scaling`` (YaRN's 0.1·ln(factor) + 1 on cos/sin) follow from them. :func:`apply_rope` sets them
+the way ``RotaryEmbeddingConfigMixin.validate_rope`` checks them, and sets ``max_position_embeddings`` to the
 extended length (yarn, linear) or keeps the original length (dynamic NTK, which reads it as the original).
 The numbers come from :func:`vramsweep.config.rope.plan`, which the rules use too. The ``rope`` provider
 (:mod:`vramsweep.knobs.registry`) hands the scaled config to ``from_pretrained`` and records

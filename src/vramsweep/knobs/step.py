@@ -35,10 +35,11 @@ def _estimate(cfg: Any, e: Estimating) -> dict[str, Any]:
         )
     if device == "cuda":
         e.note(
-            "CUDA: the peak is the caching allocator's reserved memory (what the budget and the emulated cap "
-            "limit): allocated tensors + the reserve model (idle loss blocks, one layer's cycling working set, "
-            f"small-pool holes); the CUDA context (hardware.overhead_bytes={int(cfg.hardware.overhead_bytes)}) "
-            "lives outside the allocator and is not counted against the budget"
+            "CUDA: the peak is the caching allocator's reserved memory (what the budget and the emulated "
+            "cap limit): allocated tensors + the reserve model (idle loss blocks, one layer's cycling "
+            "working set, small-pool holes); the CUDA context "
+            f"(hardware.overhead_bytes={int(cfg.hardware.overhead_bytes)}) lives outside the allocator and "
+            "is not counted against the budget"
         )
     return {
         "c": DTYPE_BYTES[str(cfg.train.dtype)],

@@ -460,7 +460,8 @@ def parameter_bytes(model: nn.Module) -> int:
 def embedding_bytes_saved(
     old_vocab: int, new_vocab: int, hidden: int, bytes_per_param: int, tied: bool
 ) -> int:
-    """Parameter bytes slicing saves: ``(V - V') * h * bytes``, twice when embedding and lm_head are untied."""
+    """Parameter bytes slicing saves: ``(V - V') * h * bytes``, twice when embedding and lm_head are
+    untied."""
     return (old_vocab - new_vocab) * hidden * bytes_per_param * (1 if tied else 2)
 
 

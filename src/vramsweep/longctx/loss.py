@@ -117,8 +117,8 @@ def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:
         raise TypeError(f"{type(lm).__name__} is not a decoder-only *ForCausalLM with .model and an lm_head")
     if type(head) is not torch.nn.Linear:
         raise TypeError(
-            f"tiled loss needs a plain nn.Linear lm_head, got {type(head).__name__} "
-            "(a quantised or adapter-wrapped lm_head: leave lm_head out of quant.skip_modules/adapter.targets)"
+            f"tiled loss needs a plain nn.Linear lm_head, got {type(head).__name__} (a quantised or "
+            "adapter-wrapped lm_head: leave lm_head out of quant.skip_modules/adapter.targets)"
         )
     if getattr(getattr(lm, "config", None), "final_logit_softcapping", None):
         raise TypeError("tiled loss does not implement final_logit_softcapping")

@@ -135,14 +135,14 @@ class HostPool:
     def _raise(nbytes: int, exc: BaseException) -> None:
         if isinstance(exc, HostMemoryError):
             raise HostMemoryError(
-                f"host memory for checkpointing=offload: {nbytes / GIB:.2f} GiB of pinned memory for the layer "
-                f"inputs could not be page-locked ({exc}); use a shorter context.max_tokens, or "
-                "checkpointing=on on a machine with less RAM than that"
+                f"host memory for checkpointing=offload: {nbytes / GIB:.2f} GiB of pinned memory "
+                f"for the layer inputs could not be page-locked ({exc}); use a shorter "
+                "context.max_tokens, or checkpointing=on on a machine with less RAM than that"
             ) from None
         first = str(exc).splitlines()[0][:200] if str(exc) else ""
         raise HostMemoryError(
-            f"host memory for checkpointing=offload: {nbytes / GIB:.2f} GiB for the layer inputs could not be "
-            f"allocated ({type(exc).__name__}: {first})"
+            f"host memory for checkpointing=offload: {nbytes / GIB:.2f} GiB for the layer inputs "
+            f"could not be allocated ({type(exc).__name__}: {first})"
         ) from None
 
     def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -334,5 +334,6 @@ def enable_offload(model: torch.nn.Module, device: torch.device) -> dict:
         "saves_device_memory": manager.cuda,
         "note": None
         if manager.cuda
-        else "CPU device: the offloaded copies live in the same RAM; this runs and is exact, but saves nothing",
+        else "CPU device: the offloaded copies live in the same RAM; this runs and is exact, but saves "
+        "nothing",
     }

@@ -111,7 +111,8 @@ def apply_memory_cap(cfg: DictConfig, device: Any = None) -> dict[str, Any]:
         torch.cuda.set_per_process_memory_fraction(fraction, idx)
         info.update(applied=True, cap_bytes=budget, cap_fraction=fraction)
         info["reason"] = (
-            f"emulating {hw.name}: capped at {budget / GIB:.2f} GiB of {total / GIB:.2f} GiB (fraction {fraction:.4f})"
+            f"emulating {hw.name}: capped at {budget / GIB:.2f} GiB of {total / GIB:.2f} GiB "
+            f"(fraction {fraction:.4f})"
         )
     return info
 

@@ -272,6 +272,6 @@ CONVENTION = (
 
 #: ``meta.mfu.attention``: how the attention term is counted, and what the causal figures mean.
 ATTENTION_CONVENTION = (
-    "non-causal (PaLM): 12·L·h·s per token in mfu, 4·L·h·s more per recomputed forward in hfu; a causal kernel "
-    "(FlashAttention-2, SDPA flash) skips half: mfu_causal and hfu_causal count 6·L·h·s and 2·L·h·s"
+    "non-causal (PaLM): 12·L·h·s per token in mfu, 4·L·h·s more per recomputed forward in hfu; a causal "
+    "kernel (FlashAttention-2, SDPA flash) skips half: mfu_causal and hfu_causal count 6·L·h·s and 2·L·h·s"
 )

@@ -36,7 +36,8 @@ from vramsweep.record.metrics import MetricName
 
 __all__ = ["QUALITY_KEYS", "QualityMeter", "fact_mask"]
 
-#: The metrics this module measures (registry names, as plain strings: the keys of :meth:`QualityMeter.metrics`).
+#: The metrics this module measures (registry names, as plain strings: the keys of
+#: :meth:`QualityMeter.metrics`).
 QUALITY_KEYS = tuple(
     str(m)
     for m in (

@@ -2,10 +2,10 @@
 
 1. :class:`Checkpointer` (a loop :class:`~vramsweep.loop.Callback`) stages a checkpoint after every
    ``train.save_every``-th optimizer step, and after the step during which SIGTERM, SIGUSR1 (SLURM's
-   pre-timeout signal by convention) or SIGUSR2 (submitit's) arrived: the trainable tensors (safetensors), the optimizer state (8-bit and paged
-   states are ordinary tensors of its ``state_dict``), the scheduler, the RNG states (python, numpy, torch,
-   CUDA), the data position (the next step; the batches are a pure function of the config), the metrics so
-   far and the W&B run id.
+   pre-timeout signal by convention) or SIGUSR2 (submitit's) arrived: the trainable tensors (safetensors), the
+   optimizer state (8-bit and paged states are ordinary tensors of its ``state_dict``), the scheduler, the RNG
+   states (python, numpy, torch, CUDA), the data position (the next step; the batches are a pure function of
+   the config), the metrics so far and the W&B run id.
 2. The loop reads a step's loss one step late, so the checkpoint is completed when its step's loss arrives:
    ``state.json`` (losses and metrics so far), then the ``COMPLETE`` marker, fsynced, then the staging folder
    is renamed to ``checkpoints/step-NNNNNNNN``. A folder without the marker (a kill mid-write) is never
@@ -45,7 +45,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class Preempted(RuntimeError):
-    """SIGTERM/SIGUSR1/SIGUSR2 arrived: the run checkpointed and stopped (``train.resume=auto`` continues it)."""
+    """SIGTERM/SIGUSR1/SIGUSR2 arrived: the run checkpointed and stopped (``train.resume=auto`` continues
+    it)."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -177,7 +178,8 @@ def check_same_config(run_dir: Path, config: Any) -> None:
         shown = ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in diff[:6])
         raise ConfigError(
             f"train.resume=auto: the config differs from the run's in {saved_path}: {shown}"
-            f"{' ...' if len(diff) > 6 else ''}; resume with the same overrides or use another train.output_dir",
+            f"{' ...' if len(diff) > 6 else ''}; resume with the same overrides or use another "
+            "train.output_dir",
             key="train.resume",
             allowed=["never", "auto (with the run's own config)"],
         )

@@ -1,4 +1,5 @@
-"""The run's length in optimizer steps: ``train.epochs`` passes over the training examples, or ``train.steps``."""
+"""The run's length in optimizer steps: ``train.epochs`` passes over the training examples, or
+``train.steps``."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@
                            adapter=full, <run>/model/ (the whole model, save_pretrained)
     <run>/tokenizer/       the base tokenizer (save_pretrained: its chat template included)
     <run>/id_map.json      vocab=sliced only: the kept ids (new id -> base id)
-    <run>/run.json         what generate/export need: the base weights folder, adapter kind, vocab, dtype, quant
-    <run>/checkpoints/     see :mod:`vramsweep.production.checkpoint`
+    <run>/run.json         what generate/export need: the base weights folder, adapter kind, vocab, dtype,
+    quant <run>/checkpoints/     see :mod:`vramsweep.production.checkpoint`
 
 A sweep trial saves nothing by default (``train.save_adapter=auto``); ``train.save_adapter=always`` makes
 every trial save its adapter beside its result (``<trial>.run/``).

@@ -114,8 +114,8 @@ def export(run: str | Path, out: str | Path, *, merge: bool) -> Path:
         raise UseError(f"{out} exists and is not empty (give a new folder)")
     if man.get("id_map") and man["weights"] == MODEL_DIR and merge:
         raise UseError(
-            f"{run}: a vocab=sliced full fine-tune has only the kept embedding rows; export it without --merge "
-            "(model/ + id_map.json)"
+            f"{run}: a vocab=sliced full fine-tune has only the kept embedding rows; export it "
+            "without --merge (model/ + id_map.json)"
         )
     if not merge:
         shutil.copytree(run / man["weights"], out, dirs_exist_ok=True)

@@ -50,7 +50,8 @@ class Failure(NamedTuple):
 
 
 def _names(exc: BaseException) -> set[str]:
-    """The class names of ``exc``'s type and its bases (``torch.OutOfMemoryError`` -> ``OutOfMemoryError``)."""
+    """The class names of ``exc``'s type and its bases (``torch.OutOfMemoryError`` ->
+    ``OutOfMemoryError``)."""
     return {cls.__name__ for cls in type(exc).__mro__}
 
 

@@ -5,10 +5,11 @@ that measures it). Everything else derives from the registry: the keys every res
 (:data:`METRIC_KEYS`, null until measured), the metrics a sweep may optimise (:data:`OBJECTIVE_METRICS`) or
 prune on (:data:`PRUNABLE_METRICS`), the losses whose non-finite value means ``diverged``
 (:data:`LOSS_METRICS`), each metric's better direction (:func:`direction`), and how it is shown: its column
-header (:func:`label`), its words in a sentence (:func:`title`), the stem of its Δ headers (:func:`short_label`),
-its number format and display unit (:func:`value_format`, :func:`format_value`; bytes are shown in GiB), its
-raw-row key in tables and CSV (:func:`column`) and its W&B summary alias (:func:`wandb_key`). Every table,
-progress line, CLI line, plot and W&B key takes these from here. The schema prose is in docs/CONTRACTS.md.
+header (:func:`label`), its words in a sentence (:func:`title`), the stem of its Δ headers
+(:func:`short_label`), its number format and display unit (:func:`value_format`, :func:`format_value`; bytes
+are shown in GiB), its raw-row key in tables and CSV (:func:`column`) and its W&B summary alias
+(:func:`wandb_key`). Every table, progress line, CLI line, plot and W&B key takes these from here. The schema
+prose is in docs/CONTRACTS.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Typed view of the trial result JSON: :class:`TrialResult`, :class:`Metrics`, :class:`Estimate`, :class:`Meta`.
+"""Typed view of the trial result JSON: :class:`TrialResult`, :class:`Metrics`, :class:`Estimate`,
+:class:`Meta`.
 
 The JSON file is the record (docs/CONTRACTS.md, "Result JSON"); these types read and check it.
 ``TrialResult.from_json(d)`` checks every known key's type and raises :class:`ResultSchemaError` (one line
@@ -134,7 +135,8 @@ class _Record:
 
 @dataclass(kw_only=True)
 class Estimate(_Record):
-    """``result.estimate``: the analytic memory estimate of the config (:func:`vramsweep.estimate.estimate`)."""
+    """``result.estimate``: the analytic memory estimate of the config
+    (:func:`vramsweep.estimate.estimate`)."""
 
     KEYS: ClassVar[dict[str, tuple[str, bool]]] = {
         "peak_memory_bytes": ("number", True),

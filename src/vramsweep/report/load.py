@@ -841,8 +841,8 @@ def _load_folder(folder: Path, study: str | None) -> SweepData:
                 raise
             if str(exc).startswith("cannot open storage"):  # not a database at all (garbage, torn copy)
                 raise ReportError(
-                    f"{db if db.is_file() else safe_url(url)} is not a readable Optuna study database ({exc}); "
-                    "move it aside to report from the result JSONs alone"
+                    f"{db if db.is_file() else safe_url(url)} is not a readable Optuna study "
+                    f"database ({exc}); move it aside to report from the result JSONs alone"
                 ) from exc
             notes.append(f"study database not used: {exc}")
     elif study is not None:

@@ -1,4 +1,5 @@
-"""``vramsweep pick``: choose the production config that fits a memory budget and pin it as a Hydra experiment.
+"""``vramsweep pick``: choose the production config that fits a memory budget and pin it as a Hydra
+experiment.
 
 Candidates are configs, not trials: a config's seed repeats are one candidate (:class:`Candidate`: the
 largest peak of its repeats, the mean eval loss, the mean tokens/s of the repeats measured without load).
@@ -24,8 +25,8 @@ regardless). The file is then composed back and compared with the trial's config
 defaults, never the installed package. ``train.yaml`` has no ``experiment`` slot in its defaults list
 (the usual Hydra experiment pattern), so the experiment is appended with ``+experiment=<name>``.
 
-Exit codes of :func:`run_pick`: 0 written; 1 the written experiment did not compose (undone: the old file back, or none);
-2 bad input or nothing fits.
+Exit codes of :func:`run_pick`: 0 written; 1 the written experiment did not compose (undone: the old file
+back, or none); 2 bad input or nothing fits.
 """
 
 from __future__ import annotations
@@ -574,9 +575,10 @@ def production_md(
         "",
         f"Chosen by `{command}` on {stamp}.",
         "",
-        f"**Trial {winner.number}** won ({'its config: trials ' + winner.numbers if len(winner.trials) > 1 else 'a single run'}): "
-        f"{_criterion(prefer)} among {len(ranked)} eligible config(s) "
-        f"({cond}) out of {len(sweep.trials)} ({n_ok} ok)." + (f" Quality: {why}." if why else ""),
+        f"**Trial {winner.number}** won "
+        f"({'its config: trials ' + winner.numbers if len(winner.trials) > 1 else 'a single run'}): "
+        f"{_criterion(prefer)} among {len(ranked)} eligible config(s) ({cond}) out of "
+        f"{len(sweep.trials)} ({n_ok} ok)." + (f" Quality: {why}." if why else ""),
         "",
         f"Experiment: `{exp_path}`; train it with `{train_command(name, exp_path.parent.parent)}`.",
         "",
@@ -584,9 +586,11 @@ def production_md(
         "|---|---|",
         f"| measured peak | {gib(peak)} GiB ({winner.rep.memory_kind or 'kind not recorded'}) |",
         f"| budget | {budget_gib:g} GiB (headroom asked {headroom_gib:g} GiB) |",
-        f"| headroom vs budget | {gib(budget_gib - peak)} GiB ({(budget_gib - peak) / budget_gib * 100:.1f} %) |",
+        f"| headroom vs budget | {gib(budget_gib - peak)} GiB "
+        f"({(budget_gib - peak) / budget_gib * 100:.1f} %) |",
         *(f"| {title(m)} | {_show(winner, m, 'not measured')} |" for m in (_TPS, _LOSS, _PPL, _TASK)),
-        f"| estimate | {gib(est) + ' GiB' if (est := winner.rep.estimate_gib) is not None else 'none recorded'} |",
+        "| estimate | "
+        f"{gib(est) + ' GiB' if (est := winner.rep.estimate_gib) is not None else 'none recorded'} |",
         f"| overrides | `{' '.join(winner.rep.overrides) or '(none)'}` |",
         "",
         "## Top candidates",
@@ -644,7 +648,8 @@ def _target_conf(name: str | None, conf_dir: str | None) -> Path:
     """The conf dir ``experiment/<name>.yaml`` goes into; :class:`ReportError` for a bad name or folder."""
     if name is not None and not NAME_RE.match(name):
         raise ReportError(
-            f"--name {name!r} must be letters, digits, '_' or '-' (it becomes experiment/<name>.yaml in the conf dir)"
+            f"--name {name!r} must be letters, digits, '_' or '-' (it becomes "
+            "experiment/<name>.yaml in the conf dir)"
         )
     if conf_dir is None:
         try:
@@ -689,13 +694,13 @@ def _pinned_header(
     """The comment lines at the top of the experiment file: how, when and why it was pinned."""
     return [
         f"Pinned by `{command}`",
-        f"on {_dt.datetime.now(_dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}: trial {winner.number} of sweep '{sweep.name}', "
-        f"{_criterion(prefer)}",
+        f"on {_dt.datetime.now(_dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}: trial {winner.number} of "
+        f"sweep '{sweep.name}', {_criterion(prefer)}",
         f"among {n_ranked} config(s) whose ok trials all peaked <= {limit:g} GiB"
         + (f" and tokens/s >= {min_tokens_per_s:g}" if min_tokens_per_s is not None else "")
         + ".",
-        f"Measured ({_configs(winner)}): peak {_show(winner, _PEAK, unit=True)}, {title(_TPS)} {_show(winner, _TPS, 'n/a')}, "
-        f"{title(_LOSS)} {_show(winner, _LOSS, 'n/a')}.",
+        f"Measured ({_configs(winner)}): peak {_show(winner, _PEAK, unit=True)}, {title(_TPS)} "
+        f"{_show(winner, _TPS, 'n/a')}, {title(_LOSS)} {_show(winner, _LOSS, 'n/a')}.",
         f"Train it: {train_command(name, conf)}",
     ]
 
@@ -777,7 +782,8 @@ def run_pick(
     conf_dir: str | None = None,
     study: str | None = None,
 ) -> int:
-    """Pick the best trial that fits ``budget_gib`` and write ``<conf>/experiment/<name>.yaml`` + ``production.md``.
+    """Pick the best trial that fits ``budget_gib`` and write ``<conf>/experiment/<name>.yaml`` +
+    ``production.md``.
 
     Args:
         target: sweep folder, ``sweep.json``/``study.db``, or Optuna storage URL.
@@ -837,7 +843,8 @@ def run_pick(
         return _err(f"cannot write {exp_path}: {exc}")
     except ReportError as exc:
         print(
-            f"vramsweep pick: error: the experiment for trial {winner.number:04d} does not compose ({exp_path} left as it was): {exc}",
+            f"vramsweep pick: error: the experiment for trial {winner.number:04d} does not compose "
+            f"({exp_path} left as it was): {exc}",
             file=sys.stderr,
         )
         return 1

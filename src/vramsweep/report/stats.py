@@ -113,7 +113,8 @@ def _is_zero(v: float, scale: float) -> bool:
 
 
 def compare(a: list[float], b: list[float], alpha: float = ALPHA) -> Comparison | None:
-    """Compare the values of arm ``a`` with reference arm ``b`` (see the module docstring); None if either is empty."""
+    """Compare the values of arm ``a`` with reference arm ``b`` (see the module docstring); None if either is
+    empty."""
     if not a or not b:
         return None
     na, nb = len(a), len(b)

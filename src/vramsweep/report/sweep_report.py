@@ -1,5 +1,5 @@
-"""``vramsweep report`` (the whole report of a sweep): write ``ablation.md`` + ``ablation.csv`` + plots and print
-the main table.
+"""``vramsweep report`` (the whole report of a sweep): write ``ablation.md`` + ``ablation.csv`` + plots and
+print the main table.
 
 Exit codes of :func:`run_report`: 0 report written; 1 nothing to report (no trial results yet);
 2 bad input (missing folder, not a sweep, unknown study, unwritable output folder).

@@ -4,8 +4,9 @@ Each table is a :class:`Table`: raw rows (numbers unformatted, for CSV and W&B) 
 (formatted strings, for Markdown and the terminal). Definitions used throughout:
 
 * memory in GiB = ``peak_memory_bytes / 2**30``; every metric's header, number format and display unit
-  come from the metric registry (:mod:`vramsweep.record.metrics`: ``label``, ``format_value``, ...); feasible = status ``ok`` and peak ≤ budget (when a
-  budget is set); only feasible trials can be best or on the Pareto front;
+  come from the metric registry (:mod:`vramsweep.record.metrics`: ``label``, ``format_value``, ...); feasible
+  = status ``ok`` and peak ≤ budget (when a budget is set); only feasible trials can be best or on the Pareto
+  front;
 * design points with seed repeats report mean ± sample standard deviation (n−1) over their ``ok``
   repeats; Δ columns compare means (Δ % relative to the reference mean);
 * estimate error % = (estimate − measured) / measured × 100 (positive = over-prediction).
@@ -298,7 +299,8 @@ def _trials_cell(r: dict[str, Any]) -> str:
 
 
 def pareto_front(trials: Iterable[TrialRecord], objectives: list[tuple[str, str]]) -> list[TrialRecord]:
-    """Non-dominated trials over ``objectives`` ((metric, minimize|maximize)); trials missing a value are out."""
+    """Non-dominated trials over ``objectives`` ((metric, minimize|maximize)); trials missing a value are
+    out."""
     points = []
     for t in trials:
         vals = [t.metric(m) for m, _ in objectives]
@@ -339,7 +341,8 @@ def _value_for(trial: TrialRecord, key: str) -> str | None:
 def _matches(
     trial: TrialRecord, expected: dict[str, str], keys: set[str], changed: dict[str, set[str]]
 ) -> bool:
-    """True when ``trial`` ran exactly ``expected`` on ``keys`` (keys not expected keep their non-design value)."""
+    """True when ``trial`` ran exactly ``expected`` on ``keys`` (keys not expected keep their non-design
+    value)."""
     for k in keys:
         if k in REPEAT_KEYS:
             continue
@@ -869,8 +872,8 @@ def best_config(
     trial, and which other configs it is not separated from (t-test of the configs' values, p ≥ 0.05).
 
     Returns ``(trial, info)`` with ``info`` = ``config``, ``within_noise`` (configs not separated from the
-    best, as their differences to it, ``; ``-joined), ``noise_unknown`` (single runs on both sides, ``; ``-joined), ``n_other``,
-    ``noise`` (a sentence); None when no trial has a value.
+    best, as their differences to it, ``; ``-joined), ``noise_unknown`` (single runs on both sides,
+    ``; ``-joined), ``n_other``, ``noise`` (a sentence); None when no trial has a value.
     """
     cands = [t for t in trials if t.metric(metric) is not None]
     if not cands:
@@ -939,9 +942,9 @@ def best_table(sweep: SweepData) -> Table:
     front = pareto_front(feasible, sweep.objectives)
     objs = ", ".join(f"{m} {'↓' if d == 'minimize' else '↑'}" for m, d in sweep.objectives)
     intro = (
-        f"Feasible trials only ({len(feasible)} of {len(sweep.trials)}). Best = the config with the best mean "
-        "over its seed repeats (its best trial shown); vs other configs: which it beats beyond the "
-        "seed-to-seed noise (t-test, p < 0.05). "
+        f"Feasible trials only ({len(feasible)} of {len(sweep.trials)}). Best = the config with "
+        "the best mean over its seed repeats (its best trial shown); vs other configs: which it "
+        "beats beyond the seed-to-seed noise (t-test, p < 0.05). "
         f"Pareto front over {objs}: " + (", ".join(f"trial {t.number:04d}" for t in front) or "empty") + "."
     )
     return Table(

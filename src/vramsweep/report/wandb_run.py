@@ -47,7 +47,8 @@ def _finite(value: Any) -> bool:
 
 
 def design_role(design: dict | None) -> str | None:
-    """``baseline`` | ``ablation`` | ``stacking`` | ``grid`` | ``search`` for a ``meta.design`` dict, else None."""
+    """``baseline`` | ``ablation`` | ``stacking`` | ``grid`` | ``search`` for a ``meta.design`` dict, else
+    None."""
     if not isinstance(design, dict) or not design.get("kind"):
         return None
     kind = str(design["kind"])

@@ -1,4 +1,5 @@
-"""``python -m vramsweep.sweeper sweep=<name> [overrides]`` = ``vramsweep train -m sweep=<name> [overrides]``."""
+"""``python -m vramsweep.sweeper sweep=<name> [overrides]`` =
+``vramsweep train -m sweep=<name> [overrides]``."""
 
 from vramsweep.sweeper.multirun import main
 

@@ -158,8 +158,9 @@ def build_design(
     """The planned points of a fixed design, or ``None`` for ``search`` (the sampler decides)."""
     if design in ("ablation", "stacking") and dims:
         raise ConfigError(
-            f"sweep.design={design} takes its points from sweep.baseline/factors/stack; the search-space entries "
-            f"{', '.join(d.key for d in dims)} would be ignored: drop them or use sweep.design=search",
+            f"sweep.design={design} takes its points from sweep.baseline/factors/stack; the "
+            f"search-space entries {', '.join(d.key for d in dims)} would be ignored: drop them or "
+            "use sweep.design=search",
             key="hydra.sweeper.params",
         )
     if design == "ablation":

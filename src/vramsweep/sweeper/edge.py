@@ -4,18 +4,19 @@ from the estimator instead of from trials.
 When a new search study is created (never on a resume), a bounded sample of the search space is estimated
 (:func:`screen`): every point when the space has at most :data:`MAX_CANDIDATES` points, else that many
 points drawn at random (seeded by ``hydra.sweeper.seed``); estimating stops after :data:`TIME_S` CPU seconds
-whatever is left (~14 ms a point on our 2-core machine: 128 points take ~1.8 s), so a 400k-point space starts as fast as a 48-point one. Points are not composed one by
-one (0.3-0.8 s each): the fixed overrides are composed once and each point's config-group options are
-swapped into a copy (:class:`FastConfigs`, as ``vramsweep estimate --suggest`` does), checked against one
-real compose of the first edge point (the others are checked against the config rules).
+whatever is left (~14 ms a point on our 2-core machine: 128 points take ~1.8 s), so a 400k-point space starts
+as fast as a 48-point one. Points are not composed one by one (0.3-0.8 s each): the fixed overrides are
+composed once and each point's config-group options are swapped into a copy (:class:`FastConfigs`, as
+``vramsweep estimate --suggest`` does), checked against one real compose of the first edge point (the others
+are checked against the config rules).
 
 * **Edge points**: the :data:`EDGE_K` points with the highest estimated peak that the estimator puts
   inside ``hardware.budget_gib`` as the pre-flight counts it (required bytes <= budget + :data:`MARGIN`,
-  the points ``sweep.preflight`` would run: the wall is where the estimate is uncertain), picked greedily with a bonus for
-  differing from the points already picked (so the start spans the knobs that do not move the peak, such
-  as the learning rate). They fill the first slots (``fixed_params``), in that order; the list is kept
-  in the study (:data:`EDGE_ATTR`), so a resumed sweep, or one with a larger ``n_trials``, gives each slot
-  the same point.
+  the points ``sweep.preflight`` would run: the wall is where the estimate is uncertain), picked greedily with
+  a bonus for differing from the points already picked (so the start spans the knobs that do not move the
+  peak, such as the learning rate). They fill the first slots (``fixed_params``), in that order; the list is
+  kept in the study (:data:`EDGE_ATTR`), so a resumed sweep, or one with a larger ``n_trials``, gives each
+  slot the same point.
 * **Screened points**: up to :data:`MAX_RECORDED` sampled points the estimator puts over the budget by
   more than the pre-flight's 10 % margin are recorded as finished trials without a trial process: status
   ``infeasible_estimate``, state PRUNED, constraint ``vram_over_budget_gib`` = estimated excess (the
@@ -58,7 +59,8 @@ MAX_RECORDED = 64
 TIME_S = 2.0
 #: Pre-flight margin: a point is screened out only when its estimate exceeds the budget by more than this.
 MARGIN = 0.10
-#: Weight of "differs from the edge points already picked" against the estimated peak (a fraction of the budget).
+#: Weight of "differs from the edge points already picked" against the estimated peak (a fraction of the
+#: budget).
 DIVERSITY = 0.1
 #: Relative disagreement between the fast path and a real compose above which no point is recorded.
 AGREE = 0.01
@@ -316,8 +318,9 @@ def describe(info: dict[str, Any]) -> str:
     note = f"; {info['note']}" if info.get("note") else ""
     return (
         f"vramsweep: edge start: {info['estimated']}{of} points estimated in {info['seconds']:.1f} s: "
-        f"{info['fits']} fit the budget (+{MARGIN:.0%} margin), {len(info['points'])} near its edge run first; "
-        f"{info['screened']} over it recorded infeasible_estimate without a trial (not counted toward n_trials){note}"
+        f"{info['fits']} fit the budget (+{MARGIN:.0%} margin), {len(info['points'])} near its edge run "
+        f"first; {info['screened']} over it recorded infeasible_estimate without a trial (not counted "
+        f"toward n_trials){note}"
     )
 
 
@@ -334,8 +337,9 @@ def record_screened(book: Any, point: dict[str, Any], est: dict[str, Any], budge
         trial=number,
         overrides=overrides,
         reason=(
-            f"estimated peak {est[MetricName.PEAK_MEMORY_BYTES] / GIB:.2f} GiB > hardware.budget_gib={budget_gib:g} "
-            f"(+{MARGIN:.0%} margin): not run (sweep.edge_start screened it before the first trial)"
+            f"estimated peak {est[MetricName.PEAK_MEMORY_BYTES] / GIB:.2f} GiB > "
+            f"hardware.budget_gib={budget_gib:g} (+{MARGIN:.0%} margin): not run (sweep.edge_start "
+            "screened it before the first trial)"
         ),
         config={"hardware": {"budget_gib": budget_gib}},
     )

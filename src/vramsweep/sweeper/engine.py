@@ -76,7 +76,8 @@ def dashboard_hint(storage: str) -> str | None:
 def summary_status(trial: Any) -> str:
     """What the summary counts a finished study trial as: :func:`.progress.status_label` (the progress line's
     rule: ``over budget`` for an ``ok`` trial over its budget) of its recorded status and the largest budget
-    constraint the study holds for it (``constraints:<name>``; the dashboard's list copy is the same value)."""
+    constraint the study holds for it (``constraints:<name>``; the dashboard's list copy is the same
+    value)."""
     constraints = [
         v
         for k, v in trial.system_attrs.items()
@@ -192,7 +193,10 @@ class Sweep:
                 state.interrupted = True
                 state.signal = "SIGTERM" if signalled else "Ctrl-C"
                 state.abort.set()
-                state.abort_reason = f"interrupted ({state.signal}); running trials re-enqueued: re-run the same command to resume"
+                state.abort_reason = (
+                    f"interrupted ({state.signal}); running trials re-enqueued: re-run the same "
+                    "command to resume"
+                )
                 if isinstance(self.runner, LauncherRunner):
                     self.runner.kill_all(state.signal)
                 else:
@@ -210,7 +214,10 @@ class Sweep:
         elif s.design != "search":
             pruning = "no pruning (fixed design: every point runs to the end)"
         else:
-            pruning = "no pruning (needs a single objective eval_loss/eval_ppl; Optuna cannot prune multi-objective)"
+            pruning = (
+                "no pruning (needs a single objective eval_loss/eval_ppl; Optuna cannot prune "
+                "multi-objective)"
+            )
         how = {
             "fork": _fork_how(s.preload),
             "spawn": "fresh interpreter",
@@ -223,8 +230,8 @@ class Sweep:
         objs = ", ".join(f"{o.direction} {o.metric}" for o in s.objectives)
         budget = f"; budget {s.budget_gib:g} GiB" if s.budget_gib else ""
         return (
-            f"vramsweep: '{s.name}': {what}, {plural(self.plan.n_total, 'trial')}, {objs}{budget}; {pruning}; "
-            f"{s.n_jobs} worker(s), each trial in a {how}"
+            f"vramsweep: '{s.name}': {what}, {plural(self.plan.n_total, 'trial')}, {objs}{budget}; "
+            f"{pruning}; {s.n_jobs} worker(s), each trial in a {how}"
         )
 
     def summary(self, wall_s: float) -> None:
@@ -249,8 +256,8 @@ class Sweep:
             st = summary_status(t)
             by_status[st] = by_status.get(st, 0) + 1
         lines = [
-            f"vramsweep: sweep '{self.settings.name}' - this run: {plural(self.state.finished, 'trial')} in {wall_s:.0f} s; "
-            "study total: "
+            f"vramsweep: sweep '{self.settings.name}' - this run: "
+            f"{plural(self.state.finished, 'trial')} in {wall_s:.0f} s; study total: "
             + (", ".join(f"{v} {k}" for k, v in sorted(by_status.items())) or "no finished trials")
             + (f"; {plural(jobs_lost, 'launcher job')} lost (not results)" if jobs_lost else "")
         ]
@@ -262,7 +269,8 @@ class Sweep:
             if len(self.settings.objectives) == 1:
                 b = best[0]
                 lines.append(
-                    f"vramsweep: best feasible: trial {b.number:04d} {self.settings.objectives[0].metric}={b.values[0]:.6g} "
+                    f"vramsweep: best feasible: trial {b.number:04d} "
+                    f"{self.settings.objectives[0].metric}={b.values[0]:.6g} "
                     + " ".join(
                         fmt_override(o)
                         for o in b.user_attrs.get("overrides") or []
@@ -279,8 +287,8 @@ class Sweep:
         if lost:
             lines.append(
                 f"vramsweep: {len(lost)} design point(s) lost for good (their worker died or was stopped "
-                f"{self.settings.retry_stale + 1} times: trial(s) {', '.join(f'{n:04d}' for n in lost)}): re-run with "
-                f"hydra.sweeper.retry_stale={self.settings.retry_stale + 1} to retry them"
+                f"{self.settings.retry_stale + 1} times: trial(s) {', '.join(f'{n:04d}' for n in lost)}): "
+                f"re-run with hydra.sweeper.retry_stale={self.settings.retry_stale + 1} to retry them"
             )
         if self.state.abort_reason:
             lines.append(f"vramsweep: ABORTED: {self.state.abort_reason}")
@@ -296,7 +304,8 @@ class Sweep:
             )
             what += [f"{plural(waiting, 'trial')} waiting"] if waiting else []
             lines.append(
-                f"vramsweep: left: {' and '.join(what)}: re-run the same command to run {'it' if len(job_lost) + waiting == 1 else 'them'}"
+                f"vramsweep: left: {' and '.join(what)}: re-run the same command to run "
+                f"{'it' if len(job_lost) + waiting == 1 else 'them'}"
             )
         for line in lines:
             print(line, flush=True)

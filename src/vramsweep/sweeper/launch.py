@@ -56,7 +56,8 @@ from vramsweep.sweeper.trialproc import (
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 #: Launchers whose ``launch()`` may run in several threads at once (a new executor per call, no globals).
 CONCURRENT_LAUNCHERS = ("hydra_plugins.hydra_submitit_launcher.",)
-#: SLURM job states after which a job without a result is a result of its own limits (a retry hits them again).
+#: SLURM job states after which a job without a result is a result of its own limits (a retry hits them
+#: again).
 RESULT_STATES = ("TIMEOUT", "OUT_OF_MEMORY", "DEADLINE")
 #: SLURM states of a job still in the queue (anything else: it left).
 QUEUED_STATES = (
@@ -75,7 +76,8 @@ QUEUED_STATES = (
     "SPECIAL_EXIT",
     "RESV_DEL_HOLD",
 )
-#: Seconds a job that left the queue gets for its result to show up (shared filesystems lag) before it is lost.
+#: Seconds a job that left the queue gets for its result to show up (shared filesystems lag) before it is
+#: lost.
 SETTLE_S = float(os.environ.get("VRAMSWEEP_JOB_SETTLE_S", "10"))
 #: Seconds between two ``squeue`` probes of a job.
 PROBE_S = float(os.environ.get("VRAMSWEEP_JOB_PROBE_S", "2"))
@@ -154,8 +156,9 @@ def choose_isolation(
     if not explicit:
         return "launcher", None
     return isolation, (
-        f"vramsweep: hydra.sweeper.isolation={isolation}: the configured Hydra launcher ({short}) is not used; "
-        "each trial runs in a process of this sweeper (hydra.sweeper.isolation=launcher hands trials to it)"
+        f"vramsweep: hydra.sweeper.isolation={isolation}: the configured Hydra launcher ({short}) "
+        "is not used; each trial runs in a process of this sweeper "
+        "(hydra.sweeper.isolation=launcher hands trials to it)"
     )
 
 
@@ -341,7 +344,10 @@ class _WaitNotes:
                 f"(squeue fails); job {self.job_id} may still be queued or running: still waiting for it "
                 "(Ctrl-C cancels this sweep's jobs)"
             )
-        return f"vramsweep: trial {self.number:04d}: job {self.job_id} {state} for {waited}; still waiting for it"
+        return (
+            f"vramsweep: trial {self.number:04d}: job {self.job_id} {state} for {waited}; still "
+            "waiting for it"
+        )
 
 
 class _SubmititJobs:
@@ -428,7 +434,8 @@ class _SubmititJobs:
         return None
 
     def run(self, req: _Request) -> None:
-        """Submit, then wait until the job is done, lost, or Ctrl-C cancels it. Sets ``req.lost`` / ``req.error``."""
+        """Submit, then wait until the job is done, lost, or Ctrl-C cancels it. Sets ``req.lost`` /
+        ``req.error``."""
         try:
             job = self.submit(req)
         except KeyboardInterrupt:

@@ -115,7 +115,8 @@ class _Prober:
             fit
         ]
         self.say(
-            f"  trial {number:04d}: {tokens:,} tokens: {verdict} (peak {peak_txt}, {time.perf_counter() - t0:.1f} s)"
+            f"  trial {number:04d}: {tokens:,} tokens: {verdict} (peak {peak_txt}, "
+            f"{time.perf_counter() - t0:.1f} s)"
         )
         return res
 
@@ -224,7 +225,8 @@ def _table_md(rows: list[dict], budget_gib: float, device_note: str) -> str:
     out = io.StringIO()
     out.write(f"# Max context per config (budget {budget_gib:g} GiB{device_note})\n\n")
     out.write(
-        "| config | predicted | max tokens (fits) | next step | peak GiB at max | tokens/s at max | probes | note |\n"
+        "| config | predicted | max tokens (fits) | next step | peak GiB at max | tokens/s at max "
+        "| probes | note |\n"
     )
     out.write("|---|---|---|---|---|---|---|---|\n")
     for r in rows:
@@ -365,9 +367,9 @@ def run_max_context(
     }
     runner = runner or make_runner(isolation, list(sweeper_cfg.get("preload") or DEFAULT_PRELOAD))
     say(
-        f"vramsweep: '{plan.name}': max-context search over {len(plan.configs)} config(s), {plan.lo:,}..{plan.hi:,} "
-        f"tokens in steps of {plan.step:,}, budget {plan.budget_bytes / GIB:g} GiB; each probe is a real trial "
-        f"({isolation})"
+        f"vramsweep: '{plan.name}': max-context search over {len(plan.configs)} config(s), "
+        f"{plan.lo:,}..{plan.hi:,} tokens in steps of {plan.step:,}, budget {plan.budget_bytes / GIB:g} "
+        f"GiB; each probe is a real trial ({isolation})"
     )
     runner.start()
     prober = _Prober(runner, sweep_dir, settings, plan.budget_bytes, say)

@@ -84,7 +84,8 @@ def check_option_names(args: list[str]) -> None:
                 hint = (
                     ""
                     if known
-                    else " (none yet: `vramsweep pick` writes experiment/<name>.yaml into your conf dir, ./conf)"
+                    else " (none yet: `vramsweep pick` writes experiment/<name>.yaml into your conf "
+                    "dir, ./conf)"
                 )
                 raise ConfigError(f"unknown {group} '{n}'{hint}", key=group, allowed=known or None)
 

@@ -230,10 +230,10 @@ def died_status(exitcode: int | None, marker: dict[str, Any] | None) -> tuple[St
         return f"{v / GIB:.2f} GiB" if isinstance(v, int | float) and not isinstance(v, bool) else "unknown"
 
     return Status.HOST_OOM, (
-        f"{reason}, while its {'pinned ' if marker.get('pinned') else ''}host pool for checkpointing=offload was "
-        f"growing to {gib('pool_bytes')} (process RSS {gib('rss_bytes')}, MemAvailable {gib('available_bytes')} "
-        "when it started): out of host memory; use a shorter context.max_tokens, checkpointing=on, or a machine "
-        "with more RAM"
+        f"{reason}, while its {'pinned ' if marker.get('pinned') else ''}host pool for "
+        f"checkpointing=offload was growing to {gib('pool_bytes')} (process RSS {gib('rss_bytes')}, "
+        f"MemAvailable {gib('available_bytes')} when it started): out of host memory; use a shorter "
+        "context.max_tokens, checkpointing=on, or a machine with more RAM"
     )
 
 

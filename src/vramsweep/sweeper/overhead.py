@@ -24,7 +24,8 @@ from vramsweep.sweeper.trialproc import TrialSpec
 
 
 def noop_trial(overrides: list[str], **_: Any) -> dict[str, Any]:
-    """Imports what a real trial imports (``VRAMSWEEP_PRELOAD``) and returns ``ok`` at once (overhead probe)."""
+    """Imports what a real trial imports (``VRAMSWEEP_PRELOAD``) and returns ``ok`` at once (overhead
+    probe)."""
 
     for name in [m for m in os.environ.get("VRAMSWEEP_PRELOAD", "").split(",") if m]:
         try:

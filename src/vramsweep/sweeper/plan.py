@@ -130,8 +130,8 @@ def check_trial_cap(settings: Settings, dims: list[Param]) -> None:
         total = min(total, settings.n_trials)  # a design capped by n_trials runs that many
     if total > MAX_TRIALS:
         raise ConfigError(
-            f"{key}: the sweep plans {total:,.0f} trials ({what}); one sweep runs at most {MAX_TRIALS:,}: use fewer "
-            "values or repeats, or split it into several sweeps",
+            f"{key}: the sweep plans {total:,.0f} trials ({what}); one sweep runs at most "
+            f"{MAX_TRIALS:,}: use fewer values or repeats, or split it into several sweeps",
             key=key,
             allowed=[f"1..{MAX_TRIALS:,} trials"],
         )
@@ -226,8 +226,8 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
             validate_design(fixed, design)
         if settings.n_trials is not None and settings.n_trials > len(design):
             print(
-                f"vramsweep: the {settings.design} design has {len(design)} points; n_trials={settings.n_trials} "
-                f"capped to {len(design)}",
+                f"vramsweep: the {settings.design} design has {len(design)} points; "
+                f"n_trials={settings.n_trials} capped to {len(design)}",
                 file=sys.stderr,
             )
     else:

@@ -179,9 +179,9 @@ def submit_run(overrides: list[str]) -> int:
     print(f"  losses: {run / LOSS_LOG}   result: {result}")
     print(f"  logs: {job.paths.stdout} / {job.paths.stderr}")
     print(
-        f"  checkpoints on SIG{submitit.JobEnvironment.USR_SIG} {params.get('signal_delay_s')} s before timeout_min={params.get('timeout_min')}"
-        f" and on scontrol requeue; resumes itself (requeued up to max_num_timeout={params.get('max_num_timeout')}"
-        " times at the time limit)"
+        f"  checkpoints on SIG{submitit.JobEnvironment.USR_SIG} {params.get('signal_delay_s')} s before "
+        f"timeout_min={params.get('timeout_min')} and on scontrol requeue; resumes itself (requeued up to "
+        f"max_num_timeout={params.get('max_num_timeout')} times at the time limit)"
     )
     return 0
 

@@ -3,10 +3,10 @@
 Short names: ``tpe`` (multivariate, grouped, constant liar so parallel workers do not pile onto one
 point), ``random``, ``grid`` (handled as a grid design: exact enumeration, exact resume), ``nsga2``,
 ``gp`` (needs scipy): :data:`SAMPLER_TABLE` / :data:`PRUNER_TABLE` hold each one's class, defaults,
-needed packages and Hydra option names. A dict with ``name`` adds keyword arguments (``{name: tpe, n_startup_trials: 4}``);
-a dict with ``_target_`` is instantiated as-is, like hydra-optuna-sweeper's sampler configs.
-Constraints are passed per trial with ``Trial.set_constraint`` (Optuna 5), which every sampler here
-reads; the deprecated ``constraints_func`` is not used.
+needed packages and Hydra option names. A dict with ``name`` adds keyword arguments
+(``{name: tpe, n_startup_trials: 4}``); a dict with ``_target_`` is instantiated as-is, like
+hydra-optuna-sweeper's sampler configs. Constraints are passed per trial with ``Trial.set_constraint`` (Optuna
+5), which every sampler here reads; the deprecated ``constraints_func`` is not used.
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ def _instantiate(spec: dict[str, Any], what: str) -> Any:
     except Exception as exc:
         cause = exc.__cause__ or exc
         raise ConfigError(
-            f"hydra.sweeper.{what}: cannot instantiate {target}: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}",
+            f"hydra.sweeper.{what}: cannot instantiate {target}: "
+            f"{str(cause).splitlines()[0] if str(cause) else type(cause).__name__}",
             key=f"hydra.sweeper.{what}",
         ) from exc
     import optuna
@@ -141,8 +142,9 @@ def motpe_sampler(**kwargs: Any) -> Any:
     if not _MOTPE_SAID:
         _MOTPE_SAID.append(True)
         print(
-            "vramsweep: note: the 'motpe' sampler was removed in Optuna 4.0; hydra/sweeper/sampler=motpe runs "
-            "TPESampler, which handles multi-objective optimization (hydra/sweeper/sampler=tpe says so directly)",
+            "vramsweep: note: the 'motpe' sampler was removed in Optuna 4.0; hydra/sweeper/sampler=motpe "
+            "runs TPESampler, which handles multi-objective optimization (hydra/sweeper/sampler=tpe says so "
+            "directly)",
             file=sys.stderr,
             flush=True,
         )

@@ -60,7 +60,8 @@ MIN_TIMEOUT_S = 1.0
 
 @dataclass(frozen=True)
 class Rule:
-    """Type and range of one ``hydra.sweeper.*`` setting (carried by its :class:`SweeperConf` field; :data:`SETTING_RULES`).
+    """Type and range of one ``hydra.sweeper.*`` setting (carried by its :class:`SweeperConf` field;
+    :data:`SETTING_RULES`).
 
     ``kind``: ``int``, ``float``, ``bool``, ``str``, ``choice`` (one of ``choices``), ``spec`` (a name in
     ``choices`` or a dict, checked by :func:`_check_spec`), ``direction`` (``minimize``/``maximize`` or a list
@@ -105,7 +106,8 @@ class SweeperConf:
         sampler: ``tpe | random | grid | nsga2 | gp``, or a dict: ``{name: tpe, n_startup_trials: 5}`` or
             hydra-optuna-sweeper style ``{_target_: optuna.samplers.TPESampler, seed: 1}``. ``null`` (the
             default): command-line comma lists / ``range`` / ``choice`` are a grid (Hydra's basic-sweeper
-            semantics); a sweep file's ``params``, ``sweep.design: search`` or an ``interval`` is a TPE search.
+            semantics); a sweep file's ``params``, ``sweep.design: search`` or an ``interval`` is a TPE
+            search.
         pruner: ``median | sha | hyperband | none`` or a dict like ``sampler``. Active only for a search
             with a single objective ``eval_loss``/``eval_ppl`` (Optuna cannot report intermediate values
             in multi-objective studies; fixed designs run every point to the end).
@@ -337,8 +339,8 @@ def _check_preload(modules: Any) -> None:
 
 def resolve_custom_search_space(path: str) -> Any:
     """``hydra.sweeper.custom_search_space`` as upstream resolves it: any dotted path
-    ``hydra.utils.get_method`` finds (``custom-search-space-objective.configure`` included; ``module:function``
-    too). :class:`ConfigError` names the key when it does not resolve to a function."""
+    ``hydra.utils.get_method`` finds (``custom-search-space-objective.configure`` included;
+    ``module:function`` too). :class:`ConfigError` names the key when it does not resolve to a function."""
     from hydra.utils import get_method
 
     key = "hydra.sweeper.custom_search_space"
@@ -422,9 +424,10 @@ _SWEEP_KEYS = ("baseline", "factors", "stack", "preflight")
 @dataclass(frozen=True)
 class Settings:
     """Everything a sweep needs, resolved and validated (the content of ``sweep.json``): a thin, frozen view
-    of the checked :class:`SweeperConf` (``conf``) and :class:`SweepConfig` (``sweep``) plus the values derived
-    from them. Every ``hydra.sweeper.*`` key and ``sweep.baseline/factors/stack/preflight`` read through
-    (``settings.retry_stale`` is ``settings.conf.retry_stale``); only derived values are fields here."""
+    of the checked :class:`SweeperConf` (``conf``) and :class:`SweepConfig` (``sweep``) plus the values
+    derived from them. Every ``hydra.sweeper.*`` key and ``sweep.baseline/factors/stack/preflight`` read
+    through (``settings.retry_stale`` is ``settings.conf.retry_stale``); only derived values are fields
+    here."""
 
     conf: SweeperConf
     sweep: SweepConfig
@@ -441,11 +444,13 @@ class Settings:
     sweep_dir: Path
     results_dir: str = "results"
     budget_gib: float = 0.0
-    #: named by a sweep file, ``sweep.name=`` or ``hydra.sweeper.study_name`` (else named by its identity hash)
+    #: named by a sweep file, ``sweep.name=`` or ``hydra.sweeper.study_name`` (else named by its identity
+    #: hash)
     named: bool = True
     #: why this design (for the describe line), e.g. "command-line lists"
     design_reason: str = ""
-    #: ``sweep.edge_start`` resolved: a search with a budget starts at the edge (:mod:`vramsweep.sweeper.edge`)
+    #: ``sweep.edge_start`` resolved: a search with a budget starts at the edge
+    #: (:mod:`vramsweep.sweeper.edge`)
     edge_start: bool = False
 
     def __getattr__(self, key: str) -> Any:
@@ -572,7 +577,8 @@ def parse_objectives(raw: Any, direction: Any = None) -> list[Objective]:
                 items.append((str(entry["metric"]), None if d is None else str(d)))
             else:
                 raise ConfigError(
-                    f"sweep.objectives entry {entry!r} must be a metric name or {{metric: ..., direction: ...}}",
+                    f"sweep.objectives entry {entry!r} must be a metric name or {{metric: ..., "
+                    f"direction: ...}}",
                     key="sweep.objectives",
                     allowed=list(OBJECTIVE_METRICS),
                 )
@@ -668,8 +674,8 @@ class SweepConfig:
     ``{metric, direction}``; ``baseline``/``factors`` make an ablation, ``stack`` a stacking design;
     ``repeats`` seeds per point (``None``: :func:`default_repeats`); ``preflight`` estimates every point
     before the first trial; ``edge_start`` (``None``: on for a search with ``preflight`` and a budget)
-    starts a search at the edge of the budget (:func:`edge_start_setting`); ``configs``/``fixed``/``max_context``
-    are the max-context driver's.
+    starts a search at the edge of the budget (:func:`edge_start_setting`);
+    ``configs``/``fixed``/``max_context`` are the max-context driver's.
     """
 
     name: str | None = None
@@ -766,7 +772,8 @@ def sweeper_conf(sweeper: dict[str, Any]) -> SweeperConf:
     return _normalised(conf)
 
 
-#: how a checked value of each :attr:`Rule.kind` is normalised (``n_jobs=2.0`` -> 2, ``cuda_devices=[0]`` -> ["0"])
+#: how a checked value of each :attr:`Rule.kind` is normalised (``n_jobs=2.0`` -> 2, ``cuda_devices=[0]`` ->
+#: ["0"])
 _NORMALISE = {
     "int": int,
     "float": float,
@@ -793,8 +800,8 @@ def _sampler_spec(conf: SweeperConf) -> Any:
     if isinstance(sampler, dict) and str(sampler.get("_target_", "")).endswith("GridSampler"):
         if sampler.get("search_space"):
             raise ConfigError(
-                "hydra.sweeper.sampler: GridSampler takes its grid from the search space (hydra.sweeper.params or "
-                "the command line's lists), not from search_space",
+                "hydra.sweeper.sampler: GridSampler takes its grid from the search space "
+                "(hydra.sweeper.params or the command line's lists), not from search_space",
                 key="hydra.sweeper.sampler",
             )
         sampler = "grid"  # hydra-optuna-sweeper's GridSampler config: the grid is our search space
@@ -836,7 +843,8 @@ def _check_design_parts(sweep: SweepConfig, design: str, params: dict[str, str])
         raise ConfigError("sweep.design=stacking needs sweep.stack", key="sweep.stack")
     if design in ("search", "grid") and not params:
         raise ConfigError(
-            f"sweep.design={design} needs a search space: hydra.sweeper.params or sweep overrides on the command line",
+            f"sweep.design={design} needs a search space: hydra.sweeper.params or sweep overrides "
+            "on the command line",
             key="hydra.sweeper.params",
         )
 
@@ -847,7 +855,8 @@ def _storage_url(conf: SweeperConf, sweep_dir: Path) -> str:
     storage = conf.storage or f"sqlite:///{sweep_dir / 'study.db'}"
     if storage in ("memory", ":memory:"):
         raise ConfigError(
-            "hydra.sweeper.storage=memory cannot be shared with trial processes or resumed; use sqlite or postgresql",
+            "hydra.sweeper.storage=memory cannot be shared with trial processes or resumed; use "
+            "sqlite or postgresql",
             key="hydra.sweeper.storage",
         )
     if not re.match(r"^(sqlite|postgresql(\+\w+)?|mysql(\+\w+)?)://", storage):
@@ -898,8 +907,8 @@ def resolve_settings(
     conf = sweeper_conf(sweeper)
     if conf.custom_search_space:
         raise ConfigError(
-            f"hydra.sweeper.custom_search_space={conf.custom_search_space!r} is for function mode (a Hydra app "
-            "that returns its objective); vramsweep's trials take their space from hydra.sweeper.params",
+            f"hydra.sweeper.custom_search_space={conf.custom_search_space!r} is for function mode (a Hydra "
+            "app that returns its objective); vramsweep's trials take their space from hydra.sweeper.params",
             key="hydra.sweeper.custom_search_space",
             allowed=["null", "hydra.sweeper.params entries"],
         )

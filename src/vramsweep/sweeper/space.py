@@ -205,7 +205,8 @@ def parse_params(params: dict[str, str], *, int_keys: Sequence[str] = ()) -> tup
                     f"search space {key}: unknown tag(s) {sorted(unknown)}", key=key, allowed=["log", "int"]
                 )
             low, high = float(value.start), float(value.end)
-            # ``int(interval(1, 5))`` keeps int bounds (a plain ``interval(1, 5)`` has float ones), as upstream
+            # ``int(interval(1, 5))`` keeps int bounds (a plain ``interval(1, 5)`` has float ones), as
+            # upstream
             int_bounds = all(type(b) is int for b in (value.start, value.end))
             integer = "int" in tags or key in int_keys or int_bounds
             if integer and not (low.is_integer() and high.is_integer()):
@@ -257,7 +258,8 @@ def _range_param(key: str, text: str, ov: Any) -> Param:
 
 
 def cli_sweep_params(arguments: Sequence[str]) -> tuple[dict[str, str], list[str]]:
-    """Split command-line task overrides into sweep params (``quant=a,b``, ``x=choice(..)``) and fixed ones."""
+    """Split command-line task overrides into sweep params (``quant=a,b``, ``x=choice(..)``) and fixed
+    ones."""
     params: dict[str, str] = {}
     fixed: list[str] = []
     for arg in arguments:

@@ -16,7 +16,8 @@ told from that JSON (no re-run, no duplicate); otherwise it is failed with statu
 higher bound retries a point that ran out (:func:`requeue_lost`).
 
 All of this runs under a storage-wide lock (SQLite: a lock file next to the DB; PostgreSQL:
-``pg_advisory_lock``; MySQL: ``GET_LOCK``), which also removes the create-study race (two workers creating one study at once).
+``pg_advisory_lock``; MySQL: ``GET_LOCK``), which also removes the create-study race (two workers creating one
+study at once).
 """
 
 from __future__ import annotations
@@ -209,9 +210,9 @@ def load_or_create_study(settings: Any, sampler: Any, pruner: Any) -> Any:
         stored_names = study.metric_names
         if existing != directions or (stored_names is not None and list(stored_names) != names):
             raise ConfigError(
-                f"study '{settings.study_name}' in {settings.storage.split('@')[-1]} already exists with objectives "
-                f"{stored_names or '?'} {existing}, not {names} {directions}: pick another hydra.sweeper.study_name "
-                "or delete the study",
+                f"study '{settings.study_name}' in {settings.storage.split('@')[-1]} already exists with "
+                f"objectives {stored_names or '?'} {existing}, not {names} {directions}: pick another "
+                "hydra.sweeper.study_name or delete the study",
                 key="hydra.sweeper.study_name",
             )
         if stored_names is None:

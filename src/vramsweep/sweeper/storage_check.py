@@ -54,8 +54,8 @@ def _check_sqlite(url: str) -> None:
     shown = mask_url(url)
     if path is None:
         raise ConfigError(
-            f"{KEY}={shown!r} names no database file (an in-memory study cannot be shared with trial processes "
-            "or resumed)",
+            f"{KEY}={shown!r} names no database file (an in-memory study cannot be shared with "
+            "trial processes or resumed)",
             key=KEY,
             allowed=ALLOWED[:1],
         )

@@ -156,10 +156,11 @@ class StudyBook:
             return
         where = self.settings.storage if "@" not in self.settings.storage else "<storage URL>"
         raise ConfigError(
-            f"sweep '{self.settings.name}' (study '{self.settings.study_name}' in {where}) was started by a different sweep: "
-            f"{identity_diff(old, self.plan.identity)}. A sweep resumes only with the same design, search space "
-            f"and fixed overrides: run the original command to resume it, or give this one its own name "
-            f"(sweep.name=<new> or hydra.sweeper.study_name=<new>), or delete {self.settings.sweep_dir}",
+            f"sweep '{self.settings.name}' (study '{self.settings.study_name}' in {where}) was started by a "
+            f"different sweep: {identity_diff(old, self.plan.identity)}. A sweep resumes only with the same "
+            "design, search space and fixed overrides: run the original command to resume it, or give this "
+            "one its own name (sweep.name=<new> or hydra.sweeper.study_name=<new>), or delete "
+            f"{self.settings.sweep_dir}",
             key="sweep.name",
         )
 
@@ -338,8 +339,8 @@ class StudyBook:
         age = f"{now - float(beat):.0f} s ago" if beat else "never"
         will_retry = self.retry_lost(self.admin, t, retries)
         reason = (
-            f"stale: the worker running this trial died (host {owner.get('host', '?')} pid {owner.get('pid', '?')}, "
-            f"last heartbeat {age}); {self.retry_note(retries, will_retry)}"
+            f"stale: the worker running this trial died (host {owner.get('host', '?')} pid "
+            f"{owner.get('pid', '?')}, last heartbeat {age}); {self.retry_note(retries, will_retry)}"
         )
         spec = self.spec_for(
             t.number,
@@ -417,7 +418,8 @@ class StudyBook:
                 self.retry_lost(self.admin, t, retries, force=True)
                 n += 1
                 self.say(
-                    f"vramsweep: trial {t.number:04d}'s launcher job was lost ({t.system_attrs[JOB_LOST]}): retried"
+                    f"vramsweep: trial {t.number:04d}'s launcher job was lost "
+                    f"({t.system_attrs[JOB_LOST]}): retried"
                 )
                 continue
             if self.retry_lost(self.admin, t, retries):
@@ -562,16 +564,16 @@ class StudyBook:
                 point = self._unmeasured_point(job.number)
                 if point is None:
                     self.say(
-                        f"vramsweep: trial {job.number:04d} repeats trial {job.duplicate_of:04d} and every point of "
-                        "the search space is measured: slot left empty"
+                        f"vramsweep: trial {job.number:04d} repeats trial {job.duplicate_of:04d} "
+                        "and every point of the search space is measured: slot left empty"
                     )
                     return
                 attrs["fixed_params"] = point
                 note = "given an unmeasured point at random"
             self.study.add_trial(create_trial(state=TrialState.WAITING, system_attrs=attrs))
         self.say(
-            f"vramsweep: trial {job.number:04d} = trial {job.duplicate_of:04d} (re-proposed point: outcome copied, "
-            f"not counted); slot {job.slot} {note}"
+            f"vramsweep: trial {job.number:04d} = trial {job.duplicate_of:04d} (re-proposed point: "
+            f"outcome copied, not counted); slot {job.slot} {note}"
         )
 
     def _unmeasured_point(self, salt: int) -> dict[str, Any] | None:
@@ -630,7 +632,8 @@ class StudyBook:
                 trial.set_user_attr(k, v)
             if outcome.constraint is not None:
                 trial.set_constraint(CONSTRAINT_KEY, float(outcome.constraint))
-                # optuna-dashboard 0.21 reads the pre-Optuna-5 list attribute `constraints` (feasible: all <= 0)
+                # optuna-dashboard 0.21 reads the pre-Optuna-5 list attribute `constraints`
+                # (feasible: all <= 0)
                 trial.storage.set_trial_system_attr(
                     trial._trial_id, DASHBOARD_CONSTRAINTS_KEY, [float(outcome.constraint)]
                 )

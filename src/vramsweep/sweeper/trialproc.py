@@ -383,7 +383,8 @@ def child_main(spec: TrialSpec) -> None:
 
 
 def _failed_result(spec: TrialSpec, status: Status, reason: str) -> dict[str, Any]:
-    """A normalised result for ``spec``'s trial that ends with ``status`` and ``reason`` (not yet finalised)."""
+    """A normalised result for ``spec``'s trial that ends with ``status`` and ``reason`` (not yet
+    finalised)."""
     ids = {"sweep": spec.sweep_name, "trial": spec.number, "overrides": spec.overrides}
     return normalise_result(new_result(status=status.value, reason=reason, **ids), **ids)
 
