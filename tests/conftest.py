@@ -170,6 +170,26 @@ def slurm():
         slurm_skip(f"scripts/slurm_local.sh start failed (rc {p.returncode}): {p.stderr.strip()[-800:]}")
 
 
+def trial_spec(tmp_path: Path, n: int = 0, **kw):
+    """A ``TrialSpec`` for trial ``n`` writing ``tmp_path/NNNN.json``: sweep and study ``s``, no storage, no
+    objectives, the built-in trial function; ``kw`` sets any other field."""
+    from vramsweep.sweeper.trialproc import TrialSpec
+
+    fields = {
+        "number": n,
+        "trial_id": n,
+        "slot": n,
+        "overrides": [],
+        "result_path": str(tmp_path / f"{n:04d}.json"),
+        "sweep_name": "s",
+        "study_name": "s",
+        "storage": "",
+        "objectives": [],
+        "trial_fn": "vramsweep.trial:run_trial_overrides",
+    }
+    return TrialSpec(**{**fields, **kw})
+
+
 @pytest.fixture()
 def results_dir(tmp_path: Path) -> Path:
     d = tmp_path / "results"

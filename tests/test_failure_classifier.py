@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import FAST
+from conftest import FAST, trial_spec
 from vramsweep.config import compose
 from vramsweep.config.errors import ConfigError
 from vramsweep.config.rules import UnsupportedError
@@ -93,19 +93,12 @@ def test_a_sweep_point_the_rules_refuse_is_unsupported(tmp_path):
     """In a grid or a search a combination the rules refuse is data (docs/SWEEPS.md): ``unsupported``,
     reason ``invalid combination: ...``, not an ``error`` that counts toward ``max_failure_rate``."""
     from vramsweep.sweeper.settings import Objective
-    from vramsweep.sweeper.trialproc import TrialSpec, execute
+    from vramsweep.sweeper.trialproc import execute
 
-    spec = TrialSpec(
-        number=0,
-        trial_id=0,
-        slot=0,
+    spec = trial_spec(
+        tmp_path,
         overrides=[*FAST, "tiling=on", "kernels=unsloth"],
-        result_path=str(tmp_path / "0000.json"),
-        sweep_name="s",
-        study_name="s",
-        storage="",
         objectives=[Objective("peak_memory_bytes", "minimize")],
-        trial_fn="vramsweep.trial:run_trial_overrides",
     )
     for preflight in (False, True):
         spec.preflight = preflight

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import trial_spec
 from vramsweep.config import ConfigError, compose
 from vramsweep.estimate import estimate
 from vramsweep.longctx import offload
@@ -89,16 +90,11 @@ def test_process_rss_reads_proc_status():
 
 
 def _spec(tmp_path: Path) -> T.TrialSpec:
-    return T.TrialSpec(
-        number=0,
+    return trial_spec(
+        tmp_path,
         trial_id=-1,
-        slot=0,
-        overrides=[],
-        result_path=str(tmp_path / "0000.json"),
         sweep_name="host",
         study_name="host",
-        storage="",
-        objectives=[],
         trial_fn="_host_pool_kill:trial",
         parent_pid=os.getpid(),
         env=dict(os.environ),

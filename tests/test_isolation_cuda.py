@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import trial_spec
 from vramsweep.sweeper import isolation as R
 from vramsweep.sweeper import trialproc as T
 from vramsweep.sweeper.settings import DEFAULT_PRELOAD
@@ -20,16 +21,12 @@ TESTS = Path(__file__).resolve().parent
 
 
 def _spec(tmp_path: Path, fn: str, n: int = 0) -> T.TrialSpec:
-    return T.TrialSpec(
-        number=n,
+    return trial_spec(
+        tmp_path,
+        n,
         trial_id=-1,
-        slot=n,
-        overrides=[],
-        result_path=str(tmp_path / f"{n:04d}.json"),
         sweep_name="iso",
         study_name="iso",
-        storage="",
-        objectives=[],
         trial_fn=fn,
         parent_pid=os.getpid(),
         env=dict(os.environ),

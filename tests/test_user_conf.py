@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import trial_spec
 from vramsweep.cli import main
 from vramsweep.config import ConfigError, compose, list_options, packaged_conf_dir
 
@@ -109,7 +110,7 @@ def test_a_sweep_trial_with_preflight_composes_its_config_once(tmp_path: Path, m
 
     from vramsweep.record.result import new_result
     from vramsweep.sweeper.settings import Objective
-    from vramsweep.sweeper.trialproc import TrialSpec, execute
+    from vramsweep.sweeper.trialproc import execute
 
     composed: list[list[str]] = []
     real = hydra.compose
@@ -126,17 +127,10 @@ def test_a_sweep_trial_with_preflight_composes_its_config_once(tmp_path: Path, m
 
     monkeypatch.setattr(hydra, "compose", counting)
     monkeypatch.setattr("vramsweep.trial.run_trial", fake_run_trial)
-    spec = TrialSpec(
-        number=0,
-        trial_id=0,
-        slot=0,
+    spec = trial_spec(
+        tmp_path,
         overrides=["adapter.r=4", "hardware.budget_gib=64"],
-        result_path=str(tmp_path / "0000.json"),
-        sweep_name="s",
-        study_name="s",
-        storage="",
         objectives=[Objective("peak_memory_bytes", "minimize")],
-        trial_fn="vramsweep.trial:run_trial_overrides",
         preflight=True,
     )
     result = execute(spec)
