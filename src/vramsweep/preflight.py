@@ -542,6 +542,35 @@ def _data_path_error(exc: Exception) -> ConfigError:
     return ConfigError(f"data.path: {msg}", key="data.path")
 
 
+def _check_splits_give_examples(d: Any, train: list[dict], held_out: list[dict], jsonl: bool) -> None:
+    """Train and held-out documents each give at least one example (a document with >= 2 sections)."""
+    sections_allowed = ["documents with >= 2 sections ({heading, text} objects)"]
+    if not any(len(doc["sections"]) >= 2 for doc in train):
+        what = f"data.path={d.path}" if jsonl else f"data=synthetic (data.num_docs={d.num_docs})"
+        role = "for training" if jsonl and not d.eval_path else ""
+        raise _single_section_error(
+            train, "data.path" if jsonl else "data.num_docs", what, sections_allowed, role
+        )
+    if not any(len(doc["sections"]) >= 2 for doc in held_out):
+        if jsonl and d.eval_path:
+            raise _single_section_error(
+                held_out, "data.eval_path", f"data.eval_path={d.eval_path}", sections_allowed
+            )
+        if jsonl:
+            n = len(held_out)
+            raise ConfigError(
+                f"data.path={d.path}: the last {n} document{'s' if n != 1 else ''}, held out for eval "
+                "(data.eval_path is unset), "
+                f"{'have a single section each' if n != 1 else 'has a single section'}: the eval would have "
+                "no example",
+                key="data.eval_path",
+                allowed=["data.eval_path=<jsonl of documents with >= 2 sections>", *sections_allowed],
+            )
+        raise _single_section_error(
+            held_out, "data.num_eval_docs", "data=synthetic eval documents", sections_allowed
+        )
+
+
 def check_data(cfg: Any) -> None:
     """What the data step (:func:`vramsweep.data_prep.build_trial_data`) would raise on, found before the
     model is built: too few documents for a held-out split, train or eval documents that give no example
@@ -570,31 +599,7 @@ def check_data(cfg: Any) -> None:
         raise ConfigError(f"data.path: {exc}", key="data.path") from None
     except (OSError, ValueError) as exc:
         raise _data_path_error(exc) from None
-    sections_allowed = ["documents with >= 2 sections ({heading, text} objects)"]
-    if not any(len(doc["sections"]) >= 2 for doc in train):
-        what = f"data.path={d.path}" if jsonl else f"data=synthetic (data.num_docs={d.num_docs})"
-        role = "for training" if jsonl and not d.eval_path else ""
-        raise _single_section_error(
-            train, "data.path" if jsonl else "data.num_docs", what, sections_allowed, role
-        )
-    if not any(len(doc["sections"]) >= 2 for doc in held_out):
-        if jsonl and d.eval_path:
-            raise _single_section_error(
-                held_out, "data.eval_path", f"data.eval_path={d.eval_path}", sections_allowed
-            )
-        if jsonl:
-            n = len(held_out)
-            raise ConfigError(
-                f"data.path={d.path}: the last {n} document{'s' if n != 1 else ''}, held out for eval "
-                "(data.eval_path is unset), "
-                f"{'have a single section each' if n != 1 else 'has a single section'}: the eval would have "
-                "no example",
-                key="data.eval_path",
-                allowed=["data.eval_path=<jsonl of documents with >= 2 sections>", *sections_allowed],
-            )
-        raise _single_section_error(
-            held_out, "data.num_eval_docs", "data=synthetic eval documents", sections_allowed
-        )
+    _check_splits_give_examples(d, train, held_out, jsonl)
     if folder is None:
         return  # the embedded model is built for these dims first: its tokenizer does not exist yet
     try:

@@ -1119,6 +1119,46 @@ def extrapolated_terms(k: Knobs, acts: ActivationTerms | None = None) -> list[st
     return out
 
 
+def _grads_alive(k: Knobs, phase: str, grads: int, mlp_grads: int, after_mlp: bool) -> int:
+    """The gradient bytes alive at an activation phase's peak."""
+    if k.grad_accum > 1:
+        return grads  # accumulated grads of the earlier micro-batches
+    if phase == "recompute":  # backward reached the first layers: the later layers' grads exist
+        # (+ the recomputed layer's MLP adapter grads when the peak comes after its MLP backward)
+        L = k.dims.num_layers
+        return grads * (L - 1) // L + (mlp_grads // L if after_mlp else 0)
+    return 0  # zero_grad(set_to_none=True): no grads before backward
+
+
+def _at_peak(
+    k: Knobs, acts: ActivationTerms, trainable: list, params: int, opt: int, workspace: int
+) -> tuple[dict[str, float], str]:
+    """What is alive at the step's peak, by kind, and the phase it falls in: the largest activation phase
+    (with the gradients alive then) or the optimizer step (activations freed, its workspace allocated)."""
+    grads = sum(t.nbytes for t in trainable)
+    mlp_names = ("gate_proj", "up_proj", "down_proj")
+    mlp_grads = sum(t.nbytes for t in trainable if any(f".{n}." in t.name for n in mlp_names))
+    alive = {p: _grads_alive(k, p, grads, mlp_grads, acts.after_mlp) for p in acts.phases}
+    totals = {p: v + alive[p] for p, v in acts.phases.items()}
+    act_phase = max(totals, key=totals.get)
+    if params + opt + totals[act_phase] >= params + opt + grads + workspace:
+        logits_at_peak = acts.logits if act_phase == "loss" else 0.0
+        return {
+            "params": params,
+            "grads": alive[act_phase],
+            "optimizer": opt,
+            "activations": int(round(acts.phases[act_phase] - logits_at_peak)),
+            "logits": int(round(logits_at_peak)),
+        }, act_phase
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer": opt + workspace,
+        "activations": 0,
+        "logits": 0,
+    }, "optimizer_step"
+
+
 def estimate_knobs(k: Knobs, calib: dict | None = None) -> Estimate:
     tensors = model_tensors(k)
     params = sum(t.nbytes for t in tensors)
@@ -1127,42 +1167,7 @@ def estimate_knobs(k: Knobs, calib: dict | None = None) -> Estimate:
     opt = optimizer_state_bytes(k, trainable)
     workspace = optimizer_step_workspace(k, trainable)
     acts = activation_terms(k, calib, static=params + opt)
-    L = k.dims.num_layers
-    mlp_names = ("gate_proj", "up_proj", "down_proj")
-    mlp_grads = sum(t.nbytes for t in trainable if any(f".{n}." in t.name for n in mlp_names))
-
-    def grads_alive(phase: str) -> int:
-        if k.grad_accum > 1:
-            return grads  # accumulated grads of the earlier micro-batches
-        if phase == "recompute":  # backward reached the first layers: the later layers' grads exist
-            # (+ the recomputed layer's MLP adapter grads when the peak comes after its MLP backward)
-            return grads * (L - 1) // L + (mlp_grads // L if acts.after_mlp else 0)
-        return 0  # zero_grad(set_to_none=True): no grads before backward
-
-    totals = {p: v + grads_alive(p) for p, v in acts.phases.items()}
-    act_phase = max(totals, key=totals.get)
-    act_peak = acts.phases[act_phase]
-    phase_a = params + opt + totals[act_phase]
-    phase_b = params + opt + grads + workspace  # optimizer step (activations freed)
-    if phase_a >= phase_b:
-        logits_at_peak = acts.logits if act_phase == "loss" else 0.0
-        at_peak = {
-            "params": params,
-            "grads": grads_alive(act_phase),
-            "optimizer": opt,
-            "activations": int(round(act_peak - logits_at_peak)),
-            "logits": int(round(logits_at_peak)),
-        }
-        peak_phase = act_phase
-    else:
-        at_peak = {
-            "params": params,
-            "grads": grads,
-            "optimizer": opt + workspace,
-            "activations": 0,
-            "logits": 0,
-        }
-        peak_phase = "optimizer_step"
+    at_peak, peak_phase = _at_peak(k, acts, trainable, params, opt, workspace)
     allocated_peak = sum(at_peak.values())
     reserve = allocator_reserve(k, acts, peak_phase, trainable) if k.allocator else {}
     at_peak["overhead"] = int(round(sum(reserve.values())))
