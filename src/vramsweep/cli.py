@@ -361,6 +361,8 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``vramsweep`` parser: one sub-parser per verb (``train``, ``estimate``, ``report``, ``pick``, the
+    verbs of :func:`add_parsers`, ``env``), each with its ``func``."""
     groups = _groups_text()
     p = Parser(
         prog="vramsweep",
@@ -369,6 +371,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"vramsweep {__version__}")
     sub = p.add_subparsers(dest="command", metavar="{" + ",".join(VERBS) + "}")
+    _add_train_parser(sub, groups)
+    _add_estimate_parser(sub)
+    _add_report_parser(sub)
+    _add_pick_parser(sub)
+    add_parsers(sub)
+    _add_env_parser(sub)
+    return p
+
+
+def _add_config_dir(sp: argparse.ArgumentParser, what: str) -> None:
+    """``--config-dir``/``-cd``: the user's conf dir; ``what`` says what the verb reads (or writes) there."""
+    sp.add_argument(
+        "--config-dir",
+        "-cd",
+        metavar="DIR",
+        default=None,
+        help=f"your conf dir, layered over the packaged defaults: {what} "
+        f"(default: ${CONFIG_DIR_ENV}, else ./conf if present)",
+    )
+
+
+def _add_train_parser(sub, groups: str) -> None:
+    """``vramsweep train``: one trial, or a sweep with ``-m``; ``--cfg``/``--info`` print and run nothing."""
     t = sub.add_parser(
         "train",
         help="run one trial (or a sweep with -m)",
@@ -394,6 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. quant=nf4 adapter.r=64")
     t.set_defaults(func=cmd_train)
+    _add_config_dir(t, "your experiments, sweeps and extra options")
+
+
+def _add_estimate_parser(sub) -> None:
+    """``vramsweep estimate``: the peak-memory estimate, its calibration, longest context and suggestions."""
     e = sub.add_parser(
         "estimate",
         help="predict peak memory and its breakdown (no weights needed)",
@@ -421,6 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=qwen3_8b quant=nf4_dq")
     e.set_defaults(func=cmd_estimate)
+    _add_config_dir(e, "your experiments and extra options")
+
+
+def _add_report_parser(sub) -> None:
+    """``vramsweep report``: a sweep's tables, Pareto front and importances."""
     r = sub.add_parser(
         "report", help="ablation tables, Pareto front, importances for a sweep", epilog=verb_epilog("report")
     )
@@ -429,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", metavar="DIR", help="output folder (default: the sweep folder)")
     r.add_argument("--wandb", action="store_true", help="also log a sweep-summary W&B run")
     r.set_defaults(func=cmd_report)
+
+
+def _add_pick_parser(sub) -> None:
+    """``vramsweep pick``: a pinned production config from a sweep, within a memory budget."""
     k = sub.add_parser(
         "pick", help="write a pinned production config that fits a memory budget", epilog=verb_epilog("pick")
     )
@@ -469,8 +508,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="experiment name, written to <conf dir>/experiment/<name>.yaml (default: <sweep>_<budget>gib)",
     )
     k.set_defaults(func=cmd_pick)
+    _add_config_dir(k, "where experiment/<name>.yaml is written (created if missing)")
 
-    add_parsers(sub)
+
+def _add_env_parser(sub) -> None:
+    """``vramsweep env``: the environment report for bug reports."""
     v = sub.add_parser(
         "env",
         help="Python, torch, CUDA, GPU, optional packages, and which knob options run here (for bug reports)",
@@ -478,21 +520,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
     v.set_defaults(func=cmd_env)
-
-    for sp, what in (
-        (t, "your experiments, sweeps and extra options"),
-        (e, "your experiments and extra options"),
-        (k, "where experiment/<name>.yaml is written (created if missing)"),
-    ):
-        sp.add_argument(
-            "--config-dir",
-            "-cd",
-            metavar="DIR",
-            default=None,
-            help=f"your conf dir, layered over the packaged defaults: {what} "
-            f"(default: ${CONFIG_DIR_ENV}, else ./conf if present)",
-        )
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

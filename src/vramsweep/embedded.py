@@ -279,22 +279,116 @@ def _task_rows(doc: dict, tokenizer, rng: random.Random, instructions: str) -> l
     return [torch.tensor([e.input_ids]) for e in pick]
 
 
-def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dict:
-    """Build tokenizer + pre-trained tiny model into ``out`` (atomic: tmp dir, then rename). Recipe 3
-    above."""
+class _Pretraining:
+    """One pre-training run: the model, its optimizer, the documents (token rows and, for task-format
+    rows, the documents themselves), the copy drills, the progress bar and the running token count."""
+
+    def __init__(self, model, tokenizer, docs: list[dict], rows: list[list[int]], batch: int, bar) -> None:
+        self.model, self.tokenizer, self.bar = model, tokenizer, bar
+        self.docs, self.rows, self.batch = docs, rows, batch
+        self.rng = random.Random(PRETRAIN_SEED)
+        self.drills = _Drills(self.rng, len(tokenizer))
+        self.instructions = DataConfig().instructions
+        self.tokens = 0
+        self.log: dict[str, float] = {}
+        self.opt: torch.optim.Optimizer | None = None
+
+    def new_optimizer(self, lr: float) -> None:
+        """A fresh AdamW (betas 0.9/0.95, weight decay 0.01) at learning rate ``lr``."""
+        import torch
+
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+
+    def update(self) -> None:
+        """Clip the gradients to norm 1, step the optimizer and zero the gradients."""
+        import torch
+
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def drill_phase(self, n_steps: int) -> None:
+        """Copy drills at the optimizer's constant LR; logs the last measured copy accuracy
+        (``drill_copy_acc_last``)."""
+        model, bar = self.model, self.bar
+        for step in range(n_steps):
+            x, lab = self.drills.batch()
+            res = model(input_ids=x, labels=lab)
+            res.loss.backward()
+            self.update()
+            self.tokens += x.numel()
+            if step % 25 == 0 or step == n_steps - 1:
+                n = int((lab[0] == -100).sum())
+                acc = float((res.logits[:, n - 1 : -1].argmax(-1) == x[:, n:]).float().mean())
+                self.log["drill_copy_acc_last"] = acc
+                bar.set_postfix(phase="drills", copy_acc=f"{acc:.2f}")
+            bar.update()
+
+    def doc_phase(
+        self, n_steps: int, first_doc: int, lr: float, warmup: int, task_rows: float, name: str
+    ) -> list:
+        """``n_steps`` steps on documents from ``first_doc`` on (a share ``task_rows`` of them as task-format
+        rows), each with a drill batch mixed in, at a cosine schedule peaking at ``lr``; returns the
+        per-step document losses."""
+        from transformers import get_scheduler
+
+        opt, bar = self.opt, self.bar
+        for g in opt.param_groups:
+            g["lr"] = lr
+        sched = get_scheduler(
+            "cosine", optimizer=opt, num_warmup_steps=min(warmup, n_steps), num_training_steps=n_steps
+        )
+        losses = []
+        for step in range(n_steps):
+            xs = self._doc_rows(first_doc + step * self.batch, task_rows)
+            total = self._doc_step(xs)
+            sched.step()
+            losses.append(total)
+            if step % 10 == 0:
+                bar.set_postfix(phase=name, loss=f"{total:.3f}")
+            bar.update()
+        return losses
+
+    def _doc_rows(self, first: int, task_rows: float) -> list[torch.Tensor]:
+        """The rows of one step's ``batch`` documents from index ``first`` on: each document's token row,
+        or (with probability ``task_rows``) its task-format rows."""
+        import torch
+
+        xs: list[torch.Tensor] = []
+        for k in range(self.batch):
+            i = first + k
+            if task_rows and self.rng.random() < task_rows:
+                xs += _task_rows(self.docs[i], self.tokenizer, self.rng, self.instructions)
+            else:
+                xs.append(torch.tensor([self.rows[i]]))
+        return xs
+
+    def _doc_step(self, xs: list[torch.Tensor]) -> float:
+        """One optimizer step on rows ``xs`` (each loss weighted by its share of the tokens) plus a drill
+        batch at weight ``DRILL_MIX``; returns the rows' loss."""
+        model = self.model
+        mix = self.drills.batch()
+        ntok = sum(x.numel() for x in xs)
+        total = 0.0
+        for x in xs:
+            loss = model(input_ids=x, labels=x).loss * x.numel() / ntok
+            loss.backward()
+            total += float(loss)
+            self.tokens += x.numel()
+        (model(input_ids=mix[0], labels=mix[1]).loss * DRILL_MIX).backward()
+        self.tokens += mix[0].numel()
+        self.update()
+        return total
+
+
+def _tokenizer_and_model(mcfg: DictConfig, texts: list[str], seq: int) -> tuple:
+    """Train the tokenizer on the first ``TOKENIZER_DOCS`` texts, tokenise every text (EOS-terminated, at
+    most ``seq`` tokens) and build the randomly initialised fp32 model; returns (tokenizer, rows, model)."""
     import torch
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, get_scheduler
+    from transformers import AutoModelForCausalLM
 
     from vramsweep.data.tokenizer import train_tokenizer
 
-    t0 = time.time()
-    drill_steps, steps = int(mcfg.pretrain_drill_steps), int(mcfg.pretrain_steps)
-    task_steps = int(mcfg.pretrain_task_steps)
-    batch, seq = int(mcfg.pretrain_batch), int(mcfg.pretrain_seq_len)
-    n_docs = max(TOKENIZER_DOCS, (steps + task_steps) * batch)
-    docs = pretrain_documents(n_docs, PRETRAIN_SEED)
-    texts = [document_text(d) for d in docs]
     tokenizer = train_tokenizer(texts[:TOKENIZER_DOCS], vocab_size=int(mcfg.vocab_size), min_frequency=1)
     if len(tokenizer) != int(mcfg.vocab_size):
         # Like real checkpoints, the embedding may have more rows than the tokenizer has tokens; say so.
@@ -307,89 +401,41 @@ def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dic
     torch.manual_seed(PRETRAIN_SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     model.train()
-    rng = random.Random(PRETRAIN_SEED)
-    drills = _Drills(rng, len(tokenizer))
-    instructions = DataConfig().instructions
-    tokens = 0
-    log: dict[str, float] = {}
+    return tokenizer, rows, model
 
-    def adamw(lr: float) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
 
-    def update(opt: torch.optim.Optimizer) -> None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dict:
+    """Build tokenizer + pre-trained tiny model into ``out`` (atomic: tmp dir, then rename). Recipe 3
+    above."""
+    from tqdm import tqdm
 
+    t0 = time.time()
+    drill_steps, steps = int(mcfg.pretrain_drill_steps), int(mcfg.pretrain_steps)
+    task_steps = int(mcfg.pretrain_task_steps)
+    batch, seq = int(mcfg.pretrain_batch), int(mcfg.pretrain_seq_len)
+    n_docs = max(TOKENIZER_DOCS, (steps + task_steps) * batch)
+    docs = pretrain_documents(n_docs, PRETRAIN_SEED)
+    texts = [document_text(d) for d in docs]
+    tokenizer, rows, model = _tokenizer_and_model(mcfg, texts, seq)
     bar = tqdm(
         total=drill_steps + steps + task_steps,
         desc="pre-training embedded base model (once, cached)",
         disable=not progress,
     )
-    opt = adamw(DRILL_LR)
-    for step in range(drill_steps):  # 2. copy drills, constant LR
-        x, lab = drills.batch()
-        res = model(input_ids=x, labels=lab)
-        res.loss.backward()
-        update(opt)
-        tokens += x.numel()
-        if step % 25 == 0 or step == drill_steps - 1:
-            n = int((lab[0] == -100).sum())
-            acc = float((res.logits[:, n - 1 : -1].argmax(-1) == x[:, n:]).float().mean())
-            log["drill_copy_acc_last"] = acc
-            bar.set_postfix(phase="drills", copy_acc=f"{acc:.2f}")
-        bar.update()
-
-    def doc_phase(n_steps: int, first_doc: int, lr: float, warmup: int, task_rows: float, name: str) -> list:
-        nonlocal tokens
-        for g in opt.param_groups:
-            g["lr"] = lr
-        sched = get_scheduler(
-            "cosine", optimizer=opt, num_warmup_steps=min(warmup, n_steps), num_training_steps=n_steps
-        )
-        losses = []
-        for step in range(n_steps):
-            xs: list[torch.Tensor] = []
-            for k in range(batch):
-                i = first_doc + step * batch + k
-                if task_rows and rng.random() < task_rows:
-                    xs += _task_rows(docs[i], tokenizer, rng, instructions)
-                else:
-                    xs.append(torch.tensor([rows[i]]))
-            mix = drills.batch()
-            ntok = sum(x.numel() for x in xs)
-            total = 0.0
-            for x in xs:
-                loss = model(input_ids=x, labels=x).loss * x.numel() / ntok
-                loss.backward()
-                total += float(loss)
-                tokens += x.numel()
-            (model(input_ids=mix[0], labels=mix[1]).loss * DRILL_MIX).backward()
-            tokens += mix[0].numel()
-            update(opt)
-            sched.step()
-            losses.append(total)
-            if step % 10 == 0:
-                bar.set_postfix(phase=name, loss=f"{total:.3f}")
-            bar.update()
-        return losses
-
-    if drill_steps and log["drill_copy_acc_last"] < 0.5:
+    run = _Pretraining(model, tokenizer, docs, rows, batch, bar)
+    run.new_optimizer(DRILL_LR)
+    run.drill_phase(drill_steps)  # 2. copy drills, constant LR
+    if drill_steps and run.log["drill_copy_acc_last"] < 0.5:
         print(
-            f"warning: copy drills end at copy accuracy {log['drill_copy_acc_last']:.2f}: content-based "
+            f"warning: copy drills end at copy accuracy {run.log['drill_copy_acc_last']:.2f}: content-based "
             "copying has not formed; raise model.pretrain_drill_steps",
             file=sys.stderr,
         )
     # 3. whole documents + a drill batch; 4. fresh optimizer: half the steps on task-format rows
-    losses = doc_phase(steps, 0, DOC_LR, DOC_WARMUP, 0.0, "documents")
-    opt = adamw(TASK_LR)
-    losses += doc_phase(task_steps, steps * batch, TASK_LR, TASK_WARMUP, TASK_ROWS, "task rows")
+    losses = run.doc_phase(steps, 0, DOC_LR, DOC_WARMUP, 0.0, "documents")
+    run.new_optimizer(TASK_LR)
+    losses += run.doc_phase(task_steps, steps * batch, TASK_LR, TASK_WARMUP, TASK_ROWS, "task rows")
     bar.close()
-    tmp = _tmp_for(out)
-    model.eval()
-    model.save_pretrained(tmp)
-    tokenizer.chat_template = EMBEDDED_CHAT_TEMPLATE  # written as chat_template.jinja
-    tokenizer.save_pretrained(tmp)
     info = {
         "recipe_version": RECIPE_VERSION,
         "key": _key(mcfg),
@@ -398,19 +444,37 @@ def build_embedded(mcfg: DictConfig, out: Path, *, progress: bool = True) -> dic
         "pretrain_drill_steps": drill_steps,
         "pretrain_steps": steps,
         "pretrain_task_steps": task_steps,
-        "pretrain_tokens": tokens,
+        "pretrain_tokens": run.tokens,
         "tokenizer_tokens": len(tokenizer),
         "loss_first": losses[0] if losses else None,
         "loss_last_10_mean": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
-        "weights_sha256": weights_digest(model),
-        "build_s": round(time.time() - t0, 1),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        **log,
     }
+    _save_built(model, tokenizer, out, info, run.log, t0)
+    return info
+
+
+def _save_built(model, tokenizer, out: Path, info: dict, log: dict, t0: float) -> None:
+    """Save the model (eval mode), the tokenizer with the embedded chat template and the info file into a
+    tmp dir next to ``out``, then publish it as ``out``; ``info`` gains the weights' digest, the build
+    time, the torch version and thread count, and the pre-training ``log``."""
+    import torch
+
+    tmp = _tmp_for(out)
+    model.eval()
+    model.save_pretrained(tmp)
+    tokenizer.chat_template = EMBEDDED_CHAT_TEMPLATE  # written as chat_template.jinja
+    tokenizer.save_pretrained(tmp)
+    info.update(
+        {
+            "weights_sha256": weights_digest(model),
+            "build_s": round(time.time() - t0, 1),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            **log,
+        }
+    )
     (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     _publish(tmp, out)
-    return info
 
 
 def write_asset(folder: Path = ASSET_DIR, *, progress: bool = True) -> dict:

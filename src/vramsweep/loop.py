@@ -189,74 +189,26 @@ def fit(loop: Loop, callbacks: Sequence[Callback] = ()) -> list[float]:
     by then; a NaN at the last step is caught at the end). Every phase is timed on ``loop.clock``, on
     the host and, on CUDA, with device events that are read once a later step's loss read has waited for
     them (``StepClock.collect``: no wait of its own)."""
-    import torch
-
-    clock, ga = loop.clock, loop.grad_accum
+    clock = loop.clock
     cuda = getattr(loop.device, "type", str(loop.device)) == "cuda"
     hooks = {name: _hooks(callbacks, name) for name in _HOOKS}
-    on_step_start, step_context, on_micro_batch = (
-        hooks["on_step_start"],
-        hooks["step_context"],
-        hooks["on_micro_batch"],
-    )
-    on_grads, optimizer_context, on_step_end = (
-        hooks["on_grads"],
-        hooks["optimizer_context"],
-        hooks["on_step_end"],
-    )
-    on_loss = hooks["on_loss"]
     pending = _PendingLoss(cuda)
     losses: list[float] = []
 
     def read() -> None:
         """Read the queued loss (if any): record it, or end the trial when it is not finite."""
-        with clock.phase("sync_wait"):
-            got = pending.take()
-        if got is None:
-            return
-        step, loss = got
-        if not math.isfinite(loss):
-            raise Diverged(f"train loss is {loss} at optimizer step {step}")
-        losses.append(loss)
-        for fn in on_loss:
-            fn(step, loss)
+        _read_loss(clock, pending, losses, hooks["on_loss"])
 
     for step in range(loop.start_step, loop.steps):
-        for fn in on_step_start:
+        for fn in hooks["on_step_start"]:
             fn(step)
         clock.begin_step()  # device events (CUDA, timed steps): recorded, read steps later
         with contextlib.ExitStack() as stack:
-            _enter(stack, [fn(step) for fn in step_context])
-            total = None
-            micro = loop.batches[step * ga : (step + 1) * ga]
-            weights = token_weights(micro)
-            for batch, w in zip(micro, weights, strict=True):
-                for fn in on_micro_batch:
-                    fn(step, batch)
-                with clock.phase("h2d"):
-                    ids, mask, labels = to_device(batch, loop.device, cuda)
-                    kw = loss_kwargs(batch, loop.device, cuda)
-                with clock.phase("forward"):
-                    # Keep only the loss: holding the output would pin the logits through backward.
-                    loss = loop.loss_fn(ids, mask, labels, **kw)
-                    if w == 0.0:  # no trained token here: the mean is 0/0; it adds nothing to the step
-                        loss = loss.nan_to_num(0.0) * 0.0
-                    elif w != 1.0:
-                        loss = loss * w
-                with clock.phase("backward"):
-                    loss.backward()
-                total = loss.detach() if total is None else total + loss.detach()
-                del loss
-            for fn in on_grads:
+            _enter(stack, [fn(step) for fn in hooks["step_context"]])
+            total = _forward_backward(loop, step, hooks["on_micro_batch"], cuda)
+            for fn in hooks["on_grads"]:
                 fn(step)
-            with clock.phase("optimizer"):
-                if loop.max_grad_norm > 0:  # no host read: the clip factor stays on the device
-                    torch.nn.utils.clip_grad_norm_(loop.params, loop.max_grad_norm)
-                with contextlib.ExitStack() as opt_stack:
-                    _enter(opt_stack, [fn(step) for fn in optimizer_context])
-                    loop.optimizer.step()
-                loop.scheduler.step()
-                loop.optimizer.zero_grad(set_to_none=True)
+            _optimizer_step(loop, step, hooks["optimizer_context"])
             clock.end_step()
         # Step k-1's loss is read now that step k is queued, then step k's is queued (a diverged step's
         # loss is NaN before or after the update). Step k-1's events are complete once its loss is read.
@@ -265,13 +217,72 @@ def fit(loop: Loop, callbacks: Sequence[Callback] = ()) -> list[float]:
         pending.queue(step, total)
         del total
         try:
-            for fn in on_step_end:
+            for fn in hooks["on_step_end"]:
                 fn(step)
         except Pruned:
             read()  # the evaluation synchronised anyway: a NaN loss of this step is a divergence first
             raise
     read()
     return losses
+
+
+def _read_loss(
+    clock: StepClock, pending: _PendingLoss, losses: list[float], on_loss: Sequence[Callable]
+) -> None:
+    """Read the queued loss (if any, timed as ``sync_wait``): append it to ``losses`` and pass it to the
+    ``on_loss`` hooks, or raise :class:`Diverged` when it is not finite."""
+    with clock.phase("sync_wait"):
+        got = pending.take()
+    if got is None:
+        return
+    step, loss = got
+    if not math.isfinite(loss):
+        raise Diverged(f"train loss is {loss} at optimizer step {step}")
+    losses.append(loss)
+    for fn in on_loss:
+        fn(step, loss)
+
+
+def _forward_backward(loop: Loop, step: int, on_micro_batch: Sequence[Callable], cuda: bool) -> Any:
+    """Forward and backward over step ``step``'s micro-batches, each loss weighted by its share of the
+    step's trained tokens; returns the step's loss summed on the device (detached, not read)."""
+    ga, clock = loop.grad_accum, loop.clock
+    total = None
+    micro = loop.batches[step * ga : (step + 1) * ga]
+    weights = token_weights(micro)
+    for batch, w in zip(micro, weights, strict=True):
+        for fn in on_micro_batch:
+            fn(step, batch)
+        with clock.phase("h2d"):
+            ids, mask, labels = to_device(batch, loop.device, cuda)
+            kw = loss_kwargs(batch, loop.device, cuda)
+        with clock.phase("forward"):
+            # Keep only the loss: holding the output would pin the logits through backward.
+            loss = loop.loss_fn(ids, mask, labels, **kw)
+            if w == 0.0:  # no trained token here: the mean is 0/0; it adds nothing to the step
+                loss = loss.nan_to_num(0.0) * 0.0
+            elif w != 1.0:
+                loss = loss * w
+        with clock.phase("backward"):
+            loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+        del loss
+    return total
+
+
+def _optimizer_step(loop: Loop, step: int, optimizer_context: Sequence[Callable]) -> None:
+    """The step's update, timed as ``optimizer``: clip (when ``max_grad_norm > 0``), optimizer step inside
+    the ``optimizer_context`` hooks' contexts, schedule step, and zero the gradients."""
+    import torch
+
+    with loop.clock.phase("optimizer"):
+        if loop.max_grad_norm > 0:  # no host read: the clip factor stays on the device
+            torch.nn.utils.clip_grad_norm_(loop.params, loop.max_grad_norm)
+        with contextlib.ExitStack() as opt_stack:
+            _enter(opt_stack, [fn(step) for fn in optimizer_context])
+            loop.optimizer.step()
+        loop.scheduler.step()
+        loop.optimizer.zero_grad(set_to_none=True)
 
 
 # ---------------------------------------------------------------------------------------------- callbacks

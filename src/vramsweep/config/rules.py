@@ -148,6 +148,31 @@ def check_values(cfg: DictConfig) -> None:
         if name is not None and name not in (options := group_options(group)):
             raise ConfigError(f"{group}={name} is not a known option", key=group, allowed=options)
     _check_model_values(cfg)
+    _check_quant_adapter_values(cfg)
+    _rules_optimizer(cfg)
+    _check_choice(cfg, "attention.implementation", group_options("attention"))
+    _check_context_vocab_values(cfg)
+    _rules_data(cfg)
+    _check_hardware_values(cfg)
+    if int(cfg.quant.bits) == 4 and int(cfg.quant.blocksize) != 64:
+        # transformers builds bitsandbytes' Linear4bit without a block size: 64 is what runs, so another
+        # value would change the estimate but not the model
+        raise ConfigError(
+            f"quant.blocksize={cfg.quant.blocksize}: 4-bit layers are built with bitsandbytes' block size 64 "
+            "(transformers passes none)",
+            key="quant.blocksize",
+            allowed=[64],
+        )
+    _check_train_values(cfg)
+    _check_choice(cfg, "logger.mode", ("auto", "offline", "online"))
+    _check_choice(cfg, "adapter.dtype", ("fp32", "compute"))
+    _check_range(cfg, "tiling.loss_chunk_tokens", 0, 10**7, integer=True)
+    _check_range(cfg, "tiling.mlp_tile_tokens", 0, 10**7, integer=True)
+
+
+def _check_quant_adapter_values(cfg: DictConfig) -> None:
+    """``quant.*`` (bits, 4-bit type, compute dtype) and ``adapter.*`` (method, rank, alpha, dropout,
+    targets: ``all-linear`` or a non-empty list of module names)."""
     _check_choice(cfg, "quant.bits", (4, 8, 16))
     if cfg.quant.bits == 4:
         _check_choice(cfg, "quant.quant_type", ("nf4", "fp4"))
@@ -171,8 +196,10 @@ def check_values(cfg: DictConfig) -> None:
             key="adapter.targets",
             allowed=["all-linear", "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"],
         )
-    _rules_optimizer(cfg)
-    _check_choice(cfg, "attention.implementation", group_options("attention"))
+
+
+def _check_context_vocab_values(cfg: DictConfig) -> None:
+    """``context.*`` (length, truncation and its decay, section minimum) and ``vocab.*``."""
     _check_range(cfg, "context.max_tokens", 32, 10**7, integer=True)
     _check_choice(cfg, "context.truncation", TRUNCATIONS)
     _check_range(cfg, "context.decay", 0.0, 1.0, lo_open=True)
@@ -182,7 +209,11 @@ def check_values(cfg: DictConfig) -> None:
     _check_range(cfg, "vocab.reserve", 0, 10**7, integer=True)
     if cfg.vocab.mode == "top_k":
         _check_range(cfg, "vocab.top_k", 1, 10**7, integer=True)
-    _rules_data(cfg)
+
+
+def _check_hardware_values(cfg: DictConfig) -> None:
+    """``hardware.*``: device, budget and memory (the budget within the card's memory when that is known),
+    peak FLOP/s, bandwidth and overhead."""
     _check_choice(cfg, "hardware.device", ("cpu", "cuda"))
     _check_range(cfg, "hardware.budget_gib", 0.0, 1e5)
     _check_range(cfg, "hardware.memory_gib", 0.0, 1e5)
@@ -196,15 +227,11 @@ def check_values(cfg: DictConfig) -> None:
             key="hardware.budget_gib",
             allowed=[f"[0, {mem:g}]"],
         )
-    if int(cfg.quant.bits) == 4 and int(cfg.quant.blocksize) != 64:
-        # transformers builds bitsandbytes' Linear4bit without a block size: 64 is what runs, so another
-        # value would change the estimate but not the model
-        raise ConfigError(
-            f"quant.blocksize={cfg.quant.blocksize}: 4-bit layers are built with bitsandbytes' block size 64 "
-            "(transformers passes none)",
-            key="quant.blocksize",
-            allowed=[64],
-        )
+
+
+def _check_train_values(cfg: DictConfig) -> None:
+    """``train.*`` and the seeds: steps, batch, schedule, clipping, evaluation, the measured window (at
+    least one measured step), threads, seeds, and the production run's epochs, saving and resuming."""
     _check_range(cfg, "train.steps", 1, 10**7, integer=True)
     _check_range(cfg, "train.micro_batch", 1, 4096, integer=True)
     _check_range(cfg, "train.grad_accum", 1, 4096, integer=True)
@@ -232,10 +259,6 @@ def check_values(cfg: DictConfig) -> None:
     _check_range(cfg, "train.save_every", 0, 10**7, integer=True)
     _check_range(cfg, "train.keep_checkpoints", 1, 10**4, integer=True)
     _check_choice(cfg, "train.resume", ("never", "auto"))
-    _check_choice(cfg, "logger.mode", ("auto", "offline", "online"))
-    _check_choice(cfg, "adapter.dtype", ("fp32", "compute"))
-    _check_range(cfg, "tiling.loss_chunk_tokens", 0, 10**7, integer=True)
-    _check_range(cfg, "tiling.mlp_tile_tokens", 0, 10**7, integer=True)
 
 
 TARGET_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
@@ -301,6 +324,40 @@ def _rules_optimizer(cfg: DictConfig) -> None:
 
 
 def _rules_combinations(cfg: DictConfig) -> None:
+    """Cross-knob rules (checkpointing, tiling, packing, kernels, adapter with quant and device, attention
+    with dtype) and the local paths a config names (model folder, data files)."""
+    _rules_checkpointing(cfg)
+    _rules_tiling(cfg)
+    _rules_packing(cfg)
+    if cfg.kernels.liger and cfg.kernels.unsloth:
+        raise ConfigError(
+            "kernels: Liger and Unsloth cannot both be on (Unsloth patches the same modules)",
+            key="kernels",
+            allowed=group_options("kernels"),
+        )
+    _rules_adapter(cfg)
+    if cfg.attention.implementation == "flash_attention_2" and cfg.train.dtype == "fp32":
+        raise ConfigError(
+            "attention=flash_attention_2 needs fp16/bf16 compute, got train.dtype=fp32",
+            key="train.dtype",
+            allowed=["bf16", "fp16"],
+        )
+    if cfg.model.source == "embedded" and cfg.model.name != "tiny":
+        pass  # other embedded sizes are allowed (custom dims)
+    # context.max_tokens against the model's positions: _rules_rope (after model.path is checked)
+    if cfg.vocab.mode != "full" and cfg.model.source == "arch" and not cfg.model.get("path"):
+        raise ConfigError(
+            "vocab=sliced needs a tokenizer and corpus: it works with the embedded model or model.path, not "
+            f"architecture-only model={cfg.model.name}",
+            key="vocab",
+            allowed=["full"],
+        )
+    _rules_model_path(cfg)
+    _rules_data_paths(cfg)
+
+
+def _rules_checkpointing(cfg: DictConfig) -> None:
+    """``checkpointing=offload`` is a way to checkpoint: it needs ``enabled`` and no reentrant checkpoint."""
     offload = cfg.checkpointing.name == "offload"
     if offload and not cfg.checkpointing.enabled:
         raise ConfigError(
@@ -315,6 +372,10 @@ def _rules_combinations(cfg: DictConfig) -> None:
             key="checkpointing.use_reentrant",
             allowed=["false"],
         )
+
+
+def _rules_tiling(cfg: DictConfig) -> None:
+    """Tiling against the kernels: not with Unsloth, and the chunked loss not with Liger's fused loss."""
     tiled = int(cfg.tiling.loss_chunk_tokens) > 0 or int(cfg.tiling.mlp_tile_tokens) > 0
     if tiled and cfg.kernels.unsloth:
         raise ConfigError(
@@ -341,13 +402,11 @@ def _rules_combinations(cfg: DictConfig) -> None:
                 "kernels=none tiling=on",
             ],
         )
-    _rules_packing(cfg)
-    if cfg.kernels.liger and cfg.kernels.unsloth:
-        raise ConfigError(
-            "kernels: Liger and Unsloth cannot both be on (Unsloth patches the same modules)",
-            key="kernels",
-            allowed=group_options("kernels"),
-        )
+
+
+def _rules_adapter(cfg: DictConfig) -> None:
+    """The adapter against quant and device: full fine-tuning needs unquantised weights, DoRA on 8-bit
+    does not run on CPU, rsLoRA is a LoRA option."""
     if cfg.adapter.method == "full" and cfg.quant.bits != 16:
         raise ConfigError(
             f"quant={cfg.quant.name} ({cfg.quant.bits}-bit) cannot be combined with adapter=full: quantised "
@@ -366,22 +425,10 @@ def _rules_combinations(cfg: DictConfig) -> None:
         raise ConfigError(
             "adapter.use_rslora needs adapter.method=lora", key="adapter.use_rslora", allowed=[False]
         )
-    if cfg.attention.implementation == "flash_attention_2" and cfg.train.dtype == "fp32":
-        raise ConfigError(
-            "attention=flash_attention_2 needs fp16/bf16 compute, got train.dtype=fp32",
-            key="train.dtype",
-            allowed=["bf16", "fp16"],
-        )
-    if cfg.model.source == "embedded" and cfg.model.name != "tiny":
-        pass  # other embedded sizes are allowed (custom dims)
-    # context.max_tokens against the model's positions: _rules_rope (after model.path is checked)
-    if cfg.vocab.mode != "full" and cfg.model.source == "arch" and not cfg.model.get("path"):
-        raise ConfigError(
-            "vocab=sliced needs a tokenizer and corpus: it works with the embedded model or model.path, not "
-            f"architecture-only model={cfg.model.name}",
-            key="vocab",
-            allowed=["full"],
-        )
+
+
+def _rules_model_path(cfg: DictConfig) -> None:
+    """``model.source=path``: ``model.path`` is a local folder with a ``config.json``."""
     if cfg.model.source == "path":
         p = cfg.model.path
         if not p or not os.path.isdir(str(p)):
@@ -396,6 +443,10 @@ def _rules_combinations(cfg: DictConfig) -> None:
                 key="model.path",
                 allowed=["<local HF folder with config.json>"],
             )
+
+
+def _rules_data_paths(cfg: DictConfig) -> None:
+    """A file data source: ``data.path`` (and ``data.eval_path`` when set) is a regular file or a folder."""
     if cfg.data.source in ("jsonl", "file"):
         for key in ("path", "eval_path"):
             p = cfg.data[key]

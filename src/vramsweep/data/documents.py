@@ -84,20 +84,7 @@ def normalize_document(obj: Any, *, default_id: str) -> dict[str, Any]:
         raise ValueError("missing required field 'sections'")
     if not isinstance(sections, list) or not sections:
         raise ValueError('\'sections\' must be a non-empty list of {"heading", "text"} objects')
-    norm_sections = []
-    for i, s in enumerate(sections):
-        if not isinstance(s, dict):
-            raise ValueError(f"sections[{i}] must be an object, got {type(s).__name__}")
-        if "text" not in s:
-            raise ValueError(f"sections[{i}] is missing required field 'text'")
-        if not isinstance(s["text"], str):
-            raise ValueError(f"sections[{i}].text must be a string, got {type(s['text']).__name__}")
-        heading = s.get("heading", "")
-        if heading is None:
-            heading = ""
-        if not isinstance(heading, str):
-            raise ValueError(f"sections[{i}].heading must be a string, got {type(heading).__name__}")
-        norm_sections.append({**s, "heading": heading, "text": s["text"]})
+    norm_sections = [_normalize_section(i, s) for i, s in enumerate(sections)]
     doc_id = obj.get("id", default_id)
     if not isinstance(doc_id, str) or not doc_id:
         raise ValueError(f"'id' must be a non-empty string, got {doc_id!r}")
@@ -111,34 +98,55 @@ def normalize_document(obj: Any, *, default_id: str) -> dict[str, Any]:
         facts = []
     if not isinstance(facts, list):
         raise ValueError(f"'facts' must be a list, got {type(facts).__name__}")
-    n = len(norm_sections)
-    norm_facts = []
-    for j, f in enumerate(facts):
-        where = f"facts[{j}]"
-        if not isinstance(f, dict):
-            raise ValueError(f"{where} must be an object, got {type(f).__name__}")
-        for key in ("key", "value", "stated_in", "repeated_in"):
-            if key not in f:
-                raise ValueError(f"{where} is missing required field {key!r}")
-        if not isinstance(f["key"], str) or not isinstance(f["value"], str) or not f["value"]:
-            raise ValueError(f"{where}: 'key' and 'value' must be strings ('value' non-empty)")
-        stated = f["stated_in"]
-        if isinstance(stated, bool) or not isinstance(stated, int) or not 0 <= stated < n:
-            raise ValueError(f"{where}.stated_in must be a section index in [0, {n}), got {stated!r}")
-        rep = f["repeated_in"]
-        if not isinstance(rep, list) or any(isinstance(r, bool) or not isinstance(r, int) for r in rep):
-            raise ValueError(f"{where}.repeated_in must be a list of section indices, got {rep!r}")
-        for r in rep:
-            if not stated < r < n:
-                raise ValueError(
-                    f"{where}.repeated_in contains {r}: repeats must come after stated_in={stated} "
-                    f"and be < {n} (the number of sections)"
-                )
-        for r in (stated, *rep):
-            if not value_occurs(format_section(norm_sections[r]), f["value"]):
-                raise ValueError(f"{where}: value {f['value']!r} does not occur in section {r}")
-        norm_facts.append({**f, "repeated_in": sorted(set(rep))})
+    norm_facts = [_normalize_fact(j, f, norm_sections) for j, f in enumerate(facts)]
     return {**obj, "id": doc_id, "title": title, "sections": norm_sections, "facts": norm_facts}
+
+
+def _normalize_section(i: int, s: Any) -> dict[str, Any]:
+    """Section ``i`` of a document, validated, with its heading defaulted to ``""``."""
+    if not isinstance(s, dict):
+        raise ValueError(f"sections[{i}] must be an object, got {type(s).__name__}")
+    if "text" not in s:
+        raise ValueError(f"sections[{i}] is missing required field 'text'")
+    if not isinstance(s["text"], str):
+        raise ValueError(f"sections[{i}].text must be a string, got {type(s['text']).__name__}")
+    heading = s.get("heading", "")
+    if heading is None:
+        heading = ""
+    if not isinstance(heading, str):
+        raise ValueError(f"sections[{i}].heading must be a string, got {type(heading).__name__}")
+    return {**s, "heading": heading, "text": s["text"]}
+
+
+def _normalize_fact(j: int, f: Any, norm_sections: list[dict[str, Any]]) -> dict[str, Any]:
+    """Fact ``j`` of a document, validated against the document's (normalised) sections: its value occurs
+    where it is stated and repeated, and repeats come after the statement; ``repeated_in`` comes back
+    sorted and deduplicated."""
+    n = len(norm_sections)
+    where = f"facts[{j}]"
+    if not isinstance(f, dict):
+        raise ValueError(f"{where} must be an object, got {type(f).__name__}")
+    for key in ("key", "value", "stated_in", "repeated_in"):
+        if key not in f:
+            raise ValueError(f"{where} is missing required field {key!r}")
+    if not isinstance(f["key"], str) or not isinstance(f["value"], str) or not f["value"]:
+        raise ValueError(f"{where}: 'key' and 'value' must be strings ('value' non-empty)")
+    stated = f["stated_in"]
+    if isinstance(stated, bool) or not isinstance(stated, int) or not 0 <= stated < n:
+        raise ValueError(f"{where}.stated_in must be a section index in [0, {n}), got {stated!r}")
+    rep = f["repeated_in"]
+    if not isinstance(rep, list) or any(isinstance(r, bool) or not isinstance(r, int) for r in rep):
+        raise ValueError(f"{where}.repeated_in must be a list of section indices, got {rep!r}")
+    for r in rep:
+        if not stated < r < n:
+            raise ValueError(
+                f"{where}.repeated_in contains {r}: repeats must come after stated_in={stated} "
+                f"and be < {n} (the number of sections)"
+            )
+    for r in (stated, *rep):
+        if not value_occurs(format_section(norm_sections[r]), f["value"]):
+            raise ValueError(f"{where}: value {f['value']!r} does not occur in section {r}")
+    return {**f, "repeated_in": sorted(set(rep))}
 
 
 def _guess_encoding(raw: bytes) -> str | None:

@@ -559,8 +559,35 @@ def suggest(
         out["speed_model"] = []
         out["estimates"], out["seconds"] = n_est, round(time.perf_counter() - t0, 3)
         return out
-    knobs = list(space)
     ws = Workspace(cfg, base)
+    cands = _candidates(space, base, model)
+    nofit, n_probes = _probe(space, ws, calibration)
+    found, used, rejected, n_est = _search(
+        cands,
+        space,
+        ws,
+        base,
+        cfg,
+        calibration,
+        nofit,
+        n_est + n_probes,
+        top=top,
+        max_estimates=max_estimates,
+        with_max_context=with_max_context,
+    )
+    out["suggestions"] = _suggestion_rows(found, base_est, cfg, with_max_context)
+    out["speed_model"] = model.lines(used)
+    out["searched"] = len(cands)
+    out["rejected_by_rules"] = rejected
+    out["estimates"], out["seconds"] = n_est, round(time.perf_counter() - t0, 3)
+    out["complete"] = n_est < max_estimates
+    return out
+
+
+def _candidates(space: dict[str, list], base: dict[str, Any], model: CostModel) -> list[tuple]:
+    """Every change set of the search space other than the user's own (less those invalid at a glance), as
+    ``(cost, number of changed keys, choice, changed keys)``, cheapest first (fewer changes on a tie)."""
+    knobs = list(space)
     cands = []
     for vals in itertools.product(*(space[k] for k in knobs)):
         choice = dict(zip(knobs, vals))
@@ -569,14 +596,15 @@ def suggest(
         keys = change_keys(base, choice)
         cands.append((model.cost(keys), len(keys), choice, keys))
     cands.sort(key=lambda x: (x[0], x[1]))
-    # the most saving valid set first: if even that does not fit, no set does
-    fits_sets: list[tuple[int, ...]] = []
+    return cands
+
+
+def _probe(space: dict[str, list], ws: Workspace, calibration: Any) -> tuple[list[tuple[int, ...]], int]:
+    """Estimate the probes (:func:`probes`: the most saving set with one knob held at each of its values);
+    returns the ranks of those that do not fit (every set below one does not fit either) and the number of
+    estimates made. The all-out set comes first: if it does not fit, nothing does and probing stops."""
     nofit: list[tuple[int, ...]] = []
-    found: list[Candidate] = []
-    used: set[str] = set()
-    rejected = 0
-    # probes: the most saving set with one knob held at each of its values; a probe that does not fit rules
-    # out every set below it without estimating them (the all-out set first: if it fails, nothing fits)
+    n_est = 0
     for i, choice in enumerate(probes(space)):
         r = _rank(choice, space)
         if any(_le(r, n) for n in nofit):
@@ -590,6 +618,31 @@ def suggest(
             nofit.append(r)
             if i == 0:
                 break  # the all-out set does not fit: no set does
+    return nofit, n_est
+
+
+def _search(
+    cands: list[tuple],
+    space: dict[str, list],
+    ws: Workspace,
+    base: dict[str, Any],
+    cfg: DictConfig,
+    calibration: Any,
+    nofit: list[tuple[int, ...]],
+    n_est: int,
+    *,
+    top: int,
+    max_estimates: int,
+    with_max_context: bool,
+) -> tuple[list[Candidate], set[str], int, int]:
+    """Estimate the candidates cheapest first, skipping those a fitting set below them or a set above them
+    that does not fit (``nofit``, extended here) rules out, until ``top`` fitting sets are found or
+    ``max_estimates`` estimates are made (``n_est`` so far). Returns the fitting valid sets (cheapest
+    first), the keys they change, how many fitting sets the rules rejected, and the estimates made in all."""
+    fits_sets: list[tuple[int, ...]] = []
+    found: list[Candidate] = []
+    used: set[str] = set()
+    rejected = 0
     for cost, _n, choice, keys in cands:
         if len(found) >= top or n_est >= max_estimates:
             break
@@ -617,7 +670,15 @@ def suggest(
         found.append(cand)
         used.update(keys)
     found.sort(key=lambda c: (c.cost, len(c.overrides)))
-    out["suggestions"] = [
+    return found, used, rejected, n_est
+
+
+def _suggestion_rows(
+    found: list[Candidate], base_est: dict[str, Any], cfg: DictConfig, with_max_context: bool
+) -> list[dict[str, Any]]:
+    """The ``suggestions`` of :func:`suggest`: one row per estimated candidate."""
+    budget = base_est["budget_bytes"]
+    return [
         {
             "overrides": c.overrides,
             "peak_bytes": c.est[M.PEAK_MEMORY_BYTES],
@@ -630,12 +691,6 @@ def suggest(
         for c in found
         if c.est is not None
     ]
-    out["speed_model"] = model.lines(used)
-    out["searched"] = len(cands)
-    out["rejected_by_rules"] = rejected
-    out["estimates"], out["seconds"] = n_est, round(time.perf_counter() - t0, 3)
-    out["complete"] = n_est < max_estimates
-    return out
 
 
 def spare(cfg: DictConfig, calibration: Any) -> dict[str, Any]:

@@ -181,6 +181,44 @@ def write_arch_weights(
     weight_map = {
         name: f"model-{i:05d}-of-{n:05d}.safetensors" for i, g in enumerate(groups, 1) for name, _ in g
     }
+    largest = _write_shards(groups, out, seed, std, total, t0, progress=progress, workers=workers)
+    index = {"metadata": {"total_size": int(total)}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    write_s = time.perf_counter() - t0
+    info = {
+        "recipe_version": RECIPE_VERSION,
+        "key": out.name.rsplit("-", 1)[-1],
+        "model": str(cfg.model.name),
+        "family": str(cfg.model.family),
+        "seed": seed,
+        "dtype": str(cfg.train.dtype),
+        "init": f"N(0, {std}) matrices, ones for norms, zeros for biases; per-tensor seed sha256(seed:name)",
+        "params": int(sum(t.numel() for _, t in tensors)),
+        "weight_bytes": int(total),
+        "shards": n,
+        "largest_shard_bytes": int(largest),
+        "tokenizer_tokens": len(tokenizer),
+        "write_s": round(write_s, 3),
+        "write_mb_per_s": round(total / max(write_s, 1e-9) / 1e6, 1),
+        "workers": int(workers),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "safetensors": getattr(safetensors, "__version__", "?"),
+        "tokenizers": tokenizers.__version__,
+    }
+    (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def _write_shards(
+    groups: list, out: Path, seed: int, std: float, total: int, t0: float, *, progress: bool, workers: int
+) -> int:
+    """Generate and write each shard ``i`` of ``groups`` as ``model-<i>-of-<n>.safetensors`` in ``out``,
+    ``workers`` at once (threads), reporting progress (with ``progress``, more than one shard) at most every
+    ``PROGRESS_EVERY_S`` and at the end; returns the largest shard's bytes."""
+    import safetensors.torch
+
+    n = len(groups)
     state = {"written": 0, "done": 0, "largest": 0, "last_print": time.perf_counter()}
     lock = threading.Lock()
 
@@ -214,33 +252,7 @@ def write_arch_weights(
 
         with ThreadPoolExecutor(max_workers=workers) as pool:
             list(pool.map(write_shard, range(1, n + 1)))
-    largest = state["largest"]
-    index = {"metadata": {"total_size": int(total)}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    write_s = time.perf_counter() - t0
-    info = {
-        "recipe_version": RECIPE_VERSION,
-        "key": out.name.rsplit("-", 1)[-1],
-        "model": str(cfg.model.name),
-        "family": str(cfg.model.family),
-        "seed": seed,
-        "dtype": str(cfg.train.dtype),
-        "init": f"N(0, {std}) matrices, ones for norms, zeros for biases; per-tensor seed sha256(seed:name)",
-        "params": int(sum(t.numel() for _, t in tensors)),
-        "weight_bytes": int(total),
-        "shards": n,
-        "largest_shard_bytes": int(largest),
-        "tokenizer_tokens": len(tokenizer),
-        "write_s": round(write_s, 3),
-        "write_mb_per_s": round(total / max(write_s, 1e-9) / 1e6, 1),
-        "workers": int(workers),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "safetensors": getattr(safetensors, "__version__", "?"),
-        "tokenizers": tokenizers.__version__,
-    }
-    (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    return info
+    return state["largest"]
 
 
 def _check_disk(cfg: DictConfig, parent: Path) -> None:

@@ -487,17 +487,7 @@ def slice_model_and_tokenizer(
         ValueError: ``keep`` not sorted/unique/in range, or a special id used by the config is not kept.
         TypeError: the embedding or lm_head is not a plain ``nn.Embedding`` / ``nn.Linear``.
     """
-    emb = model.get_input_embeddings()
-    head = model.get_output_embeddings()
-    if not isinstance(emb, nn.Embedding):
-        raise TypeError(f"vocab slicing needs an nn.Embedding input embedding, got {type(emb).__name__}")
-    if head is not None and not isinstance(head, nn.Linear):
-        raise TypeError(f"vocab slicing needs an nn.Linear lm_head, got {type(head).__name__}")
-    old_vocab = int(emb.weight.shape[0])
-    if head is not None and int(head.weight.shape[0]) != old_vocab:
-        raise ValueError(f"embedding has {old_vocab} rows but lm_head has {head.weight.shape[0]}")
-    if tokenizer is not None and len(tokenizer) > old_vocab:
-        raise ValueError(f"tokenizer has {len(tokenizer)} ids but the model only {old_vocab} embedding rows")
+    emb, head, old_vocab = _sliceable(model, tokenizer)
     unk_new = None
     id_map = IdMap(keep, old_vocab)
     if tokenizer is not None and getattr(tokenizer, "unk_token_id", None) is not None:
@@ -512,6 +502,40 @@ def slice_model_and_tokenizer(
                 updates.append((cfg, name, _remap_token_field(getattr(cfg, name), id_map, name)))
     tied = head is not None and (head.weight is emb.weight or head.weight.data_ptr() == emb.weight.data_ptr())
 
+    new_vocab = id_map.new_vocab_size
+    _slice_rows(emb, head, id_map, tied)
+    for cfg, name, value in updates:
+        setattr(cfg, name, value)
+    for cfg in configs:
+        if hasattr(cfg, "vocab_size") and getattr(cfg, "vocab_size", None) == old_vocab:
+            cfg.vocab_size = new_vocab
+    for mod in model.modules():
+        if isinstance(getattr(mod, "vocab_size", None), int) and mod.vocab_size == old_vocab:
+            mod.vocab_size = new_vocab
+    sliced_tok = SlicedTokenizer(tokenizer, id_map) if tokenizer is not None else None
+    return model, sliced_tok, id_map
+
+
+def _sliceable(model: nn.Module, tokenizer: Any) -> tuple[nn.Embedding, nn.Linear | None, int]:
+    """The model's input embedding, its lm_head (or None) and its vocabulary size, checked for slicing: an
+    ``nn.Embedding``, an ``nn.Linear`` with as many rows, and no more tokenizer ids than rows."""
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    if not isinstance(emb, nn.Embedding):
+        raise TypeError(f"vocab slicing needs an nn.Embedding input embedding, got {type(emb).__name__}")
+    if head is not None and not isinstance(head, nn.Linear):
+        raise TypeError(f"vocab slicing needs an nn.Linear lm_head, got {type(head).__name__}")
+    old_vocab = int(emb.weight.shape[0])
+    if head is not None and int(head.weight.shape[0]) != old_vocab:
+        raise ValueError(f"embedding has {old_vocab} rows but lm_head has {head.weight.shape[0]}")
+    if tokenizer is not None and len(tokenizer) > old_vocab:
+        raise ValueError(f"tokenizer has {len(tokenizer)} ids but the model only {old_vocab} embedding rows")
+    return emb, head, old_vocab
+
+
+def _slice_rows(emb: nn.Embedding, head: nn.Linear | None, id_map: IdMap, tied: bool) -> None:
+    """Keep ``id_map``'s rows of the embedding (and its ``padding_idx``, None when not kept) and of the
+    lm_head's weight (the embedding's when ``tied``) and bias, in place."""
     new_vocab = id_map.new_vocab_size
     with torch.no_grad():
         idx = id_map.new_to_old.to(emb.weight.device)
@@ -537,16 +561,6 @@ def slice_model_and_tokenizer(
                     head.bias.detach().index_select(0, bidx).clone(), requires_grad=head.bias.requires_grad
                 )
             head.out_features = new_vocab
-    for cfg, name, value in updates:
-        setattr(cfg, name, value)
-    for cfg in configs:
-        if hasattr(cfg, "vocab_size") and getattr(cfg, "vocab_size", None) == old_vocab:
-            cfg.vocab_size = new_vocab
-    for mod in model.modules():
-        if isinstance(getattr(mod, "vocab_size", None), int) and mod.vocab_size == old_vocab:
-            mod.vocab_size = new_vocab
-    sliced_tok = SlicedTokenizer(tokenizer, id_map) if tokenizer is not None else None
-    return model, sliced_tok, id_map
 
 
 def _configs(model: nn.Module) -> list[Any]:

@@ -824,10 +824,39 @@ def run_pick(
     ranked = sorted(ok, key=lambda t: rank_key(t, prefer, tiers))
     if not ranked:
         return _nothing_fits(sweep, budget_gib, headroom_gib, limit, min_tokens_per_s)
-
-    winner = ranked[0]
     command = _command(target, budget_gib, min_tokens_per_s, prefer, headroom_gib, name)
-    name = name or default_name(sweep.name, budget_gib)
+    return _pin_winner(
+        sweep,
+        ranked,
+        tiers,
+        conf,
+        name or default_name(sweep.name, budget_gib),
+        command,
+        budget_gib=budget_gib,
+        min_tokens_per_s=min_tokens_per_s,
+        prefer=prefer,
+        headroom_gib=headroom_gib,
+    )
+
+
+def _pin_winner(
+    sweep: SweepData,
+    ranked: list[Candidate],
+    tiers: dict[int, QualityTier],
+    conf: Path,
+    name: str,
+    command: str,
+    *,
+    budget_gib: float,
+    min_tokens_per_s: float | None,
+    prefer: str,
+    headroom_gib: float,
+) -> int:
+    """Pin the first of ``ranked`` as ``<conf>/experiment/<name>.yaml`` (composed back to check it) and
+    explain it in the sweep's ``production.md``; the exit code of :func:`run_pick` (the experiment is
+    undone when it does not compose or ``production.md`` cannot be written)."""
+    limit = budget_gib - headroom_gib
+    winner = ranked[0]
     try:
         spec = build_experiment(winner.rep, conf)
     except ReportError as exc:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,26 @@ def pareto_figure(sweep: SweepData) -> Any:
         return cmap(norm(t.eval_loss)) if norm is not None and t.eval_loss is not None else "0.6"
 
     feasible = [t for t in pts if sweep.feasible(t)]
-    infeasible = [t for t in pts if not sweep.feasible(t)]
+    _scatter_trials(ax, feasible, [t for t in pts if not sweep.feasible(t)], color)
+    _draw_front(ax, feasible)
+    budget = sweep.budget_gib
+    if budget is not None:
+        ax.axvline(budget, color="tab:orange", ls="--", lw=1.3, label=f"budget {budget:g} GiB")
+    if norm is not None:
+        sm = mpl.cm.ScalarMappable(norm=norm, cmap=cmap)
+        fig.colorbar(sm, ax=ax, label=label(_LOSS))
+    ax.set_xlabel(_axis(_PEAK))
+    ax.set_ylabel(_axis(_TPS))
+    ax.set_title(f"{sweep.name}: memory vs throughput ({len(pts)} ok trials)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    return fig
+
+
+def _scatter_trials(
+    ax: Any, feasible: list[TrialRecord], infeasible: list[TrialRecord], color: Callable[[TrialRecord], Any]
+) -> None:
+    """The trials at (peak, tokens/s), coloured by ``color``: dots within the budget, crosses over it."""
     if feasible:
         ax.scatter(
             [t.peak_gib for t in feasible],
@@ -94,6 +114,10 @@ def pareto_figure(sweep: SweepData) -> Any:
             label="over budget",
             zorder=3,
         )
+
+
+def _draw_front(ax: Any, feasible: list[TrialRecord]) -> None:
+    """The feasible trials' memory/throughput Pareto front: a red step line, ringed and numbered points."""
     front = sorted(
         pareto_front(feasible, [(m, direction(m)) for m in (_PEAK, _TPS)]),
         key=lambda t: (t.peak_gib, -(t.tokens_per_s or 0.0)),
@@ -126,18 +150,6 @@ def pareto_figure(sweep: SweepData) -> Any:
                 xytext=(6, 5),
                 fontsize=8,
             )
-    budget = sweep.budget_gib
-    if budget is not None:
-        ax.axvline(budget, color="tab:orange", ls="--", lw=1.3, label=f"budget {budget:g} GiB")
-    if norm is not None:
-        sm = mpl.cm.ScalarMappable(norm=norm, cmap=cmap)
-        fig.colorbar(sm, ax=ax, label=label(_LOSS))
-    ax.set_xlabel(_axis(_PEAK))
-    ax.set_ylabel(_axis(_TPS))
-    ax.set_title(f"{sweep.name}: memory vs throughput ({len(pts)} ok trials)")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize=8)
-    return fig
 
 
 def pareto_plot(sweep: SweepData, out_dir: Path) -> tuple[list[Path], str | None]:

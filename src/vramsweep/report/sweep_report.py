@@ -115,17 +115,7 @@ def run_report(
         print(error_line("report", str(exc)), file=sys.stderr)
         return 2
     if not sweep.trials:
-        where = sweep.folder if sweep.folder is not None else safe_url(target)
-        what = (
-            "no sweep.json either"
-            if sweep.folder is not None and not (sweep.folder / "sweep.json").exists()
-            else "sweep has not finished a trial yet"
-        )
-        notes = "".join(f"; {n}" for n in sweep.notes)
-        print(
-            error_line("report", f"no trial results in {where} ({what}){notes}: nothing to report"),
-            file=sys.stderr,
-        )
+        print(_no_trials_line(sweep, target), file=sys.stderr)
         return 2
     for n in sweep.notes:  # torn or unreadable inputs are said on the terminal, not only in ablation.md
         if "unreadable" in n or "not a result object" in n or "study database not used" in n:
@@ -148,7 +138,34 @@ def run_report(
     except OSError as exc:
         print(error_line("report", f"cannot write to {out}: {exc}"), file=sys.stderr)
         return 2
+    _print_summary(report, sweep, md_path)
+    if wandb:
+        where, warning = _log_wandb(report, plots, out)
+        if warning:
+            print(f"vramsweep report: warning: {warning}", file=sys.stderr)
+        else:
+            say(f"W&B summary run: {where}")
+    files = [md_path, csv_path] + plots
+    say(f"wrote (in {out}): " + ", ".join(p.name if p.parent == out else str(p) for p in files))
+    return 0
 
+
+def _no_trials_line(sweep: SweepData, target: str) -> str:
+    """The error line for a sweep without trial results: where, why (no ``sweep.json`` or no finished trial)
+    and the loader's notes."""
+    where = sweep.folder if sweep.folder is not None else safe_url(target)
+    what = (
+        "no sweep.json either"
+        if sweep.folder is not None and not (sweep.folder / "sweep.json").exists()
+        else "sweep has not finished a trial yet"
+    )
+    notes = "".join(f"; {n}" for n in sweep.notes)
+    return error_line("report", f"no trial results in {where} ({what}){notes}: nothing to report")
+
+
+def _print_summary(report: Report, sweep: SweepData, md_path: Path) -> None:
+    """The terminal summary: the sweep's line, the main table, the best trial per objective, the Pareto
+    front and the number of failed or infeasible trials."""
     main = report.main
     say(summary_line(sweep))
     print()
@@ -168,15 +185,6 @@ def run_report(
     n_fail = len(report.tables["failures"].rows)
     if n_fail:
         say(f"{n_fail} failed or infeasible trial(s): see 'Failures' in {md_path}")
-    if wandb:
-        where, warning = _log_wandb(report, plots, out)
-        if warning:
-            print(f"vramsweep report: warning: {warning}", file=sys.stderr)
-        else:
-            say(f"W&B summary run: {where}")
-    files = [md_path, csv_path] + plots
-    say(f"wrote (in {out}): " + ", ".join(p.name if p.parent == out else str(p) for p in files))
-    return 0
 
 
 def say(line: str) -> None:

@@ -123,6 +123,19 @@ def summary_of(result: dict) -> dict[str, Any]:
         s.pop(mfu, None)
         why = info.get("reason") if isinstance(info, dict) else None
         s[f"{mfu}/reason"] = str(why or f"not measured (trial status {s['status']})")
+    _memory_summary(s, metrics)
+    _estimate_summary(s, result, metrics.get(MetricName.PEAK_MEMORY_BYTES))
+    for m in METRICS:  # the registry's W&B aliases: eval/loss (the final eval, beside the intermediate
+        # ones in history), eval/ppl, train/tokens_per_s
+        if m.wandb and _finite(metrics.get(m.name)):
+            s[m.wandb] = metrics[m.name]
+    _meta_summary(s, meta, info)
+    return s
+
+
+def _memory_summary(s: dict[str, Any], metrics: dict) -> None:
+    """Add the measured memory to summary ``s``: its kind, the peak (bytes and display unit), the breakdown
+    and the state bytes (finite values only)."""
     if metrics.get(MetricName.MEMORY_KIND):
         s["memory/kind"] = metrics[MetricName.MEMORY_KIND]
     peak_name = MetricName.PEAK_MEMORY_BYTES
@@ -136,6 +149,12 @@ def summary_of(result: dict) -> dict[str, Any]:
     for part, value in (metrics.get(MetricName.STATE_BYTES) or {}).items():
         if _finite(value):
             s[f"memory/state/{part}_bytes"] = value
+
+
+def _estimate_summary(s: dict[str, Any], result: dict, peak: Any) -> None:
+    """Add the trial's estimate (if any) to summary ``s``: its peak (and its error against the measured
+    ``peak``), breakdown, peak phase and whether it fits."""
+    peak_name = MetricName.PEAK_MEMORY_BYTES
     est = result.get("estimate") if isinstance(result.get("estimate"), dict) else None
     if est:
         epeak = est.get(peak_name)
@@ -151,10 +170,12 @@ def summary_of(result: dict) -> dict[str, Any]:
             s["estimate/peak_phase"] = est["peak_phase"]
         if isinstance(est.get("fits"), bool):
             s["estimate/fits"] = est["fits"]
-    for m in METRICS:  # the registry's W&B aliases: eval/loss (the final eval, beside the intermediate
-        # ones in history), eval/ppl, train/tokens_per_s
-        if m.wandb and _finite(metrics.get(m.name)):
-            s[m.wandb] = metrics[m.name]
+
+
+def _meta_summary(s: dict[str, Any], meta: dict, info: Any) -> None:
+    """Add the MFU's details (``info``), the step phases (host and device seconds), the device, git sha,
+    hardware profile and emulation, and the wall time to summary ``s``."""
+    mfu = MetricName.MFU.value
     if isinstance(info, dict):
         for k, v in info.items():
             if _finite(v) or isinstance(v, str):
@@ -179,7 +200,6 @@ def summary_of(result: dict) -> dict[str, Any]:
                 s[f"hardware_emulation/{k}"] = v
     if _finite(meta.get("wall_s")):
         s["wall_s"] = meta["wall_s"]
-    return s
 
 
 class WandbLogger:

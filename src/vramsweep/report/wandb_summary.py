@@ -207,58 +207,9 @@ def log_summary(
         with _locked(wdir):
             state = _read_state(wdir)
             run_id = str(state.get("run_id") or _new_id())
-            statuses = Counter(t.status for t in sweep.trials)
-            kwargs: dict[str, Any] = {
-                "project": project or state.get("project") or _project(report),
-                "id": run_id,
-                "resume": "allow",
-                "name": f"{sweep.name}-summary",
-                "group": sweep.name,
-                "job_type": "sweep-summary",
-                "tags": ["sweep-summary"]
-                + ([f"design:{sweep.settings['design']}"] if sweep.settings.get("design") else []),
-                "dir": str(root),
-                "config": {
-                    "sweep": _masked(sweep.settings),
-                    "sweep_name": sweep.name,
-                    "budget_gib": sweep.budget_gib,
-                    "objectives": [f"{m}:{d}" for m, d in sweep.objectives],
-                },
-                "reinit": "create_new",
-            }
-            settings = wandb.Settings(
-                silent=True, console="off", disable_git=True, save_code=False, x_disable_stats=True
-            )
-            attempts = [mode, "offline"] if mode == "online" else [mode]
-            for i, attempt in enumerate(attempts):  # online failing (no network, bad key) -> offline
-                try:
-                    run = wandb.init(mode=attempt, settings=settings, **kwargs)  # type: ignore[arg-type]
-                    mode = attempt
-                    break
-                except Exception:
-                    if i == len(attempts) - 1:
-                        raise
-            cols, rows = trial_rows(sweep)
-            payload: dict[str, Any] = {
-                "trials": wandb.Table(columns=cols, data=rows, allow_mixed_types=True),
-                "n_trials": len(sweep.trials),
-            }
-            for name, table in report.tables.items():
-                tcols, data = table_data(table)
-                payload[f"table/{name}"] = wandb.Table(columns=tcols, data=data, allow_mixed_types=True)
-            for p in plots:
-                if p.suffix == ".png":
-                    payload[f"plot/{p.stem}"] = wandb.Image(str(p))
-            run.log(payload)
-            summary: dict[str, Any] = {"n_trials": len(sweep.trials)}
-            summary.update({f"status/{s}": n for s, n in sorted(statuses.items())})
-            best = report.tables.get("best")
-            if best is not None:
-                for r in best.rows:
-                    if r.get("trial") is not None:
-                        summary[f"best/{r['objective']}/trial"] = r["trial"]
-                        summary[f"best/{r['objective']}/value"] = r["value"]
-            run.summary.update(summary)
+            kwargs = _init_kwargs(report, project or state.get("project") or _project(report), run_id, root)
+            run, mode = _init_run(wandb, mode, kwargs)
+            _log_report(wandb, run, report, plots)
             sync_dir = getattr(getattr(run, "settings", None), "sync_dir", None)
             where = getattr(run, "url", None) if mode == "online" else sync_dir
             run.finish()
@@ -285,6 +236,73 @@ def log_summary(
             except Exception:
                 pass
         return None, f"W&B summary run not logged: {exc.__class__.__name__}: {exc}"
+
+
+def _init_kwargs(report: Report, project: str, run_id: str, root: Path) -> dict[str, Any]:
+    """``wandb.init``'s keywords for the sweep's summary run ``run_id`` (resumed if it exists) under
+    ``root``: name, group, job type and tags, and the sweep's settings (masked) as its config."""
+    sweep = report.sweep
+    return {
+        "project": project,
+        "id": run_id,
+        "resume": "allow",
+        "name": f"{sweep.name}-summary",
+        "group": sweep.name,
+        "job_type": "sweep-summary",
+        "tags": ["sweep-summary"]
+        + ([f"design:{sweep.settings['design']}"] if sweep.settings.get("design") else []),
+        "dir": str(root),
+        "config": {
+            "sweep": _masked(sweep.settings),
+            "sweep_name": sweep.name,
+            "budget_gib": sweep.budget_gib,
+            "objectives": [f"{m}:{d}" for m, d in sweep.objectives],
+        },
+        "reinit": "create_new",
+    }
+
+
+def _init_run(wandb: Any, mode: str, kwargs: dict[str, Any]) -> tuple[Any, str]:
+    """Start the run in ``mode``, falling back to offline when online fails (no network, bad key); returns
+    the run and the mode it runs in. Raises what the last attempt raised."""
+    settings = wandb.Settings(
+        silent=True, console="off", disable_git=True, save_code=False, x_disable_stats=True
+    )
+    attempts = [mode, "offline"] if mode == "online" else [mode]
+    for attempt in attempts[:-1]:
+        try:
+            return wandb.init(mode=attempt, settings=settings, **kwargs), attempt  # type: ignore[arg-type]
+        except Exception:
+            pass  # online failing (no network, bad key) -> offline
+    return wandb.init(mode=attempts[-1], settings=settings, **kwargs), attempts[-1]  # type: ignore[arg-type]
+
+
+def _log_report(wandb: Any, run: Any, report: Report, plots: Iterable[Path]) -> None:
+    """Log the trials table, every report table and the PNG plots, and set the run's summary: the number
+    of trials, the count per status and the best trial (and value) per objective."""
+    sweep = report.sweep
+    statuses = Counter(t.status for t in sweep.trials)
+    cols, rows = trial_rows(sweep)
+    payload: dict[str, Any] = {
+        "trials": wandb.Table(columns=cols, data=rows, allow_mixed_types=True),
+        "n_trials": len(sweep.trials),
+    }
+    for name, table in report.tables.items():
+        tcols, data = table_data(table)
+        payload[f"table/{name}"] = wandb.Table(columns=tcols, data=data, allow_mixed_types=True)
+    for p in plots:
+        if p.suffix == ".png":
+            payload[f"plot/{p.stem}"] = wandb.Image(str(p))
+    run.log(payload)
+    summary: dict[str, Any] = {"n_trials": len(sweep.trials)}
+    summary.update({f"status/{s}": n for s, n in sorted(statuses.items())})
+    best = report.tables.get("best")
+    if best is not None:
+        for r in best.rows:
+            if r.get("trial") is not None:
+                summary[f"best/{r['objective']}/trial"] = r["trial"]
+                summary[f"best/{r['objective']}/value"] = r["value"]
+    run.summary.update(summary)
 
 
 def _fingerprint(sweep_dir: Path) -> str:
