@@ -188,7 +188,20 @@ def fit(loop: Loop, callbacks: Sequence[Callback] = ()) -> list[float]:
     ends the trial with :class:`Diverged` naming its step, but at most one step later (step k+1 has run
     by then; a NaN at the last step is caught at the end). Every phase is timed on ``loop.clock``, on
     the host and, on CUDA, with device events that are read once a later step's loss read has waited for
-    them (``StepClock.collect``: no wait of its own)."""
+    them (``StepClock.collect``: no wait of its own).
+
+    Args:
+        loop: the model's loss function, optimizer, scheduler, micro-batches, device, step range
+            (``start_step`` to ``steps``), gradient accumulation, clipping and clock.
+        callbacks: the hooks called around each step, in list order (:class:`Callback`).
+
+    Returns:
+        The losses of the steps run, in step order.
+
+    Raises:
+        Diverged: a step's loss is not finite (or a callback found a non-finite eval loss).
+        Pruned: a callback stopped the trial early.
+    """
     clock = loop.clock
     cuda = getattr(loop.device, "type", str(loop.device)) == "cuda"
     hooks = {name: _hooks(callbacks, name) for name in _HOOKS}

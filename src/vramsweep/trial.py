@@ -718,7 +718,24 @@ def run_trial(
     ``result_path`` and returned as the result dict (``to_json()``; plus ``meta.result_path``).
 
     A ``train`` run (no ``sweep``/``trial``) keeps its run folder, ``result_path``'s parent: config,
-    loss log, adapter, tokenizer (:mod:`vramsweep.production.outputs`)."""
+    loss log, adapter, tokenizer (:mod:`vramsweep.production.outputs`).
+
+    Args:
+        cfg: the composed trial config (validated here before anything is built).
+        result_path: where the result JSON is written; None: written nowhere, only returned (and no run
+            folder is kept).
+        sweep: the sweep's name: the result's ``sweep`` and the W&B group; with ``trial``, the W&B run is
+            named ``<sweep>-<trial:04d>``.
+        trial: the trial number within the sweep (None: a ``train`` run, named after its overrides).
+        overrides: the Hydra overrides the config was composed from, recorded in the result.
+        reporter: called with ``(step, eval_loss)`` after each intermediate evaluation; returning True
+            prunes the trial (status ``pruned``).
+        design: the sweep design's description of this point (e.g. its role), recorded as ``meta.design``.
+
+    Returns:
+        The result dict; a failure is its ``status`` and ``reason``, not an exception (KeyboardInterrupt
+        aside).
+    """
 
     started = datetime.now(UTC)
     t0 = time.perf_counter()
@@ -761,6 +778,15 @@ def run_trial(
         if unexpected:  # a bug or a crash: where it happened
             result["meta"]["traceback"] = traceback.format_exc()[-4000:]
     # Recover memory outside the except block (a live traceback pins the tensors).
+    return _finish(result, status, reason, logger, t0, result_path)
+
+
+def _finish(
+    result: dict, status: Status, reason: str | None, logger, t0: float, result_path: str | os.PathLike | None
+) -> dict:
+    """End the trial: collect garbage (and empty the CUDA cache after an OOM), set its status and reason,
+    record the process's memory, the load average, wall time and end time, finish the W&B run (when one
+    was started), and write the result (when ``result_path`` is given); returns the result dict."""
     gc.collect()
     if status == Status.OOM:
         try:
