@@ -47,7 +47,7 @@ def source_revision() -> str | None:
             text=True,
             timeout=5,
         ).stdout.splitlines()
-    except Exception:
+    except (OSError, subprocess.SubprocessError, ValueError):  # no git, a timeout, output not text
         return None
     if len(top) != 2 or Path(top[0]).resolve() / "src" / "vramsweep" != pkg:
         return None
