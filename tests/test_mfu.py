@@ -281,3 +281,16 @@ def test_timing_share_of_tiled_tokens():
     assert timing.share_longer_than(8) == pytest.approx(0.75)
     assert timing.share_longer_than(16) == 0.0 and timing.share_longer_than(0) == 0.0
     assert timing.share_longer_than(4) == 1.0
+
+
+def test_a_model_without_embedding_accessors_falls_back_to_the_config_and_a_bug_is_not_hidden():
+    """Only a missing accessor falls back to the config's counts; any other error in reading them raises."""
+    cfg = _qwen3_8b_cfg(checkpointing=False)
+    assert embedding_counts(cfg, object()) == embedding_counts(cfg)
+
+    class Broken:
+        def get_input_embeddings(self):
+            raise RuntimeError("a bug in the model wrapper")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        embedding_counts(cfg, Broken())

@@ -195,7 +195,7 @@ def embedding_counts(cfg: Any, model: Any = None) -> tuple[int, int]:
             n_head = int(head_w.numel()) if head_w is not None else 0
             tied = head_w is not None and (head_w is emb or head_w.data_ptr() == emb.data_ptr())
             return (0 if tied else int(emb.numel())), n_head
-        except Exception:  # a wrapper without the accessors: fall back to the config
+        except (AttributeError, NotImplementedError):  # a wrapper without the accessors: use the config
             pass
     m = cfg.model
     per = int(m.vocab_size) * int(m.hidden_size)
