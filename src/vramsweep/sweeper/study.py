@@ -342,15 +342,17 @@ class StudyBook:
             f"stale: the worker running this trial died (host {owner.get('host', '?')} pid "
             f"{owner.get('pid', '?')}, last heartbeat {age}); {self.retry_note(retries, will_retry)}"
         )
-        spec = self.spec_for(
+        job = Job(
+            trial,
             t.number,
-            t._trial_id,
             int(slot) if slot is not None else -1,
             list(t.user_attrs.get("overrides") or []),
+            [],
             dict(t.user_attrs.get("design") or {}),
             t.system_attrs.get(RETRY_OF),
-            worker=0,
+            retries=retries,
         )
+        spec = TrialSpec.for_job(job, self.settings, parent_ctime=self.identity.get("ctime"))
         res = self.lost_result(spec, reason, retries, t._trial_id)
         self.tell(self.admin, trial, res, Outcome.from_dict(res["meta"]["optuna"]))
         self.say(
@@ -439,46 +441,6 @@ class StudyBook:
         path = self.result_path(job.number)
         if path.exists():
             write_result(path, report.result)
-
-    def spec_for(
-        self,
-        number: int,
-        trial_id: int,
-        slot: int,
-        overrides: list[str],
-        design: dict[str, Any],
-        retry_of: int | None,
-        worker: int,
-    ) -> TrialSpec:
-        env = dict(os.environ)
-        env["VRAMSWEEP_SWEEP_DIR"] = str(self.settings.sweep_dir)  # trial W&B runs go to <sweep dir>/wandb
-        if self.settings.cuda_devices:
-            env["CUDA_VISIBLE_DEVICES"] = self.settings.cuda_devices[worker % len(self.settings.cuda_devices)]
-        return TrialSpec(
-            number=number,
-            trial_id=trial_id,
-            slot=slot,
-            overrides=overrides,
-            result_path=str(self.result_path(number)),
-            sweep_name=self.settings.name,
-            study_name=self.settings.study_name,
-            storage=self.settings.storage,
-            objectives=list(self.settings.objectives),
-            trial_fn=self.settings.trial_fn,
-            design=design,
-            pruner=self.settings.pruner,
-            pruning=self.settings.pruning_active,
-            budget_gib=self.settings.budget_gib,
-            preflight=self.settings.preflight,
-            retry_of=retry_of,
-            log_path=None
-            if self.settings.isolation == "inprocess"
-            else str(self.trials_dir / f"{number:04d}.log"),
-            parent_pid=os.getpid(),
-            parent_ctime=self.identity.get("ctime"),
-            env=env,
-            cwd=os.getcwd(),
-        )
 
     def _find_duplicate(self, params: dict[str, Any], number: int) -> tuple[int, dict[str, Any]] | None:
         from optuna.trial import TrialState

@@ -18,7 +18,7 @@ from vramsweep.sweeper.outcome import Outcome
 from vramsweep.sweeper.progress import Progress, trial_line
 from vramsweep.sweeper.storage import HEARTBEAT, JOB_LOST, LOST, storage_lock
 from vramsweep.sweeper.study import Job, StudyBook
-from vramsweep.sweeper.trialproc import RunReport
+from vramsweep.sweeper.trialproc import RunReport, TrialSpec
 
 
 @dataclass
@@ -68,9 +68,7 @@ class WorkerPool:
             if job.duplicate_of is not None:
                 book.record_duplicate(job)
                 continue
-            spec = book.spec_for(
-                job.number, job.trial._trial_id, job.slot, job.overrides, job.design, job.retry_of, idx
-            )
+            spec = TrialSpec.for_job(job, self.settings, worker=idx, parent_ctime=book.identity.get("ctime"))
             self._show_running()
             report = self.runner.run(spec, tick_s=1.0, timeout_s=self.settings.timeout_s)
             if state.interrupted:
@@ -145,9 +143,7 @@ class WorkerPool:
         with book.tell_lock, storage_lock(self.settings.storage, self.settings.study_name):
             frozen = book.storage.get_trial(job.trial._trial_id)
             will_retry = book.retry_lost(book.study, frozen, job.retries)
-            spec = book.spec_for(
-                job.number, job.trial._trial_id, job.slot, job.overrides, job.design, job.retry_of, 0
-            )
+            spec = TrialSpec.for_job(job, self.settings, parent_ctime=book.identity.get("ctime"))
             reason = f"interrupted ({self.state.signal}); " + book.retry_note(job.retries, will_retry)
             res = book.lost_result(spec, reason, job.retries, job.trial._trial_id)
             book.tell(book.study, job.trial, res, Outcome.from_dict(res["meta"]["optuna"]))
