@@ -337,11 +337,6 @@ class StudyBook:
         owner = t.system_attrs.get(OWNER) or {}
         beat = t.system_attrs.get(HEARTBEAT)
         age = f"{now - float(beat):.0f} s ago" if beat else "never"
-        will_retry = self.retry_lost(self.admin, t, retries)
-        reason = (
-            f"stale: the worker running this trial died (host {owner.get('host', '?')} pid "
-            f"{owner.get('pid', '?')}, last heartbeat {age}); {self.retry_note(retries, will_retry)}"
-        )
         job = Job(
             trial,
             t.number,
@@ -352,9 +347,14 @@ class StudyBook:
             t.system_attrs.get(RETRY_OF),
             retries=retries,
         )
-        spec = TrialSpec.for_job(job, self.settings, parent_ctime=self.identity.get("ctime"))
-        res = self.lost_result(spec, reason, retries, t._trial_id)
-        self.tell(self.admin, trial, res, Outcome.from_dict(res["meta"]["optuna"]))
+        will_retry = self.close_lost(
+            job,
+            lambda again: (
+                f"stale: the worker running this trial died (host {owner.get('host', '?')} pid "
+                f"{owner.get('pid', '?')}, last heartbeat {age}); {self.retry_note(retries, again)}"
+            ),
+            locked=True,
+        )
         self.say(
             f"vramsweep: trial {t.number:04d} was left RUNNING by a dead worker: failed"
             + (
@@ -400,15 +400,52 @@ class StudyBook:
             "re-run with a higher hydra.sweeper.retry_stale to retry it"
         )
 
-    def lost_result(self, spec: TrialSpec, reason: str, retries: int, trial_id: int) -> dict[str, Any]:
-        """The result JSON of a lost trial (``meta.retries`` = earlier losses of its point); marks it lost."""
+    def close_lost(
+        self,
+        job: Job,
+        reason: Callable[[bool], str],
+        *,
+        retry: bool | None = None,
+        report: RunReport | None = None,
+        job_lost: str | None = None,
+        locked: bool = False,
+    ) -> bool:
+        """Close a lost trial (its worker died, Ctrl-C, its launcher job was lost) and put its point back in
+        its slot; whether it did.
 
-        res = parent_side_result(spec, reason, 0.0)
-        res["meta"]["retries"] = retries
-        res["meta"]["lost"] = True
-        write_result(spec.result_path, res)
-        self.storage.set_trial_system_attr(trial_id, LOST, True)
-        return res
+        ``retry``: ``None``, when ``retry_stale`` allows; ``True``/``False``, the caller decided. The trial
+        is marked lost (``job_lost``: its launcher job's fate), its result JSON written with
+        ``reason(retried)``, ``meta.retries`` (earlier losses of its point) and ``meta.lost`` (the runner's
+        ``report`` when there is one, else an ``error`` result written here), told to the study its trial
+        belongs to, and no longer counted as running. Takes the tell and storage locks; ``locked``: the
+        caller holds the storage lock already (a reap: the tell lock is not taken)."""
+        tid = job.trial._trial_id
+        study = job.trial.study
+        with contextlib.ExitStack() as held:
+            if not locked:
+                held.enter_context(self.tell_lock)
+                held.enter_context(storage_lock(self.settings.storage, self.settings.study_name))
+            frozen = self.storage.get_trial(tid)
+            if retry is None:
+                retry = self.retry_lost(study, frozen, job.retries)
+            elif retry:
+                self.retry_lost(study, frozen, job.retries, force=True)
+            self.storage.set_trial_system_attr(tid, LOST, True)
+            if job_lost is not None:
+                self.storage.set_trial_system_attr(tid, JOB_LOST, job_lost)
+            if report is None:
+                spec = TrialSpec.for_job(job, self.settings, parent_ctime=self.identity.get("ctime"))
+                res = parent_side_result(spec, reason(retry), 0.0)
+                outcome = Outcome.from_dict(res["meta"]["optuna"])
+            else:
+                res, outcome = report.result, report.outcome
+                res["reason"] = reason(retry)
+            res["meta"]["retries"] = job.retries
+            res["meta"]["lost"] = True
+            write_result(self.result_path(job.number), res)
+            self.tell(study, job.trial, res, outcome)
+            self.running.discard(tid)
+        return retry
 
     def requeue_lost_slots(self) -> int:
         """Slots whose last trial was lost (and not retried: the bound was reached) get a retry when
