@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -290,6 +290,31 @@ class StudyBook:
                 continue
             reaped += int(self._reap(t, now))
         return reaped
+
+    def reap_stale(self) -> int:
+        """:meth:`reconcile` under the storage lock; how many stale trials it closed."""
+        with storage_lock(self.settings.storage, self.settings.study_name):
+            return self.reconcile()
+
+    def stamp_running(self) -> None:
+        """Stamp the heartbeat of every trial this process runs (a failed stamp waits for the next)."""
+        for tid in list(self.running):
+            with contextlib.suppress(Exception):
+                self.storage.set_trial_system_attr(tid, HEARTBEAT, time.time())
+
+    def leave_running(self, job: Job) -> None:
+        """Stop stamping ``job``'s trial without closing it: it stays RUNNING in the study (its launcher job
+        may still run), and the next run reconciles it (:meth:`_reap` stops the job first)."""
+        self.running.discard(job.trial._trial_id)
+
+    @contextlib.contextmanager
+    def recording(self, job: Job, report: RunReport) -> Iterator[None]:
+        """Tell ``job``'s outcome and stop stamping its trial; the block runs under the tell lock too (one
+        worker counts and prints a finished trial at a time)."""
+        with self.tell_lock:
+            self.tell(self.study, job.trial, report.result, report.outcome)
+            self.running.discard(job.trial._trial_id)
+            yield
 
     def record_job(self, spec: TrialSpec, record: dict[str, Any]) -> None:
         """Keep a trial's launcher job in the study (a re-run stops it before retrying: :mod:`.orphans`)."""

@@ -6,15 +6,12 @@ flag and its reason) is a :class:`RunState` the loop (:mod:`.engine`) reads for 
 
 from __future__ import annotations
 
-import contextlib
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from vramsweep.record.diskfull import NO_SPACE
 from vramsweep.sweeper.progress import Progress, trial_line
-from vramsweep.sweeper.storage import HEARTBEAT, storage_lock
 from vramsweep.sweeper.study import Job, StudyBook
 from vramsweep.sweeper.trialproc import RunReport, TrialSpec
 
@@ -58,9 +55,7 @@ class WorkerPool:
         while not state.abort.is_set():
             job = book.next_job()
             if job is None:
-                with storage_lock(self.settings.storage, self.settings.study_name):
-                    reaped = book.reconcile()
-                if reaped:
+                if book.reap_stale():
                     continue
                 return
             if job.duplicate_of is not None:
@@ -72,7 +67,7 @@ class WorkerPool:
             if state.interrupted:
                 if job.number in getattr(self.runner, "uncancelled", ()):
                     # its job may still run: the trial stays RUNNING, a re-run stops the job first
-                    book.running.discard(job.trial._trial_id)
+                    book.leave_running(job)
                 else:
                     self._requeue_interrupted(job)
                 return
@@ -85,19 +80,15 @@ class WorkerPool:
     def heartbeat(self, stop: threading.Event) -> None:
         """Stamp the running trials every ``heartbeat_s`` until ``stop`` is set."""
         while not stop.wait(self.settings.heartbeat_s):
-            for tid in list(self.book.running):
-                with contextlib.suppress(Exception):
-                    self.book.storage.set_trial_system_attr(tid, HEARTBEAT, time.time())
+            self.book.stamp_running()
 
     def _record(self, job: Job, report: RunReport) -> None:
         book, state, s = self.book, self.state, self.settings
         book.note_retries(job, report)
         status = str(report.result.get("status"))
-        with book.tell_lock:
-            book.tell(book.study, job.trial, report.result, report.outcome)
+        with book.recording(job, report):
             if self.wandb_summary is not None:
                 self.wandb_summary.poke()
-            book.running.discard(job.trial._trial_id)
             state.finished += 1
             state.failures += int(report.outcome.failure)
             state.statuses[status] = state.statuses.get(status, 0) + 1
