@@ -29,7 +29,13 @@ from vramsweep.sweeper.orphans import stop_orphan
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY, DASHBOARD_CONSTRAINTS_KEY, Outcome, user_attrs
 from vramsweep.sweeper.plan import IDENTITY, NOT_IDENTITY, Plan, identity_diff
 from vramsweep.sweeper.samplers import make_pruner, make_sampler
-from vramsweep.sweeper.space import merge_overrides, override_key, params_to_overrides, space_size, suggest
+from vramsweep.sweeper.space import (
+    merge_overrides,
+    override_key,
+    params_to_overrides,
+    suggest,
+    unmeasured_point,
+)
 from vramsweep.sweeper.storage import (
     COPY_OF,
     FINGERPRINT,
@@ -76,10 +82,6 @@ class Job:
     source: dict[str, Any] | None = None
     dup_streak: int = 0
     retries: int = 0  # how many earlier trials of this point were lost (dead worker, Ctrl-C)
-
-
-def _point_key(params: dict[str, Any]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((str(k), repr(v)) for k, v in params.items()))
 
 
 def _design_label(design: dict[str, Any], overrides: list[str]) -> list[str]:
@@ -601,14 +603,11 @@ class StudyBook:
         )
 
     def _unmeasured_point(self, salt: int) -> dict[str, Any] | None:
-        """A point of the search space no trial has taken yet (``None`` when the space is exhausted)."""
-        import itertools
-        import math
-        import random
-
+        """A point of the search space no trial has taken yet, drawn by :func:`.space.unmeasured_point`
+        (``None`` when the space is exhausted). Copies of a measured point do not count as taking one."""
         from optuna.trial import TrialState
 
-        taken = set()
+        taken = []
         for t in self.study.get_trials(deepcopy=False):
             if t.system_attrs.get(COPY_OF) is not None:
                 continue
@@ -616,35 +615,8 @@ class StudyBook:
                 t.system_attrs.get("fixed_params") if t.state == TrialState.WAITING else None
             )
             if params:
-                taken.add(_point_key(params))
-        rng = random.Random(f"{self.settings.seed}:{salt}")
-        dims = self.plan.dims
-        size = space_size(dims)
-        if size <= 200_000:
-            axes = [
-                list(d.values) if d.discrete else list(range(int(d.low), int(d.high) + 1))  # type: ignore[arg-type]
-                for d in dims
-            ]
-            free = [
-                c
-                for c in itertools.product(*axes)
-                if _point_key(dict(zip([d.key for d in dims], c))) not in taken
-            ]
-            return dict(zip([d.key for d in dims], rng.choice(free))) if free else None
-        for _ in range(1000):
-            point: dict[str, Any] = {}
-            for d in dims:
-                if d.discrete:
-                    point[d.key] = rng.choice(list(d.values))
-                elif d.integer:
-                    point[d.key] = rng.randint(int(d.low), int(d.high))  # type: ignore[arg-type]
-                elif d.log:
-                    point[d.key] = math.exp(rng.uniform(math.log(d.low), math.log(d.high)))  # type: ignore[arg-type]
-                else:
-                    point[d.key] = rng.uniform(d.low, d.high)  # type: ignore[arg-type]
-            if _point_key(point) not in taken:
-                return point
-        return None
+                taken.append(params)
+        return unmeasured_point(self.plan.dims, taken, f"{self.settings.seed}:{salt}")
 
     def tell(self, study: Any, trial: Any, result: dict[str, Any], outcome: Outcome) -> None:
         from optuna.exceptions import UpdateFinishedTrialError
