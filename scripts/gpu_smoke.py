@@ -1163,7 +1163,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def probe_fork() -> dict[str, Any]:
     """The sweeper's default fork server on this host (its default preload, the CUDA-host rules): two no-op
     trials forked from it; ``isolation`` stays ``fork`` unless it fell back to spawn (``fallback_reason``)."""
-    from vramsweep.sweeper.overhead import measure_overhead
+    sys.path.insert(0, str(ROOT / "bench"))
+    from trial_overhead import measure_overhead
 
     return measure_overhead("fork", n=2)
 

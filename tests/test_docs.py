@@ -339,33 +339,15 @@ vramsweep train: error: unknown option quant=nf5 (allowed: …)
     assert [bool(check(c)) for c in cmds] == [False, False, True]
 
 
-def test_no_module_imports_the_overhead_probes_entry() -> None:
-    """``python -m vramsweep.sweeper.runner`` is documented: nothing may import it (runpy would warn
-    "found in sys.modules" in every trial process)."""
-    hits = [
-        str(p.relative_to(REPO))
-        for p in (REPO / "src").rglob("*.py")
-        if p.name != "runner.py"
-        and re.search(
-            r"from vramsweep\.sweeper\.runner import|import vramsweep\.sweeper\.runner|"
-            r"from vramsweep\.sweeper import runner|[\"']vramsweep\.sweeper\.runner[:\"']",
-            p.read_text(),
-        )
-    ]
-    assert not hits, hits
-
-
-def test_the_overhead_probe_rerun_in_a_trial_process_does_not_warn() -> None:
-    """What a fork-server child does with ``python -m vramsweep.sweeper.runner``: the server preloaded the
-    probe's module, then the child re-runs the main module as ``__mp_main__``; runpy warns "found in
-    sys.modules" when that module was already imported (it was, six times, before issue 31)."""
-    code = (
-        "import runpy, warnings; warnings.simplefilter('error');"
-        "import vramsweep.sweeper.overhead;"
-        "runpy.run_module('vramsweep.sweeper.runner', run_name='__mp_main__', alter_sys=True)"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+def test_the_trial_overhead_probe_runs_as_documented_without_warnings() -> None:
+    """``python bench/trial_overhead.py`` (docs/SWEEPS.md, docs/GPU.md): its no-op trials, imported by name
+    from ``bench/`` in each forked trial process, come back as timings and no process warns (runpy would,
+    "found in sys.modules", were the probe a module run with ``-m`` that the fork server preloads)."""
+    cmd = [sys.executable, "bench/trial_overhead.py", "--n", "2", "--isolation", "fork"]
+    done = subprocess.run([*cmd, "--preload", ""], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "Warning" not in done.stderr, done.stderr[-2000:]
+    rep = json.loads(done.stdout.strip().splitlines()[-1])
+    assert rep["isolation"] == "fork" and len(rep["per_trial_s"]) == 2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -162,7 +162,7 @@ def test_trial_forked_after_cuda_init_fails_with_a_reason(tmp_path, monkeypatch)
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
     assert T.forked_after_cuda_init()
-    spec = _spec(tmp_path, "vramsweep.sweeper.overhead:noop_trial")
+    spec = _spec(tmp_path, "trial_overhead:noop_trial")
     T._write_bad_fork_result(spec)
     res = json.loads(Path(spec.result_path).read_text())
     assert res["status"] == "error" and "isolation=spawn" in res["reason"]

@@ -2,7 +2,7 @@
 
 * ``fork`` (default): ``multiprocessing`` fork server whose zygote has imported torch, transformers,
   peft and the trial module once, so a trial starts in ~0.1-0.3 s instead of ~6-10 s of imports
-  (``python -m vramsweep.sweeper.runner --overhead`` measures it). The sweeper process never imports
+  (``python bench/trial_overhead.py`` measures it). The sweeper process never imports
   torch, so CUDA is never initialised in the parent. On a CUDA host the server leaves out the modules
   that initialise CUDA on import (:data:`CUDA_INIT_MODULES`: peft imports bitsandbytes, which queries the
   device's compute capability); the zygote reports whether CUDA got initialised anyway, and the runner

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -310,6 +311,43 @@ def space_size(dims: Sequence[Param]) -> float:
     for d in dims:
         total *= d.size()
     return total
+
+
+def point_key(params: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """A point's identity for comparison (keys sorted, values by ``repr``)."""
+    return tuple(sorted((str(k), repr(v)) for k, v in params.items()))
+
+
+def unmeasured_point(
+    dims: Sequence[Param], taken: Iterable[dict[str, Any]], seed: str
+) -> dict[str, Any] | None:
+    """A point of the space no ``taken`` point equals, at random (``random.Random(seed)``); ``None`` when
+    none is left. A space of at most 200,000 points is enumerated (a free point is found if one exists);
+    a larger one gets up to 1,000 random draws (uniform, log-uniform on a log interval)."""
+    seen = {point_key(p) for p in taken}
+    rng = random.Random(seed)
+    keys = [d.key for d in dims]
+    if space_size(dims) <= 200_000:
+        axes = [
+            list(d.values) if d.discrete else list(range(int(d.low), int(d.high) + 1))  # type: ignore[arg-type]
+            for d in dims
+        ]
+        free = [c for c in itertools.product(*axes) if point_key(dict(zip(keys, c))) not in seen]
+        return dict(zip(keys, rng.choice(free))) if free else None
+    for _ in range(1000):
+        point: dict[str, Any] = {}
+        for d in dims:
+            if d.discrete:
+                point[d.key] = rng.choice(list(d.values))
+            elif d.integer:
+                point[d.key] = rng.randint(int(d.low), int(d.high))  # type: ignore[arg-type]
+            elif d.log:
+                point[d.key] = math.exp(rng.uniform(math.log(d.low), math.log(d.high)))  # type: ignore[arg-type]
+            else:
+                point[d.key] = rng.uniform(d.low, d.high)  # type: ignore[arg-type]
+        if point_key(point) not in seen:
+            return point
+    return None
 
 
 def params_to_overrides(params: dict[str, Any], dims: Sequence[Param] = ()) -> list[str]:

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,13 @@ from vramsweep.sweeper.orphans import stop_orphan
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY, DASHBOARD_CONSTRAINTS_KEY, Outcome, user_attrs
 from vramsweep.sweeper.plan import IDENTITY, NOT_IDENTITY, Plan, identity_diff
 from vramsweep.sweeper.samplers import make_pruner, make_sampler
-from vramsweep.sweeper.space import merge_overrides, override_key, params_to_overrides, space_size, suggest
+from vramsweep.sweeper.space import (
+    merge_overrides,
+    override_key,
+    params_to_overrides,
+    suggest,
+    unmeasured_point,
+)
 from vramsweep.sweeper.storage import (
     COPY_OF,
     FINGERPRINT,
@@ -76,10 +82,6 @@ class Job:
     source: dict[str, Any] | None = None
     dup_streak: int = 0
     retries: int = 0  # how many earlier trials of this point were lost (dead worker, Ctrl-C)
-
-
-def _point_key(params: dict[str, Any]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((str(k), repr(v)) for k, v in params.items()))
 
 
 def _design_label(design: dict[str, Any], overrides: list[str]) -> list[str]:
@@ -291,6 +293,31 @@ class StudyBook:
             reaped += int(self._reap(t, now))
         return reaped
 
+    def reap_stale(self) -> int:
+        """:meth:`reconcile` under the storage lock; how many stale trials it closed."""
+        with storage_lock(self.settings.storage, self.settings.study_name):
+            return self.reconcile()
+
+    def stamp_running(self) -> None:
+        """Stamp the heartbeat of every trial this process runs (a failed stamp waits for the next)."""
+        for tid in list(self.running):
+            with contextlib.suppress(Exception):
+                self.storage.set_trial_system_attr(tid, HEARTBEAT, time.time())
+
+    def leave_running(self, job: Job) -> None:
+        """Stop stamping ``job``'s trial without closing it: it stays RUNNING in the study (its launcher job
+        may still run), and the next run reconciles it (:meth:`_reap` stops the job first)."""
+        self.running.discard(job.trial._trial_id)
+
+    @contextlib.contextmanager
+    def recording(self, job: Job, report: RunReport) -> Iterator[None]:
+        """Tell ``job``'s outcome and stop stamping its trial; the block runs under the tell lock too (one
+        worker counts and prints a finished trial at a time)."""
+        with self.tell_lock:
+            self.tell(self.study, job.trial, report.result, report.outcome)
+            self.running.discard(job.trial._trial_id)
+            yield
+
     def record_job(self, spec: TrialSpec, record: dict[str, Any]) -> None:
         """Keep a trial's launcher job in the study (a re-run stops it before retrying: :mod:`.orphans`)."""
         self.storage.set_trial_system_attr(spec.trial_id, JOB, record)
@@ -337,22 +364,24 @@ class StudyBook:
         owner = t.system_attrs.get(OWNER) or {}
         beat = t.system_attrs.get(HEARTBEAT)
         age = f"{now - float(beat):.0f} s ago" if beat else "never"
-        will_retry = self.retry_lost(self.admin, t, retries)
-        reason = (
-            f"stale: the worker running this trial died (host {owner.get('host', '?')} pid "
-            f"{owner.get('pid', '?')}, last heartbeat {age}); {self.retry_note(retries, will_retry)}"
-        )
-        spec = self.spec_for(
+        job = Job(
+            trial,
             t.number,
-            t._trial_id,
             int(slot) if slot is not None else -1,
             list(t.user_attrs.get("overrides") or []),
+            [],
             dict(t.user_attrs.get("design") or {}),
             t.system_attrs.get(RETRY_OF),
-            worker=0,
+            retries=retries,
         )
-        res = self.lost_result(spec, reason, retries, t._trial_id)
-        self.tell(self.admin, trial, res, Outcome.from_dict(res["meta"]["optuna"]))
+        will_retry = self.close_lost(
+            job,
+            lambda again: (
+                f"stale: the worker running this trial died (host {owner.get('host', '?')} pid "
+                f"{owner.get('pid', '?')}, last heartbeat {age}); {self.retry_note(retries, again)}"
+            ),
+            locked=True,
+        )
         self.say(
             f"vramsweep: trial {t.number:04d} was left RUNNING by a dead worker: failed"
             + (
@@ -398,15 +427,52 @@ class StudyBook:
             "re-run with a higher hydra.sweeper.retry_stale to retry it"
         )
 
-    def lost_result(self, spec: TrialSpec, reason: str, retries: int, trial_id: int) -> dict[str, Any]:
-        """The result JSON of a lost trial (``meta.retries`` = earlier losses of its point); marks it lost."""
+    def close_lost(
+        self,
+        job: Job,
+        reason: Callable[[bool], str],
+        *,
+        retry: bool | None = None,
+        report: RunReport | None = None,
+        job_lost: str | None = None,
+        locked: bool = False,
+    ) -> bool:
+        """Close a lost trial (its worker died, Ctrl-C, its launcher job was lost) and put its point back in
+        its slot; whether it did.
 
-        res = parent_side_result(spec, reason, 0.0)
-        res["meta"]["retries"] = retries
-        res["meta"]["lost"] = True
-        write_result(spec.result_path, res)
-        self.storage.set_trial_system_attr(trial_id, LOST, True)
-        return res
+        ``retry``: ``None``, when ``retry_stale`` allows; ``True``/``False``, the caller decided. The trial
+        is marked lost (``job_lost``: its launcher job's fate), its result JSON written with
+        ``reason(retried)``, ``meta.retries`` (earlier losses of its point) and ``meta.lost`` (the runner's
+        ``report`` when there is one, else an ``error`` result written here), told to the study its trial
+        belongs to, and no longer counted as running. Takes the tell and storage locks; ``locked``: the
+        caller holds the storage lock already (a reap: the tell lock is not taken)."""
+        tid = job.trial._trial_id
+        study = job.trial.study
+        with contextlib.ExitStack() as held:
+            if not locked:
+                held.enter_context(self.tell_lock)
+                held.enter_context(storage_lock(self.settings.storage, self.settings.study_name))
+            frozen = self.storage.get_trial(tid)
+            if retry is None:
+                retry = self.retry_lost(study, frozen, job.retries)
+            elif retry:
+                self.retry_lost(study, frozen, job.retries, force=True)
+            self.storage.set_trial_system_attr(tid, LOST, True)
+            if job_lost is not None:
+                self.storage.set_trial_system_attr(tid, JOB_LOST, job_lost)
+            if report is None:
+                spec = TrialSpec.for_job(job, self.settings, parent_ctime=self.identity.get("ctime"))
+                res = parent_side_result(spec, reason(retry), 0.0)
+                outcome = Outcome.from_dict(res["meta"]["optuna"])
+            else:
+                res, outcome = report.result, report.outcome
+                res["reason"] = reason(retry)
+            res["meta"]["retries"] = job.retries
+            res["meta"]["lost"] = True
+            write_result(self.result_path(job.number), res)
+            self.tell(study, job.trial, res, outcome)
+            self.running.discard(tid)
+        return retry
 
     def requeue_lost_slots(self) -> int:
         """Slots whose last trial was lost (and not retried: the bound was reached) get a retry when
@@ -439,46 +505,6 @@ class StudyBook:
         path = self.result_path(job.number)
         if path.exists():
             write_result(path, report.result)
-
-    def spec_for(
-        self,
-        number: int,
-        trial_id: int,
-        slot: int,
-        overrides: list[str],
-        design: dict[str, Any],
-        retry_of: int | None,
-        worker: int,
-    ) -> TrialSpec:
-        env = dict(os.environ)
-        env["VRAMSWEEP_SWEEP_DIR"] = str(self.settings.sweep_dir)  # trial W&B runs go to <sweep dir>/wandb
-        if self.settings.cuda_devices:
-            env["CUDA_VISIBLE_DEVICES"] = self.settings.cuda_devices[worker % len(self.settings.cuda_devices)]
-        return TrialSpec(
-            number=number,
-            trial_id=trial_id,
-            slot=slot,
-            overrides=overrides,
-            result_path=str(self.result_path(number)),
-            sweep_name=self.settings.name,
-            study_name=self.settings.study_name,
-            storage=self.settings.storage,
-            objectives=list(self.settings.objectives),
-            trial_fn=self.settings.trial_fn,
-            design=design,
-            pruner=self.settings.pruner,
-            pruning=self.settings.pruning_active,
-            budget_gib=self.settings.budget_gib,
-            preflight=self.settings.preflight,
-            retry_of=retry_of,
-            log_path=None
-            if self.settings.isolation == "inprocess"
-            else str(self.trials_dir / f"{number:04d}.log"),
-            parent_pid=os.getpid(),
-            parent_ctime=self.identity.get("ctime"),
-            env=env,
-            cwd=os.getcwd(),
-        )
 
     def _find_duplicate(self, params: dict[str, Any], number: int) -> tuple[int, dict[str, Any]] | None:
         from optuna.trial import TrialState
@@ -577,14 +603,11 @@ class StudyBook:
         )
 
     def _unmeasured_point(self, salt: int) -> dict[str, Any] | None:
-        """A point of the search space no trial has taken yet (``None`` when the space is exhausted)."""
-        import itertools
-        import math
-        import random
-
+        """A point of the search space no trial has taken yet, drawn by :func:`.space.unmeasured_point`
+        (``None`` when the space is exhausted). Copies of a measured point do not count as taking one."""
         from optuna.trial import TrialState
 
-        taken = set()
+        taken = []
         for t in self.study.get_trials(deepcopy=False):
             if t.system_attrs.get(COPY_OF) is not None:
                 continue
@@ -592,35 +615,8 @@ class StudyBook:
                 t.system_attrs.get("fixed_params") if t.state == TrialState.WAITING else None
             )
             if params:
-                taken.add(_point_key(params))
-        rng = random.Random(f"{self.settings.seed}:{salt}")
-        dims = self.plan.dims
-        size = space_size(dims)
-        if size <= 200_000:
-            axes = [
-                list(d.values) if d.discrete else list(range(int(d.low), int(d.high) + 1))  # type: ignore[arg-type]
-                for d in dims
-            ]
-            free = [
-                c
-                for c in itertools.product(*axes)
-                if _point_key(dict(zip([d.key for d in dims], c))) not in taken
-            ]
-            return dict(zip([d.key for d in dims], rng.choice(free))) if free else None
-        for _ in range(1000):
-            point: dict[str, Any] = {}
-            for d in dims:
-                if d.discrete:
-                    point[d.key] = rng.choice(list(d.values))
-                elif d.integer:
-                    point[d.key] = rng.randint(int(d.low), int(d.high))  # type: ignore[arg-type]
-                elif d.log:
-                    point[d.key] = math.exp(rng.uniform(math.log(d.low), math.log(d.high)))  # type: ignore[arg-type]
-                else:
-                    point[d.key] = rng.uniform(d.low, d.high)  # type: ignore[arg-type]
-            if _point_key(point) not in taken:
-                return point
-        return None
+                taken.append(params)
+        return unmeasured_point(self.plan.dims, taken, f"{self.settings.seed}:{salt}")
 
     def tell(self, study: Any, trial: Any, result: dict[str, Any], outcome: Outcome) -> None:
         from optuna.exceptions import UpdateFinishedTrialError

@@ -6,19 +6,14 @@ flag and its reason) is a :class:`RunState` the loop (:mod:`.engine`) reads for 
 
 from __future__ import annotations
 
-import contextlib
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from vramsweep.record.diskfull import NO_SPACE
-from vramsweep.record.result import write_result
-from vramsweep.sweeper.outcome import Outcome
 from vramsweep.sweeper.progress import Progress, trial_line
-from vramsweep.sweeper.storage import HEARTBEAT, JOB_LOST, LOST, storage_lock
 from vramsweep.sweeper.study import Job, StudyBook
-from vramsweep.sweeper.trialproc import RunReport
+from vramsweep.sweeper.trialproc import RunReport, TrialSpec
 
 
 @dataclass
@@ -60,23 +55,19 @@ class WorkerPool:
         while not state.abort.is_set():
             job = book.next_job()
             if job is None:
-                with storage_lock(self.settings.storage, self.settings.study_name):
-                    reaped = book.reconcile()
-                if reaped:
+                if book.reap_stale():
                     continue
                 return
             if job.duplicate_of is not None:
                 book.record_duplicate(job)
                 continue
-            spec = book.spec_for(
-                job.number, job.trial._trial_id, job.slot, job.overrides, job.design, job.retry_of, idx
-            )
+            spec = TrialSpec.for_job(job, self.settings, worker=idx, parent_ctime=book.identity.get("ctime"))
             self._show_running()
             report = self.runner.run(spec, tick_s=1.0, timeout_s=self.settings.timeout_s)
             if state.interrupted:
                 if job.number in getattr(self.runner, "uncancelled", ()):
                     # its job may still run: the trial stays RUNNING, a re-run stops the job first
-                    book.running.discard(job.trial._trial_id)
+                    book.leave_running(job)
                 else:
                     self._requeue_interrupted(job)
                 return
@@ -89,19 +80,15 @@ class WorkerPool:
     def heartbeat(self, stop: threading.Event) -> None:
         """Stamp the running trials every ``heartbeat_s`` until ``stop`` is set."""
         while not stop.wait(self.settings.heartbeat_s):
-            for tid in list(self.book.running):
-                with contextlib.suppress(Exception):
-                    self.book.storage.set_trial_system_attr(tid, HEARTBEAT, time.time())
+            self.book.stamp_running()
 
     def _record(self, job: Job, report: RunReport) -> None:
         book, state, s = self.book, self.state, self.settings
         book.note_retries(job, report)
         status = str(report.result.get("status"))
-        with book.tell_lock:
-            book.tell(book.study, job.trial, report.result, report.outcome)
+        with book.recording(job, report):
             if self.wandb_summary is not None:
                 self.wandb_summary.poke()
-            book.running.discard(job.trial._trial_id)
             state.finished += 1
             state.failures += int(report.outcome.failure)
             state.statuses[status] = state.statuses.get(status, 0) + 1
@@ -141,17 +128,8 @@ class WorkerPool:
     def _requeue_interrupted(self, job: Job) -> None:
         """Ctrl-C: a stop, not a failure of the config. The trial is closed (reason ``interrupted``) and
         its point put back in its slot, within the same bound as a dead worker (``retry_stale``)."""
-        book = self.book
-        with book.tell_lock, storage_lock(self.settings.storage, self.settings.study_name):
-            frozen = book.storage.get_trial(job.trial._trial_id)
-            will_retry = book.retry_lost(book.study, frozen, job.retries)
-            spec = book.spec_for(
-                job.number, job.trial._trial_id, job.slot, job.overrides, job.design, job.retry_of, 0
-            )
-            reason = f"interrupted ({self.state.signal}); " + book.retry_note(job.retries, will_retry)
-            res = book.lost_result(spec, reason, job.retries, job.trial._trial_id)
-            book.tell(book.study, job.trial, res, Outcome.from_dict(res["meta"]["optuna"]))
-            book.running.discard(job.trial._trial_id)
+        book, signal = self.book, self.state.signal
+        book.close_lost(job, lambda again: f"interrupted ({signal}); " + book.retry_note(job.retries, again))
 
     def _record_lost_job(self, job: Job, report: RunReport, lost: dict) -> None:
         """A launcher job lost to the infrastructure (cancelled, preempted, node lost, never submitted): not
@@ -160,29 +138,25 @@ class WorkerPool:
         could not be submitted, with no retry left, stops the sweep (the launcher is down: say so)."""
 
         book, state, s = self.book, self.state, self.settings
-        tid = job.trial._trial_id
         n = self._job_losses.get(job.slot, 0)
         will_retry = n < s.retry_stale and not state.abort.is_set()
-        with book.tell_lock, storage_lock(s.storage, s.study_name):
-            frozen = book.storage.get_trial(tid)
-            if will_retry:
-                book.retry_lost(book.study, frozen, job.retries, force=True)
-                self._job_losses[job.slot] = n + 1
-            book.storage.set_trial_system_attr(tid, LOST, True)
-            book.storage.set_trial_system_attr(tid, JOB_LOST, str(lost.get("kind") or "gone"))
-            note = (
-                f"retried ({n + 1}/{s.retry_stale} in this run)"
-                if will_retry
-                else f"not retried again in this run (hydra.sweeper.retry_stale={s.retry_stale}): "
-                "re-run the same command to retry it"
-            )
-            res = report.result
-            res["reason"] = f"{res.get('reason')}; lost infrastructure, not a result: {note}"[:2000]
-            res["meta"]["retries"] = job.retries
-            res["meta"]["lost"] = True
-            write_result(book.result_path(job.number), res)
-            book.tell(book.study, job.trial, res, report.outcome)
-            book.running.discard(tid)
+        if will_retry:
+            self._job_losses[job.slot] = n + 1
+        note = (
+            f"retried ({n + 1}/{s.retry_stale} in this run)"
+            if will_retry
+            else f"not retried again in this run (hydra.sweeper.retry_stale={s.retry_stale}): "
+            "re-run the same command to retry it"
+        )
+        res = report.result
+        was = res.get("reason")
+        book.close_lost(
+            job,
+            lambda _: f"{was}; lost infrastructure, not a result: {note}"[:2000],
+            retry=will_retry,
+            report=report,
+            job_lost=str(lost.get("kind") or "gone"),
+        )
         book.say(f"vramsweep: trial {job.number:04d} {' '.join(job.label)}: {res['reason']}")
         if lost.get("kind") == "submit":
             if not will_retry:

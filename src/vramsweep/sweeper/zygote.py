@@ -58,7 +58,6 @@ for _name in [m.strip() for m in os.environ.get("VRAMSWEEP_PRELOAD", "").split("
 # storage (intermediate reports for pruning).
 for _name in (
     "vramsweep.sweeper.trialproc",
-    "vramsweep.sweeper.overhead",  # the overhead probe's no-op trial (imports .isolation)
     "vramsweep.sweeper.outcome",
     "vramsweep.sweeper.samplers",
     "vramsweep.sweeper.storage",

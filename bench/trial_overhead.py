@@ -1,10 +1,12 @@
-"""The runner's per-trial overhead probe, run as ``python -m vramsweep.sweeper.runner --overhead``.
+"""The sweeper's per-trial overhead: a no-op trial timed through each isolation, as the sweeper sees it.
 
 Times a no-op trial (:func:`noop_trial`, which imports what a real trial imports) through each isolation
-of :mod:`.isolation`, as the sweeper sees it (start to result told). The command-line entry is the thin
-:mod:`.runner`, which nothing imports: the fork server preloads this module (for :func:`noop_trial`), and
-a module that is both preloaded and run with ``-m`` makes runpy warn ("found in sys.modules") in every
-trial process.
+of ``vramsweep.sweeper.isolation`` (start to result told). The trial processes import this module by name
+(``trial_overhead:noop_trial``): run as a script, its folder ``bench/`` is on ``sys.path`` and the trial
+processes inherit it; a caller that imports it puts ``bench/`` there first (``scripts/gpu_smoke.py``).
+
+Run:  python bench/trial_overhead.py [--n 5] [--isolation fork spawn] [--preload MODULE,...]
+Prints one JSON line per isolation.
 """
 
 from __future__ import annotations
@@ -18,9 +20,6 @@ from typing import Any
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import new_result
 from vramsweep.record.status import Status
-from vramsweep.sweeper.isolation import cuda_host, make_runner
-from vramsweep.sweeper.settings import DEFAULT_PRELOAD
-from vramsweep.sweeper.trialproc import TrialSpec
 
 
 def noop_trial(overrides: list[str], **_: Any) -> dict[str, Any]:
@@ -48,6 +47,10 @@ def measure_overhead(
     import statistics
     import tempfile
 
+    from vramsweep.sweeper.isolation import cuda_host, make_runner
+    from vramsweep.sweeper.settings import DEFAULT_PRELOAD
+    from vramsweep.sweeper.trialproc import TrialSpec
+
     modules = list(DEFAULT_PRELOAD if preload is None else preload)
     os.environ["VRAMSWEEP_PRELOAD"] = ",".join(modules)  # what the no-op trial imports (free when preloaded)
     runner = make_runner(isolation, modules)
@@ -66,7 +69,7 @@ def measure_overhead(
                     study_name="overhead",
                     storage="",
                     objectives=[],
-                    trial_fn="vramsweep.sweeper.overhead:noop_trial",
+                    trial_fn="trial_overhead:noop_trial",
                     parent_pid=os.getpid(),
                     env=dict(os.environ),
                     cwd=os.getcwd(),
@@ -90,17 +93,26 @@ def measure_overhead(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m vramsweep.sweeper.runner --overhead [--n 5] [--isolation fork spawn]``."""
+    """``python bench/trial_overhead.py [--n 5] [--isolation fork spawn] [--preload MODULE,...]``."""
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--overhead", action="store_true", help="measure the per-trial fixed cost")
-    ap.add_argument("--n", type=int, default=5)
-    ap.add_argument("--isolation", nargs="+", default=["fork", "spawn"])
+    ap.add_argument("--n", type=int, default=5, help="no-op trials per isolation (default: 5)")
+    ap.add_argument("--isolation", nargs="+", default=["fork", "spawn"], help="default: fork spawn")
+    ap.add_argument(
+        "--preload",
+        default=None,
+        help="modules the fork server imports and each no-op trial imports, comma-separated "
+        "(default: the sweeper's default preload)",
+    )
     args = ap.parse_args(argv)
-    if not args.overhead:
-        ap.print_help()
-        return 0
+    preload = None if args.preload is None else [m for m in args.preload.split(",") if m]
     for iso in args.isolation:
-        print(json.dumps(measure_overhead(iso, args.n)))
+        print(json.dumps(measure_overhead(iso, args.n, preload=preload)))
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
