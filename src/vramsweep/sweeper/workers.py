@@ -47,7 +47,7 @@ class WorkerPool:
         self, book: StudyBook, runner: Any, state: RunState, progress: Progress, wandb_summary: Any = None
     ):
         self.book = book
-        self.settings = book.settings
+        self.plan = book.plan
         self.runner = runner
         self.state = state
         self.progress = progress
@@ -60,7 +60,7 @@ class WorkerPool:
         while not state.abort.is_set():
             job = book.next_job()
             if job is None:
-                with storage_lock(self.settings.storage, self.settings.study_name):
+                with storage_lock(self.plan.storage, self.plan.study_name):
                     reaped = book.reconcile()
                 if reaped:
                     continue
@@ -72,7 +72,7 @@ class WorkerPool:
                 job.number, job.trial._trial_id, job.slot, job.overrides, job.design, job.retry_of, idx
             )
             self._show_running()
-            report = self.runner.run(spec, tick_s=1.0, timeout_s=self.settings.timeout_s)
+            report = self.runner.run(spec, tick_s=1.0, timeout_s=self.plan.timeout_s)
             if state.interrupted:
                 if job.number in getattr(self.runner, "uncancelled", ()):
                     # its job may still run: the trial stays RUNNING, a re-run stops the job first
@@ -88,13 +88,13 @@ class WorkerPool:
 
     def heartbeat(self, stop: threading.Event) -> None:
         """Stamp the running trials every ``heartbeat_s`` until ``stop`` is set."""
-        while not stop.wait(self.settings.heartbeat_s):
+        while not stop.wait(self.plan.heartbeat_s):
             for tid in list(self.book.running):
                 with contextlib.suppress(Exception):
                     self.book.storage.set_trial_system_attr(tid, HEARTBEAT, time.time())
 
     def _record(self, job: Job, report: RunReport) -> None:
-        book, state, s = self.book, self.state, self.settings
+        book, state, s = self.book, self.state, self.plan
         book.note_retries(job, report)
         status = str(report.result.get("status"))
         with book.tell_lock:
@@ -142,7 +142,7 @@ class WorkerPool:
         """Ctrl-C: a stop, not a failure of the config. The trial is closed (reason ``interrupted``) and
         its point put back in its slot, within the same bound as a dead worker (``retry_stale``)."""
         book = self.book
-        with book.tell_lock, storage_lock(self.settings.storage, self.settings.study_name):
+        with book.tell_lock, storage_lock(self.plan.storage, self.plan.study_name):
             frozen = book.storage.get_trial(job.trial._trial_id)
             will_retry = book.retry_lost(book.study, frozen, job.retries)
             spec = book.spec_for(
@@ -159,7 +159,7 @@ class WorkerPool:
         ``retry_stale`` times in this run; a later run of the same command retries it again. A job that
         could not be submitted, with no retry left, stops the sweep (the launcher is down: say so)."""
 
-        book, state, s = self.book, self.state, self.settings
+        book, state, s = self.book, self.state, self.plan
         tid = job.trial._trial_id
         n = self._job_losses.get(job.slot, 0)
         will_retry = n < s.retry_stale and not state.abort.is_set()
