@@ -19,6 +19,7 @@ from vramsweep.report.load import TrialRecord
 from vramsweep.report.stats import anova_p, compare, f_upper_p, t_two_sided_p
 from vramsweep.sweeper.design import build_design
 from vramsweep.sweeper.engine import compose_sweep
+from vramsweep.sweeper.plan import Plan
 from vramsweep.sweeper.settings import resolve_settings
 
 
@@ -27,7 +28,7 @@ from vramsweep.sweeper.settings import resolve_settings
 # ---------------------------------------------------------------------------------------------
 def _settings(*args: str):
     sweeper, task, _ = compose_sweep(list(args))
-    return resolve_settings(sweeper, task, sweep_file=task["sweep"]["name"])
+    return Plan(**resolve_settings(sweeper, task, sweep_file=task["sweep"]["name"]))
 
 
 def test_quality_ablations_default_to_three_seeds_memory_speed_ones_to_one():

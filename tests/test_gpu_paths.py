@@ -602,9 +602,9 @@ def test_smoke_sweep_file_plans_for_gpu_and_dry_run():
 
     smoke = _smoke_module()
     gpu = plan_from_args(["sweep=gpu_smoke"])
-    assert gpu.settings.design == "ablation" and gpu.n_total == 6 and gpu.settings.budget_gib == 15.0
-    knobs = {o.split("=")[0] for p in gpu.design for o in p.overrides}
-    assert sum("kernels=unsloth" in p.overrides for p in gpu.design) == 2  # Unsloth on the 8B architecture
+    assert gpu.design == "ablation" and gpu.n_total == 6 and gpu.budget_gib == 15.0
+    knobs = {o.split("=")[0] for p in gpu.points for o in p.overrides}
+    assert sum("kernels=unsloth" in p.overrides for p in gpu.points) == 2  # Unsloth on the 8B architecture
     assert {"quant", "attention", "kernels", "checkpointing", "tiling", "context.max_tokens"} <= knobs
     dry = smoke.dry_design_overrides(ROOT / "sweeps" / "gpu_smoke.yaml")
     assert dry[0] == (

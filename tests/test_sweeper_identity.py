@@ -36,10 +36,10 @@ def test_sweep_identity_hash_is_pinned(tmp_path, args, want_hash, want_name):
     plan = plan_from_args([f"results_dir={tmp_path}", *FAKE, *args])
     got = identity_hash(plan.identity)
     assert plan.sweep_id == got
-    assert (got, plan.settings.name) == (want_hash, want_name)
-    assert plan.settings.study_name == want_name
-    assert str(plan.settings.sweep_dir) == str(tmp_path / "sweeps" / want_name)
-    assert plan.settings.storage == f"sqlite:///{tmp_path / 'sweeps' / want_name / 'study.db'}"
+    assert (got, plan.name) == (want_hash, want_name)
+    assert plan.study_name == want_name
+    assert str(plan.sweep_dir) == str(tmp_path / "sweeps" / want_name)
+    assert plan.storage == f"sqlite:///{tmp_path / 'sweeps' / want_name / 'study.db'}"
     assert _public_hash(plan, tmp_path) == PUBLIC[want_name]
 
 
@@ -55,7 +55,5 @@ PUBLIC = {
 
 
 def _public_hash(plan, tmp_path) -> str:
-    text = json.dumps(plan.settings.public_dict(), sort_keys=True, default=str).replace(
-        str(tmp_path), "<tmp>"
-    )
+    text = json.dumps(plan.public_dict(), sort_keys=True, default=str).replace(str(tmp_path), "<tmp>")
     return hashlib.sha1(text.encode()).hexdigest()[:12]

@@ -47,7 +47,7 @@ def test_sweep_is_composed_of_book_pool_and_state(tmp_path):
     )
     sweep = Sweep(plan, runner=object())
     assert isinstance(sweep.book, StudyBook) and isinstance(sweep.state, RunState)
-    assert sweep.book.settings is plan.settings and sweep.book.study is None  # opened by run()
+    assert sweep.book.plan is plan and sweep.book.study is None  # opened by run()
     assert not (tmp_path / "sweeps").exists()  # constructing writes nothing
 
 
@@ -92,3 +92,36 @@ def test_sweep_config_typed_values():
     )
     assert sc.factors == [["quant=nf4"], ["adapter.r=8"]] and sc.stack == ["kernels=liger"]
     assert sc.repeats is None and sc.preflight is False and sc.design is None
+
+
+def test_a_sweeper_setting_is_one_field_read_through_the_plan(tmp_path):
+    """A ``hydra.sweeper.*`` key is declared once (its ``SweeperConf`` field, with its rule) and the plan
+    reads it through from the checked conf; the plan's own fields of the same name are the derived values
+    (normalised URL, folder, ...), a fixed short list, so a new setting needs no second declaration."""
+    from dataclasses import fields
+
+    from vramsweep.sweeper.engine import plan_from_args
+    from vramsweep.sweeper.plan import Plan
+    from vramsweep.sweeper.settings import SweeperConf
+
+    conf_keys = {f.name for f in fields(SweeperConf)}
+    derived = conf_keys & {f.name for f in fields(Plan)}
+    assert derived == {
+        *("n_jobs", "storage", "study_name", "sampler", "pruner", "params", "sweep_dir", "objectives"),
+    }
+    assert all("rule" in f.metadata for f in fields(SweeperConf))
+    doc = SweeperConf.__doc__ or ""
+    assert all(f"    {k}:" in doc for k in conf_keys), "every setting has its docstring line"
+    plan = plan_from_args(
+        [
+            f"results_dir={tmp_path}",
+            "adapter.r=4,8",
+            "hydra.sweeper.retry_stale=5",
+            "hydra.sweeper.grace_s=70",
+        ]
+    )
+    for k in conf_keys - derived:
+        assert getattr(plan, k) == getattr(plan.conf, k), k
+    assert (plan.retry_stale, plan.grace_s) == (5, 70.0)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_setting'"):
+        _ = plan.not_a_setting

@@ -51,12 +51,11 @@ def test_sweep_file_composes_and_validates(name):
         assert all(lo_pred > 0 for _, _, lo_pred in mplan.configs)
         return
     plan = plan_from_args([f"sweep={name}"])
-    s = plan.settings
-    assert s.name == name and s.study_name == name
-    assert s.sweep_dir == (Path("results") / "sweeps" / name).resolve()
-    assert plan.n_total >= 2 and s.objectives
-    if s.design in ("ablation", "stacking", "grid"):
-        assert plan.design is not None and len(plan.design) == plan.n_total
+    assert plan.name == name and plan.study_name == name
+    assert plan.sweep_dir == (Path("results") / "sweeps" / name).resolve()
+    assert plan.n_total >= 2 and plan.objectives
+    if plan.design in ("ablation", "stacking", "grid"):
+        assert plan.points is not None and len(plan.points) == plan.n_total
     else:
         assert plan.dims and plan.n_total >= 10
 

@@ -361,7 +361,7 @@ def _input_values(plan: Any) -> list[tuple[str, str]]:
         if d.key in _INPUT_KEYS and getattr(d, "discrete", False):
             for v in d.values:
                 add(f"{d.key}={v}")
-    for point in getattr(plan, "design", None) or []:
+    for point in getattr(plan, "points", None) or []:
         for ov in point.overrides:
             add(ov)
     return out
@@ -415,14 +415,14 @@ def preflight_sweep(
     args = list(arguments)
     check_fault_env()
     check_named_options(args)
-    sweep_dir = plan.settings.sweep_dir
+    sweep_dir = plan.sweep_dir
     key = "hydra.sweeper.sweep_dir" if any("hydra.sweeper.sweep_dir=" in a for a in args) else "results_dir"
     label = f"{key}: the sweep folder {sweep_dir}"
     check_writable(sweep_dir, key=key, label=label)
     check_disk(sweep_dir, int(plan.n_total), key=key, label=label)
-    check_study_file(plan.settings.storage)
+    check_study_file(plan.storage)
     if check_storage is not None:
-        check_storage(plan.settings.storage)  # reachable and writable: connect (or probe) now, not mid-sweep
+        check_storage(plan.storage)  # reachable and writable: connect (or probe) now, not mid-sweep
     cfg = OmegaConf.create(task_cfg)
     seen: set[tuple[str, str]] = set()
     if str(OmegaConf.select(cfg, "data.source")) in USER_SOURCES:
@@ -779,7 +779,7 @@ def _data_variants(plan: Any) -> list[dict[str, Any]]:
     def parse(text: str) -> Any:
         return OmegaConf.create({"v": text.strip("'\"")}).v
 
-    design = getattr(plan, "design", None)
+    design = getattr(plan, "points", None)
     if design:
         out = []
         for point in design:

@@ -288,13 +288,13 @@ def _join(note: str, more: str) -> str:
 def start_at_the_edge(book: Any) -> list[dict[str, Any]]:
     """The study's edge points: screened once, when the study is new (this records the screened points),
     else read back from the study. Call under the storage lock, before the slots are topped up."""
-    settings, study = book.settings, book.study
-    if not getattr(settings, "edge_start", False) or book.plan.design is not None:
+    plan, study = book.plan, book.study
+    if not getattr(plan, "edge_start", False) or plan.points is not None:
         return []
     stored = study.user_attrs.get(EDGE_ATTR)
     if stored is not None or study.get_trials(deepcopy=False):
         return [dict(p) for p in (stored or {}).get("points") or []]
-    found = screen(book.plan.fixed, book.plan.dims, settings.seed)
+    found = screen(plan.fixed, plan.dims, plan.seed)
     for point, est, budget in found.infeasible:
         record_screened(book, point, est, budget)
     info = {
@@ -328,7 +328,7 @@ def record_screened(book: Any, point: dict[str, Any], est: dict[str, Any], budge
     """Record a point over the budget as a finished trial: result JSON + PRUNED trial with its constraint."""
     from optuna.trial import TrialState, create_trial
 
-    s, dims = book.settings, book.plan.dims
+    s, dims = book.plan, book.plan.dims
     number = len(book.study.get_trials(deepcopy=False))
     overrides = merge_overrides(book.plan.fixed, params_to_overrides(point, dims))
     res = new_result(

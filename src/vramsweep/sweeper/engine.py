@@ -2,7 +2,7 @@
 
 Flow of :func:`run_sweep`:
 
-1. Settings (``hydra.sweeper.*`` + the sweep file's ``sweep:``) and the search space are parsed; every
+1. The settings (``hydra.sweeper.*`` + the sweep file's ``sweep:``) and the search space are parsed; every
    value is composed and range-checked (:func:`.plan.plan_sweep`, :mod:`.validate`). Any ConfigError ->
    exit 2, nothing written.
 2. The sweep folder, ``sweep.json`` and the study are created once (under the storage lock); stale
@@ -97,7 +97,7 @@ class Sweep:
 
     def __init__(self, plan: Plan, runner: Any = None, launcher_factory: Any = None):
         self.plan = plan
-        self.settings = s = plan.settings
+        s = plan
         if s.isolation == "launcher":
             if launcher_factory is None and runner is None:
                 raise ConfigError(
@@ -119,7 +119,7 @@ class Sweep:
         sweep = cls(plan, **kw)
         sweep.book.study = study
         print(
-            f"vramsweep: study '{plan.settings.study_name}' is complete ({plan.n_total}/{plan.n_total} "
+            f"vramsweep: study '{plan.study_name}' is complete ({plan.n_total}/{plan.n_total} "
             "finished): nothing to run",
             flush=True,
         )
@@ -129,7 +129,7 @@ class Sweep:
     def run(self) -> int:
         """Open the study, run the workers to completion; returns the exit code (0 done, 1 aborted or
         interrupted)."""
-        s, state = self.settings, self.state
+        s, state = self.plan, self.state
         self.progress.done = self.book.open()
         if self.book.waiting() == 0:  # no trial to start: no fork server (no torch import), just the summary
             self.summary(0.0)
@@ -172,7 +172,7 @@ class Sweep:
             try:
                 pool.run_worker(i)
             except BaseException as exc:  # a bug, not a trial failure: stop the sweep, say why
-                full = disk_full_reason(exc, sqlite_path(self.settings.storage) or self.settings.sweep_dir)
+                full = disk_full_reason(exc, sqlite_path(self.plan.storage) or self.plan.sweep_dir)
                 if full is not None:  # the study or a result could not be written: one line, no traceback
                     state.abort_reason = full
                     state.abort.set()
@@ -206,7 +206,7 @@ class Sweep:
 
     def describe(self) -> str:
         """One line: what runs and how (sampler, pruning, isolation, workers)."""
-        s = self.settings
+        s = self.plan
         if s.pruning_active:
             pruning = f"pruner {s.pruner_name} on {s.objectives[0].metric}"
         elif s.pruner_name == "none":
@@ -256,7 +256,7 @@ class Sweep:
             st = summary_status(t)
             by_status[st] = by_status.get(st, 0) + 1
         lines = [
-            f"vramsweep: sweep '{self.settings.name}' - this run: "
+            f"vramsweep: sweep '{self.plan.name}' - this run: "
             f"{plural(self.state.finished, 'trial')} in {wall_s:.0f} s; study total: "
             + (", ".join(f"{v} {k}" for k, v in sorted(by_status.items())) or "no finished trials")
             + (f"; {plural(jobs_lost, 'launcher job')} lost (not results)" if jobs_lost else "")
@@ -266,11 +266,11 @@ class Sweep:
         except Exception:
             best = []
         if best:
-            if len(self.settings.objectives) == 1:
+            if len(self.plan.objectives) == 1:
                 b = best[0]
                 lines.append(
                     f"vramsweep: best feasible: trial {b.number:04d} "
-                    f"{self.settings.objectives[0].metric}={b.values[0]:.6g} "
+                    f"{self.plan.objectives[0].metric}={b.values[0]:.6g} "
                     + " ".join(
                         fmt_override(o)
                         for o in b.user_attrs.get("overrides") or []
@@ -287,14 +287,14 @@ class Sweep:
         if lost:
             lines.append(
                 f"vramsweep: {len(lost)} design point(s) lost for good (their worker died or was stopped "
-                f"{self.settings.retry_stale + 1} times: trial(s) {', '.join(f'{n:04d}' for n in lost)}): "
-                f"re-run with hydra.sweeper.retry_stale={self.settings.retry_stale + 1} to retry them"
+                f"{self.plan.retry_stale + 1} times: trial(s) {', '.join(f'{n:04d}' for n in lost)}): "
+                f"re-run with hydra.sweeper.retry_stale={self.plan.retry_stale + 1} to retry them"
             )
         if self.state.abort_reason:
             lines.append(f"vramsweep: ABORTED: {self.state.abort_reason}")
-        if (hint := dashboard_hint(self.settings.storage)) is not None:
+        if (hint := dashboard_hint(self.plan.storage)) is not None:
             lines.append(hint)
-        lines.append(f"results: {self.settings.sweep_dir}")
+        lines.append(f"results: {self.plan.sweep_dir}")
         waiting = self.book.waiting()
         if job_lost or waiting:  # the last line: how to retry what is left
             what = (

@@ -2,7 +2,7 @@
 
 ``make demo`` twice, or a worker started after the others finished, should not compose every design
 point (~0.3-0.8 s each) nor start the fork server (importing torch) only to find nothing to run.
-:func:`finished_study` recomputes the sweep's identity from the settings alone (no config is composed)
+:func:`finished_study` recomputes the sweep's identity from its settings alone (no config is composed)
 and opens the study read-only; when the fingerprint is the one stored, every slot exists and none is
 WAITING or RUNNING, and no lost point may be retried, the sweep is complete. Anything unexpected
 (another design, more ``n_trials``, a missing database, an error) returns ``None``: the normal,
@@ -11,17 +11,10 @@ fully validated path runs, so this shortcut can skip work but never change an ou
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from vramsweep.sweeper.plan import (
-    IDENTITY,
-    Plan,
-    name_sweep,
-    pinned_settings,
-    plan_design,
-    sweep_frame,
-    total_trials,
-)
+from vramsweep.sweeper.plan import IDENTITY, name_sweep, pinned_plan, plan_design, sweep_frame, total_trials
 from vramsweep.sweeper.storage import JOB_LOST, RETRIES, SLOT, make_storage, requeue_lost, sqlite_path
 
 
@@ -38,16 +31,22 @@ def finished_study(
 def _finished_study(
     sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]
 ) -> tuple[Any, Any] | None:
-    settings, cli_fixed = pinned_settings(sweeper_cfg, task_cfg, arguments)
-    dims, fixed = sweep_frame(settings, cli_fixed)  # over the cap: the validated path refuses it at once
+    plan, cli_fixed = pinned_plan(sweeper_cfg, task_cfg, arguments)
+    dims, fixed = sweep_frame(plan, cli_fixed)  # over the cap: the validated path refuses it at once
     base_seed = int((task_cfg.get("train") or {}).get("seed", 0))
-    design = plan_design(settings, dims, base_seed)
+    design = plan_design(plan, dims, base_seed)
     # the study name (ad-hoc sweeps: <keys>-<identity hash>) and the identity to match
     plan = name_sweep(
-        Plan(settings, fixed, dims, design, int(total_trials(settings, design, dims)), base_seed)
+        replace(
+            plan,
+            fixed=fixed,
+            dims=dims,
+            points=design,
+            n_total=int(total_trials(plan, design, dims)),
+            base_seed=base_seed,
+        )
     )
-    settings = plan.settings
-    db = sqlite_path(settings.storage)
+    db = sqlite_path(plan.storage)
     if db is None or not db.is_file():  # remote storages (and new sweeps) take the normal path
         return None
     import optuna
@@ -55,16 +54,16 @@ def _finished_study(
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.load_study(
-        study_name=settings.study_name,
-        storage=make_storage(settings.storage, child=True),  # read-only: no table creation, no migration
+        study_name=plan.study_name,
+        storage=make_storage(plan.storage, child=True),  # read-only: no table creation, no migration
         sampler=optuna.samplers.RandomSampler(),
         pruner=optuna.pruners.NopPruner(),
     )
     if study.user_attrs.get(IDENTITY) != plan.identity:
         return None
-    if [d.name.lower() for d in study.directions] != [o.direction for o in settings.objectives]:
+    if [d.name.lower() for d in study.directions] != [o.direction for o in plan.objectives]:
         return None
-    if list(study.metric_names or []) != [o.metric for o in settings.objectives]:
+    if list(study.metric_names or []) != [o.metric for o in plan.objectives]:
         return None
     trials = study.get_trials(deepcopy=False)
     if any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in trials):
@@ -73,7 +72,7 @@ def _finished_study(
     if any(k not in slots for k in range(plan.n_total)):
         return None
     if any(
-        t.system_attrs.get(JOB_LOST) or int(t.system_attrs.get(RETRIES, 0)) < settings.retry_stale
+        t.system_attrs.get(JOB_LOST) or int(t.system_attrs.get(RETRIES, 0)) < plan.retry_stale
         for t in requeue_lost(study)
     ):
         return None  # a lost point may be retried now: the normal path does it

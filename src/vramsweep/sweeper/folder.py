@@ -50,9 +50,9 @@ def unmake(made: list[Path]) -> None:
             p.rmdir()
 
 
-def check_owner(settings: Any) -> None:
+def check_owner(plan: Any) -> None:
     """``sweep.json`` of another study or storage in this folder: a ConfigError (exit 2)."""
-    path = Path(settings.sweep_dir) / "sweep.json"
+    path = Path(plan.sweep_dir) / "sweep.json"
     try:
         recorded = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -60,12 +60,12 @@ def check_owner(settings: Any) -> None:
     if not isinstance(recorded, dict):
         return
     theirs = (recorded.get("study_name"), recorded.get("storage"))
-    ours = (settings.study_name, mask_url(settings.storage))
+    ours = (plan.study_name, mask_url(plan.storage))
     if theirs == ours or None in theirs:
         return
     raise ConfigError(
-        f"sweep folder {settings.sweep_dir} belongs to sweep '{recorded.get('name')}' (study "
-        f"'{theirs[0]}' in {theirs[1]}); this is sweep '{settings.name}' (study '{ours[0]}' in {ours[1]}): a "
+        f"sweep folder {plan.sweep_dir} belongs to sweep '{recorded.get('name')}' (study "
+        f"'{theirs[0]}' in {theirs[1]}); this is sweep '{plan.name}' (study '{ours[0]}' in {ours[1]}): a "
         "sweep folder holds one study. Give this sweep its own folder (another hydra.sweep.dir, or leave it "
         "out: <results_dir>/sweeps/<name>)",
         key="hydra.sweep.dir",
@@ -81,7 +81,7 @@ def result_numbers(trials_dir: Path) -> list[int]:
     return sorted(int(m.group(1)) for n in names if (m := RESULT_NAME.match(n)))
 
 
-def check_evidence(settings: Any, on_disk: list[int], known: set[int] | None) -> None:
+def check_evidence(plan: Any, on_disk: list[int], known: set[int] | None) -> None:
     """Result files of trials the study does not have (``known``: the numbers of its trials that ran or
     run, ``None``: no study): a ConfigError, since a re-run would give those numbers to new trials and
     overwrite the results. ``on_disk`` must be listed before ``known`` is read (a worker elsewhere writes a
@@ -93,12 +93,12 @@ def check_evidence(settings: Any, on_disk: list[int], known: set[int] | None) ->
         f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
     )
     what = (
-        f"study '{settings.study_name}' does not exist"
+        f"study '{plan.study_name}' does not exist"
         if known is None
-        else f"study '{settings.study_name}' has no such trial(s)"
+        else f"study '{plan.study_name}' has no such trial(s)"
     )
     raise ConfigError(
-        f"sweep folder {settings.sweep_dir}: trials/ holds result files of trials the study does not know "
+        f"sweep folder {plan.sweep_dir}: trials/ holds result files of trials the study does not know "
         f"({shown}; {what}): its database lost commits (copied without study.db-wal?) or was replaced. "
         "Running would overwrite them: put the study's study.db-wal back next to study.db, or move the "
         "trials/ files away to keep them",

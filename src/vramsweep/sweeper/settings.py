@@ -3,8 +3,9 @@
 :class:`SweeperConf` is the structured config users override on the command line the way
 hydra-optuna-sweeper users already do (``hydra.sweeper.n_trials=40 hydra.sweeper.sampler=random``).
 The Hydra plugin registers it (plus ``_target_``) as ``hydra/sweeper=vramsweep``.
-:func:`resolve_settings` merges it with the ``sweep:`` node of the sweep file into :class:`Settings`,
-raising :class:`~vramsweep.config.ConfigError` (exit 2) for anything malformed.
+:func:`resolve_settings` merges it with the ``sweep:`` node of the sweep file into the values a
+:class:`~vramsweep.sweeper.plan.Plan` holds, raising :class:`~vramsweep.config.ConfigError` (exit 2) for
+anything malformed.
 
 This module is imported by Hydra's plugin scan, so it must stay light: dataclasses only.
 """
@@ -14,14 +15,14 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
 from vramsweep.config.paths import NAME_MAX
 from vramsweep.config.urls import mask_secret, mask_url, normalise_storage_url  # noqa: F401 - re-exported
-from vramsweep.record.metrics import OBJECTIVE_METRICS, PRUNABLE_METRICS, is_objective
+from vramsweep.record.metrics import OBJECTIVE_METRICS, is_objective
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import is_quality_metric, metric_direction
 from vramsweep.sweeper.samplers import PRUNERS, SAMPLERS  # noqa: F401 - re-exported (one table: samplers.py)
@@ -417,119 +418,8 @@ class Objective:
     direction: str  # "minimize" | "maximize"
 
 
-#: ``sweep:`` keys a :class:`Settings` reads through from its :class:`SweepConfig`.
-_SWEEP_KEYS = ("baseline", "factors", "stack", "preflight")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Everything a sweep needs, resolved and validated (the content of ``sweep.json``): a thin, frozen view
-    of the checked :class:`SweeperConf` (``conf``) and :class:`SweepConfig` (``sweep``) plus the values
-    derived from them. Every ``hydra.sweeper.*`` key and ``sweep.baseline/factors/stack/preflight`` read
-    through (``settings.retry_stale`` is ``settings.conf.retry_stale``); only derived values are fields
-    here."""
-
-    conf: SweeperConf
-    sweep: SweepConfig
-    name: str
-    design: str
-    objectives: list[Objective]
-    repeats: int
-    n_jobs: int
-    storage: str
-    study_name: str
-    sampler: Any
-    pruner: Any
-    params: dict[str, str]
-    sweep_dir: Path
-    results_dir: str = "results"
-    budget_gib: float = 0.0
-    #: named by a sweep file, ``sweep.name=`` or ``hydra.sweeper.study_name`` (else named by its identity
-    #: hash)
-    named: bool = True
-    #: why this design (for the describe line), e.g. "command-line lists"
-    design_reason: str = ""
-    #: ``sweep.edge_start`` resolved: a search with a budget starts at the edge
-    #: (:mod:`vramsweep.sweeper.edge`)
-    edge_start: bool = False
-
-    def __getattr__(self, key: str) -> Any:
-        """A ``hydra.sweeper.*`` key from ``conf``, or a ``sweep:`` key from ``sweep``."""
-        if key in SweeperConf.__dataclass_fields__:
-            return getattr(self.__dict__["conf"], key)
-        if key in _SWEEP_KEYS:
-            return getattr(self.__dict__["sweep"], key)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
-
-    @property
-    def storage_given(self) -> bool:
-        return bool(self.conf.storage)
-
-    @property
-    def sweep_dir_given(self) -> bool:
-        return bool(self.conf.sweep_dir)
-
-    def renamed(self, name: str) -> Settings:
-        """An unnamed (ad-hoc) sweep given its name: study name, folder and default storage follow it."""
-        sweep_dir = self.sweep_dir
-        if not self.sweep_dir_given:
-            sweep_dir = Path(os.path.abspath(Path(self.results_dir) / "sweeps" / name))
-        storage = self.storage if self.storage_given else f"sqlite:///{sweep_dir / 'study.db'}"
-        return replace(self, name=name, study_name=name, sweep_dir=sweep_dir, storage=storage)
-
-    @property
-    def sampler_name(self) -> str:
-        """Short sampler name, or the ``_target_`` class for dict samplers."""
-        return _spec_name(self.sampler)
-
-    @property
-    def pruner_name(self) -> str:
-        return _spec_name(self.pruner)
-
-    @property
-    def multi_objective(self) -> bool:
-        return len(self.objectives) > 1
-
-    @property
-    def pruning_active(self) -> bool:
-        """Pruning needs a search (fixed designs run every point to the end: their tables need full
-        numbers) and a single objective that is the loss the trial reports at intermediate evals."""
-        return (
-            self.pruner_name != "none"
-            and self.design == "search"
-            and not self.multi_objective
-            and self.objectives[0].metric in PRUNABLE_METRICS
-            and self.objectives[0].direction == "minimize"
-        )
-
-    def public_dict(self) -> dict[str, Any]:
-        """JSON-safe view for ``sweep.json`` (the storage password is masked)."""
-        return {
-            "name": self.name,
-            "design": self.design,
-            "objectives": [{"metric": o.metric, "direction": o.direction} for o in self.objectives],
-            "baseline": list(self.baseline),
-            "factors": [list(f) for f in self.factors],
-            "stack": list(self.stack),
-            "repeats": self.repeats,
-            "preflight": self.preflight,
-            "edge_start": self.edge_start,
-            "budget_gib": self.budget_gib,
-            "storage": mask_url(self.storage),
-            "study_name": self.study_name,
-            "n_trials": self.n_trials,
-            "n_jobs": self.n_jobs,
-            "sampler": self.sampler if isinstance(self.sampler, str | dict) else type(self.sampler).__name__,
-            "pruner": self.pruner if isinstance(self.pruner, str | dict) else type(self.pruner).__name__,
-            "pruning_active": self.pruning_active,
-            "params": dict(self.params),
-            "seed": self.seed,
-            "isolation": self.isolation,
-            "trial_fn": self.trial_fn,
-            "max_failure_rate": self.max_failure_rate,
-            "timeout_s": self.timeout_s,
-            "sweep_dir": str(self.sweep_dir),
-        }
+#: ``sweep:`` keys a :class:`~vramsweep.sweeper.plan.Plan` reads through from its :class:`SweepConfig`.
+SWEEP_KEYS = ("baseline", "factors", "stack", "preflight")
 
 
 def _spec_name(spec: Any) -> str:
@@ -889,9 +779,10 @@ def resolve_settings(
     sweep_file: str | None = None,
     pinned: set[str] | None = None,
     budget_gib: float | None = None,
-) -> Settings:
+) -> dict[str, Any]:
     """Merge ``hydra.sweeper.*`` (``sweeper``, a :class:`SweeperConf`) with the task config's ``sweep:``
-    node (a :class:`SweepConfig`) into :class:`Settings`.
+    node (a :class:`SweepConfig`): the keyword arguments of a :class:`~vramsweep.sweeper.plan.Plan` (the
+    checked ``conf`` and ``sweep`` and the values derived from them; the space and points come later).
 
     Args:
         sweeper: the ``hydra.sweeper`` node as a plain dict (``_target_`` ignored).
@@ -928,7 +819,7 @@ def resolve_settings(
     sweep_dir = Path(os.path.abspath(conf.sweep_dir or Path(results_dir) / "sweeps" / name))
     task_budget = float((task_cfg.get("hardware") or {}).get("budget_gib") or 0.0)
     params = {k: v for k, v in params.items() if k not in (pinned or ())}
-    return Settings(
+    return dict(
         conf=conf,
         sweep=sweep,
         name=name,

@@ -186,7 +186,7 @@ def is_stale(trial: Any, grace_s: float, now: float | None = None) -> bool:
     return now - float(beat) > grace_s
 
 
-def load_or_create_study(settings: Any, sampler: Any, pruner: Any) -> Any:
+def load_or_create_study(plan: Any, sampler: Any, pruner: Any) -> Any:
     """Create the study once (under the storage lock) or load it; check it matches this sweep.
 
     Raises:
@@ -194,13 +194,13 @@ def load_or_create_study(settings: Any, sampler: Any, pruner: Any) -> Any:
     """
     import optuna
 
-    directions = [o.direction for o in settings.objectives]
-    names = [o.metric for o in settings.objectives]
-    with storage_lock(settings.storage, settings.study_name):
-        storage = make_storage(settings.storage)
+    directions = [o.direction for o in plan.objectives]
+    names = [o.metric for o in plan.objectives]
+    with storage_lock(plan.storage, plan.study_name):
+        storage = make_storage(plan.storage)
         study = optuna.create_study(
             storage=storage,
-            study_name=settings.study_name,
+            study_name=plan.study_name,
             directions=directions,
             sampler=sampler,
             pruner=pruner,
@@ -210,7 +210,7 @@ def load_or_create_study(settings: Any, sampler: Any, pruner: Any) -> Any:
         stored_names = study.metric_names
         if existing != directions or (stored_names is not None and list(stored_names) != names):
             raise ConfigError(
-                f"study '{settings.study_name}' in {settings.storage.split('@')[-1]} already exists with "
+                f"study '{plan.study_name}' in {plan.storage.split('@')[-1]} already exists with "
                 f"objectives {stored_names or '?'} {existing}, not {names} {directions}: pick another "
                 "hydra.sweeper.study_name or delete the study",
                 key="hydra.sweeper.study_name",

@@ -104,10 +104,9 @@ class StudyBook:
 
     def __init__(self, plan: Plan, say: Callable[[str], None] | None = None):
         self.plan = plan
-        self.settings = plan.settings
-        self.trials_dir = self.settings.sweep_dir / "trials"
+        self.trials_dir = self.plan.sweep_dir / "trials"
         self.identity = process_identity()
-        self.choices = design_choices(plan.design) if plan.design is not None else {}
+        self.choices = design_choices(plan.points) if plan.points is not None else {}
         self.study: Any = None
         self.admin: Any = None  # the same study with a neutral sampler: reaps and retries never sample
         self.storage: Any = None
@@ -121,23 +120,21 @@ class StudyBook:
         return self.trials_dir / f"{number:04d}.json"
 
     def _slot_attrs(self, k: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        if self.plan.design is None:  # a search: the edge start's points fill the first slots
+        if self.plan.points is None:  # a search: the edge start's points fill the first slots
             return ({"fixed_params": dict(self.edge[k])} if k < len(self.edge) else {}), {}
-        point = self.plan.design[k]
+        point = self.plan.points[k]
         return {"fixed_params": dict(point.params)}, {"design": point.design}
 
     def stored_identity(self) -> dict[str, Any] | None:
         """The identity stored with this sweep's study, without creating storage or study (``None``: new)."""
 
-        path = sqlite_path(self.settings.storage)
+        path = sqlite_path(self.plan.storage)
         if path is not None and not path.is_file():
             return None
-        with storage_lock(
-            self.settings.storage, self.settings.study_name
-        ):  # table creation races other workers
+        with storage_lock(self.plan.storage, self.plan.study_name):  # table creation races other workers
             try:
-                storage = make_storage(self.settings.storage)
-                study_id = storage.get_study_id_from_name(self.settings.study_name)
+                storage = make_storage(self.plan.storage)
+                study_id = storage.get_study_id_from_name(self.plan.study_name)
             except KeyError:
                 return None
             attrs = storage.get_study_user_attrs(study_id)
@@ -156,13 +153,13 @@ class StudyBook:
         old = self.stored_identity()
         if old is None or old == self.plan.identity:
             return
-        where = self.settings.storage if "@" not in self.settings.storage else "<storage URL>"
+        where = self.plan.storage if "@" not in self.plan.storage else "<storage URL>"
         raise ConfigError(
-            f"sweep '{self.settings.name}' (study '{self.settings.study_name}' in {where}) was started by a "
+            f"sweep '{self.plan.name}' (study '{self.plan.study_name}' in {where}) was started by a "
             f"different sweep: {identity_diff(old, self.plan.identity)}. A sweep resumes only with the same "
             "design, search space and fixed overrides: run the original command to resume it, or give this "
             "one its own name (sweep.name=<new> or hydra.sweeper.study_name=<new>), or delete "
-            f"{self.settings.sweep_dir}",
+            f"{self.plan.sweep_dir}",
             key="sweep.name",
         )
 
@@ -171,7 +168,7 @@ class StudyBook:
         Returns how many trials of the study are finished already (a resumed sweep)."""
         import optuna
 
-        s = self.settings
+        s = self.plan
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         # the folder's owner and the study's identity checked, sweep.json written and the study made under
@@ -187,23 +184,23 @@ class StudyBook:
     def check_folder(self) -> None:
         """Whose folder, which sweep, and no result the study does not know: a ConfigError (exit 2) before
         anything is written. Call under :func:`folder_lock`."""
-        check_owner(self.settings)
+        check_owner(self.plan)
         on_disk = result_numbers(self.trials_dir)  # listed before the study is read (folder.py)
         self.check_identity()  # a different sweep under this name
         if on_disk:
-            check_evidence(self.settings, on_disk, self.known_numbers())
+            check_evidence(self.plan, on_disk, self.known_numbers())
 
     def known_numbers(self) -> set[int] | None:
         """Numbers of the study's trials that ran or run (not WAITING); ``None``: no such study."""
         from optuna.trial import TrialState
 
-        path = sqlite_path(self.settings.storage)
+        path = sqlite_path(self.plan.storage)
         if path is not None and not path.is_file():
             return None
-        with storage_lock(self.settings.storage, self.settings.study_name):
+        with storage_lock(self.plan.storage, self.plan.study_name):
             try:
-                storage = make_storage(self.settings.storage)
-                study_id = storage.get_study_id_from_name(self.settings.study_name)
+                storage = make_storage(self.plan.storage)
+                study_id = storage.get_study_id_from_name(self.plan.study_name)
             except KeyError:
                 return None
             trials = storage.get_all_trials(study_id, deepcopy=False)
@@ -213,7 +210,7 @@ class StudyBook:
         """:meth:`open` once the folder is locked and checked: write, create or load, reconcile, top up."""
         import optuna
 
-        s = self.settings
+        s = self.plan
         self.trials_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(
             s.sweep_dir / "sweep.json",
@@ -221,12 +218,12 @@ class StudyBook:
             | {
                 "fixed_overrides": self.plan.fixed,
                 "n_total": self.plan.n_total,
-                "design_points": len(self.plan.design) if self.plan.design is not None else None,
+                "design_points": len(self.plan.points) if self.plan.points is not None else None,
                 "sweep_id": self.plan.sweep_id,
                 "identity": self.plan.identity,
             },
         )
-        if self.plan.design is None:
+        if self.plan.points is None:
             sampler = make_sampler(s.sampler, seed=s.seed, n_jobs=s.n_jobs, n_objectives=len(s.objectives))
         else:
             sampler = optuna.samplers.RandomSampler(seed=s.seed)  # every param is fixed per point
@@ -271,7 +268,7 @@ class StudyBook:
             return None, None, None
         done = sum(v for k, v in counts.items() if k in ("COMPLETE", "PRUNED", "FAIL"))
         best = None
-        objectives = self.settings.objectives
+        objectives = self.plan.objectives
         with contextlib.suppress(Exception):
             front = self.study.best_trials
             if front and len(objectives) == 1:
@@ -288,14 +285,14 @@ class StudyBook:
         reaped = 0
         now = time.time()
         for t in self.admin.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if t._trial_id in self.running or not is_stale(t, self.settings.grace_s, now):
+            if t._trial_id in self.running or not is_stale(t, self.plan.grace_s, now):
                 continue
             reaped += int(self._reap(t, now))
         return reaped
 
     def reap_stale(self) -> int:
         """:meth:`reconcile` under the storage lock; how many stale trials it closed."""
-        with storage_lock(self.settings.storage, self.settings.study_name):
+        with storage_lock(self.plan.storage, self.plan.study_name):
             return self.reconcile()
 
     def stamp_running(self) -> None:
@@ -385,7 +382,7 @@ class StudyBook:
         self.say(
             f"vramsweep: trial {t.number:04d} was left RUNNING by a dead worker: failed"
             + (
-                f" and re-enqueued (retry {retries + 1}/{self.settings.retry_stale})"
+                f" and re-enqueued (retry {retries + 1}/{self.plan.retry_stale})"
                 if will_retry
                 else "; not retried again"
             )
@@ -398,7 +395,7 @@ class StudyBook:
         from optuna.trial import TrialState, create_trial
 
         slot = t.system_attrs.get(SLOT)
-        if slot is None or (not force and retries >= self.settings.retry_stale):
+        if slot is None or (not force and retries >= self.plan.retry_stale):
             return False
         study.add_trial(
             create_trial(
@@ -419,7 +416,7 @@ class StudyBook:
         return True
 
     def retry_note(self, retries: int, will_retry: bool) -> str:
-        n = self.settings.retry_stale
+        n = self.plan.retry_stale
         if will_retry:
             return f"its config is retried ({retries + 1}/{n})"
         return (
@@ -451,7 +448,7 @@ class StudyBook:
         with contextlib.ExitStack() as held:
             if not locked:
                 held.enter_context(self.tell_lock)
-                held.enter_context(storage_lock(self.settings.storage, self.settings.study_name))
+                held.enter_context(storage_lock(self.plan.storage, self.plan.study_name))
             frozen = self.storage.get_trial(tid)
             if retry is None:
                 retry = self.retry_lost(study, frozen, job.retries)
@@ -461,7 +458,7 @@ class StudyBook:
             if job_lost is not None:
                 self.storage.set_trial_system_attr(tid, JOB_LOST, job_lost)
             if report is None:
-                spec = TrialSpec.for_job(job, self.settings, parent_ctime=self.identity.get("ctime"))
+                spec = TrialSpec.for_job(job, self.plan, parent_ctime=self.identity.get("ctime"))
                 res = parent_side_result(spec, reason(retry), 0.0)
                 outcome = Outcome.from_dict(res["meta"]["optuna"])
             else:
@@ -492,7 +489,7 @@ class StudyBook:
                 n += 1
                 self.say(
                     f"vramsweep: trial {t.number:04d}'s point was lost {retries + 1} time(s): "
-                    f"retried again (hydra.sweeper.retry_stale={self.settings.retry_stale})"
+                    f"retried again (hydra.sweeper.retry_stale={self.plan.retry_stale})"
                 )
         return n
 
@@ -525,7 +522,7 @@ class StudyBook:
         import optuna
 
         with self.ask_lock:
-            with storage_lock(self.settings.storage, self.settings.study_name):
+            with storage_lock(self.plan.storage, self.plan.study_name):
                 trial_id = pop_slot(self.study, self.plan.n_total)
             if trial_id is None:
                 return None
@@ -537,8 +534,8 @@ class StudyBook:
             slot = int(frozen.system_attrs[SLOT])
             retry_of = frozen.system_attrs.get(RETRY_OF)
             retries = int(frozen.system_attrs.get(RETRIES, 0))
-            if self.plan.design is not None:
-                point = self.plan.design[slot]
+            if self.plan.points is not None:
+                point = self.plan.points[slot]
                 for k in point.params:
                     trial.suggest_categorical(k, self.choices[k])
                 design = dict(point.design)
@@ -554,7 +551,7 @@ class StudyBook:
             trial.set_user_attr("design", design)
             job = Job(trial, trial.number, slot, overrides, label, design, retry_of, retries=retries)
             job.dup_streak = int(frozen.system_attrs.get(DUP_STREAK, 0))
-            if self.plan.design is None and self.settings.dedup and retry_of is None:
+            if self.plan.points is None and self.plan.dedup and retry_of is None:
                 dup = self._find_duplicate(trial.params, trial.number)
                 if dup is not None:
                     job.duplicate_of, job.source = dup
@@ -585,7 +582,7 @@ class StudyBook:
         streak = job.dup_streak + 1
         attrs: dict[str, Any] = {SLOT: job.slot, DUP_STREAK: streak}
         note = "re-sampled"
-        with storage_lock(self.settings.storage, self.settings.study_name):
+        with storage_lock(self.plan.storage, self.plan.study_name):
             if streak >= DEDUP_PATIENCE:
                 point = self._unmeasured_point(job.number)
                 if point is None:
@@ -616,13 +613,13 @@ class StudyBook:
             )
             if params:
                 taken.append(params)
-        return unmeasured_point(self.plan.dims, taken, f"{self.settings.seed}:{salt}")
+        return unmeasured_point(self.plan.dims, taken, f"{self.plan.seed}:{salt}")
 
     def tell(self, study: Any, trial: Any, result: dict[str, Any], outcome: Outcome) -> None:
         from optuna.exceptions import UpdateFinishedTrialError
         from optuna.trial import TrialState
 
-        rel = os.path.relpath(self.result_path(trial.number), self.settings.sweep_dir)
+        rel = os.path.relpath(self.result_path(trial.number), self.plan.sweep_dir)
         try:
             for k, v in user_attrs(result, outcome, rel).items():
                 trial.set_user_attr(k, v)

@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vramsweep.config.compose import compose
 from vramsweep.config.rules import refused_point
@@ -39,8 +39,11 @@ from vramsweep.record.status import Status
 from vramsweep.record.units import GIB
 from vramsweep.sweeper.outcome import Outcome, classify, normalise_result, result_from_exception
 from vramsweep.sweeper.samplers import make_pruner
-from vramsweep.sweeper.settings import Objective, Settings
+from vramsweep.sweeper.settings import Objective
 from vramsweep.sweeper.storage import make_storage
+
+if TYPE_CHECKING:
+    from vramsweep.sweeper.plan import Plan
 
 
 @dataclass
@@ -71,36 +74,36 @@ class TrialSpec:
 
     @classmethod
     def for_job(
-        cls, job: Any, settings: Settings, *, worker: int = 0, parent_ctime: float | None = None
+        cls, job: Any, plan: Plan, *, worker: int = 0, parent_ctime: float | None = None
     ) -> TrialSpec:
         """The spec of a sweep's trial ``job`` (:class:`.study.Job`): result JSON and log under
         ``<sweep dir>/trials`` (no log file in process), the sweep's objectives, pruner and checks, this
         process as the parent (``parent_ctime``: its start time), and this environment plus
         ``VRAMSWEEP_SWEEP_DIR`` (trial W&B runs go to ``<sweep dir>/wandb``) and, when ``cuda_devices``
         is set, worker ``worker``'s ``CUDA_VISIBLE_DEVICES``."""
-        trials = settings.sweep_dir / "trials"
+        trials = plan.sweep_dir / "trials"
         env = dict(os.environ)
-        env["VRAMSWEEP_SWEEP_DIR"] = str(settings.sweep_dir)
-        if settings.cuda_devices:
-            env["CUDA_VISIBLE_DEVICES"] = settings.cuda_devices[worker % len(settings.cuda_devices)]
+        env["VRAMSWEEP_SWEEP_DIR"] = str(plan.sweep_dir)
+        if plan.cuda_devices:
+            env["CUDA_VISIBLE_DEVICES"] = plan.cuda_devices[worker % len(plan.cuda_devices)]
         return cls(
             number=job.number,
             trial_id=job.trial._trial_id,
             slot=job.slot,
             overrides=job.overrides,
             result_path=str(trials / f"{job.number:04d}.json"),
-            sweep_name=settings.name,
-            study_name=settings.study_name,
-            storage=settings.storage,
-            objectives=list(settings.objectives),
-            trial_fn=settings.trial_fn,
+            sweep_name=plan.name,
+            study_name=plan.study_name,
+            storage=plan.storage,
+            objectives=list(plan.objectives),
+            trial_fn=plan.trial_fn,
             design=job.design,
-            pruner=settings.pruner,
-            pruning=settings.pruning_active,
-            budget_gib=settings.budget_gib,
-            preflight=settings.preflight,
+            pruner=plan.pruner,
+            pruning=plan.pruning_active,
+            budget_gib=plan.budget_gib,
+            preflight=plan.preflight,
             retry_of=job.retry_of,
-            log_path=None if settings.isolation == "inprocess" else str(trials / f"{job.number:04d}.log"),
+            log_path=None if plan.isolation == "inprocess" else str(trials / f"{job.number:04d}.log"),
             parent_pid=os.getpid(),
             parent_ctime=parent_ctime,
             env=env,

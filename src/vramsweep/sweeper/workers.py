@@ -42,7 +42,7 @@ class WorkerPool:
         self, book: StudyBook, runner: Any, state: RunState, progress: Progress, wandb_summary: Any = None
     ):
         self.book = book
-        self.settings = book.settings
+        self.plan = book.plan
         self.runner = runner
         self.state = state
         self.progress = progress
@@ -61,9 +61,9 @@ class WorkerPool:
             if job.duplicate_of is not None:
                 book.record_duplicate(job)
                 continue
-            spec = TrialSpec.for_job(job, self.settings, worker=idx, parent_ctime=book.identity.get("ctime"))
+            spec = TrialSpec.for_job(job, self.plan, worker=idx, parent_ctime=book.identity.get("ctime"))
             self._show_running()
-            report = self.runner.run(spec, tick_s=1.0, timeout_s=self.settings.timeout_s)
+            report = self.runner.run(spec, tick_s=1.0, timeout_s=self.plan.timeout_s)
             if state.interrupted:
                 if job.number in getattr(self.runner, "uncancelled", ()):
                     # its job may still run: the trial stays RUNNING, a re-run stops the job first
@@ -79,11 +79,11 @@ class WorkerPool:
 
     def heartbeat(self, stop: threading.Event) -> None:
         """Stamp the running trials every ``heartbeat_s`` until ``stop`` is set."""
-        while not stop.wait(self.settings.heartbeat_s):
+        while not stop.wait(self.plan.heartbeat_s):
             self.book.stamp_running()
 
     def _record(self, job: Job, report: RunReport) -> None:
-        book, state, s = self.book, self.state, self.settings
+        book, state, s = self.book, self.state, self.plan
         book.note_retries(job, report)
         status = str(report.result.get("status"))
         with book.recording(job, report):
@@ -137,7 +137,7 @@ class WorkerPool:
         ``retry_stale`` times in this run; a later run of the same command retries it again. A job that
         could not be submitted, with no retry left, stops the sweep (the launcher is down: say so)."""
 
-        book, state, s = self.book, self.state, self.settings
+        book, state, s = self.book, self.state, self.plan
         n = self._job_losses.get(job.slot, 0)
         will_retry = n < s.retry_stale and not state.abort.is_set()
         if will_retry:
