@@ -53,7 +53,7 @@ def _prepared(overrides, steps):
 
     from vramsweep.data_prep import build_trial_data, collate_batch, micro_batches
     from vramsweep.knobs import build_model, build_optimizer, build_scheduler
-    from vramsweep.knobs.model import model_source
+    from vramsweep.knobs.build import model_source
 
     cfg = _cfg([*overrides, f"train.steps={steps}"])
     random.seed(int(cfg.train.seed))

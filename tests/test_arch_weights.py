@@ -156,7 +156,7 @@ def test_qwen3_8b_cost_is_16_4_gb_in_38_shards():
 
 
 def test_unsloth_on_an_arch_model_loads_the_materialised_folder(cache, fake_unsloth):
-    from vramsweep.knobs.model import build_model
+    from vramsweep.knobs.build import build_model
 
     cfg = _cfg("kernels=unsloth", "quant=nf4_dq", "hardware=cpu")
     kernels.check_unsloth(cfg)  # source=arch is no longer refused (rules.py calls this)

@@ -498,7 +498,7 @@ def test_the_instruction_prefix_can_be_empty_and_applies_to_documents_only(tok):
 
 
 def test_vocab_slicing_keeps_the_templates_special_tokens(tok):
-    from vramsweep.knobs.vocab import kept_ids
+    from vramsweep.knobs.vocab_slice import kept_ids
 
     (e,) = build_item_examples(items({"messages": CHAT}), tok, settings(template=tok.chat_template))
     kept = set(kept_ids(tok, [e.input_ids], mode="corpus"))
@@ -594,7 +594,7 @@ def test_a_four_trial_sweep_tokenizes_once_counted(tmp_path, tok, monkeypatch):
 def test_vocab_slicing_keeps_a_templates_added_special_tokens(im_tok):
     """ChatML's <|im_start|>/<|im_end|> (added special tokens) survive slicing in every mode, even top_k with
     a K far below what the examples use."""
-    from vramsweep.knobs.vocab import kept_ids
+    from vramsweep.knobs.vocab_slice import kept_ids
 
     (e,) = build_item_examples(items({"messages": CHAT}), im_tok, settings(template=CHATML))
     marks = set(im_tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]))

@@ -104,7 +104,7 @@ def test_data_random_is_the_opt_in_for_a_folder_without_tokenizer(tmp_path, embe
 def test_the_trial_refuses_a_folder_without_tokenizer_too(tmp_path, embedded_model_dir):
     """A trial started without the CLI's pre-flight (a worker, the API) does not fall back to random tokens."""
     from vramsweep.config import compose
-    from vramsweep.knobs.model import model_source
+    from vramsweep.knobs.build import model_source
 
     folder = _folder(embedded_model_dir, tmp_path / "notok", files=(WEIGHTS,))
     cfg = compose(["model=local", f"model.path={folder}"], rules="config")

@@ -516,7 +516,7 @@ def test_arch_builder_quantises_in_place(quant, cls, per_layer):
     from transformers import AutoModelForCausalLM
 
     from vramsweep.knobs.arch import build_arch_model
-    from vramsweep.knobs.model import count_quantised_layers, hf_config
+    from vramsweep.knobs.build import count_quantised_layers, hf_config
 
     cfg = _cfg(*SMALL_ARCH, f"quant={quant}")
     model, notes = build_arch_model(cfg, "cpu")

@@ -75,7 +75,7 @@ def test_yarn_with_the_qwen_original_length():
 
 
 def test_build_model_records_rope_for_embedded_and_local_path(embedded_model_dir, tmp_path):
-    from vramsweep.knobs.model import build_model
+    from vramsweep.knobs.build import build_model
 
     built = build_model(compose(["rope=yarn", "rope.factor=4", "train.dtype=fp32"]))
     note = built.notes["rope"]  # -> meta.build.rope in the result JSON
@@ -116,7 +116,7 @@ def test_local_config_with_rope_scaling_is_respected_and_conflicts_refused(embed
     )
     validate(kept, machine=False)
     if key == "rope_parameters":
-        from vramsweep.knobs.model import build_model
+        from vramsweep.knobs.build import build_model
 
         note = build_model(kept).notes["rope"]
         assert note["knob"] == "none" and note["positions"] == 8192

@@ -111,7 +111,7 @@ def test_sliced_vocab_adapter_works_on_the_full_base_and_tokenizer(tmp_path, mon
     the logits at the kept ids (id_map.json) are the sliced model's."""
     run, seen = _run(tmp_path, monkeypatch, "vocab=sliced")
     assert (run / "id_map.json").is_file()
-    from vramsweep.knobs.vocab import IdMap
+    from vramsweep.knobs.vocab_slice import IdMap
 
     kept = IdMap.load(run).new_to_old
     assert torch.equal(kept, seen["kept"]) and len(kept) < 3072

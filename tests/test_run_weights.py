@@ -15,7 +15,7 @@ def test_a_named_architecture_with_a_path_loads_its_weights(embedded_model_dir):
     from transformers import AutoModelForCausalLM
 
     from vramsweep.knobs import build_model
-    from vramsweep.knobs.model import model_source
+    from vramsweep.knobs.build import model_source
 
     cfg = compose(["model.source=arch", f"model.path={embedded_model_dir}"])
     path, tokenizer = model_source(cfg)

@@ -13,7 +13,7 @@ from vramsweep.data.documents import document_text, format_section
 from vramsweep.data.examples import build_examples
 from vramsweep.data.synthetic import generate_documents, pretrain_texts
 from vramsweep.data.tokenizer import train_tokenizer
-from vramsweep.knobs.vocab import (
+from vramsweep.knobs.vocab_slice import (
     IdMap,
     SlicedTokenizer,
     embedding_bytes_saved,

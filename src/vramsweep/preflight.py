@@ -499,7 +499,7 @@ class _Tokens:
 
 
 def _trial_tokenizer_dir(cfg: Any) -> Path | None:
-    """The folder the trial loads its tokenizer from (:func:`vramsweep.knobs.model.model_source`), found
+    """The folder the trial loads its tokenizer from (:func:`vramsweep.knobs.build.model_source`), found
     without creating anything; None when the trial has no tokenizer (random tokens) or the embedded model
     would first be built for these dims (its tokenizer does not exist yet)."""
     src = str(cfg.model.source)

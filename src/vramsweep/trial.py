@@ -34,9 +34,9 @@ from vramsweep.data.packing import pack_examples, packing_stats
 from vramsweep.data_prep import collate_batch, eval_batches, micro_batches, trial_data
 from vramsweep.estimate import estimate
 from vramsweep.knobs import build_model, build_optimizer, build_scheduler
-from vramsweep.knobs.model import model_source
+from vramsweep.knobs.build import model_source
 from vramsweep.knobs.registry import loss_fn
-from vramsweep.knobs.vocab import kept_ids, remap_examples
+from vramsweep.knobs.vocab_slice import kept_ids, remap_examples
 from vramsweep.longctx.loss import causal_lm_of
 from vramsweep.loop import Callback, CpuMemoryTracking, Diverged, Every, Loop, Pruned, Timing, fit
 from vramsweep.measure import TensorMemoryTracker

@@ -34,7 +34,7 @@ from vramsweep.estimate.calibration import (
 from vramsweep.estimate.cli import run_calibrate, run_estimate
 from vramsweep.estimate.dims import ModelDims, model_dims
 from vramsweep.knobs import registry
-from vramsweep.knobs.step import budget_bytes
+from vramsweep.knobs.train_step import budget_bytes
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.units import GIB
 

@@ -10,9 +10,9 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Built": "vramsweep.knobs.model",
-    "build_model": "vramsweep.knobs.model",
-    "torch_dtype": "vramsweep.knobs.model",
+    "Built": "vramsweep.knobs.build",
+    "build_model": "vramsweep.knobs.build",
+    "torch_dtype": "vramsweep.knobs.build",
     "build_optimizer": "vramsweep.knobs.optim",
     "build_scheduler": "vramsweep.knobs.optim",
 }

@@ -2,7 +2,7 @@
 
 Build: ``gradient_checkpointing_enable`` (non-reentrant by default; the reentrant variant needs inputs that
 require grad), recorded as ``meta.build.gradient_checkpointing``. ``checkpointing=offload`` adds the
-``offload`` knob on top (:mod:`vramsweep.knobs.longctx`). Estimate: ``Knobs.checkpointing``.
+``offload`` knob on top (:mod:`vramsweep.knobs.offload_tiling`). Estimate: ``Knobs.checkpointing``.
 """
 
 from __future__ import annotations

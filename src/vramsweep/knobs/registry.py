@@ -26,7 +26,7 @@ A knob's option file (``conf/<group>/<option>.yaml``) sets config values; the co
 ``"build"`` merged into ``meta.build`` itself (the group providers keep their historical keys:
 ``kernels``, ``rope``, ``quantised_layers``, ``vocab``, ``adapter``, ...).
 
-:func:`vramsweep.knobs.model.build_model`, the training loop and
+:func:`vramsweep.knobs.build.build_model`, the training loop and
 :func:`vramsweep.estimate.knobs_from_cfg` run :func:`run_build`, :func:`loss_fn` and
 :func:`estimate_fields`; none of them has a branch for a particular group. This module imports nothing
 heavy (the estimator uses it without torch): the providers import their implementations inside the hooks.
@@ -41,7 +41,7 @@ from typing import Any
 
 #: Modules that register providers (imported on first use), one per config group that changes what runs.
 PROVIDERS: tuple[str, ...] = (
-    "vramsweep.knobs.step",  # train / context / hardware: the step's shape and device (estimate only)
+    "vramsweep.knobs.train_step",  # train / context / hardware: the step's shape and device (estimate only)
     "vramsweep.knobs.attention",
     "vramsweep.knobs.rope",
     "vramsweep.knobs.quant",
@@ -51,7 +51,7 @@ PROVIDERS: tuple[str, ...] = (
     "vramsweep.knobs.kernels",
     "vramsweep.knobs.source",  # model: loads the model from its source (last of the load stage)
     "vramsweep.knobs.optim",
-    "vramsweep.knobs.longctx",
+    "vramsweep.knobs.offload_tiling",
 )
 
 #: The build's stages, in the order they run (``loss``/``wrap_loss`` run in the loop, ``estimate`` in

@@ -1,5 +1,5 @@
 """``vocab``: the vocabulary-slicing provider (:mod:`vramsweep.knobs.registry`); the implementation is
-:mod:`vramsweep.knobs.vocab` (which imports torch, so the provider lives here for the estimator).
+:mod:`vramsweep.knobs.vocab_slice` (which imports torch, so the provider lives here for the estimator).
 
 Build (``vocab.mode != full``): the embedding and lm_head keep only ``keep_ids`` (chosen from the training
 corpus by the trial), the tokenizer is wrapped to emit the new ids and ``b.id_map`` maps old <-> new
@@ -16,7 +16,7 @@ from vramsweep.knobs.registry import ORDER, KnobHooks, register
 def _build(cfg: Any, b: Any) -> dict[str, Any]:
     if cfg.vocab.mode == "full":
         return {}
-    from vramsweep.knobs.vocab import slice_model_and_tokenizer
+    from vramsweep.knobs.vocab_slice import slice_model_and_tokenizer
 
     if b.keep_ids is None:
         raise ValueError("vocab slicing needs keep_ids from the training corpus")

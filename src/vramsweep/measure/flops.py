@@ -154,7 +154,7 @@ def tiled_mlp_params(cfg: Any, model: Any = None) -> int:
 
 def _weights(p: Any) -> int:
     """Weights a parameter stands for (a packed 4-bit ``Params4bit`` holds two per uint8 element), as
-    ``knobs.model.logical_numel`` counts ``notes["total_params"]``."""
+    ``knobs.build.logical_numel`` counts ``notes["total_params"]``."""
     if type(p).__name__ == "Params4bit":
         return int(p.numel() * p.element_size() * 2)
     return int(p.numel())

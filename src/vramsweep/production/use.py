@@ -86,7 +86,7 @@ def generate(run: str | Path, prompt: str | None, messages: list[dict] | None, m
     model, tok, man = load_run_model(run)
     ids = prompt_ids(tok, prompt, messages)
     if man.get("id_map") and man["weights"] == MODEL_DIR:  # a sliced full fine-tune: new ids in, old out
-        from vramsweep.knobs.vocab import IdMap
+        from vramsweep.knobs.vocab_slice import IdMap
 
         idm = IdMap.load(run)
         x = torch.tensor([idm.encode(ids)])

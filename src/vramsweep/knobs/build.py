@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from vramsweep.config.model_folder import check_tokenizer
 from vramsweep.config.weights import arch_path, say_random_weights
 from vramsweep.embedded import ensure_embedded
-from vramsweep.hfmodel import cache_root, hf_config  # noqa: F401 - re-exported (build.model.hf_config)
+from vramsweep.hfmodel import cache_root, hf_config  # noqa: F401 - re-exported (knobs.build.hf_config)
 from vramsweep.knobs import registry
 from vramsweep.knobs.common import DTYPE_MAP, bnb_config, torch_dtype  # noqa: F401 - re-exported
 from vramsweep.knobs.quant import count_quantised_layers  # noqa: F401 - re-exported

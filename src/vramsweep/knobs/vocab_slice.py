@@ -393,7 +393,7 @@ class SlicedTokenizer:
                 {
                     "tokenizer_class": "VramsweepSlicedTokenizer",
                     "vramsweep_note": "sliced vocabulary: load with "
-                    "vramsweep.knobs.vocab.SlicedTokenizer.from_pretrained(<this folder>)",
+                    "vramsweep.knobs.vocab_slice.SlicedTokenizer.from_pretrained(<this folder>)",
                 },
                 indent=2,
             )
