@@ -45,11 +45,11 @@ PROVIDERS: tuple[str, ...] = (
     "vramsweep.knobs.attention",
     "vramsweep.knobs.rope",
     "vramsweep.knobs.quant",
-    "vramsweep.knobs.vocab_provider",
+    "vramsweep.knobs.vocab",
     "vramsweep.knobs.checkpointing",
     "vramsweep.knobs.adapter",
     "vramsweep.knobs.kernels",
-    "vramsweep.knobs.source",  # model: loads the model from its source (last of the load stage)
+    "vramsweep.knobs.model",  # loads the model from its source (last of the load stage)
     "vramsweep.knobs.optim",
     "vramsweep.knobs.offload_tiling",
 )

@@ -1,4 +1,6 @@
-"""``model``: the model loaded from its source, as a provider (:mod:`vramsweep.knobs.registry`).
+"""``model``: the model loaded from its source, as a provider (:mod:`vramsweep.knobs.registry`); the
+pipeline that runs the providers, :func:`vramsweep.knobs.build.build_model`, finds that source
+(:func:`vramsweep.knobs.build.model_source`).
 
 The last hook of the load stage: ``from_pretrained`` on the weights folder (embedded model,
 ``model.path``) with the keywords the earlier providers set (``quantization_config``,
