@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vramsweep.knobs.registry import ORDER, KnobHooks, register
+from vramsweep.knobs.registry import KnobHooks, register
 
 
 def _load(cfg: Any, b: Any) -> dict[str, Any]:
@@ -39,4 +39,4 @@ def _load(cfg: Any, b: Any) -> dict[str, Any]:
     return notes
 
 
-register(KnobHooks(name="model", load=_load, order=ORDER["model"], groups=("model",), notes_in="build"))
+register(KnobHooks(name="model", load=_load, groups=("model",), notes_in="build"))
