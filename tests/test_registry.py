@@ -94,7 +94,7 @@ def test_two_knobs_replacing_the_loss_are_refused(probe):
 
 #: Groups with no provider of their own, and why (``tiling``'s knobs and ``rope`` have one).
 NO_PROVIDER = {
-    "data": "the trial's documents (vramsweep.data_prep), read before the build",
+    "data": "the trial's documents (vramsweep.data.prep), read before the build",
     "logger": "where rows go (W&B or nowhere): the trial's callback, not the model",
     "sweep": "which trials run (the sweeper), not what one trial builds",
 }
