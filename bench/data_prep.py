@@ -3,7 +3,7 @@
     PYTHONPATH=src python bench/data_prep.py [--n 50000]
 
 Writes N two-exchange ``messages`` records (system prompt included) to a temp folder, then calls
-:func:`vramsweep.data_prep.trial_data` twice with the embedded tokenizer and a fresh ``VRAMSWEEP_CACHE``:
+:func:`vramsweep.data.prep.trial_data` twice with the embedded tokenizer and a fresh ``VRAMSWEEP_CACHE``:
 the first call builds the examples (a cache miss), the second reads them back (a hit). Prints both times.
 """
 
@@ -24,8 +24,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vramsweep-bench-data-"))
     os.environ["VRAMSWEEP_CACHE"] = str(work / "cache")
     from vramsweep.config import compose
+    from vramsweep.data.prep import trial_data
     from vramsweep.data.tokenizer import load_tokenizer
-    from vramsweep.data_prep import trial_data
     from vramsweep.embedded import ASSET_DIR
 
     path = work / "chats.jsonl"

@@ -40,7 +40,7 @@ def score(model, tok, docs, max_tokens: int = 4096, truncation: str = "none", de
     import torch
 
     from vramsweep.data.examples import build_examples
-    from vramsweep.data_prep import collate_batch
+    from vramsweep.data.prep import collate_batch
     from vramsweep.measure.eval import evaluate
     from vramsweep.measure.quality import QualityMeter
 
@@ -227,9 +227,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, get_scheduler
 
     from vramsweep.config import compose
+    from vramsweep.data.prep import EVAL_SEED_OFFSET
     from vramsweep.data.synthetic import generate_documents, pretrain_texts, without_statements
     from vramsweep.data.tokenizer import train_tokenizer
-    from vramsweep.data_prep import EVAL_SEED_OFFSET
     from vramsweep.hfmodel import hf_config
 
     if args.threads:

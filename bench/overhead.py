@@ -51,7 +51,7 @@ def _prepared(overrides, steps):
 
     import torch
 
-    from vramsweep.data_prep import build_trial_data, collate_batch, micro_batches
+    from vramsweep.data.prep import build_trial_data, collate_batch, micro_batches
     from vramsweep.knobs import build_model, build_optimizer, build_scheduler
     from vramsweep.knobs.build import model_source
 

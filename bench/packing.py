@@ -54,7 +54,7 @@ def run_arm(cfg, examples, held_out, *, packed: bool, micro_batch: int, seed: in
     import torch
 
     from vramsweep.data.packing import pack_examples, packing_stats
-    from vramsweep.data_prep import collate_batch, micro_batches
+    from vramsweep.data.prep import collate_batch, micro_batches
     from vramsweep.knobs import build_model, build_optimizer, build_scheduler
     from vramsweep.knobs.registry import loss_fn
     from vramsweep.loop import CpuMemoryTracking, Loop, fit

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from vramsweep.data.packing import pack_examples
-    from vramsweep.data_prep import collate_batch, micro_batches
+    from vramsweep.data.prep import collate_batch, micro_batches
 
     device = torch.device(args.device)
     hardware = "h200_141gb" if args.device == "cuda" else "cpu"

@@ -3,7 +3,7 @@ step give the same gradients, for every loss owner that runs on CPU, on targets 
 
 The step's loss is the sum of its token losses over the step's trained tokens (each micro-batch's mean
 weighted by its share: :func:`vramsweep.loop.token_weights`), and the same examples fall in the same step
-whatever the split (:func:`vramsweep.data_prep.micro_batches` orders whole steps).
+whatever the split (:func:`vramsweep.data.prep.micro_batches` orders whole steps).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from vramsweep.config import compose
 from vramsweep.data.examples import IGNORE_INDEX, Example
-from vramsweep.data_prep import collate_batch, micro_batches
+from vramsweep.data.prep import collate_batch, micro_batches
 from vramsweep.knobs import build_model
 from vramsweep.knobs.registry import loss_fn
 from vramsweep.loop import Callback, Loop, fit, token_weights

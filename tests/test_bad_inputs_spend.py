@@ -444,8 +444,8 @@ def test_truncation_none_check_agrees_with_the_data_step(max_tokens):
     from transformers import AutoTokenizer
 
     from vramsweep.config import ConfigError, compose
+    from vramsweep.data.prep import build_trial_data
     from vramsweep.data.truncation import ContextOverflowError
-    from vramsweep.data_prep import build_trial_data
     from vramsweep.preflight import _trial_tokenizer_dir, check_data
 
     cfg = compose(["context.truncation=none", f"context.max_tokens={max_tokens}"], rules="none")

@@ -177,7 +177,7 @@ def test_every_format_from_every_source_with_every_train_on(
 ):
     """data=file data.path=<each source> data.train_on=<each value the format takes>: the format detected,
     the held-out split (the folder's test split, else the last 10 %), the trained tokens (issue 34.1/2/4)."""
-    from vramsweep.data_prep import trial_data
+    from vramsweep.data.prep import trial_data
 
     monkeypatch.setenv("VRAMSWEEP_CACHE", str(tmp_path / "cache"))
     path = write(tmp_path / f"data{suffix}", [MATRIX[fmt]] * 6)
@@ -317,7 +317,7 @@ def test_prompt_completion_and_alpaca_train_the_completion(tok):
 
 
 def test_train_on_that_does_not_apply_is_refused(tmp_path):
-    from vramsweep.data_prep import render_settings
+    from vramsweep.data.prep import render_settings
 
     p = write(tmp_path / "t.jsonl", [RECORDS["text"]] * 2)
     cfg = compose(["data=file", f"data.path={p}", "data.train_on=completion"])
@@ -415,7 +415,7 @@ def _cfg(tmp_path, path, *extra):
 
 
 def test_trial_data_records_format_hash_counts_and_lengths(tmp_path, tok, monkeypatch):
-    from vramsweep.data_prep import trial_data
+    from vramsweep.data.prep import trial_data
 
     monkeypatch.setenv("VRAMSWEEP_CACHE", str(tmp_path / "cache"))
     p = write(tmp_path / "c.jsonl", [{"messages": CHAT}] * 10)
@@ -447,7 +447,7 @@ def _worker(args):
     import os
 
     os.environ["VRAMSWEEP_CACHE"] = cache
-    from vramsweep.data_prep import trial_data
+    from vramsweep.data.prep import trial_data
 
     return trial_data(
         compose(["data=file", f"data.path={path}"]), load_tokenizer(ASSET_DIR, embedded=True)
@@ -464,7 +464,7 @@ def test_concurrent_workers_tokenize_once(tmp_path):
 
 def test_the_shipped_chat_set_is_deterministic_and_answers_from_the_report(tok, monkeypatch, tmp_path):
     from vramsweep.data.chatset import generate_chats
-    from vramsweep.data_prep import trial_data
+    from vramsweep.data.prep import trial_data
 
     a, b = generate_chats(3, 1234), generate_chats(3, 1234)
     assert a == b
@@ -570,7 +570,7 @@ def test_a_four_trial_sweep_tokenizes_once_counted(tmp_path, tok, monkeypatch):
     """The pre-flight's data check and 4 trials that differ in their knobs (not in the data): one tokenizer
     pass, at the pre-flight; the trials read the cache. A data setting that changes the examples builds
     again (issue 34.7)."""
-    from vramsweep.data_prep import build_trial_data, trial_data
+    from vramsweep.data.prep import build_trial_data, trial_data
 
     monkeypatch.setenv("VRAMSWEEP_CACHE", str(tmp_path / "cache"))
     p = write(tmp_path / "c.jsonl", [{"messages": CHAT, "id": f"c{i}"} for i in range(20)])

@@ -11,7 +11,7 @@ from vramsweep.config import ConfigError, compose
 from vramsweep.config.rules import validate
 from vramsweep.data.examples import IGNORE_INDEX, position_ids
 from vramsweep.data.packing import pack_examples, packing_stats
-from vramsweep.data_prep import collate_batch
+from vramsweep.data.prep import collate_batch
 from vramsweep.knobs import build_model, packed_attention
 from vramsweep.knobs.packed_attention import PACKED_NAMES
 from vramsweep.knobs.registry import loss_fn

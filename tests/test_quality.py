@@ -110,7 +110,7 @@ def test_jsonl_fact_spans_are_scored_like_the_synthetic_ones(tmp_path):
 # ------------------------------------------------------------------------------------ the embedded model
 def _score(model, tokenizer, docs, max_tokens=4096):
     from vramsweep.data.examples import build_examples
-    from vramsweep.data_prep import collate_batch
+    from vramsweep.data.prep import collate_batch
     from vramsweep.measure.eval import evaluate
 
     ex = build_examples(

@@ -94,7 +94,7 @@ def test_two_knobs_replacing_the_loss_are_refused(probe):
 
 #: Groups with no provider of their own, and why (``tiling``'s knobs and ``rope`` have one).
 NO_PROVIDER = {
-    "data": "the trial's documents (vramsweep.data_prep), read before the build",
+    "data": "the trial's documents (vramsweep.data.prep), read before the build",
     "logger": "where rows go (W&B or nowhere): the trial's callback, not the model",
     "sweep": "which trials run (the sweeper), not what one trial builds",
 }
@@ -140,6 +140,11 @@ def test_the_pipeline_order_is_explicit():
     ]
     assert set(names[10:]) >= {"offload", "mlp_tiles", "loss_chunks"}  # on the finished model
     assert registry.STAGES == ("patch", "load", "build")
+    # the one place the order is written: each provider runs at its module's line in PROVIDERS
+    modules = [registry._MODULE[h.name] for h in registry.registered()]
+    ours = [m for m in modules if m in registry.PROVIDERS]
+    assert list(dict.fromkeys(ours)) == list(registry.PROVIDERS)
+    assert modules[: len(ours)] == ours  # providers registered elsewhere (a test) come after them
 
 
 def test_the_build_notes_keep_their_keys_and_order():
@@ -163,9 +168,15 @@ def test_the_build_notes_keep_their_keys_and_order():
 
 
 @pytest.fixture()
-def toy_group():
+def toy_group(monkeypatch):
     """A toy provider of every stage, on when train.seed == 4343, registered without touching the build
-    or the estimator: it patches, sets a load keyword, notes what it saw, and sets an estimate field."""
+    or the estimator: it patches, sets a load keyword, notes what it saw, and sets an estimate field.
+    Its place is its module's line in PROVIDERS: after the adapter, before Liger's check."""
+    registry.registered()  # the providers' modules are imported before PROVIDERS gets this one
+    after = registry.PROVIDERS.index("vramsweep.knobs.adapter") + 1
+    monkeypatch.setattr(
+        registry, "PROVIDERS", (*registry.PROVIDERS[:after], __name__, *registry.PROVIDERS[after:])
+    )
     seen: list[str] = []
 
     def patch(cfg, b):
@@ -193,7 +204,6 @@ def toy_group():
             load=load,
             build=build,
             estimate=estimate,
-            order=registry.ORDER["adapter"] + 5,  # after the adapter, before Liger's check
             groups=(),
             notes_in="build",
         )

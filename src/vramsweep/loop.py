@@ -88,7 +88,7 @@ class Loop:
     model: Any
     optimizer: Any
     scheduler: Any
-    # collated micro-batches (data_prep.collate_batch), steps * grad_accum of them, each with its
+    # collated micro-batches (data.prep.collate_batch), steps * grad_accum of them, each with its
     # ``n_loss_tokens`` (the tokens its mean loss averages over: the token weights of the step)
     batches: Sequence[dict]
     loss_fn: LossFn

@@ -41,9 +41,9 @@ from vramsweep.config.schema import DataConfig
 from vramsweep.config.weights import arch_path
 from vramsweep.data.documents import format_section, load_jsonl
 from vramsweep.data.formats import detect_format, normalize_records
+from vramsweep.data.prep import USER_SOURCES, build_trial_data, data_format, load_documents
 from vramsweep.data.sources import read_source
 from vramsweep.data.truncation import ContextOverflowError, longest_first
-from vramsweep.data_prep import USER_SOURCES, build_trial_data, data_format, load_documents
 from vramsweep.embedded import ASSET_DIR, _key, asset_info, build_note, embedded_dir
 from vramsweep.estimate import estimate
 from vramsweep.estimate.dims import check_model_config
@@ -572,7 +572,7 @@ def _check_splits_give_examples(d: Any, train: list[dict], held_out: list[dict],
 
 
 def check_data(cfg: Any) -> None:
-    """What the data step (:func:`vramsweep.data_prep.build_trial_data`) would raise on, found before the
+    """What the data step (:func:`vramsweep.data.prep.build_trial_data`) would raise on, found before the
     model is built: too few documents for a held-out split, train or eval documents that give no example
     (a single section each), ``context.max_tokens`` that leaves no room for a target, and with
     ``context.truncation=none`` any example longer than ``context.max_tokens`` (tokenised and counted with

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from vramsweep.config.compose import ConfigError, check_rules, compose
 from vramsweep.config.rules import refused_point, validate
 from vramsweep.data.packing import pack_examples, packing_stats
-from vramsweep.data_prep import collate_batch, eval_batches, micro_batches, trial_data
+from vramsweep.data.prep import collate_batch, eval_batches, micro_batches, trial_data
 from vramsweep.estimate import estimate
 from vramsweep.knobs import build_model, build_optimizer, build_scheduler
 from vramsweep.knobs.build import model_source

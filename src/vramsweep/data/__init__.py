@@ -5,6 +5,8 @@
 * :mod:`~vramsweep.data.tokenizer`: the embedded model's byte-level BPE tokenizer.
 * :mod:`~vramsweep.data.truncation`: ``context.truncation`` strategies (none, head, tail, exp_decay).
 * :mod:`~vramsweep.data.examples`: instructions + context -> target-section examples, collation, task spans.
+* :mod:`~vramsweep.data.prep`: the data config -> a trial's train/eval examples and micro-batches
+  (``trial_data``, ``collate_batch``, ``micro_batches``).
 
 Names are imported lazily, so ``import vramsweep.data.truncation`` (e.g. from the estimator) does not pull in
 torch or transformers.

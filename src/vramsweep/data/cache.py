@@ -30,8 +30,10 @@ __all__ = [
     "tokenizer_fingerprint",
 ]
 
-#: Bump when rendering, masking or truncation changes what a key's examples are.
-CACHE_VERSION = 1
+#: Bump when rendering, masking or truncation changes what a key's examples are, or when a pickled class
+#: moves (2: ``TrialData`` moved from ``vramsweep.data_prep`` to ``vramsweep.data.prep``; an entry of
+#: version 1 names the old module, so a new key keeps the two versions' entries apart in a shared cache).
+CACHE_VERSION = 2
 T = TypeVar("T")
 
 

@@ -9,7 +9,7 @@ with the first label of every segment after the first set to -100: that position
 the previous example's last token (a causal LM's labels shift by one), which the unpacked example never
 does — so a row's token losses are exactly its examples' token losses.
 
-:func:`vramsweep.data_prep.collate_batch` gives a packed row ``position_ids`` that restart at 0 for each
+:func:`vramsweep.data.prep.collate_batch` gives a packed row ``position_ids`` that restart at 0 for each
 example and pads it to ``context.max_tokens`` with a trailing segment of its own; the loop then passes no
 attention mask; under eager/SDPA the model runs :mod:`vramsweep.knobs.packed_attention` (causal attention
 per segment, split at the positions' restarts; no ``T x T`` mask), under ``flash_attention_2`` the varlen

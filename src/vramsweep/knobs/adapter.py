@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from vramsweep.config.modules import ATTN_PROJ, MLP_PROJ
-from vramsweep.knobs.registry import ORDER, KnobHooks, register
+from vramsweep.knobs.registry import KnobHooks, register
 
 #: The projections of one decoder layer (what ``adapter.targets=all-linear`` adapts; not lm_head).
 LINEARS = ATTN_PROJ + MLP_PROJ
@@ -95,7 +95,6 @@ register(
         name="adapter",
         build=_build,
         estimate=_estimate,
-        order=ORDER["adapter"],
         groups=("adapter",),
         notes_in="build",
     )

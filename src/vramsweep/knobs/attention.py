@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from vramsweep.config.packing import packed
-from vramsweep.knobs.registry import ORDER, KnobHooks, register
+from vramsweep.knobs.registry import KnobHooks, register
 
 FAST_PATH_IMPLEMENTATIONS = ("sdpa", "flash_attention_2")
 
@@ -117,7 +117,6 @@ register(
         build=_built,
         wrap_loss=lambda cfg, model, fn: with_causal_fast_path(fn, model, cfg),
         estimate=_estimate,
-        order=ORDER["attention"],
         groups=("attention",),
         notes_in="build",
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vramsweep.knobs.registry import ORDER, KnobHooks, register
+from vramsweep.knobs.registry import KnobHooks, register
 
 
 def _build(cfg: Any, b: Any) -> dict[str, Any]:
@@ -29,7 +29,6 @@ register(
         name="checkpointing",
         build=_build,
         estimate=lambda cfg, e: {"checkpointing": bool(cfg.checkpointing.enabled)},
-        order=ORDER["checkpointing"],
         groups=("checkpointing",),
         notes_in="build",
     )

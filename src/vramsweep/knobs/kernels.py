@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 
 from vramsweep.config.rules import UnsupportedError, check_unsloth  # noqa: F401 - re-exported
 from vramsweep.knobs.quant import count_quantised_layers
-from vramsweep.knobs.registry import ORDER, KnobHooks, register
+from vramsweep.knobs.registry import KnobHooks, register
 
 #: ``model_type`` -> the ``liger_kernel.transformers`` patch for that family (causal text LMs, Liger 0.8.5).
 LIGER_PATCHES: dict[str, str] = {
@@ -394,7 +394,6 @@ register(
         load=_load,
         build=_build,
         estimate=_estimate,
-        order=ORDER["kernels"],
         groups=("kernels",),
         notes_in="build",
     )

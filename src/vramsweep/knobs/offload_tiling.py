@@ -2,6 +2,8 @@
 loss and estimate hooks (:mod:`vramsweep.knobs.registry`; they run last, on the finished model, and
 ``tiling`` has no other provider); the implementations live in
 :mod:`vramsweep.longctx`. Results name them ``meta.build.knobs.offload`` / ``mlp_tiles`` / ``loss_chunks``.
+Their estimate hooks read what the ``kernels`` provider (earlier in the pipeline) set in ``e.fields``:
+whether Unsloth runs, and whether the loss is already a fused, chunked cross-entropy.
 """
 
 from __future__ import annotations
@@ -11,16 +13,10 @@ from typing import Any
 from vramsweep.knobs.registry import KnobHooks, register
 
 
-def _unsloth(cfg: Any) -> bool:
-    return bool(cfg.kernels.get("unsloth", False))
-
-
-def _fused_ce(cfg: Any) -> bool:
-    """A fused, chunked cross-entropy already keeps one logits chunk (Liger FLCE or Unsloth's)."""
-    k = cfg.kernels
-    return _unsloth(cfg) or (
-        bool(k.get("liger", False)) and bool(k.get("liger_fused_linear_cross_entropy", True))
-    )
+def _fused_ce(e: Any) -> bool:
+    """A fused, chunked cross-entropy already keeps one logits chunk (Liger FLCE or Unsloth's): the
+    ``kernels`` provider's estimate fields."""
+    return bool(e.fields["unsloth"] or e.fields["liger_flce"])
 
 
 # --- checkpointing=offload: each checkpointed layer keeps only its input, in pinned host memory
@@ -39,7 +35,7 @@ register(
         active=lambda cfg: cfg.checkpointing.name == "offload",  # the option is the knob
         build=_offload_build,
         # Unsloth offloads its own checkpoints (counted by the estimator's unsloth term)
-        estimate=lambda cfg, e: {"offload": not _unsloth(cfg)},
+        estimate=lambda cfg, e: {"offload": not e.fields["unsloth"]},
     )
 )
 
@@ -89,6 +85,6 @@ register(
         active=lambda cfg: int(cfg.get("tiling", {}).get("loss_chunk_tokens", 0) or 0) > 0,
         build=_loss_build,
         loss=_chunked_loss,
-        estimate=lambda cfg, e: {"loss_chunk": 0 if _fused_ce(cfg) else int(cfg.tiling.loss_chunk_tokens)},
+        estimate=lambda cfg, e: {"loss_chunk": 0 if _fused_ce(e) else int(cfg.tiling.loss_chunk_tokens)},
     )
 )

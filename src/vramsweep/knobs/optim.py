@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from vramsweep.config.errors import ConfigError
 from vramsweep.config.paths import find_option
 from vramsweep.knobs.optim_source import read_target
-from vramsweep.knobs.registry import ORDER, KnobHooks, register
+from vramsweep.knobs.registry import KnobHooks, register
 
 if TYPE_CHECKING:  # torch is imported where it runs: the estimator reads this provider without it
     import torch
@@ -259,7 +259,6 @@ register(
     KnobHooks(
         name="optimizer",
         estimate=_estimate,
-        order=ORDER["optimizer"],
         groups=("optimizer",),
         notes_in="build",
     )

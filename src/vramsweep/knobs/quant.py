@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vramsweep.knobs.registry import ORDER, KnobHooks, register
+from vramsweep.knobs.registry import KnobHooks, register
 
 QUANTISED_LINEARS = ("Linear4bit", "Linear8bitLt")
 
@@ -53,7 +53,6 @@ register(
         # counted before the adapter: PEFT's LoRA wrappers of these layers carry the same class names
         build=lambda cfg, b: {"quantised_layers": count_quantised_layers(b.model)},
         estimate=_estimate,
-        order=ORDER["quant"],
         groups=("quant",),
         notes_in="build",
     )

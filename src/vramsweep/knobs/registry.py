@@ -4,7 +4,8 @@ estimate, registered in one place beside the code that implements it.
 A knob's option file (``conf/<group>/<option>.yaml``) sets config values; the config's rules check them
 (:mod:`vramsweep.config.rules`). Where a group must change what *runs*, its module registers a
 :class:`KnobHooks` provider with :func:`register`. The build runs the hooks stage by stage, in
-:data:`STAGES` order, and within a stage by the provider's ``order`` (then registration):
+:data:`STAGES` order, and within a stage in provider order: the place of the registering module in
+:data:`PROVIDERS` (the one place the order is written), then registration order within the module:
 
 * ``patch(cfg, b) -> notes``: before anything is loaded (``kernels=liger`` patches the model classes);
 * ``load(cfg, b) -> notes``: how the model is loaded: add ``from_pretrained`` keywords to
@@ -35,43 +36,31 @@ heavy (the estimator uses it without torch): the providers import their implemen
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-#: Modules that register providers (imported on first use), one per config group that changes what runs.
+#: Modules that register providers (imported on first use), one per config group that changes what runs,
+#: in pipeline order: within each stage a provider's hooks run at its module's place here (then in
+#: registration order); providers registered from any other module (a test) run after these.
 PROVIDERS: tuple[str, ...] = (
     "vramsweep.knobs.train_step",  # train / context / hardware: the step's shape and device (estimate only)
     "vramsweep.knobs.attention",
     "vramsweep.knobs.rope",
     "vramsweep.knobs.quant",
-    "vramsweep.knobs.vocab_provider",
+    "vramsweep.knobs.vocab",
     "vramsweep.knobs.checkpointing",
     "vramsweep.knobs.adapter",
     "vramsweep.knobs.kernels",
-    "vramsweep.knobs.source",  # model: loads the model from its source (last of the load stage)
     "vramsweep.knobs.optim",
-    "vramsweep.knobs.offload_tiling",
+    "vramsweep.knobs.model",  # loads with what the earlier load hooks set (last of the load stage)
+    "vramsweep.knobs.offload_tiling",  # knobs that work on the finished model (after the adapter)
 )
 
 #: The build's stages, in the order they run (``loss``/``wrap_loss`` run in the loop, ``estimate`` in
 #: the estimator, each in provider order).
 STAGES: tuple[str, ...] = ("patch", "load", "build")
-
-#: Provider order (``KnobHooks.order``): the position of every hook of a provider within its stage.
-ORDER = {
-    "step": 0,
-    "attention": 10,
-    "rope": 20,
-    "quant": 30,
-    "vocab": 40,
-    "checkpointing": 50,
-    "adapter": 60,
-    "kernels": 70,
-    "optimizer": 80,
-    "model": 90,  # loads with what the earlier load hooks set
-    "knobs": 100,  # the default: knobs that work on the finished model (after the adapter)
-}
 
 Hook = Callable[..., Any]
 
@@ -86,7 +75,6 @@ class KnobHooks:
     patch: Hook | None = None  # (cfg, b: Build) -> notes, before loading
     load: Hook | None = None  # (cfg, b: Build) -> notes: load kwargs, or the loaded model
     wrap_loss: Hook | None = None  # (cfg, model, fn) -> fn, around whichever loss runs
-    order: int = ORDER["knobs"]  # position within each stage (lower first)
     groups: tuple[str, ...] = ()  # the config groups it implements (conf/<group>/)
     notes_in: str = "knobs"  # "knobs": meta.build.knobs[name]; "build": merged into meta.build
 
@@ -123,13 +111,22 @@ class Estimating:
 
 
 _HOOKS: dict[str, KnobHooks] = {}
+_MODULE: dict[str, str] = {}  # provider name -> the module that registered it
 _loaded = False
 
 
 def register(hooks: KnobHooks) -> KnobHooks:
-    """Register (or replace, by name) a provider's hooks; returns them."""
+    """Register (or replace, by name) a provider's hooks; returns them. Its place in the pipeline is the
+    place in :data:`PROVIDERS` of the module that calls this (the caller's ``__name__``)."""
     _HOOKS[hooks.name] = hooks
+    _MODULE[hooks.name] = sys._getframe(1).f_globals.get("__name__", "")
     return hooks
+
+
+def _place(h: KnobHooks) -> int:
+    """The provider's place in the pipeline: its module's index in :data:`PROVIDERS` (others: after)."""
+    module = _MODULE.get(h.name, "")
+    return PROVIDERS.index(module) if module in PROVIDERS else len(PROVIDERS)
 
 
 def _load() -> None:
@@ -141,9 +138,9 @@ def _load() -> None:
 
 
 def registered() -> list[KnobHooks]:
-    """Every provider, in pipeline order (``order``, then registration)."""
+    """Every provider, in pipeline order (its module's place in :data:`PROVIDERS`, then registration)."""
     _load()
-    return sorted(_HOOKS.values(), key=lambda h: h.order)  # sorted() is stable: registration breaks ties
+    return sorted(_HOOKS.values(), key=_place)  # sorted() is stable: registration breaks ties
 
 
 def active(cfg: Any) -> list[KnobHooks]:

@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from vramsweep.config.rope import plan
-from vramsweep.knobs.registry import ORDER, KnobHooks, register
+from vramsweep.knobs.registry import KnobHooks, register
 
 
 def apply_rope(config: Any, cfg: DictConfig) -> dict[str, Any] | None:
@@ -87,7 +87,6 @@ register(
         name="rope",
         load=_load,
         build=lambda cfg, b: {"rope": built_notes(b.model, cfg)},
-        order=ORDER["rope"],
         groups=("rope",),
         notes_in="build",
     )

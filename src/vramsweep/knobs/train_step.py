@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from vramsweep.config.packing import packed
-from vramsweep.knobs.registry import ORDER, Estimating, KnobHooks, register
+from vramsweep.knobs.registry import Estimating, KnobHooks, register
 from vramsweep.record.units import GIB
 
 #: Bytes per element of ``train.dtype`` (the compute / activation dtype).
@@ -61,7 +61,6 @@ register(
     KnobHooks(
         name="step",
         estimate=_estimate,
-        order=ORDER["step"],
         groups=("train", "context", "hardware"),
         notes_in="build",
     )

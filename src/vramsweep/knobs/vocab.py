@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vramsweep.knobs.registry import ORDER, KnobHooks, register
+from vramsweep.knobs.registry import KnobHooks, register
 
 
 def _build(cfg: Any, b: Any) -> dict[str, Any]:
@@ -45,7 +45,6 @@ register(
         name="vocab",
         build=_build,
         estimate=_estimate,
-        order=ORDER["vocab"],
         groups=("vocab",),
         notes_in="build",
     )

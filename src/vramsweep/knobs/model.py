@@ -1,4 +1,6 @@
-"""``model``: the model loaded from its source, as a provider (:mod:`vramsweep.knobs.registry`).
+"""``model``: the model loaded from its source, as a provider (:mod:`vramsweep.knobs.registry`); the
+pipeline that runs the providers, :func:`vramsweep.knobs.build.build_model`, finds that source
+(:func:`vramsweep.knobs.build.model_source`).
 
 The last hook of the load stage: ``from_pretrained`` on the weights folder (embedded model,
 ``model.path``) with the keywords the earlier providers set (``quantization_config``,
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vramsweep.knobs.registry import ORDER, KnobHooks, register
+from vramsweep.knobs.registry import KnobHooks, register
 
 
 def _load(cfg: Any, b: Any) -> dict[str, Any]:
@@ -37,4 +39,4 @@ def _load(cfg: Any, b: Any) -> dict[str, Any]:
     return notes
 
 
-register(KnobHooks(name="model", load=_load, order=ORDER["model"], groups=("model",), notes_in="build"))
+register(KnobHooks(name="model", load=_load, groups=("model",), notes_in="build"))
