@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vramsweep.config.compose import compose
 from vramsweep.config.rules import refused_point
@@ -41,9 +41,6 @@ from vramsweep.sweeper.outcome import Outcome, classify, normalise_result, resul
 from vramsweep.sweeper.samplers import make_pruner
 from vramsweep.sweeper.settings import Objective
 from vramsweep.sweeper.storage import make_storage
-
-if TYPE_CHECKING:
-    from vramsweep.sweeper.plan import Plan
 
 
 @dataclass
@@ -73,13 +70,11 @@ class TrialSpec:
     cwd: str = "."
 
     @classmethod
-    def for_job(
-        cls, job: Any, plan: Plan, *, worker: int = 0, parent_ctime: float | None = None
-    ) -> TrialSpec:
-        """The spec of a sweep's trial ``job`` (:class:`.study.Job`): result JSON and log under
-        ``<sweep dir>/trials`` (no log file in process), the sweep's objectives, pruner and checks, this
-        process as the parent (``parent_ctime``: its start time), and this environment plus
-        ``VRAMSWEEP_SWEEP_DIR`` (trial W&B runs go to ``<sweep dir>/wandb``) and, when ``cuda_devices``
+    def for_job(cls, job: Any, plan: Any, *, worker: int = 0, parent_ctime: float | None = None) -> TrialSpec:
+        """The spec of a sweep's trial ``job`` (:class:`.study.Job`) in ``plan`` (:class:`.plan.Plan`):
+        result JSON and log under ``<sweep dir>/trials`` (no log file in process), the sweep's objectives,
+        pruner and checks, this process as the parent (``parent_ctime``: its start time), and this
+        environment plus ``VRAMSWEEP_SWEEP_DIR`` (trial W&B runs go to ``<sweep dir>/wandb``) and, when ``cuda_devices``
         is set, worker ``worker``'s ``CUDA_VISIBLE_DEVICES``."""
         trials = plan.sweep_dir / "trials"
         env = dict(os.environ)
