@@ -72,10 +72,10 @@ class TrialSpec:
     @classmethod
     def for_job(cls, job: Any, plan: Any, *, worker: int = 0, parent_ctime: float | None = None) -> TrialSpec:
         """The spec of a sweep's trial ``job`` (:class:`.study.Job`) in ``plan`` (:class:`.plan.Plan`):
-        result JSON and log under ``<sweep dir>/trials`` (no log file in process), the sweep's objectives,
-        pruner and checks, this process as the parent (``parent_ctime``: its start time), and this
-        environment plus ``VRAMSWEEP_SWEEP_DIR`` (trial W&B runs go to ``<sweep dir>/wandb``) and, when ``cuda_devices``
-        is set, worker ``worker``'s ``CUDA_VISIBLE_DEVICES``."""
+        result JSON and log under ``<sweep dir>/trials`` (no log file in process), the sweep's
+        objectives, pruner and checks, this process as the parent (``parent_ctime``: its start time),
+        and this environment plus ``VRAMSWEEP_SWEEP_DIR`` (trial W&B runs go to ``<sweep dir>/wandb``)
+        and, when ``cuda_devices`` is set, worker ``worker``'s ``CUDA_VISIBLE_DEVICES``."""
         trials = plan.sweep_dir / "trials"
         env = dict(os.environ)
         env["VRAMSWEEP_SWEEP_DIR"] = str(plan.sweep_dir)
