@@ -95,7 +95,7 @@ def test_knob_built_optimizer_steps_fp32_masters_of_bf16_adapters():
 def test_estimator_optimizer_bytes_match_fp32_master_state(optimizer, master):
     """The estimate's optimizer state (masters counted) equals the real ``optimizer.state`` bytes, and the
     total peak stays within 5 % of the CPU tracker's."""
-    from test_estimate import SMALL, _cfg, _tracked_peak
+    from _estimates import SMALL, _cfg, _tracked_peak
     from vramsweep.estimate import estimate
     from vramsweep.measure.cpu import optimizer_state_tensors, tensor_bytes
 

@@ -8,115 +8,12 @@ sweep cases use the fake trial function so that a case that *did* start would fi
 
 from __future__ import annotations
 
-import json
-import time
-from collections import namedtuple
 from pathlib import Path
 
 import pytest
 
-from test_config import BAD as CONFIG_BAD  # the original 33 bad overrides, now also checked for one line
+from _bad_inputs import CONFIG_BAD, FAKE, PW, check_bad_input
 from vramsweep.cli import main
-
-FAKE = [
-    "hydra.sweeper.trial_fn=fakes:fake_trial",
-    "hydra.sweeper.isolation=inprocess",
-    "hydra.sweeper.study_name=bad",
-]
-Usage = namedtuple("Usage", "total used free")  # shutil.disk_usage's result, for a full disk
-DOC = {"id": "d1", "title": "t", "sections": [{"heading": "h", "text": "some text"}]}
-
-
-def _chat(*turns: tuple[str, str]) -> bytes:
-    return json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]}).encode() + b"\n"
-
-
-def _chat_inputs() -> dict[str, bytes]:
-    """Bad records of the other formats (issue 34.8)."""
-    import io
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    good = _chat(("user", "hi"), ("assistant", "hello"))
-    buf = io.BytesIO()
-    pq.write_table(pa.table({"instruction": ["a", "b"], "input": ["", ""]}), buf)
-    return {
-        "chat_good.jsonl": good * 3,
-        "chat_unknown.jsonl": b'{"foo": 1, "bar": 2}\n',
-        "chat_role.jsonl": good + _chat(("user", "hi"), ("narrator", "x"), ("assistant", "y")),
-        "chat_noassistant.jsonl": good + _chat(("system", "s"), ("user", "hi")),
-        "chat_emptycontent.jsonl": good + _chat(("user", "hi"), ("assistant", "  ")),
-        "chat_mixed.jsonl": good + b'{"text": "plain"}\n',
-        "chat_latin1.json": b'[{"text": "caf\xe9"}]',
-        "alpaca_nooutput.parquet": buf.getvalue(),
-        "pc_longprompt.jsonl": json.dumps({"prompt": "word " * 200, "completion": "yes"}).encode()
-        + b"\n"
-        + json.dumps({"prompt": "q", "completion": "a"}).encode()
-        + b"\n",
-        "chat_long.jsonl": good + _chat(("user", "word " * 200), ("assistant", "fine")) + good,
-        "bad_template.jinja": b"{{ raise_exception('this template refuses') }}",
-    }
-
-
-def _inputs(root: Path) -> dict[str, Path]:
-    """Every bad input file, written before the snapshot (so they do not count as 'written')."""
-    d = root / "in"
-    d.mkdir()
-    files: dict[str, bytes] = {
-        "empty.jsonl": b"",
-        "blank.jsonl": b"\n  \n\n",
-        "malformed.jsonl": json.dumps(DOC).encode() + b'\n{"id": "x", "sections": [\n',
-        "latin1.jsonl": json.dumps(DOC).encode()
-        + b"\n"
-        + json.dumps(DOC | {"id": "d2"}).encode().replace(b"some text", b"caf\xe9"),
-        "utf16.jsonl": (json.dumps(DOC) + "\n").encode("utf-16"),
-        "nosections.jsonl": json.dumps({"id": "a", "title": "t"}).encode() + b"\n",
-        "emptysections.jsonl": json.dumps({"id": "a", "sections": []}).encode() + b"\n",
-        "dupid.jsonl": (json.dumps(DOC) + "\n" + json.dumps(DOC) + "\n").encode(),
-        "list.jsonl": b"[1, 2, 3]\n",
-        "good.jsonl": (json.dumps(DOC) + "\n").encode(),
-        "not_a_dir": b"x",
-        **_chat_inputs(),
-    }
-    out = {}
-    for name, data in files.items():
-        (d / name).write_bytes(data)
-        out[name] = d / name
-    models = {
-        "m_corrupt": '{"hidden_size": 64,',
-        "m_list": "[1, 2]",
-        "m_missing": json.dumps({"model_type": "qwen3", "num_attention_heads": 4}),
-        "m_badvalue": json.dumps(
-            {
-                "hidden_size": "big",
-                "num_attention_heads": 4,
-                "num_hidden_layers": 2,
-                "intermediate_size": 8,
-                "vocab_size": 10,
-            }
-        ),
-    }
-    for name, text in models.items():
-        (d / name).mkdir()
-        (d / name / "config.json").write_text(text)
-        out[name] = d / name
-    (d / "m_dir").mkdir()
-    (d / "m_dir" / "config.json").mkdir()  # unreadable: a folder where the file should be
-    out["m_dir"] = d / "m_dir"
-    g = d / "garbage_sweep"
-    (g / "trials").mkdir(parents=True)
-    (g / "study.db").write_bytes(b"this is not a database\x00" * 64)
-    (g / "trials" / "0000.json").write_text(json.dumps({"trial": 0, "status": "ok", "metrics": {}}))
-    out["garbage_sweep"] = g
-    bad_db = d / "garbage_results" / "sweeps" / "bad"
-    bad_db.mkdir(parents=True)
-    (bad_db / "study.db").write_bytes(b"not a database\x00" * 64)
-    out["garbage_results"] = d / "garbage_results"
-    (d / "empty_sweep").mkdir()
-    out["empty_sweep"] = d / "empty_sweep"
-    return out
-
 
 # (id, verb, argv with {placeholders}, env, substring the one-line message must contain)
 CASES: list[tuple[str, str, list[str], dict[str, str], str]] = [
@@ -508,7 +405,6 @@ CASES += [
     for ov, needle in SWEEPER_BAD
 ]
 # --- issue 29.3: a storage that cannot be reached or written: exit 2 in the pre-flight, password masked
-PW = "s3cret-pw"  # never printed (checked for every case)
 STORAGE_BAD: list[tuple[str, str, str]] = [
     ("proc", "sqlite:////proc/vramsweep-x/study.db", "the folder /proc/vramsweep-x is not writable"),
     ("under-file", "sqlite:///{not_a_dir}/study.db", "is a file, not a folder"),
@@ -666,17 +562,6 @@ CASES += [
 ]
 
 
-def _fill(arg: str, files: dict[str, Path], root: Path) -> str:
-    out = arg.replace("{root}", str(root))
-    for name, path in files.items():
-        out = out.replace("{" + name + "}", str(path))
-    return out
-
-
-def _tree(*roots: Path) -> set[Path]:
-    return {p for r in roots if r.exists() for p in r.rglob("*")}
-
-
 def test_every_sweeper_setting_has_a_rule():
     """SETTING_RULES is the one table of hydra.sweeper.* types and ranges: no key is left unchecked."""
     from vramsweep.sweeper.settings import SETTING_RULES, SweeperConf
@@ -693,45 +578,7 @@ def test_the_suite_is_large_enough():
 
 @pytest.mark.parametrize(("case_id", "verb", "argv", "env", "needle"), CASES, ids=[c[0] for c in CASES])
 def test_bad_input(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, needle):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("VRAMSWEEP_FAULT", raising=False)
-    files = _inputs(tmp_path)
-    for k, v in env.items():
-        if k == "_DISK_FULL":
-            monkeypatch.setattr(
-                "vramsweep.preflight.shutil.disk_usage", lambda p: Usage(2**30, 2**30 - 2**20, 2**20)
-            )
-        else:
-            monkeypatch.setenv(k, v)
-    args = [_fill(a, files, tmp_path) for a in argv]
-    if verb == "train" and not any(a.startswith("results_dir=") for a in args):
-        args.append(f"results_dir={tmp_path / 'res'}")
-    userconf = tmp_path / "userconf"  # the user's conf dir: pick would write experiment/ there
-    userconf.mkdir()
-    monkeypatch.setenv("VRAMSWEEP_CONFIG_DIR", str(userconf))
-    experiments = userconf / "experiment"
-    before, before_conf = _tree(tmp_path), _tree(experiments)
-    capsys.readouterr()
-    cpu0 = time.process_time()
-    code = main([verb, *args] if verb else args)
-    cpu_s = time.process_time() - cpu0
-    out, err = capsys.readouterr()
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 2, f"exit {code}\nstdout: {out}\nstderr: {err}"
-    assert len(lines) == 1, f"expected one line, got:\n{err}"
-    prefix = (
-        f"vramsweep {verb}: error: "
-        if verb in ("train", "estimate", "report", "pick")
-        else "vramsweep: error: "
-    )
-    assert lines[0].startswith(prefix), lines[0]
-    assert "usage:" not in err.split("error:", 1)[0], "usage printed before the error line"
-    assert needle in lines[0], lines[0]
-    assert "HYDRA_FULL_ERROR" not in err and "search path" not in err.lower()
-    assert PW not in out + err, "a storage password was printed"
-    assert cpu_s < 10, f"{case_id}: {cpu_s:.1f} s of CPU before exit 2 (issue 29: under 10 s)"
-    assert _tree(tmp_path) == before, f"written: {sorted(map(str, _tree(tmp_path) - before))}"
-    assert _tree(experiments) == before_conf
+    check_bad_input(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, needle)
 
 
 # --- issue 29.4: read-only commands never modify what they read (hash of the input folder before/after)
@@ -770,7 +617,7 @@ def study_db() -> bytes:
 def _sweep_folder(root: Path, kind: str, db: bytes) -> Path:
     import sqlite3
 
-    from test_report import result, write_sweep
+    from _reports import result, write_sweep
 
     folder = root / "results" / "sweeps" / kind
     write_sweep(

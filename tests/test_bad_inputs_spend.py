@@ -20,20 +20,13 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections import namedtuple
 from pathlib import Path
 
 import pytest
 
-from test_bad_inputs import _fill, _tree  # the same placeholder filling and file-tree snapshot
+from _bad_inputs import FAKE, Usage, _fill, _tree  # the fake-trial overrides, filling and tree snapshot
 from vramsweep.cli import main
 
-FAKE = [
-    "hydra.sweeper.trial_fn=fakes:fake_trial",
-    "hydra.sweeper.isolation=inprocess",
-    "hydra.sweeper.study_name=bad",
-]
-Usage = namedtuple("Usage", "total used free")
 #: Seconds a bad input may spend before exit 2 (the issue's bound; in-process, after the first imports).
 BOUND_S = 10.0
 DIMS = {

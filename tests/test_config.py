@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from _bad_inputs import CONFIG_BAD
 from vramsweep.cli import main
 from vramsweep.config import ConfigError, compose
 from vramsweep.config.compose import list_options, packaged_conf_dir
@@ -72,47 +73,9 @@ def test_every_yaml_knob_has_a_comment():
         assert text.lstrip().startswith("#"), f"{path} should start with a comment on its memory/speed effect"
 
 
-BAD = [
-    (["quant=nf5"], "quant", "nf4_dq"),
-    (["adapter=lorax"], "adapter", "rslora"),
-    (["optimizer=sgd"], "optimizer", "adamw_8bit"),
-    (["attention=flash3"], "attention", "sdpa"),
-    (["hardware=rtx9090"], "hardware", "rtx4080_16gb"),
-    (["adapter.r=abc"], "adapter.r", "Integer"),
-    (["adapter.rank=8"], "adapter.rank", "adapter"),
-    (["adapter.r=0"], "adapter.r", "[1, 4096]"),
-    (["adapter.r=100000"], "adapter.r", "[1, 4096]"),
-    (["adapter.alpha=-1"], "adapter.alpha", "(0"),
-    (["adapter.dropout=1.5"], "adapter.dropout", "[0.0, 1.0)"),
-    (["train.lr=0"], "train.lr", "(0.0, 1.0]"),
-    (["train.lr=nan"], "train.lr", "finite"),
-    (["train.lr=5"], "train.lr", "(0.0, 1.0]"),
-    (["train.steps=0"], "train.steps", "[1,"),
-    (["train.micro_batch=0"], "train.micro_batch", "[1, 4096]"),
-    (["train.grad_accum=-2"], "train.grad_accum", "[1, 4096]"),
-    (["train.dtype=fp8"], "train.dtype", "bf16"),
-    (["train.schedule=exp"], "train.schedule", "cosine"),
-    (["kernels.liger=true", "kernels.unsloth=true"], "kernels", "liger"),
-    (["attention=flash_attention_2"], "attention", "sdpa"),
-    (["attention=flash_attention_2", "train.dtype=fp32"], "train.dtype", "bf16"),
-    (["quant=nf4", "adapter=full"], "quant", "quant=none"),
-    (["quant=int8", "adapter=full"], "quant", "quant=none"),
-    (["context.max_tokens=100000"], "context.max_tokens", "4096"),
-    (["context.max_tokens=8"], "context.max_tokens", "[32,"),
-    (["context.truncation=middle"], "context.truncation", "exp_decay"),
-    (["context.decay=0"], "context.decay", "(0.0, 1.0]"),
-    (["model=local", "model.path=/nonexistent/model"], "model.path", "local HF folder"),
-    (["model.num_kv_heads=3"], "model.num_kv_heads", "2"),
-    (["train.measure_warmup_steps=30"], "train.measure_warmup_steps", "0..29"),
-    (["hardware=rtx4080_16gb"], "hardware", "cpu"),
-    (["optimizer.kwargs.betas=[0.9,1.5]"], "optimizer.kwargs.betas", "[0, 1)"),
-    (["vocab=sliced", "model=qwen3_8b"], "vocab", "full"),
-    (["data=jsonl", "data.path=/nonexistent.jsonl"], "data.path", ".jsonl"),
-    (["train.dtype=true"], "train.dtype", "bf16"),
-]
-
-
-@pytest.mark.parametrize(("overrides", "key", "allowed_hint"), BAD, ids=[" ".join(b[0]) for b in BAD])
+@pytest.mark.parametrize(
+    ("overrides", "key", "allowed_hint"), CONFIG_BAD, ids=[" ".join(b[0]) for b in CONFIG_BAD]
+)
 @pytest.mark.torchfree
 def test_bad_input_exits_2_names_key_and_allowed(overrides, key, allowed_hint, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("VRAMSWEEP_FORCE_NO_CUDA", "1")

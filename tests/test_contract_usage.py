@@ -191,7 +191,7 @@ def test_every_comparable_metric_has_a_label_and_a_format():
 
 def test_a_new_registered_metric_shows_with_its_label_and_format(tmp_path, monkeypatch):
     """Registering a metric (label, format) is all it takes for the ablation table to show it so."""
-    from test_report import result, write_sweep
+    from _reports import result, write_sweep
     from vramsweep.record.metrics import Metric
     from vramsweep.report import build_report, load_sweep
 

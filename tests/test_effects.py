@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from test_report import _conf_copy, cells, result, write_sweep
+from _reports import _conf_copy, cells, result, write_sweep
 from vramsweep.report import build_report, load_sweep, run_pick, run_report
 from vramsweep.report.importance import compute_importances
 from vramsweep.report.load import TrialRecord

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from test_bad_inputs import FAKE
-from test_bad_inputs import test_bad_input as check_bad_input
+from _bad_inputs import FAKE, check_bad_input
 from vramsweep.cli import main
 from vramsweep.config.errors import ConfigError
 
@@ -380,7 +379,7 @@ def test_a_users_base_named_option_is_listed_and_composes(tmp_path, capsys, monk
 def _calibration_sweep(folder: Path) -> Path:
     import json
 
-    from test_estimate import SMALL, _fake_result
+    from _estimates import SMALL, _fake_result
 
     (folder / "trials").mkdir(parents=True)
     factors = {"layers": 1.1, "attention": 1.0, "logits": 1.0}
@@ -462,7 +461,7 @@ def test_deeply_nested_result_file_is_a_note_not_a_traceback(tmp_path, capsys, m
 def _pick_sweep(tmp_path: Path) -> Path:
     from omegaconf import OmegaConf
 
-    from test_report import result, write_sweep
+    from _reports import result, write_sweep
     from vramsweep.config import compose
 
     cfg = OmegaConf.to_container(compose(["adapter.r=8"], rules="none"), resolve=True)

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from test_bad_inputs import FAKE
-from test_bad_inputs import test_bad_input as check_bad_input
+from _bad_inputs import FAKE, check_bad_input
 from vramsweep.config.errors import ConfigError
 from vramsweep.config.model_folder import check_model_folder, safetensors_header
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from test_sweeper_postgres import pg_url  # noqa: F401 - the throw-away server fixture
 from vramsweep.cli import main
 from vramsweep.report.load import safe_url
 from vramsweep.sweeper.settings import mask_secret, mask_url
@@ -56,7 +55,7 @@ def test_pick_has_study(capsys):
 
 
 @pytest.mark.postgres
-def test_report_and_pick_read_a_bare_postgresql_url(pg_url, tmp_path, capsys, monkeypatch):  # noqa: F811
+def test_report_and_pick_read_a_bare_postgresql_url(pg_url, tmp_path, capsys, monkeypatch):
     assert pg_url.startswith("postgresql://")
     monkeypatch.chdir(tmp_path)
     for name in ("bare_a", "bare_b"):  # two studies: the target needs --study

@@ -34,8 +34,8 @@ def test_non_editable_install_trains_and_picks_from_another_folder(
     with its own ``./conf``, a config and a shipped sweep compose, a real trial runs, ``report`` reads it,
     ``pick`` writes ``./conf/experiment/`` (not into the installed package) and the experiment composes
     back."""
+    from _user_conf import user_conf
     from conftest import FAST
-    from test_user_conf import user_conf
 
     src = tmp_path / "src_copy"  # build outside the checkout (no build/ or egg-info left in it)
     src.mkdir()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_accumulation import _examples, _KeepGrads, _rel, _step_grads
+from _grads import _examples, _KeepGrads, _rel, _step_grads
 from vramsweep.config import ConfigError, compose
 from vramsweep.config.rules import validate
 from vramsweep.data.examples import IGNORE_INDEX, position_ids

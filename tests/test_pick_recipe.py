@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from test_report import result, write_sweep
+from _reports import result, write_sweep
 from vramsweep.report import run_pick
 
 pytestmark = pytest.mark.torchfree

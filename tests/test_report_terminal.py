@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from test_report import result, write_sweep
+from _reports import result, write_sweep
 from vramsweep.report import build_report, load_sweep, run_report
 from vramsweep.report.terminal import WIDTH, terminal_view, uninformative
 
@@ -135,7 +135,7 @@ def test_pick_prints_candidates_within_120_columns_and_keeps_every_column_in_its
     """``vramsweep pick``'s candidates table was ~130 characters wide with a task-score column that was
     empty in every row: on screen the empty column and then the derived ``ppl`` go (one note says so and
     where every column is); production.md keeps them all."""
-    from test_report import _conf_copy
+    from _reports import _conf_copy
     from vramsweep.report import run_pick
 
     conf = _conf_copy(tmp_path, monkeypatch)
@@ -166,7 +166,7 @@ def test_pick_prints_candidates_within_120_columns_and_keeps_every_column_in_its
 def test_pick_names_an_ablation_point_by_its_change(tmp_path: Path, monkeypatch, capsys) -> None:
     """An ablation's candidates are named by what they change (``checkpointing=on``), not by every
     knob of the sweep, which clipped them to ``quant=none …`` on the terminal."""
-    from test_report import _conf_copy
+    from _reports import _conf_copy
     from vramsweep.report import run_pick
 
     conf = _conf_copy(tmp_path, monkeypatch)

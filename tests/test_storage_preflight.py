@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from test_sweeper_postgres import pg_url  # noqa: F401 - the throw-away server fixture
 from vramsweep.config.compose import ConfigError
 from vramsweep.sweeper.settings import normalise_storage_url
 from vramsweep.sweeper.storage_check import check_storage
@@ -54,17 +53,17 @@ def _refused(tmp_path, capsys, url: str) -> str:
     return lines[0]
 
 
-def test_server_that_answers_passes(pg_url):  # noqa: F811
+def test_server_that_answers_passes(pg_url):
     check_storage(normalise_storage_url(pg_url))
 
 
-def test_missing_database_is_refused(pg_url, tmp_path, capsys):  # noqa: F811
+def test_missing_database_is_refused(pg_url, tmp_path, capsys):
     base = pg_url.rsplit("/", 1)[0].replace("vramsweep@", "vramsweep:hunter2@")
     line = _refused(tmp_path, capsys, f"{base}/no_such_db")
     assert 'database "no_such_db" does not exist' in line and "hunter2" not in line and ":***@" in line
 
 
-def test_user_without_create_privilege_is_refused(pg_url, tmp_path, capsys):  # noqa: F811
+def test_user_without_create_privilege_is_refused(pg_url, tmp_path, capsys):
     import sqlalchemy
 
     if os.environ.get("VRAMSWEEP_PG_URL"):

@@ -47,7 +47,7 @@ assert est['peak_memory_bytes'] > 0, est
 from vramsweep.sweeper.settings import resolve_settings  # noqa: F401  (the sweeper's settings and space)
 from vramsweep.sweeper import space  # noqa: F401
 
-from test_report import result, write_sweep
+from _reports import result, write_sweep
 from vramsweep.report import run_report
 folder = write_sweep(Path(tempfile.mkdtemp()) / 'syn', [result(0, []), result(1, ['adapter.r=8'])])
 with contextlib.redirect_stdout(io.StringIO()):

@@ -9,34 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from _user_conf import user_conf
 from conftest import trial_spec
 from vramsweep.cli import main
 from vramsweep.config import ConfigError, compose, list_options, packaged_conf_dir
-
-HW = "# {what}\ndefaults: [base_hardware, _self_]\nname: {name}\ndevice: cpu\nbudget_gib: {gib}\n"
-SWEEP = """# @package _global_
-# Launch: vramsweep train -m sweep=mine
-defaults:
-  - override /hydra/sweeper: vramsweep
-sweep:
-  name: mine
-  design: ablation
-  objectives:
-    - {metric: peak_memory_bytes, direction: minimize}
-  baseline: [hardware=mine]
-  factors:
-    - [adapter.r=4]
-"""
-
-
-def user_conf(folder: Path) -> Path:
-    """A user's conf dir: a new hardware option, a replacement for the packaged ``hardware=cpu``, a sweep."""
-    (folder / "hardware").mkdir(parents=True)
-    (folder / "sweep").mkdir()
-    (folder / "hardware" / "mine.yaml").write_text(HW.format(what="my card", name="mine", gib=7))
-    (folder / "hardware" / "cpu.yaml").write_text(HW.format(what="my cpu budget", name="cpu", gib=3.5))
-    (folder / "sweep" / "mine.yaml").write_text(SWEEP)
-    return folder
 
 
 def test_compose_layers_the_user_conf_dir_over_the_packaged_one(tmp_path: Path, monkeypatch) -> None:
@@ -144,7 +120,7 @@ def test_a_sweep_trial_with_preflight_composes_its_config_once(tmp_path: Path, m
 
 @pytest.mark.torchfree
 def test_pick_writes_the_experiment_into_the_users_conf_dir(tmp_path: Path, monkeypatch, capsys) -> None:
-    from test_report import result, write_sweep
+    from _reports import result, write_sweep
 
     project = tmp_path / "project"
     project.mkdir()

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from _reports import BASE, ablation_results, result, write_sweep
 from _wandb_records import offline_runs, read_run
-from test_report import BASE, ablation_results, result, write_sweep
 from vramsweep.record.result import atomic_write_json, new_result
 from vramsweep.record.units import GIB as G
 
