@@ -70,7 +70,11 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 collect_ignore = (
     []
     if HAS_TORCH
-    else [p.name for p in Path(__file__).parent.glob("test_*.py") if "torchfree" not in p.read_text()]
+    else [
+        str(p.relative_to(_TESTS))
+        for p in Path(_TESTS).rglob("test_*.py")
+        if "torchfree" not in p.read_text()
+    ]
 )
 
 
