@@ -25,7 +25,7 @@ def _chat(*turns: tuple[str, str]) -> bytes:
 
 
 def _chat_inputs() -> dict[str, bytes]:
-    """Bad records of the other formats (issue 34.8)."""
+    """Bad records of the chat, Alpaca and prompt/completion formats, and a template that refuses."""
     import io
 
     import pyarrow as pa

@@ -1,17 +1,16 @@
-"""Bad input that used to fail only after spending (issue 29: items 1, 5, 6), every verb: exit code 2 within
+"""Bad input caught before any time is spent, every verb: exit code 2 within
 seconds, one line ``vramsweep <verb>: error: ...`` naming the key and what would work, nothing written.
 
 * module names: ``adapter.targets`` / ``quant.skip_modules`` that match no module, or a module LoRA cannot
-  adapt (was: PEFT's error after the model was loaded, ~45 s);
+  adapt (refused before the model is loaded);
 * data: ``context.truncation=none`` with examples longer than the context, documents with a single
-  section, too few documents, instructions that leave no room (was: ``ContextOverflowError`` / ``ValueError``
-  in the data step, 30-50 s);
-* impossible models: a ``config.json`` with a zero, negative, fractional or boolean size (was: an estimate
-  with negative bytes);
-* environment: ``VRAMSWEEP_CACHE`` a file, under a file, unwritable or on a full disk (was:
-  ``FileExistsError`` inside the trial).
+  section, too few documents, instructions that leave no room (refused before the data step);
+* impossible models: a ``config.json`` with a zero, negative, fractional or boolean size (refused before
+  the estimate);
+* environment: ``VRAMSWEEP_CACHE`` a file, under a file, unwritable or on a full disk (refused before the
+  trial).
 
-Same harness as tests/cli/test_bad_inputs.py (in-process through ``vramsweep.cli.main``; sweeps with the fake
+Same harness as tests/_bad_inputs.py (in-process through ``vramsweep.cli.main``; sweeps with the fake
 trial function), plus the time each case took before its exit 2.
 """
 

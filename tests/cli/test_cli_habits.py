@@ -1,4 +1,4 @@
-"""CLI habits (issue 38.4): ``--version``, overrides anywhere after the verb, every flag with help and its
+"""CLI habits: ``--version``, overrides anywhere after the verb, every flag with help and its
 default, no traceback on a closed pipe, the dashboard hint only where optuna-dashboard is installed, and
 allowed lists that offer only what runs here and say how to get the rest."""
 

@@ -1,4 +1,4 @@
-"""``vramsweep --help`` and ``vramsweep <verb> --help`` (issue 31.4): the verbs, the config groups and
+"""``vramsweep --help`` and ``vramsweep <verb> --help``: the verbs, the config groups and
 their options, and the docs page for each verb and topic."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Bad input that still got a traceback or was accepted (issue 40 items 5, 7, 8): each case exits 2 with one
-line ``vramsweep <verb>: error: ...`` naming the key, and writes nothing (the harness of
-``tests/cli/test_bad_inputs.py``)."""
+"""Bad input of the less obvious kinds (search spaces, optimizer kwargs, special files, conf dirs, deeply
+nested JSON): each case exits 2 with one line ``vramsweep <verb>: error: ...`` naming the key, and writes
+nothing (the harness of ``tests/_bad_inputs.py``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Broken local model folders refused by the pre-flight (issue 40 items 2 and 4): exit 2 in seconds with one
-line naming the file and the problem, nothing written, before any model is built. They used to run the trial
-(exit 1 and a result.json after up to 34 s), or worse, finish ``status: ok`` on random tokens or random
-layers (a folder without tokenizer files; a config with more layers than its weights)."""
+"""Broken local model folders refused by the pre-flight: exit 2 in seconds with one line naming the file
+and the problem, nothing written, before any model is built - among them the folders a trial would otherwise
+finish ``status: ok`` on with random tokens or random layers (no tokenizer files; a config with more layers
+than its weights)."""
 
 from __future__ import annotations
 

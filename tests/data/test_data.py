@@ -1,4 +1,4 @@
-"""Data layer: synthetic documents, tokenizer, JSONL documents, training examples (issue 6, items 1 and 3)."""
+"""Data layer: synthetic documents, tokenizer, JSONL documents, training examples."""
 
 from __future__ import annotations
 

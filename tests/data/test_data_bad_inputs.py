@@ -1,4 +1,4 @@
-"""Bad records of every format exit 2 before anything is built (issue 34.8): ``vramsweep train data=file
+"""Bad records of every format exit 2 before anything is built: ``vramsweep train data=file
 data.path=<bad>`` prints one line ``vramsweep train: error: ...`` naming ``file:line`` (``file:row N`` for
 Parquet and dataset folders) and the problem, in under 10 s of wall time, and writes nothing: no results
 folder, no tokenisation-cache entry (``$VRAMSWEEP_CACHE`` points at a folder that must stay absent).

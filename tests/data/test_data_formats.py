@@ -1,5 +1,5 @@
 """Data formats x sources x data.train_on, chat templates, conversation truncation, the tokenisation cache and
-the shipped chat set (issue 34). The embedded tokenizer throughout; ChatML and Qwen3's real template
+the shipped chat set. The embedded tokenizer throughout; ChatML and Qwen3's real template
 (tests/fixtures/chat_templates/qwen3.jinja) on a copy of it with ``<|im_start|>`` / ``<|im_end|>`` added."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Truncation strategies: hand-checked cases and hypothesis properties (issue 6, item 2)."""
+"""Truncation strategies: hand-checked cases and hypothesis properties."""
 
 from __future__ import annotations
 

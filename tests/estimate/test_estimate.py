@@ -1,4 +1,4 @@
-"""Memory estimator (issue 5): exactness against real tensors, total peak against the CPU tracker,
+"""Memory estimator: exactness against real tensors, total peak against the CPU tracker,
 published anchors, calibration, pre-flight and the CLI entry points.
 
 The comparisons build real models with :mod:`vramsweep.knobs` (random init, small dims, no download)

@@ -1,4 +1,4 @@
-"""Memory estimator against the first real GPU run (issue 10, item 5).
+"""Memory estimator against the first real GPU run.
 
 Fixtures: ``tests/fixtures/gpu_2026-12-01/fixtures.json`` -- one NVIDIA H200 capped at 15 GiB (the
 ``rtx4080_16gb`` profile's budget, ``torch.cuda.set_per_process_memory_fraction``), torch 2.11.0+cu130,

@@ -1,4 +1,4 @@
-"""Issue 24: the estimator's long-context terms (attention backward workspace, the layer at its attention
+"""The estimator's long-context terms (attention backward workspace, the layer at its attention
 backward, the offload prefetch), host memory beside the device, the pre-flight and trial checks of host
 memory, and the terms an estimate extrapolates beyond the GPU measurements."""
 

@@ -1,4 +1,4 @@
-"""adapter.dtype=compute (issue 24, item 6): 16-bit LoRA weights keep learning.
+"""adapter.dtype=compute: 16-bit LoRA weights keep learning.
 
 bf16 holds 8 significant bits, so an AdamW update smaller than half a bf16 ulp of a weight (|w| * 2**-8 for
 the update to round away) is lost when the weight itself is bf16. ``adapter.fp32_master=true`` (the default)

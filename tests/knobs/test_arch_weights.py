@@ -1,4 +1,4 @@
-"""Random weights for architecture-only models written once to a cached HF folder (issue 10, item 4):
+"""Random weights for architecture-only models written once to a cached HF folder:
 created once and reused, deterministic, never used half-written, loadable by transformers, and what
 ``kernels=unsloth`` on ``model=qwen3_8b`` loads (fake ``unsloth`` module: the real one is optional)."""
 

@@ -1,5 +1,5 @@
 """Values that name a model module (adapter.targets, quant.skip_modules) are checked against the module names
-of the architecture, before anything is built (vramsweep.config.modules; issue 29.1).
+of the architecture, before anything is built (vramsweep.config.modules).
 
 The name table is compared with ``named_modules()`` of models instantiated on the meta device (no memory,
 no weights), so the table cannot drift from transformers; the matching is compared with PEFT's own

@@ -1,4 +1,4 @@
-"""Exact vocabulary slicing (issue 6, item 4): kept ids, id map, exactness, memory, export, adapters."""
+"""Exact vocabulary slicing: kept ids, id map, exactness, memory, export, adapters."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A single run's folder and its last line (issue 40 item 1): names cut by bytes with a hash suffix, the
+"""A single run's folder and its last line: names cut by bytes with a hash suffix, the
 folder made before the training, and ``result: <path>`` only for a file that was written."""
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The contract in production: statuses and metric names are spelled once, in ``record/``.
 
-AST scans of ``src/vramsweep`` (issue 30.1): a bare status string (``"ok"``, ``"oom"``, ...) compared with,
+AST scans of ``src/vramsweep``: a bare status string (``"ok"``, ``"oom"``, ...) compared with,
 assigned to or passed as a status, or a registered metric name as a string literal (docstrings aside) in a
 checked file, outside ``record/`` fails with the file and line; code names them through
 :class:`~vramsweep.record.status.Status` and :data:`~vramsweep.record.metrics.MetricName`. Every metric's
 label and format come from the registry, so a metric registered with its label shows under it in every
-table without a change elsewhere. And no function in ``trial.py`` is over 80 lines
-(issue 30.3: the trial reads straight through).
+table without a change elsewhere. And no function in ``trial.py`` is over 80 lines (the trial reads
+straight through).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Docs that are run (issue 31.3): every ``vramsweep …`` command in README.md and docs/*.md parses —
+"""Docs that are run: every ``vramsweep …`` command in README.md and docs/*.md parses —
 its verb and flags exist, its overrides compose (keys, types, options), its ``sweep=<name>`` exists — and
 every file it names exists. A README that names a missing option, sweep or file fails here.
 

@@ -1,4 +1,4 @@
-"""``vramsweep env`` (issue 38.2): versions, CUDA/driver, GPUs, optional packages, and which knob options
+"""``vramsweep env``: versions, CUDA/driver, GPUs, optional packages, and which knob options
 run here — through the rules' own machine check — without importing torch."""
 
 from __future__ import annotations

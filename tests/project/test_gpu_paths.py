@@ -1,4 +1,4 @@
-"""GPU paths on a CPU machine (issue 7): which patch or loader each option dispatches to, the validation
+"""GPU paths on a CPU machine: which patch or loader each option dispatches to, the validation
 and ``unsupported`` statuses, CUDA measurement arithmetic against a fake ``torch.cuda``, the 16 GiB cap
 emulation, the architecture-only builder, and the GPU smoke script's dry run (slow).
 

@@ -1,4 +1,4 @@
-"""The GPU smoke's helpers on a CPU (issue 10): the harmless-noise filter, the profiler's GPU-idle
+"""The GPU smoke's helpers on a CPU: the harmless-noise filter, the profiler's GPU-idle
 arithmetic, and the offline bundle's trimming and activation."""
 
 from __future__ import annotations

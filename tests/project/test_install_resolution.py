@@ -1,4 +1,4 @@
-"""Dependencies (issue 38.1): ranges in pyproject, the exact set in constraints.txt, and a GPU environment's
+"""Dependencies: ranges in pyproject, the exact set in constraints.txt, and a GPU environment's
 torch / transformers / peft kept as they are by ``pip install .[gpu]``."""
 
 from __future__ import annotations

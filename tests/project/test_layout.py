@@ -1,4 +1,4 @@
-"""The layout the design card names (issue 31.2): top-level ``conf/`` (config groups, ``train.yaml``) and
+"""The layout the design card names: top-level ``conf/`` (config groups, ``train.yaml``) and
 ``sweeps/`` (the sweep files, the config group ``sweep``) are the source of truth; ``results/`` is the
 default output folder and git-ignored; a user's conf dir still layers on top, for sweeps too."""
 

@@ -1,4 +1,4 @@
-"""Lazy imports only where they earn their place (issue 30.5).
+"""Lazy imports only where they earn their place.
 
 An import of a ``vramsweep`` module inside a function is allowed when moving it to the top of the file
 would (a) pull a heavy dependency (torch, transformers, peft, bitsandbytes, wandb, optuna, ...) into a module

@@ -1,6 +1,6 @@
 """The torch-free parts (CLI parsing and --help, compose with the config rules, the estimator, the sweeper's
 settings, the report) import no torch, transformers, peft, bitsandbytes, accelerate or trl: the Python 3.12
-job (``make test-py312``) runs them in a venv without those packages (issue 38)."""
+job (``make test-py312``) runs them in a venv without those packages."""
 
 from __future__ import annotations
 

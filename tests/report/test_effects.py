@@ -1,8 +1,8 @@
-"""Effects measured against noise (issue 14): seed repeats by default for quality ablations, significance
+"""Effects measured against noise: seed repeats by default for quality ablations, significance
 marks in the ablation table, ties within noise in ``best``/``pick``, throughput under load, and
 importances that drop metrics whose differences are noise.
 
-Every sweep is fabricated from result JSONs (``test_report`` helpers), with numbers chosen so the test
+Every sweep is fabricated from result JSONs (``tests/_reports.py``), with numbers chosen so the test
 statistics can be checked by hand; the arithmetic is in the comments.
 """
 

@@ -1,7 +1,8 @@
 """Known-answer tests for ``vramsweep report`` / ``vramsweep pick`` on synthetic result sets.
 
-Every sweep here is written in the test itself (DESIGN.md §5 result JSONs + ``sweep.json``), with numbers
-chosen so the expected table cells can be worked out by hand; the arithmetic is in the comments.
+Every sweep here is written by the test itself (DESIGN.md §5 result JSONs + ``sweep.json``, built with
+``tests/_reports.py``), with numbers chosen so the expected table cells can be worked out by hand; the
+arithmetic is in the comments.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``vramsweep report`` on result files and databases that would mislead it (issue 40 items 1, 5, 7)."""
+"""``vramsweep report`` on result files and databases that would mislead it."""
 
 from __future__ import annotations
 

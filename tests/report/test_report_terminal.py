@@ -1,4 +1,4 @@
-"""What ``vramsweep report`` prints (issue 31.5): the columns that answer the question, within 120
+"""What ``vramsweep report`` prints: the columns that answer the question, within 120
 characters, columns without information left out with a note; ``ablation.md``/``.csv`` keep everything."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Storage URLs as users write them (issue 40.6): ``report`` and ``pick`` read a bare ``postgresql://`` URL
+"""Storage URLs as users write them: ``report`` and ``pick`` read a bare ``postgresql://`` URL
 (SQLAlchemy 2.1 maps it to psycopg 3, which is not installed: the sweeper already wrote such studies
 through psycopg2), ``pick`` has the ``--study`` its message tells users to pass, and no piece of a password
-with an unencoded ``@`` is printed (it used to show everything after the first ``@``)."""
+with an unencoded ``@`` is printed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Issue 13: umask-honouring writes, pre-flight checks, exact recovery of killed points, progress, polish."""
+"""Sweep robustness: umask-honouring writes, pre-flight checks, exact recovery of killed points, progress
+lines and summaries."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Storage pre-flight on a real PostgreSQL server (issue 29.3): a database that does not exist and a user
+"""Storage pre-flight on a real PostgreSQL server: a database that does not exist and a user
 who may not create Optuna's tables are refused before anything runs (exit 2, one line, password masked,
 nothing written); a usable server passes. The unreachable cases (closed port, unknown host) run without a
-server in ``test_bad_inputs.py``."""
+server in ``tests/cli/test_bad_inputs.py``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Launcher mode when jobs go wrong (issue 28): lost jobs are infrastructure, not trial outcomes.
+"""Launcher mode when jobs go wrong: lost jobs are infrastructure, not trial outcomes.
 
 Real ``submitit_local`` jobs (each trial its own process, started by submitit) with the fake trial; the
 SLURM-only paths (a job that left the queue, a failed ``sbatch``) with stand-ins for ``squeue`` and the

@@ -1,4 +1,4 @@
-"""``sweep.edge_start`` (issue 39.2): a search with a memory budget starts at the edge of the budget, and
+"""``sweep.edge_start``: a search with a memory budget starts at the edge of the budget, and
 the points the estimator puts over it are recorded before the first trial (no trial process, not counted
 toward ``n_trials``) with their excess as the sampler's constraint."""
 

@@ -1,4 +1,4 @@
-"""Function mode: ``hydra/sweeper=vramsweep`` on any Hydra app, like hydra-optuna-sweeper (issue 12 item 9).
+"""Function mode: ``hydra/sweeper=vramsweep`` on any Hydra app, like hydra-optuna-sweeper.
 
 The apps below are hydra-optuna-sweeper's example apps (sphere, multi-objective, custom search space),
 unchanged except that their config chooses our sweeper; each runs as its own process, as a user would.

@@ -2,7 +2,7 @@
 
 The identity (design, points or space, fixed overrides, objectives, trial function) is stored with the study
 and names ad-hoc sweeps (``<keys>-<hash>``); a change of its hash would make every existing study refuse to
-resume (or start a new folder). The hashes below were recorded from the code before issue 41.1.
+resume (or start a new folder). The hashes below were recorded before the settings were refactored.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``vramsweep train -m`` does what a Hydra user typed (issue 12).
+"""``vramsweep train -m`` does what a Hydra user typed.
 
 Comma lists / ``range`` / ``choice`` on the command line are a grid over exactly their Cartesian
 product; a search runs only when a sweep file or ``hydra.sweeper.sampler`` asks for one. Every sweep has

@@ -1,4 +1,4 @@
-"""Sweeps on a real single-node SLURM cluster through ``hydra/launcher=submitit_slurm`` (issue 28.4).
+"""Sweeps on a real single-node SLURM cluster through ``hydra/launcher=submitit_slurm``.
 
 The cluster (munge, slurmctld, slurmd on localhost; slurmdbd on a local MariaDB for accounting) is
 started by ``scripts/slurm_local.sh start`` - as root, no systemd, ~3 s once installed (``.ci/run``

@@ -1,4 +1,4 @@
-"""Search-space syntax as hydra-optuna-sweeper reads it (issue 40 item 9, bad input of item 5).
+"""Search-space syntax as hydra-optuna-sweeper reads it, and bad space input.
 
 ``UPSTREAM`` is the distribution table of hydra-optuna-sweeper's own test
 (``plugins/hydra_optuna_sweeper/tests/test_optuna_sweeper_plugin.py``,

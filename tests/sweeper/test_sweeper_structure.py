@@ -1,4 +1,4 @@
-"""The sweeper reads as parts with one job each (issue 30.4): a loop (:class:`Sweep`) over a study book,
+"""The sweeper reads as parts with one job each: a loop (:class:`Sweep`) over a study book,
 a worker pool and a run state — no mixins sharing ``self`` — every function at most 80 lines, and the
 ``sweep:`` node parsed by one typed :class:`SweepConfig` whose fields are the keys a sweep file may set."""
 

@@ -1,4 +1,4 @@
-"""A disk that fills during a trial or a sweep (issue 29.6): the trial ends with status ``error`` and the one
+"""A disk that fills during a trial or a sweep: the trial ends with status ``error`` and the one
 line ``no space left on device: <path>``, the sweep stops with that line (no chained tracebacks, no
 ``ABORTED: internal error``)."""
 

@@ -1,4 +1,4 @@
-"""Host memory edges of ``checkpointing=offload``'s pinned pool (issue 37.7): the pre-flight keeps headroom
+"""Host memory edges of ``checkpointing=offload``'s pinned pool: the pre-flight keeps headroom
 for the trial process, every result records the process's resident set, a SIGKILL while the pool grows
 is ``host_oom``, and a failed ``cudaHostRegister`` does not leave CUDA's last error set."""
 

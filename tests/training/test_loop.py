@@ -1,4 +1,4 @@
-"""The training loop's host work per step (issue 25.4: a per-step fixed cost on the GPU).
+"""The training loop's host work per step (a per-step fixed cost on the GPU).
 
 The loop must not make the host wait for the device inside a step: it reads step k's loss only after
 step k+1's work is issued (a non-blocking copy into a pinned host scalar + a CUDA event), the chunked

@@ -1,5 +1,5 @@
-"""MFU against the physical device (issue: the 2026-12-01 H200 run under hardware=rtx4080_16gb read MFU
-0.77, 1.10, 1.24, 3.20, 3.40, 4.63 because the RTX 4080's peak was the denominator)."""
+"""MFU against the physical device: the peak FLOPs of the GPU that ran, not of the ``hardware`` profile
+(an H200 run under ``hardware=rtx4080_16gb`` must not read MFU above 1)."""
 
 from __future__ import annotations
 

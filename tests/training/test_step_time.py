@@ -1,4 +1,4 @@
-"""bench/step_time.py's host vs device split (issue 25.4): what the GPU run reads the fixed per-step cost
+"""bench/step_time.py's host vs device split: what the GPU run reads the fixed per-step cost
 from (goal: step(1,024) <= 0.35 x step(4,096))."""
 
 from __future__ import annotations
