@@ -2,10 +2,10 @@
 "batching" phase).
 
     python scripts/gpu_batch_check.py --device cuda     # on the GPU machine
-    python scripts/gpu_batch_check.py --device cpu      # the same checks on CPU (tests/test_gpu_scripts.py)
+    python scripts/gpu_batch_check.py --device cpu      # the same checks on CPU (tests/project/test_gpu_scripts.py)
 
-The device twin of tests/test_accumulation.py::test_accumulation_equals_the_bigger_batch and
-tests/test_packing.py::test_a_packed_step_equals_its_examples_unpacked, on the embedded tiny model in
+The device twin of tests/training/test_accumulation.py::test_accumulation_equals_the_bigger_batch and
+tests/data/test_packing.py::test_a_packed_step_equals_its_examples_unpacked, on the embedded tiny model in
 fp32 (lr 0, eval mode: the compared steps see the same function):
 
 * ``micro_batch=1 x grad_accum=4`` over four examples of very different trained-token counts gives the

@@ -1,7 +1,7 @@
 """Long-context exactness on the device: ``checkpointing=on`` vs ``offload`` vs ``offload`` + ``tiling=mlp``.
 
     python scripts/gpu_longctx_check.py --device cuda     # on the GPU machine (the smoke's "exact" phase)
-    python scripts/gpu_longctx_check.py --device cpu      # the same checks on CPU (tests/test_gpu_scripts.py)
+    python scripts/gpu_longctx_check.py --device cpu      # the same checks on CPU (tests/project/test_gpu_scripts.py)
 
 On the embedded tiny model with NF4 base weights (bitsandbytes ``Linear4bit``) and fp32 compute (the 4-bit
 matmuls' ``quant.compute_dtype`` too), one

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A throw-away single-node SLURM cluster on this machine (CI and tests/test_sweeper_slurm.py):
+# A throw-away single-node SLURM cluster on this machine (CI and tests/sweeper/test_sweeper_slurm.py):
 #   bash scripts/slurm_local.sh install          # apt-get install slurm-wlm munge [+ slurmdbd mariadb-server]
 #   bash scripts/slurm_local.sh start [--no-accounting]   # munged, [mariadb + slurmdbd], slurmctld, slurmd
 #   bash scripts/slurm_local.sh stop | status | ctld-stop | ctld-start

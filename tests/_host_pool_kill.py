@@ -1,4 +1,4 @@
-"""Trial functions for tests/test_host_memory.py: a trial process that the kernel's OOM killer would end
+"""Trial functions for tests/training/test_host_memory.py: a trial process that the kernel's OOM killer would end
 while its host pool grows, simulated by a SIGKILL to itself at that moment (``VRAMSWEEP_SIM_POOL``).
 
 * ``fill``: a plain (CPU) pool of 64 MiB is reserved and its pages are faulted in by writing them, then

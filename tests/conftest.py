@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
+import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -67,7 +70,11 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 collect_ignore = (
     []
     if HAS_TORCH
-    else [p.name for p in Path(__file__).parent.glob("test_*.py") if "torchfree" not in p.read_text()]
+    else [
+        str(p.relative_to(_TESTS))
+        for p in Path(_TESTS).rglob("test_*.py")
+        if "torchfree" not in p.read_text()
+    ]
 )
 
 
@@ -168,6 +175,93 @@ def slurm():
         slurm_skip(f"SLURM cannot start here: {p.stderr.strip()[-300:]}")
     if p.returncode != 0:
         slurm_skip(f"scripts/slurm_local.sh start failed (rc {p.returncode}): {p.stderr.strip()[-800:]}")
+
+
+def _pg_bin() -> Path | None:
+    for d in sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True):
+        if os.path.exists(f"{d}/initdb") and os.path.exists(f"{d}/pg_ctl"):
+            return Path(d)
+    found = shutil.which("initdb")
+    return Path(found).parent if found and shutil.which("pg_ctl") else None
+
+
+def pg_skip(why: str) -> None:
+    """Skip, unless CI demands the server (``VRAMSWEEP_REQUIRE_PG=1``): then fail loudly."""
+    if os.environ.get("VRAMSWEEP_REQUIRE_PG") == "1":
+        pytest.fail(f"VRAMSWEEP_REQUIRE_PG=1 but {why}")
+    pytest.skip(why)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pg_url(tmp_path_factory):
+    """The URL of a PostgreSQL database: ``VRAMSWEEP_PG_URL``, or a throw-away server (initdb + pg_ctl,
+    loopback port, temp folder; as the ``postgres`` user when run as root) stopped after the module."""
+    if os.environ.get("VRAMSWEEP_PG_URL"):
+        yield os.environ["VRAMSWEEP_PG_URL"]
+        return
+    bindir = _pg_bin()
+    if bindir is None:
+        pg_skip("no PostgreSQL server binaries (apt-get install postgresql) and no VRAMSWEEP_PG_URL")
+    runas: list[str] = []
+    root = tmp_path_factory.mktemp("pg")
+    if os.geteuid() == 0:  # initdb refuses to run as root
+        try:
+            pw = pwd.getpwnam("postgres")
+        except KeyError:
+            pg_skip("running as root and there is no 'postgres' user to run the server")
+        runas = ["runuser", "-u", "postgres", "--"]
+        # Not under pytest's temp root: pytest resets it to 0700 whenever a pytest session starts (another
+        # test run on the machine), and the server user must traverse it.
+        root = Path(tempfile.mkdtemp(prefix="vramsweep-pg-"))
+        os.chown(root, pw.pw_uid, pw.pw_gid)
+    data, port = root / "data", _free_port()
+    subprocess.run(
+        [
+            *runas,
+            str(bindir / "initdb"),
+            "-D",
+            str(data),
+            "-U",
+            "vramsweep",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [
+            *runas,
+            str(bindir / "pg_ctl"),
+            "-D",
+            str(data),
+            "-l",
+            str(root / "log"),
+            "-w",
+            "-t",
+            "60",
+            "-o",
+            f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200",
+            "start",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield f"postgresql://vramsweep@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run(
+            [*runas, str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"], capture_output=True
+        )
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def trial_spec(tmp_path: Path, n: int = 0, **kw):

@@ -1,6 +1,6 @@
 """What ``vramsweep --help`` and ``vramsweep <verb> --help`` say beyond the flags: the verbs, and the docs
-page for each verb, config group and topic (paths in the source repository; ``tests/test_docs.py`` checks
-that every page named here exists)."""
+page for each verb, config group and topic (paths in the source repository;
+``tests/project/test_docs.py`` checks that every page named here exists)."""
 
 from __future__ import annotations
 

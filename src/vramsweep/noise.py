@@ -77,7 +77,7 @@ class Harmless:
         key: short name (the summary line and ``warnings.log`` use it).
         pattern: regex the message must match (``re.search``), as narrow as the library's wording allows.
         line: the one line a terminal shows the first time.
-        why: why it is harmless (``tests/test_noise.py`` lists each with this text).
+        why: why it is harmless (``tests/training/test_noise.py`` lists each with this text).
         logger: the logger that emits it, for a ``logging`` record; ``None`` for a Python warning.
     """
 

@@ -9,7 +9,7 @@ value before anything is built, naming the key and the module names that exist.
 
 The names come from the architecture: ``model.family`` for ``model.source=embedded|arch``, the
 ``model_type`` of ``<model.path>/config.json`` for ``model.source=path``. The decoder families we build
-(Llama/Mistral/Qwen2/Qwen3: :data:`KNOWN_FAMILIES`) share one naming; ``tests/test_modules.py`` compares
+(Llama/Mistral/Qwen2/Qwen3: :data:`KNOWN_FAMILIES`) share one naming; ``tests/knobs/test_modules.py`` compares
 the table with ``named_modules()`` of models instantiated on the meta device. A model type outside the
 table is not checked here (nothing is guessed).
 

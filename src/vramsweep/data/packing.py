@@ -15,7 +15,7 @@ attention mask; under eager/SDPA the model runs :mod:`vramsweep.knobs.packed_att
 per segment, split at the positions' restarts; no ``T x T`` mask), under ``flash_attention_2`` the varlen
 kernel: no token attends to another example. With token-weighted accumulation
 (:func:`vramsweep.loop.token_weights`) the loss and gradients of a packed step equal those of its examples
-unpacked (``tests/test_packing.py``).
+unpacked (``tests/data/test_packing.py``).
 """
 
 from __future__ import annotations

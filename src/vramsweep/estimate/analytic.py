@@ -3,7 +3,7 @@
 Every number is a count of real tensor bytes, derived from the code that the trial runs (transformers'
 Qwen3/Llama modules, PEFT's LoRA/DoRA layers, bitsandbytes' quantised layers and optimizers, the
 minimal loop in :mod:`vramsweep.trial`) and checked against the CPU tensor tracker
-(:mod:`vramsweep.measure.cpu`) in ``tests/test_estimate.py``. Sources:
+(:mod:`vramsweep.measure.cpu`) in ``tests/estimate/test_estimate.py``. Sources:
 
 * Quantised weights: bitsandbytes ``Params4bit`` (uint8 ``[ceil(n/2), 1]``) + ``QuantState``
   (``absmax`` fp32 per 64-block; double quant: uint8 ``absmax`` + fp32 ``offset`` + ``state2.absmax`` fp32
@@ -348,7 +348,8 @@ UNSLOTH_CE_BUDGET_BYTES_PER_LOGIT = 16  # unsloth_zoo ``_CE_BYTES_PER_LOGIT``: w
 UNSLOTH_CE_TARGET_CAP = 4 * GIB  # unsloth_zoo ``_CE_TARGET_GB_CAP``: at most 4 GiB per chunk
 # Bytes per (token x vocab) entry one chunk actually holds at once: the compute-dtype logits (2), their
 # fp32 upcast (4) and the gradient in the logits dtype (2); the log-softmax and its fp32 gradient are
-# fused by the compiled chunk function. Checked on the two Unsloth GPU fixtures (tests/test_estimate_gpu.py).
+# fused by the compiled chunk function. Checked on the two Unsloth GPU fixtures
+# (tests/estimate/test_estimate_gpu.py).
 UNSLOTH_CE_BYTES_PER_LOGIT = 8
 
 
@@ -938,10 +939,10 @@ def _recompute_phase(k: Knobs, p: _Parts, loss: _LossTerms, bwd: _Backward, dora
     """Backward of one recomputed layer (checkpointing): the stored inputs + its saved tensors + the
     gradients in flight (residual stream, SwiGLU branches; fp32 LoRA branches in a 16-bit model double
     them) + DoRA's weight-norm pass, which the recompute runs again; the final norm's saved tensors are
-    gone by then. Measured on CPU (tests/test_estimate.py): within ~3 % when this phase is the peak (small
-    vocabularies, fused cross-entropy); the loss phase is exact. Full fine-tuning with tied embeddings:
-    lm_head's weight gradient waits in autograd's input buffer until the embedding's backward adds to it
-    (it only becomes ``.grad`` at the very end)."""
+    gone by then. Measured on CPU (tests/estimate/test_estimate.py): within ~3 % when this phase is the
+    peak (small vocabularies, fused cross-entropy); the loss phase is exact. Full fine-tuning with tied
+    embeddings: lm_head's weight gradient waits in autograd's input buffer until the embedding's backward
+    adds to it (it only becomes ``.grad`` at the very end)."""
     d = k.dims
     tied_grad = k.vocab * d.hidden_size * k.c if (k.method == "full" and d.tie_word_embeddings) else 0.0
     fx = p.fixed
@@ -1027,8 +1028,8 @@ def activation_terms(k: Knobs, calib: dict | None = None, static: float = 0.0) -
 # rounded up to 2 MiB (kRoundLarge); a freed block stays in the cache and is reused by a later request
 # that fits it (best fit, split), never merged across segments. So at the peak moment, reserved =
 # allocated + the cached blocks that the requests around the peak cannot use. Three terms, each tied to a
-# mechanism; the two fractions are fitted to the 2026-12-01 GPU run (tests/test_estimate_gpu.py) and are
-# the same for every config:
+# mechanism; the two fractions are fitted to the 2026-12-01 GPU run (tests/estimate/test_estimate_gpu.py)
+# and are the same for every config:
 #
 # * ``idle_loss``: HF cross-entropy frees the compute-dtype logits (T x V x c) at the end of the forward
 #   and the fp32 log-softmax backward needs a new T x V x 4 block, so the logits' block sits idle at the
@@ -1091,13 +1092,14 @@ def host_bytes(k: Knobs) -> dict[str, int]:
 
 
 #: The longest sequence of a trial that ran on a GPU and was compared with the estimate (2026-12-01, H200
-#: capped at 15 GiB: Qwen3-8B nf4_dq + Liger + checkpointing at 12,288 tokens; tests/test_estimate_gpu.py).
+#: capped at 15 GiB: Qwen3-8B nf4_dq + Liger + checkpointing at 12,288 tokens;
+#: tests/estimate/test_estimate_gpu.py).
 GPU_MEASURED_MAX_TOKENS = 12_288
 
 
 def extrapolated_terms(k: Knobs, acts: ActivationTerms | None = None) -> list[str]:
     """The terms of a CUDA estimate that no GPU measurement has checked yet (empty on CPU, where every
-    term is compared with the tensor tracker in tests/test_estimate.py)."""
+    term is compared with the tensor tracker in tests/estimate/test_estimate.py)."""
     if k.device != "cuda":
         return []
     out: list[str] = []

@@ -6,8 +6,8 @@ a device sync at the start of every forward on CUDA; with a 2-D mask, SDPA's mas
 For SDPA and FlashAttention-2 the causal mask of an unpadded batch is "no mask, causal": transformers'
 decoders accept a precomputed mask per layer type, so :func:`causal_mask_mapping` hands them
 ``{"full_attention": None}`` and the forward runs without the host read — same kernels, same values
-(tests/test_loop.py). Eager attention needs a materialised causal mask (no fast path there), and models
-with sliding-window layers keep transformers' own masks.
+(tests/training/test_loop.py). Eager attention needs a materialised causal mask (no fast path there), and
+models with sliding-window layers keep transformers' own masks.
 
 Packed rows (``data.packing``) under eager/sdpa load the segment-wise implementation of
 :mod:`vramsweep.knobs.packed_attention` instead (:func:`implementation`): attention per packed example,

@@ -10,7 +10,7 @@ their fp32 copy and their gradient (12 bytes per token per vocab entry for HF's 
 kept from forward to backward (hidden-size per token), as in Liger's fused linear cross-entropy.
 
 Matches ``torch.nn.functional.cross_entropy(hidden @ weight.T, labels, ignore_index=-100)`` (mean over
-target tokens) to dtype tolerance; see tests/test_longctx.py.
+target tokens) to dtype tolerance; see tests/knobs/test_longctx.py.
 """
 
 from __future__ import annotations

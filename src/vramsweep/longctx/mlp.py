@@ -17,7 +17,7 @@ Dropout inside the block (LoRA dropout) draws its mask tile by tile (a different
 mask than one draw over the whole sequence). Every pass over a layer — a grad-free forward, the tiled
 autograd forward, the recompute in backward — draws the tiles' masks in the same order from the same RNG
 state, and the backward recompute replays each tile's saved RNG state: the gradients are those of the
-loss that was computed (tests/test_longctx.py replays the forward's masks in an untiled model). Without
+loss that was computed (tests/knobs/test_longctx.py replays the forward's masks in an untiled model). Without
 dropout, values and gradients equal the untiled block's.
 """
 

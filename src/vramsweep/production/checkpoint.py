@@ -37,7 +37,7 @@ COMPLETE = "COMPLETE"
 #: Keys that may differ between a run and its resumption (how it is launched, not what it trains).
 RESUME_FREE_KEYS = ("train.resume", "train.threads", "logger.mode", "logger.dir")
 #: Test hook: seconds to sleep after every optimizer step of a production run (a run long enough to be
-#: signalled, requeued or timed out on a real cluster: tests/test_run_slurm.py).
+#: signalled, requeued or timed out on a real cluster: tests/production/test_run_slurm.py).
 PAUSE_ENV = "VRAMSWEEP_STEP_PAUSE_S"
 #: Signals after which the run checkpoints and stops: SIGTERM (``scancel``, ``scontrol requeue``,
 #: preemption), SIGUSR1 (``sbatch --signal=USR1@120``, the usual pre-timeout signal), SIGUSR2 (submitit's).

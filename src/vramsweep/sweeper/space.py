@@ -1,6 +1,6 @@
 """Search space: Hydra override grammar -> Optuna distributions, grids and trial overrides.
 
-As hydra-optuna-sweeper reads the grammar (its distribution table is ``tests/test_sweeper_space.py``):
+As hydra-optuna-sweeper reads the grammar (its distribution table is ``tests/sweeper/test_sweeper_space.py``):
 ``choice(a,b)`` / ``a,b`` -> categorical; ``shuffle(range(...))`` -> categorical over the range's values
 (in sorted order, so a sweep's identity does not depend on the shuffle); ``range(8,33,8)`` over ints ->
 ``IntDistribution(step)`` (ordinal for TPE); a range with a float start, stop or step
