@@ -95,7 +95,7 @@ CASES: list[tuple[str, str, list[str], dict[str, str], str]] = [
         {},
         "data.eval_path",
     ),
-    # --- data=file, every format (issue 34.8): file:line, before any model is built
+    # --- data=file, every format: file:line, before any model is built
     (
         "fmt-unknown",
         "train",
@@ -348,7 +348,7 @@ CASES += [
     for ov, _key, hint in CONFIG_BAD
 ]
 
-# --- issue 29.2: every hydra.sweeper.* setting out of type or range (SETTING_RULES), before anything runs
+# --- every hydra.sweeper.* setting out of type or range (SETTING_RULES), before anything runs
 SWEEPER_BAD: list[tuple[str, str]] = [
     ("timeout_s=-5", "hydra.sweeper.timeout_s=-5.0 is out of range (allowed: a number >= 1"),
     ("timeout_s=0", "hydra.sweeper.timeout_s=0.0 is out of range"),
@@ -404,7 +404,7 @@ CASES += [
     (f"sweeper-{ov}", "train", ["-m", "adapter.r=8,16", *FAKE, f"hydra.sweeper.{ov}"], {}, needle)
     for ov, needle in SWEEPER_BAD
 ]
-# --- issue 29.3: a storage that cannot be reached or written: exit 2 in the pre-flight, password masked
+# --- a storage that cannot be reached or written: exit 2 in the pre-flight, password masked
 STORAGE_BAD: list[tuple[str, str, str]] = [
     ("proc", "sqlite:////proc/vramsweep-x/study.db", "the folder /proc/vramsweep-x is not writable"),
     ("under-file", "sqlite:///{not_a_dir}/study.db", "is a file, not a folder"),
@@ -426,7 +426,7 @@ CASES += [
     (f"storage-{cid}", "train", ["-m", "adapter.r=8,16", *FAKE, f"hydra.sweeper.storage={url}"], {}, needle)
     for cid, url, needle in STORAGE_BAD
 ]
-# --- issue 29.7: one error shape for argparse refusals, internal names and Hydra's lexer (verb "" = none)
+# --- one error shape for argparse refusals, internal names and Hydra's lexer (verb "" = none)
 QUOTE = "must be quoted for Hydra"
 CASES += [
     (
@@ -581,7 +581,7 @@ def test_bad_input(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, need
     check_bad_input(tmp_path, capsys, monkeypatch, case_id, verb, argv, env, needle)
 
 
-# --- issue 29.4: read-only commands never modify what they read (hash of the input folder before/after)
+# --- read-only commands never modify what they read (hash of the input folder before/after)
 #: Files a read-only command may add to the sweep folder it reads: its own outputs, never an input.
 OWN_OUTPUTS = {"ablation.md", "ablation.csv", "production.md"}
 OWN_SUFFIXES = (".png", ".svg", ".html")

@@ -457,7 +457,7 @@ def test_deeply_nested_result_file_is_a_note_not_a_traceback(tmp_path, capsys, m
         assert "skipped 0000.json: unreadable (ValueError: JSON nested too deeply" in line, line
 
 
-# --- issue 40.7: pick leaves nothing behind when a step after the experiment's write fails
+# --- pick leaves nothing behind when a step after the experiment's write fails
 def _pick_sweep(tmp_path: Path) -> Path:
     from omegaconf import OmegaConf
 

@@ -132,7 +132,7 @@ def test_a_layer_without_one_of_its_tensors_is_named(tmp_path, embedded_model_di
         check_model_folder(folder)
 
 
-# --- issue 40.4: the rest of what was caught only inside the trial (exit 1 and a result.json)
+# --- the rest of what was caught only inside the trial (exit 1 and a result.json)
 SUR = "{root}/models/sur.jsonl"
 OTHER = [
     (

@@ -186,7 +186,7 @@ def test_truncation_none_names_the_longest_records_line_and_length(tmp_path, cap
 def test_truncation_none_on_documents_stops_tokenising_at_the_first_batch_with_one_too_long(
     tmp_path, monkeypatch
 ):
-    """Issue 40 item 3: sectioned documents with ``context.truncation=none`` were all tokenised before the
+    """Sectioned documents with ``context.truncation=none`` were all tokenised before the
     pre-flight counted the examples too long. Documents go longest first in batches and the check stops at
     the first batch holding one, naming it (counted: sections tokenised, not time)."""
     from vramsweep.config import ConfigError, compose

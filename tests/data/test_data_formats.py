@@ -176,7 +176,7 @@ def test_every_format_from_every_source_with_every_train_on(
     tmp_path, tok, file_cfg, monkeypatch, fmt, train_on, suffix
 ):
     """data=file data.path=<each source> data.train_on=<each value the format takes>: the format detected,
-    the held-out split (the folder's test split, else the last 10 %), the trained tokens (issue 34.1/2/4)."""
+    the held-out split (the folder's test split, else the last 10 %), the trained tokens."""
     from vramsweep.data.prep import trial_data
 
     monkeypatch.setenv("VRAMSWEEP_CACHE", str(tmp_path / "cache"))
@@ -221,7 +221,7 @@ def test_every_train_on_is_in_the_matrix():
 @pytest.mark.parametrize("suffix", SOURCES)
 def test_mixed_formats_in_one_source_are_an_error(tmp_path, suffix):
     """Columnar sources give every row every column (null where a record lacks it): a row of another
-    format is still named, as in JSON Lines (issue 34.1)."""
+    format is still named, as in JSON Lines."""
     from vramsweep.data.load import load_user_data
 
     chat = {"messages": CHAT[1:3]}
@@ -379,7 +379,7 @@ def test_truncation_none_names_the_longest_record(tok):
 
 
 def test_truncation_none_stops_tokenising_at_the_first_batch_holding_a_record_too_long(tok, monkeypatch):
-    """Issue 40 item 3: a 55 MB JSONL with ``truncation=none`` was refused only after every record was
+    """A 55 MB JSONL with ``truncation=none`` was refused only after every record was
     tokenised (~60 s). Records are tokenised longest first in batches and the check stops at the first batch
     that holds one too long, naming its ``file:line`` (counted: records tokenised, not time)."""
     from vramsweep.data import render, truncation
@@ -569,7 +569,7 @@ class _CountingTokenizer:
 def test_a_four_trial_sweep_tokenizes_once_counted(tmp_path, tok, monkeypatch):
     """The pre-flight's data check and 4 trials that differ in their knobs (not in the data): one tokenizer
     pass, at the pre-flight; the trials read the cache. A data setting that changes the examples builds
-    again (issue 34.7)."""
+    again."""
     from vramsweep.data.prep import build_trial_data, trial_data
 
     monkeypatch.setenv("VRAMSWEEP_CACHE", str(tmp_path / "cache"))

@@ -182,7 +182,7 @@ OFFLOAD_TILED = "train.micro_batch=1 checkpointing=offload tiling=on tiling.loss
 @pytest.mark.parametrize("adapter_dtype", ["fp32", "compute"])
 @pytest.mark.parametrize("tokens", [256, 512, 1024])
 def test_offloaded_tiled_stack_within_2_percent_of_tracked(adapter_dtype, tokens, results_dir):
-    """Issue 37.4: offloaded checkpoints + tiled MLP, both adapter dtypes, three lengths. The peak is the
+    """Offloaded checkpoints + tiled MLP, both adapter dtypes, three lengths. The peak is the
     second norm's backward of a recomputed layer (HF RMSNorm's fp32 temporaries), with the embedding output
     and the recomputed layer's output alive and the MLP's intermediate gradients for one tile only. Before:
     fp32 +2.5 / -0.3 / -2.3 %, compute -8.9 / -14.8 / -19.4 %."""
@@ -354,7 +354,7 @@ def test_each_knob_changes_the_estimate():
     rotary = 2 * (128 // 2) * 4  # inv_freq + original_inv_freq stay fp32; fp32 adapters are not doubled
     assert comp("train.dtype=fp32")[1]["params"] == 2 * c0["params"] - rotary - c0["grads"]
     # CUDA: "overhead" is the caching allocator's reserve (reserved - allocated at the peak); the CUDA
-    # context (hardware.overhead_bytes) lives outside the allocator and the budget (issue 10)
+    # context (hardware.overhead_bytes) lives outside the allocator and the budget
     gpu = comp("hardware=rtx4090_24gb")[0]
     assert gpu["components_bytes"]["cuda_context"] == 629145600
     reserve = sum(v for n, v in gpu["components_bytes"].items() if n.startswith("reserve_"))

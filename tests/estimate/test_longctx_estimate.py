@@ -74,7 +74,7 @@ def test_preflight_refuses_a_pool_larger_than_the_available_ram():
     assert err.value.key == "checkpointing"
     assert "18.00 GiB of pinned host memory" in msg and "16.00 GiB of RAM available" in msg
     assert "context.max_tokens<=50972" in msg and "checkpointing=on" in msg  # 14 GiB left beside the process
-    check_host_memory(cfg, available=20 * GIB)  # fits: 18 GiB pool + 2 GiB for the process (issue 37.7)
+    check_host_memory(cfg, available=20 * GIB)  # fits: 18 GiB pool + 2 GiB for the process
     check_host_memory(_cfg("checkpointing=on", "context.max_tokens=65536"), available=1 * GIB)  # no pool
 
 

@@ -248,7 +248,7 @@ def test_adapter_dtype_compute_keeps_adapters_in_bf16_and_drops_fp32_input_copie
     assert peaks["compute"] < 0.8 * peaks["fp32"], peaks
 
 
-# --- issue 24: tiles in every pass; dropout masks the same in forward and recompute
+# --- tiles in every pass; dropout masks the same in forward and recompute
 
 
 def _tiny_longctx(ckpt: str, dropout: float = 0.0):
@@ -357,7 +357,7 @@ def test_tiled_gradients_with_dropout_are_those_of_the_computed_loss(ckpt):
     _same(ref, got, rtol=1e-4, atol=1e-6)
 
 
-# --- issue 24: host memory of checkpointing=offload (exact-size pool, host_oom status)
+# --- host memory of checkpointing=offload (exact-size pool, host_oom status)
 
 
 def test_offload_host_pool_is_exact_size_and_reused():

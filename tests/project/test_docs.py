@@ -24,7 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 DOCS = sorted((REPO / "docs").rglob("*.md"))
-#: at most this many README lines (issue 31.1)
+#: at most this many README lines
 README_MAX_LINES = 250
 #: prefixes of repository paths that docs may name; each named path must exist
 PATH_RE = re.compile(r"(?<![\w./-])((?:src|docs|scripts|bench|tests|conf|sweeps)/[\w./-]*[\w/])")

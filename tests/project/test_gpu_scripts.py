@@ -162,7 +162,7 @@ def test_bundle_activation_lets_the_image_copy_win(tmp_path, capsys):
     assert (site / "pytest").is_dir() and "not_in_image_pkg needs <1.0" in capsys.readouterr().out
 
 
-# ============================================================== issue 25: a smoke that fits its budget
+# ============================================================== a smoke that fits its budget
 SWEEP_FILE = ROOT / "sweeps" / "gpu_smoke.yaml"
 
 
@@ -172,7 +172,7 @@ SECOND_CALL = ["bundle", "env", "memprobe_fp32", "snapshot", "step_time", "repor
 
 
 def test_smoke_plan_is_the_issue_order_and_fits_its_budget_by_construction(smoke):
-    """Issue 37.9: the device script's phases in the issue's order, each cap >= its cost derived from the
+    """The device script's phases in the planned order, each cap >= its cost derived from the
     2026-12-04 H200 run, the default plan <= 540 s; the rest is a second call of <= 540 s."""
     phases = smoke.plan()
     assert [p.name for p in phases] == DEVICE_ORDER
@@ -201,7 +201,7 @@ def test_smoke_caps_hold_what_runs_in_them(smoke):
     """Each cap holds what ran in it on the H200 (2026-12-04): the batching check's verdict at 23.8 s cold
     (its cap less the signal grace), the exactness check's 21.7 s warm and > 27 s cold, step_time's two
     cold children of >= 44 s; a step at 65,536 tokens costs ~1.48 x the 32,768-token rate per token
-    (causal attention's share, issue 37.6)."""
+    (causal attention's share)."""
     caps = {p.name: p.cap_s for p in smoke.plan(only=tuple(DEVICE_ORDER + SECOND_CALL))}
     assert smoke.grace_plan(caps["batching"])[0] >= 23.8 * 1.3
     assert smoke.grace_plan(caps["exact"])[0] >= 2 * 27
@@ -545,7 +545,7 @@ def test_longctx_exactness_check_runs_on_cpu():
     assert proc.stdout.count('"ok": true') == 7
 
 
-# ============================================================== issue 37.3: the bundle, checked before the loan
+# ============================================================== the bundle, checked before the loan
 def _packed_bundle(path: Path, dists: dict[str, str], wanted: list[str] | None = None) -> Path:
     """A packed bundle whose BUNDLE.json lists ``{name: version}`` (and the WANTED list it was built from)."""
     import io
@@ -622,7 +622,7 @@ def test_smoke_refuses_a_stale_bundle_before_anything_runs(tmp_path):
 
 
 def test_smoke_skips_plots_without_matplotlib_and_says_so(smoke):
-    """Issue 37.8: neither the GPU image nor the bundle has matplotlib; the smoke no longer requires it."""
+    """Neither the GPU image nor the bundle has matplotlib; the smoke no longer requires it."""
     assert "plots: skipped" in smoke.plots_note({"versions": {"matplotlib": None}})
     assert smoke.plots_note({"versions": {"matplotlib": "3.10"}}) is None
     assert '"matplotlib"' not in (ROOT / "scripts" / "gpu_smoke.sh").read_text()

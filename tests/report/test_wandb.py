@@ -162,7 +162,7 @@ def test_trial_run_job_type_tags_config_history_summary(tmp_path: Path) -> None:
     assert all("memory/allocated_bytes" in h and "train/step_time_s" in h for h in run.history)
     # summary: memory breakdown, estimate and its error, MFU, device, status, throughput, eval
     s = run.summary
-    assert s["status"] == "ok" and s["reason"] == ""  # the key is always there (README; issue 28.6)
+    assert s["status"] == "ok" and s["reason"] == ""  # the key is always there (README)
     assert s["memory/peak_bytes"] == 2 * G and s["memory/kind"] == "cuda_reserved"
     assert s["memory/breakdown/params_bytes"] == G and s["memory/breakdown/activations_bytes"] == G // 2
     assert s["memory/state/optimizer_bytes"] == G // 4
@@ -196,7 +196,7 @@ def test_failed_trial_tags_status_and_reason(tmp_path: Path) -> None:
         ({"kind": "stacking", "step": 0}, "baseline"),
         ({"kind": "stacking", "step": 2}, "stacking"),
         ({"kind": "search", "sampler": "tpe"}, "search"),
-        ({"kind": "search", "sampler": "grid"}, "grid"),  # as the summary run's design:grid (issue 28.6)
+        ({"kind": "search", "sampler": "grid"}, "grid"),  # as the summary run's design:grid
         (None, None),
     ],
 )
@@ -496,7 +496,7 @@ def test_sweep_with_wandb_logger_keeps_the_summary_run_current(tmp_path: Path) -
 
 @pytest.mark.parametrize("status", ["ok", "oom"])
 def test_summary_says_status_as_tags_do_and_why_mfu_is_missing(tmp_path: Path, status: str) -> None:
-    """Issue 40 item 12, read back from the run file: a real trial's result holds ``Status`` members, which
+    """Read back from the run file: a real trial's result holds ``Status`` members, which
     W&B wrote by name (``"OK"``); ``mfu: null`` is dropped by W&B's reader, so ``mfu/reason`` must say why."""
     from vramsweep.record.status import Status
     from vramsweep.report.wandb_run import start_logger

@@ -46,7 +46,7 @@ def tests_on_path(monkeypatch):
 def test_fork_server_is_refused_when_a_fork_cannot_use_cuda(
     tmp_path, monkeypatch, tests_on_path, mode, cuda_host
 ):
-    """Poisoning that ``torch.cuda.is_initialized()`` never shows (issue 25.3): a device count without NVML
+    """Poisoning that ``torch.cuda.is_initialized()`` never shows: a device count without NVML
     (torch's bad-fork flag), or a library touching the driver (only a real ``torch.cuda.init()`` in a
     forked child fails). The warm-up child probes for real; the runner falls back to spawn with the
     reason, and the trial that uses the GPU runs ok instead of ending in ``error``."""
@@ -248,14 +248,14 @@ def _gpu_host_import(tmp_path: Path, what: str) -> dict:
 
 
 def test_torchao_simulation_queries_the_device_through_modeling_utils(tmp_path):
-    """The control: with the fake torchao importable, transformers.modeling_utils (a CUDA-safe extra until
-    issue 37.1) imports it and queries the device once, as the real torchao 0.18.0 does on the card."""
+    """The control: with the fake torchao importable, transformers.modeling_utils (a CUDA-safe extra before the
+    CUDA-host preload was fixed) imports it and queries the device once, as the real torchao 0.18.0 does on the card."""
     got = _gpu_host_import(tmp_path, "transformers.modeling_utils")
     assert got["torchao"] is True and got["calls"] == 1, got
 
 
 def test_cuda_host_preload_with_torchao_importable_never_queries_the_device(tmp_path):
-    """Issue 37.1: the CUDA-host default preload, with torchao importable (the GPU bundle), imports nothing that
+    """The CUDA-host default preload, with torchao importable (the GPU bundle), imports nothing that
     calls torch.cuda.get_device_capability(): the zygote stays fork-safe and trials are forked, not spawned."""
     got = _gpu_host_import(tmp_path, "preload")
     assert got["calls"] == 0 and got["torchao"] is False, got

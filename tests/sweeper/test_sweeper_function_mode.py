@@ -221,7 +221,7 @@ def test_grid_and_missing_cmaes_in_function_mode(tmp_path):
 
 def test_a_conf_with_only_sampler_seed_gets_tpe_like_upstream(tmp_path):
     """Upstream's custom-search-space example sets only ``sampler.seed`` (no sampler choice): upstream
-    defaults to TPE; we exited 2 with "unknown sampler 'None'" (issue 28.5)."""
+    defaults to TPE; we exited 2 with "unknown sampler 'None'"."""
     conf = CUSTOM_CONF.replace("  - override hydra/sweeper/sampler: tpe\n", "")
     assert "sampler: tpe" not in conf
     p, out = _run_app(tmp_path, CUSTOM, conf, "hydra.sweeper.n_trials=4")
@@ -231,7 +231,7 @@ def test_a_conf_with_only_sampler_seed_gets_tpe_like_upstream(tmp_path):
 
 def test_a_fixed_command_line_value_pins_a_param(tmp_path):
     """``sphere.py -m y=0``: upstream pins ``y`` and drops it from the search space; every trial had its
-    own ``y`` from ``choice(-5, 0, 5)`` (issue 28.5)."""
+    own ``y`` from ``choice(-5, 0, 5)``."""
     p, out = _run_app(tmp_path, SPHERE, SPHERE_CONF, "y=0", "hydra.sweeper.n_trials=5")
     assert p.returncode == 0, p.stderr[-2000:]
     res = yaml.safe_load((out / "optimization_results.yaml").read_text())
@@ -240,7 +240,7 @@ def test_a_fixed_command_line_value_pins_a_param(tmp_path):
     assert overrides and all("y=0" in o for o in overrides), overrides
 
 
-# --- issue 40 item 10: upstream's plugin tests that failed against our sweeper
+# --- upstream's plugin tests that failed against our sweeper
 UPSTREAM_SPHERE = SPHERE.replace(
     "    y: float = cfg.y\n",
     '    y: float = cfg.y\n    if cfg.get("error", False):\n        raise RuntimeError("cfg.error is True")\n',

@@ -16,7 +16,7 @@ from vramsweep.sweeper.plan import identity_hash, plan_from_args
 
 FAKE = ["hydra.sweeper.trial_fn=fakes:fake_trial", "hydra.sweeper.preload=[fakes]"]
 
-#: (command line, identity hash, sweep name) recorded before issue 41.1
+#: (command line, identity hash, sweep name) recorded before the sweeper settings became one declaration each
 PINNED = [
     (["adapter.r=4,8", "train.steps=3"], "bd3e251d", "adapter.r-bd3e251d"),
     (
@@ -44,7 +44,7 @@ def test_sweep_identity_hash_is_pinned(tmp_path, args, want_hash, want_name):
 
 
 #: hash of each sweep's ``sweep.json`` settings (``public_dict``, the temporary folder masked), recorded
-#: before issue 41.1: the resolved settings a study records do not change either
+#: before that change: the resolved settings a study records do not change either
 PUBLIC = {
     "adapter.r-bd3e251d": "211deed08ba1",
     "adapter.r-de4351d4": "cb88c4603ce7",

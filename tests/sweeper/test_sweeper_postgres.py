@@ -72,7 +72,7 @@ def test_submitit_local_jobs_on_postgres_one_job_killed(pg_url, tmp_path):
     """``hydra/launcher=submitit_local`` alone puts the sweeper in launcher mode: every trial is a real
     submitit job (its own process, started by submitit), the study lives in PostgreSQL, and a job killed
     mid-trial (SIGKILL: no result, submitit raises for it) is lost infrastructure, not a result: its point
-    is retried in the same run (issue 28), the others' results and statuses intact, every point ``ok``
+    is retried in the same run, the others' results and statuses intact, every point ``ok``
     exactly once, nothing left RUNNING."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     import optuna

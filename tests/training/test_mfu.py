@@ -181,7 +181,7 @@ def test_a10g_is_not_an_a10():
     assert device_peak("NVIDIA A10").peak_flops == pytest.approx(125 * T)
 
 
-# Issue 37.6: the tiled MLP's backward recompute (the MLP's third forward with checkpointing) and the
+# The tiled MLP's backward recompute (the MLP's third forward with checkpointing) and the
 # causal-attention figure beside PaLM's non-causal one.
 MLP_PARAMS = L * 3 * H * MLP  # gate, up, down of every layer: 5,435,817,984
 MLP_LORA = L * 16 * 3 * (H + MLP)  # LoRA r16 on gate, up, down: 28,311,552

@@ -42,7 +42,7 @@ def test_liger_ascend_warning_dropped_at_a_terminal_only():
 
 
 # ------------------------------------------------------------------------------------------------------
-# Harmless warnings shown once, repeats counted (issue 38.3)
+# Harmless warnings shown once, repeats counted
 # ------------------------------------------------------------------------------------------------------
 import logging  # noqa: E402
 import os  # noqa: E402

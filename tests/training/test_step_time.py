@@ -36,7 +36,7 @@ def test_host_vs_device_split(bench):
 
 def test_bench_prints_device_time_from_the_events(bench):
     """A Liger step on CUDA: the in-forward wait counts as device wait; the device's seconds come from the
-    events (issue 37.5)."""
+    events."""
     phases = {"h2d": 0.001, "forward": 0.035, "backward": 0.05, "optimizer": 0.014, "sync_wait": 0.0,
               "loss_sync": 0.9, "other": 0.0, "step": 1.0, "host_bound": False,
               "device_s": {"h2d": 0.01, "forward": 0.4, "backward": 0.5, "optimizer": 0.09, "step": 1.0}}  # fmt: skip
@@ -49,7 +49,7 @@ def test_bench_prints_device_time_from_the_events(bench):
     )
 
 
-# ------------------------------------------------------------------- device time from events (issue 37.5)
+# ------------------------------------------------------------------- device time from events
 
 
 class FakeGPU:
