@@ -565,37 +565,29 @@ def kernels_here(has_cuda: bool) -> list[str]:
     return here
 
 
-def check_machine(cfg: DictConfig, *, has_cuda: bool | None = None) -> None:
-    """Environment-dependent rules: raise :class:`UnsupportedError`.
-
-    ``has_cuda`` (default: :func:`cuda_available`, asked only for a CUDA profile) lets ``vramsweep env``
-    ask what a GPU profile would need without importing torch."""
-    # only a CUDA profile asks torch (importing it costs seconds of a pre-flight that should take one)
-    if cfg.hardware.device != "cuda":
-        has_cuda = False
-    elif has_cuda is None:
-        has_cuda = cuda_available()
-    if cfg.hardware.device == "cuda" and not has_cuda:
+def _machine_attention(cfg: DictConfig, has_cuda: bool) -> None:
+    """``attention=flash_attention_2`` needs a CUDA device and the flash-attn package."""
+    if cfg.attention.implementation != "flash_attention_2":
+        return
+    if not has_cuda:
         raise UnsupportedError(
-            f"hardware={cfg.hardware.name} needs CUDA and none is available here; {ENV_HINT}",
-            key="hardware",
-            allowed=["cpu"],
+            "attention=flash_attention_2 needs a CUDA device (hardware=<gpu profile>)",
+            key="attention",
+            allowed=["eager", "sdpa"],
         )
-    if cfg.attention.implementation == "flash_attention_2":
-        if not has_cuda:
-            raise UnsupportedError(
-                "attention=flash_attention_2 needs a CUDA device (hardware=<gpu profile>)",
-                key="attention",
-                allowed=["eager", "sdpa"],
-            )
-        if not _module_available("flash_attn"):
-            raise UnsupportedError(
-                "attention=flash_attention_2 needs the flash-attn package, not installed: "
-                f"{INSTALL_HINTS['flash_attn']}; attention=sdpa uses PyTorch's FlashAttention-2 "
-                "kernel on CUDA",
-                key="attention",
-                allowed=["eager", "sdpa"],
-            )
+    if not _module_available("flash_attn"):
+        raise UnsupportedError(
+            "attention=flash_attention_2 needs the flash-attn package, not installed: "
+            f"{INSTALL_HINTS['flash_attn']}; attention=sdpa uses PyTorch's FlashAttention-2 "
+            "kernel on CUDA",
+            key="attention",
+            allowed=["eager", "sdpa"],
+        )
+
+
+def _machine_kernels(cfg: DictConfig, has_cuda: bool) -> None:
+    """``kernels=liger`` needs CUDA and liger-kernel; ``kernels=unsloth`` needs what
+    :func:`check_unsloth` accepts, then the unsloth package."""
     if cfg.kernels.liger:
         if not has_cuda:
             raise UnsupportedError(
@@ -619,6 +611,11 @@ def check_machine(cfg: DictConfig, *, has_cuda: bool | None = None) -> None:
                 key="kernels",
                 allowed=[k for k in kernels_here(has_cuda) if k != "unsloth"],
             )
+
+
+def _machine_packages(cfg: DictConfig) -> None:
+    """A quantized ``quant`` needs bitsandbytes; the ``optimizer`` needs the package its ``_target_``
+    names (the options offered are the optimizers whose package is installed)."""
     if cfg.quant.bits != 16 and not _module_available("bitsandbytes"):
         raise UnsupportedError(
             f"quant={cfg.quant.name} needs bitsandbytes, not installed: {INSTALL_HINTS['bitsandbytes']}; "
@@ -638,6 +635,28 @@ def check_machine(cfg: DictConfig, *, has_cuda: bool | None = None) -> None:
                 if _module_available(_target_package(target))
             ],
         )
+
+
+def check_machine(cfg: DictConfig, *, has_cuda: bool | None = None) -> None:
+    """Environment-dependent rules: raise :class:`UnsupportedError`.
+
+    ``has_cuda`` (default: :func:`cuda_available`, asked only for a CUDA profile) lets ``vramsweep env``
+    ask what a GPU profile would need without importing torch. Checked in order: the CUDA device, then
+    attention, kernels, quant and optimizer packages."""
+    # only a CUDA profile asks torch (importing it costs seconds of a pre-flight that should take one)
+    if cfg.hardware.device != "cuda":
+        has_cuda = False
+    elif has_cuda is None:
+        has_cuda = cuda_available()
+    if cfg.hardware.device == "cuda" and not has_cuda:
+        raise UnsupportedError(
+            f"hardware={cfg.hardware.name} needs CUDA and none is available here; {ENV_HINT}",
+            key="hardware",
+            allowed=["cpu"],
+        )
+    _machine_attention(cfg, has_cuda)
+    _machine_kernels(cfg, has_cuda)
+    _machine_packages(cfg)
 
 
 def _rope_proposal(cfg: Any, tokens: int, native: int) -> str:

@@ -18,6 +18,7 @@ import importlib.util
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -475,6 +476,33 @@ def max_tokens(cfg: DictConfig, calibration: Any, *, step: int = 256, hi: int | 
     return lo * step
 
 
+#: What each override changes, by the prefix it starts with (the first that matches): the breakdown component
+#: it attacks (its size fills the ``{}`` of the words) or None, and the words.
+REASON_WORDS: tuple[tuple[str, str | None, str], ...] = (
+    ("checkpointing=offload", "activations", "{}: offload the layer inputs to host"),
+    ("checkpointing=on", "activations", "{}: keep only layer inputs, recompute the rest"),
+    ("tiling=loss", "logits", "{}: compute the loss in chunks"),
+    ("tiling=mlp", None, "the recomputed layer's MLP dominates the backward: tile it"),
+    ("tiling=on", "logits", "{} and the MLP working set: tile both"),
+    ("kernels=liger", "logits", "{}: fused linear cross-entropy never holds the logits"),
+    ("quant=", "params", "{}: fewer bits per frozen weight"),
+    ("optimizer=", "optimizer", "{}: 8-bit optimizer state"),
+    ("adapter.dtype", None, "adapters in the compute dtype: no fp32 copy of each adapted input"),
+    ("attention=", None, "no materialised attention scores"),
+    ("vocab=", None, "only the corpus' tokens in the embeddings and logits"),
+    ("train.micro_batch", None, "fewer tokens per micro-batch, the same per optimizer step"),
+)
+
+
+def _override_words(ov: str, part: Callable[[str], str]) -> str | None:
+    """The :data:`REASON_WORDS` of the first prefix ``ov`` starts with, the component's size from ``part``
+    filled in; None for an override none of them names."""
+    for prefix, component, words in REASON_WORDS:
+        if ov.startswith(prefix):
+            return words.format(part(component)) if component else words
+    return None
+
+
 def reason(base_est: dict[str, Any], cand: Candidate, cfg: DictConfig) -> str:
     """Why this set: the component of the user's peak each change attacks, in words with its size."""
     bd = base_est["breakdown_bytes"]
@@ -484,32 +512,7 @@ def reason(base_est: dict[str, Any], cand: Candidate, cfg: DictConfig) -> str:
     def part(k: str) -> str:
         return f"{k} {bd.get(k, 0) / GIB:.1f} GiB ({100 * bd.get(k, 0) / peak:.0f} %)"
 
-    words = []
-    for ov in cand.overrides:
-        if ov.startswith("checkpointing=offload"):
-            words.append(f"{part('activations')}: offload the layer inputs to host")
-        elif ov.startswith("checkpointing=on"):
-            words.append(f"{part('activations')}: keep only layer inputs, recompute the rest")
-        elif ov.startswith("tiling=loss"):
-            words.append(f"{part('logits')}: compute the loss in chunks")
-        elif ov.startswith("tiling=mlp"):
-            words.append("the recomputed layer's MLP dominates the backward: tile it")
-        elif ov.startswith("tiling=on"):
-            words.append(f"{part('logits')} and the MLP working set: tile both")
-        elif ov.startswith("kernels=liger"):
-            words.append(f"{part('logits')}: fused linear cross-entropy never holds the logits")
-        elif ov.startswith("quant="):
-            words.append(f"{part('params')}: fewer bits per frozen weight")
-        elif ov.startswith("optimizer="):
-            words.append(f"{part('optimizer')}: 8-bit optimizer state")
-        elif ov.startswith("adapter.dtype"):
-            words.append("adapters in the compute dtype: no fp32 copy of each adapted input")
-        elif ov.startswith("attention="):
-            words.append("no materialised attention scores")
-        elif ov.startswith("vocab="):
-            words.append("only the corpus' tokens in the embeddings and logits")
-        elif ov.startswith("train.micro_batch"):
-            words.append("fewer tokens per micro-batch, the same per optimizer step")
+    words = [w for ov in cand.overrides if (w := _override_words(ov, part)) is not None]
     saved = (base_est["required_bytes"] - (cand.est or base_est)["required_bytes"]) / GIB
     lead = f"{top} dominate" if top != "overhead" else "the allocator reserve dominates"
     return f"{lead}; " + "; ".join(words) + f" (-{saved:.1f} GiB)"

@@ -98,6 +98,62 @@ def _random_quantised_weight(module: torch.nn.Module, device: torch.device, dtyp
     return bnb.nn.Int8Params(w.cpu(), requires_grad=False, has_fp16_weights=False).to(device)
 
 
+def _materialise_quantised(
+    module: torch.nn.Module,
+    dev: torch.device,
+    dtype: torch.dtype,
+    std: float,
+    memo: dict[int, torch.nn.Parameter],
+    counts: dict[str, int],
+) -> None:
+    """A meta bnb linear's weight made a random quantised one (:func:`_random_quantised_weight`, once per
+    tied weight through ``memo``; counted in ``counts``), and its meta bias zeros in ``dtype``."""
+    w = module._parameters.get("weight")
+    if w is not None and w.is_meta:
+        if id(w) not in memo:
+            memo[id(w)] = _random_quantised_weight(module, dev, dtype, std)
+            counts["quantised"] += 1
+            counts["bytes"] += memo[id(w)].data.nbytes
+        module._parameters["weight"] = memo[id(w)]
+    b = module._parameters.get("bias")
+    if b is not None and b.is_meta:
+        module._parameters["bias"] = torch.nn.Parameter(
+            torch.zeros(tuple(b.shape), dtype=dtype, device=dev), requires_grad=b.requires_grad
+        )
+
+
+def _materialise_storage(
+    module: torch.nn.Module,
+    dev: torch.device,
+    memo: dict[int, torch.nn.Parameter],
+    counts: dict[str, int],
+) -> bool:
+    """Uninitialised storage on ``dev`` for the meta parameters (once per tied parameter through ``memo``)
+    and meta buffers ``module`` holds itself, its bytes added to ``counts``.
+
+    Returns:
+        whether anything was created (a parameter already made for a tied module does not count), i.e.
+        whether the module needs initialising.
+    """
+    fresh = False
+    for name, p in list(module._parameters.items()):
+        if p is None or not p.is_meta:
+            continue
+        if id(p) not in memo:
+            memo[id(p)] = torch.nn.Parameter(
+                torch.empty(tuple(p.shape), dtype=p.dtype, device=dev), requires_grad=p.requires_grad
+            )
+            counts["bytes"] += memo[id(p)].nbytes
+            fresh = True
+        module._parameters[name] = memo[id(p)]
+    for name, buf in list(module._buffers.items()):
+        if buf is not None and buf.is_meta:
+            module._buffers[name] = torch.empty(tuple(buf.shape), dtype=buf.dtype, device=dev)
+            counts["bytes"] += module._buffers[name].nbytes
+            fresh = True
+    return fresh
+
+
 @torch.no_grad()
 def materialise(
     model: torch.nn.Module, device: torch.device | str, *, std: float | None = None
@@ -121,36 +177,9 @@ def materialise(
     init_fn = getattr(model, "_init_weights", None)
     for module in model.modules():
         if type(module).__name__ in _QUANT_CLASSES:
-            w = module._parameters.get("weight")
-            if w is not None and w.is_meta:
-                if id(w) not in memo:
-                    memo[id(w)] = _random_quantised_weight(module, dev, dtype, std)
-                    counts["quantised"] += 1
-                    counts["bytes"] += memo[id(w)].data.nbytes
-                module._parameters["weight"] = memo[id(w)]
-            b = module._parameters.get("bias")
-            if b is not None and b.is_meta:
-                module._parameters["bias"] = torch.nn.Parameter(
-                    torch.zeros(tuple(b.shape), dtype=dtype, device=dev), requires_grad=b.requires_grad
-                )
+            _materialise_quantised(module, dev, dtype, std, memo, counts)
             continue
-        fresh = False
-        for name, p in list(module._parameters.items()):
-            if p is None or not p.is_meta:
-                continue
-            if id(p) not in memo:
-                memo[id(p)] = torch.nn.Parameter(
-                    torch.empty(tuple(p.shape), dtype=p.dtype, device=dev), requires_grad=p.requires_grad
-                )
-                counts["bytes"] += memo[id(p)].nbytes
-                fresh = True
-            module._parameters[name] = memo[id(p)]
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and buf.is_meta:
-                module._buffers[name] = torch.empty(tuple(buf.shape), dtype=buf.dtype, device=dev)
-                counts["bytes"] += module._buffers[name].nbytes
-                fresh = True
-        if fresh:
+        if _materialise_storage(module, dev, memo, counts):
             if init_fn is None:
                 raise RuntimeError(
                     f"{type(model).__name__} has no _init_weights to initialise {type(module).__name__}"

@@ -645,11 +645,15 @@ def _metric_names(study: Any, settings: dict[str, Any]) -> list[str]:
     return [str(o) for o in objs if o]
 
 
-def record_from_frozen(trial: Any, metric_names: list[str], base_folder: Path | None = None) -> TrialRecord:
-    """A :class:`TrialRecord` from an Optuna ``FrozenTrial`` (user attrs ``result``/``result_path``)."""
-    from optuna.trial import TrialState
+def _frozen_result(ua: dict[str, Any], base_folder: Path | None) -> tuple[Any, str | None]:
+    """The result a trial's user attrs hold: ``result`` (a dict, or JSON text of one; unreadable text is
+    None), else when that is no dict the file ``result_path`` names, or the file of that name in
+    ``base_folder/trials`` (the first that is a readable JSON file).
 
-    ua = dict(trial.user_attrs or {})
+    Returns:
+        ``(result, path)``: ``path`` the file read, else None with ``result`` what the ``result`` attr gave
+        (parsed when text); the caller rebuilds the record when ``result`` is no dict.
+    """
     result = ua.get("result")
     if isinstance(result, str):
         try:
@@ -668,11 +672,16 @@ def record_from_frozen(trial: Any, metric_names: list[str], base_folder: Path | 
                     break
             except (OSError, ValueError):
                 continue
-    if isinstance(result, dict):
-        rec = TrialRecord.from_result(result, number=trial.number, source="storage", path=path)
-        rec.number = trial.number
-        return rec
-    # Fallback: rebuild what the study itself knows.
+    return result, path
+
+
+def _frozen_status(trial: Any, ua: dict[str, Any]) -> tuple[Status | str, Any]:
+    """A trial's status from its Optuna state (complete: the ``status`` user attr, else ok; pruned;
+    failed: the ``status`` user attr, else error; any other state: running), and the reason: the
+    ``reason`` user attr or the ``fail_reason`` system attr, else for a status other than ok one naming
+    the state."""
+    from optuna.trial import TrialState
+
     state = trial.state
     status: Status | str
     if state == TrialState.COMPLETE:
@@ -688,6 +697,19 @@ def record_from_frozen(trial: Any, metric_names: list[str], base_folder: Path | 
         reason = reason or f"no result yet (state {state.name})"
     elif status != Status.OK:
         reason = reason or f"optuna state {state.name}"
+    return status, reason
+
+
+def record_from_frozen(trial: Any, metric_names: list[str], base_folder: Path | None = None) -> TrialRecord:
+    """A :class:`TrialRecord` from an Optuna ``FrozenTrial`` (user attrs ``result``/``result_path``)."""
+    ua = dict(trial.user_attrs or {})
+    result, path = _frozen_result(ua, base_folder)
+    if isinstance(result, dict):
+        rec = TrialRecord.from_result(result, number=trial.number, source="storage", path=path)
+        rec.number = trial.number
+        return rec
+    # Fallback: rebuild what the study itself knows.
+    status, reason = _frozen_status(trial, ua)
     metrics: dict[str, Any] = {}
     values = trial.values or []
     for name, value in zip(metric_names, values):

@@ -360,6 +360,39 @@ def _derive_allowed(sweep: SweepData, kind: str) -> bool:
     return design in ("", kind)
 
 
+def _place_recorded_ablation(
+    t: TrialRecord, d: dict[str, Any], baseline: PointTrials, factors: dict[tuple[str, ...], PointTrials]
+) -> None:
+    """Add ``t`` by its ``meta.design`` ``d`` (ablation designs only): to ``baseline`` for the baseline role,
+    else to the factor point of its ``change`` (created when new, ``(no change)`` for an empty one)."""
+    if d.get("kind") != "ablation":
+        return
+    if d.get("role") == "baseline":
+        baseline.trials.append(t)
+    else:
+        ch = [str(o) for o in d.get("change") or []]
+        factors.setdefault(tuple(ch), PointTrials(" ".join(ch) or "(no change)", ch)).trials.append(t)
+
+
+def _place_derived_ablation(
+    t: TrialRecord,
+    b: dict[str, str],
+    keys: set[str],
+    changed: dict[str, set[str]],
+    baseline: PointTrials,
+    factors: dict[tuple[str, ...], PointTrials],
+) -> None:
+    """Add ``t`` (no ``meta.design``) to ``baseline`` when it ran the baseline overrides ``b``, else to the
+    first factor point whose change on top of ``b`` it ran (:func:`_matches` on ``keys``); else nowhere."""
+    if _matches(t, b, keys, changed):
+        baseline.trials.append(t)
+        return
+    for ch, point in factors.items():
+        if _matches(t, {**b, **override_dict(ch)}, keys, changed):
+            point.trials.append(t)
+            break
+
+
 def ablation_rows(sweep: SweepData) -> tuple[PointTrials, list[PointTrials]] | None:
     """Baseline and one-factor points from ``meta.design`` roles, else derived from ``sweep.json``."""
     baseline = PointTrials("baseline", [str(o) for o in sweep.settings.get("baseline") or []])
@@ -376,25 +409,10 @@ def ablation_rows(sweep: SweepData) -> tuple[PointTrials, list[PointTrials]] | N
             keys.add(k)
             changed.setdefault(k, set()).add(norm_value(v))
     for t in sweep.trials:
-        d = t.design
-        if d is not None:
-            if d.get("kind") != "ablation":
-                continue
-            if d.get("role") == "baseline":
-                baseline.trials.append(t)
-            else:
-                ch = [str(o) for o in d.get("change") or []]
-                factors.setdefault(tuple(ch), PointTrials(" ".join(ch) or "(no change)", ch)).trials.append(t)
-            continue
-        if not derive:
-            continue
-        if _matches(t, b, keys, changed):
-            baseline.trials.append(t)
-            continue
-        for ch, point in factors.items():
-            if _matches(t, {**b, **override_dict(ch)}, keys, changed):
-                point.trials.append(t)
-                break
+        if (d := t.design) is not None:
+            _place_recorded_ablation(t, d, baseline, factors)
+        elif derive:
+            _place_derived_ablation(t, b, keys, changed, baseline, factors)
     if not baseline.trials and not any(p.trials for p in factors.values()):
         return None
     return baseline, [p for p in factors.values() if p.trials]
