@@ -175,18 +175,36 @@ def _estimate_summary(s: dict[str, Any], result: dict, peak: Any) -> None:
 def _meta_summary(s: dict[str, Any], meta: dict, info: Any) -> None:
     """Add the MFU's details (``info``), the step phases (host and device seconds), the device, git sha,
     hardware profile and emulation, and the wall time to summary ``s``."""
+    _mfu_summary(s, info)
+    _step_phase_summary(s, meta.get("step_phases_s") or {})
+    _environment_summary(s, meta)
+    if _finite(meta.get("wall_s")):
+        s["wall_s"] = meta["wall_s"]
+
+
+def _mfu_summary(s: dict[str, Any], info: Any) -> None:
+    """Add the MFU's details (``info``: its finite numbers and strings) to summary ``s``."""
     mfu = MetricName.MFU.value
     if isinstance(info, dict):
         for k, v in info.items():
             if _finite(v) or isinstance(v, str):
                 s[f"{mfu}/{k}"] = v
-    phases = meta.get("step_phases_s") or {}
+
+
+def _step_phase_summary(s: dict[str, Any], phases: dict) -> None:
+    """Add the step phases' finite host seconds, then their device seconds (``device_s``), to summary
+    ``s``."""
     for phase, sec in phases.items():
         if _finite(sec):
             s[f"step_phase/{phase}_s"] = sec
     for phase, sec in (phases.get("device_s") or {}).items():  # CUDA events: the device's seconds
         if _finite(sec):
             s[f"step_phase/device/{phase}_s"] = sec
+
+
+def _environment_summary(s: dict[str, Any], meta: dict) -> None:
+    """Add the device, git sha, hardware profile and hardware emulation (its non-null entries) to summary
+    ``s``."""
     if meta.get("device"):
         s["device"] = str(meta["device"])
     if meta.get("git_sha"):
@@ -198,8 +216,6 @@ def _meta_summary(s: dict[str, Any], meta: dict, info: Any) -> None:
         for k, v in emu.items():
             if v is not None:
                 s[f"hardware_emulation/{k}"] = v
-    if _finite(meta.get("wall_s")):
-        s["wall_s"] = meta["wall_s"]
 
 
 class WandbLogger:

@@ -350,6 +350,45 @@ class _WaitNotes:
         )
 
 
+class _SlurmWatch:
+    """What the SLURM controller's probes (at most one per :data:`PROBE_S`) said about a job the sweep waits
+    for: its last known ``state`` and since when it has been gone from the queue (``gone_since``)."""
+
+    def __init__(self, notes: _WaitNotes):
+        self.notes = notes
+        self.gone_since: float | None = None
+        self.state: str | None = None
+        self.last_probe = 0.0
+
+    def ended(self, job_id: str, result_json: Path) -> bool:
+        """Probe the controller when :data:`PROBE_S` has passed since the last probe (printing any
+        :class:`_WaitNotes` line); True once the job has been out of the queued states (or unknown to the
+        controller) for :data:`SETTLE_S` (2 s when it was cancelled and wrote no result JSON). An unreachable
+        controller (``?``) changes nothing: the job may still run."""
+        now = time.monotonic()
+        if now - self.last_probe >= PROBE_S:
+            self.last_probe = now
+            probed = slurm_state(job_id)
+            if (line := self.notes.after_probe(probed, now)) is not None:
+                print(line, file=sys.stderr, flush=True)
+            if probed == "?":  # controller unreachable: the job may still run; keep waiting
+                pass
+            elif probed is None or probed.split("+")[0] not in QUEUED_STATES:
+                if probed is not None or (self.state or "PENDING").split("+")[0] in QUEUED_STATES:
+                    self.state = probed  # None: gone from the controller, final state unknown
+                self.gone_since = self.gone_since or now
+            else:
+                self.gone_since, self.state = None, probed
+            settle = (
+                2.0
+                if self.state and self.state.startswith("CANCELLED") and not result_json.exists()
+                else SETTLE_S
+            )
+            if self.gone_since is not None and now - self.gone_since >= settle:
+                return True
+        return False
+
+
 class _SubmititJobs:
     """Submit one trial as a submitit job (the executor and callable of the plugin's ``launch()``) and
     watch it to its end, telling lost infrastructure from a result (module doc)."""
@@ -454,11 +493,11 @@ class _SubmititJobs:
                 self._live.pop(req.job_id, None)
 
     def _wait(self, req: _Request, job: Any) -> None:
+        """Poll every 0.5 s until the job is done (SLURM: its result pickle is there, or the controller has
+        lost it for long enough, :meth:`_SlurmWatch.ended`) or the sweep is cancelled (the job is cancelled,
+        ``req.error``/``req.lost`` say so); then :meth:`_conclude`."""
         result_json = Path(req.spec.result_path)
-        gone_since: float | None = None
-        state: str | None = None
-        last_probe = 0.0
-        notes = _WaitNotes(int(req.spec.number), str(req.job_id), time.monotonic())
+        watch = _SlurmWatch(_WaitNotes(int(req.spec.number), str(req.job_id), time.monotonic()))
         while True:
             if self.cancelled.is_set():
                 self._cancel(job)
@@ -471,29 +510,10 @@ class _SubmititJobs:
             else:
                 if job.paths.result_pickle.exists():
                     break
-                now = time.monotonic()
-                if now - last_probe >= PROBE_S:
-                    last_probe = now
-                    probed = slurm_state(req.job_id)
-                    if (line := notes.after_probe(probed, now)) is not None:
-                        print(line, file=sys.stderr, flush=True)
-                    if probed == "?":  # controller unreachable: the job may still run; keep waiting
-                        pass
-                    elif probed is None or probed.split("+")[0] not in QUEUED_STATES:
-                        if probed is not None or (state or "PENDING").split("+")[0] in QUEUED_STATES:
-                            state = probed  # None: gone from the controller, final state unknown
-                        gone_since = gone_since or now
-                    else:
-                        gone_since, state = None, probed
-                    settle = (
-                        2.0
-                        if state and state.startswith("CANCELLED") and not result_json.exists()
-                        else SETTLE_S
-                    )
-                    if gone_since is not None and now - gone_since >= settle:
-                        break
+                if watch.ended(str(req.job_id), result_json):
+                    break
             time.sleep(0.5)
-        self._conclude(req, job, state)
+        self._conclude(req, job, watch.state)
 
     def _conclude(self, req: _Request, job: Any, state: str | None) -> None:
         """The job ended: its return, a failure of its own, or lost infrastructure."""

@@ -121,68 +121,90 @@ class _Prober:
         return res
 
 
-def search_config(prober: _Prober, overrides: list[str], predicted: int, lo: int, hi: int, step: int) -> dict:
-    """Exponential steps from the prediction, then bisection on the grid ``lo + k*step``."""
+class _GridSearch:
+    """One config's probes on the grid ``lo + k*step`` within ``[lo, hi]``: the lengths that fit, those that
+    did not, and ``error``, the reason of a probe that failed otherwise (it ends the search)."""
 
-    def snap(t: int) -> int:
-        return max(lo, min(hi, lo + ((t - lo) // step) * step))
+    def __init__(self, prober: _Prober, overrides: list[str], lo: int, hi: int, step: int):
+        self.prober = prober
+        self.overrides = overrides
+        self.lo, self.hi, self.step = lo, hi, step
+        self.fits: dict[int, dict] = {}
+        self.fails: dict[int, dict] = {}
+        self.error: str | None = None
 
-    fits: dict[int, dict] = {}
-    fails: dict[int, dict] = {}
-    error = None
+    def snap(self, t: int) -> int:
+        """``t`` rounded down to the grid, clamped to ``[lo, hi]``."""
+        return max(self.lo, min(self.hi, self.lo + ((t - self.lo) // self.step) * self.step))
 
-    def run(t: int) -> bool | None:
-        nonlocal error
-        res = prober.probe(overrides, t)
-        f = _fits(res, prober.budget)
+    def run(self, t: int) -> bool | None:
+        """Probe ``t`` tokens and file the result under ``fits`` / ``fails`` (None: ``error`` says why)."""
+        res = self.prober.probe(self.overrides, t)
+        f = _fits(res, self.prober.budget)
         if f is None:
-            error = f"{res.get('status')} at {t} tokens: {res.get('reason')}"
+            self.error = f"{res.get('status')} at {t} tokens: {res.get('reason')}"
         elif f:
-            fits[t] = res
+            self.fits[t] = res
         else:
-            fails[t] = res
+            self.fails[t] = res
         return f
 
-    t = snap(predicted)
-    f = run(t)
-    if f is None:
-        return _summary(overrides, predicted, fits, fails, hi, step, error)
-    jump = step
-    if f:  # go up until something does not fit (or hi fits)
-        while t < hi:
-            nxt = snap(min(hi, t + jump))
+    def climb(self, t: int) -> bool:
+        """From ``t`` (which fits), step up, doubling the step, until a length does not fit or ``hi`` fits;
+        False when a probe failed otherwise."""
+        jump = self.step
+        while t < self.hi:
+            nxt = self.snap(min(self.hi, t + jump))
             if nxt == t:
                 break
-            r = run(nxt)
+            r = self.run(nxt)
             if r is None:
-                return _summary(overrides, predicted, fits, fails, hi, step, error)
+                return False
             if not r:
                 break
             t, jump = nxt, jump * 2
-    else:  # go down until something fits (or lo does not)
-        while t > lo:
-            nxt = snap(max(lo, t - jump))
-            r = run(nxt)
+        return True
+
+    def descend(self, t: int) -> bool:
+        """From ``t`` (which does not fit), step down, doubling the step, until a length fits or ``lo`` does
+        not; False when a probe failed otherwise."""
+        jump = self.step
+        while t > self.lo:
+            nxt = self.snap(max(self.lo, t - jump))
+            r = self.run(nxt)
             if r is None:
-                return _summary(overrides, predicted, fits, fails, hi, step, error)
+                return False
             if r:
                 break
             t, jump = nxt, jump * 2
-    # bisect between the longest fit and the shortest fail above it
-    while fits and fails:
-        good = max(fits)
-        above = [x for x in fails if x > good]
-        if not above:
-            break
-        bad = min(above)
-        if bad - good <= step:
-            break
-        mid = snap(good + ((bad - good) // step // 2) * step)
-        if mid in (good, bad):
-            break
-        if run(mid) is None:
-            break
-    return _summary(overrides, predicted, fits, fails, hi, step, error)
+        return True
+
+    def bisect(self) -> None:
+        """Bisect between the longest fit and the shortest fail above it until they are one grid step apart
+        (or a probe fails otherwise)."""
+        while self.fits and self.fails:
+            good = max(self.fits)
+            above = [x for x in self.fails if x > good]
+            if not above:
+                break
+            bad = min(above)
+            if bad - good <= self.step:
+                break
+            mid = self.snap(good + ((bad - good) // self.step // 2) * self.step)
+            if mid in (good, bad):
+                break
+            if self.run(mid) is None:
+                break
+
+
+def search_config(prober: _Prober, overrides: list[str], predicted: int, lo: int, hi: int, step: int) -> dict:
+    """Exponential steps from the prediction, then bisection on the grid ``lo + k*step``."""
+    search = _GridSearch(prober, overrides, lo, hi, step)
+    t = search.snap(predicted)
+    f = search.run(t)
+    if f is not None and (search.climb(t) if f else search.descend(t)):
+        search.bisect()
+    return _summary(overrides, predicted, search.fits, search.fails, hi, step, search.error)
 
 
 def _summary(overrides, predicted, fits, fails, hi, step, error) -> dict[str, Any]:

@@ -223,63 +223,104 @@ def _kind_text(rule: Rule) -> str:
 
 
 def check_setting(key: str, value: Any) -> None:
-    """Raise :class:`ConfigError` unless ``hydra.sweeper.<key>=value`` has the type and range of its rule."""
-    import math
-
+    """Raise :class:`ConfigError` unless ``hydra.sweeper.<key>=value`` has the type and range of its rule
+    (null only where the rule allows it; then the check of its kind, :data:`_KIND_CHECKS`)."""
     rule = SETTING_RULES.get(key)
     if rule is None:
         raise ConfigError(
             f"unknown setting hydra.sweeper.{key}", key=f"hydra.sweeper.{key}", allowed=sorted(SETTING_RULES)
         )
     full = f"hydra.sweeper.{key}"
-
-    def bad(why: str = "") -> ConfigError:
-        shown = "null" if value is None else repr(value) if isinstance(value, str) else value
-        return ConfigError(
-            f"{full}={shown} {why or 'is not ' + _kind_text(rule)}", key=full, allowed=[_kind_text(rule)]
-        )
-
     if value is None:
         if rule.nullable:
             return
-        raise bad("cannot be null")
-    kind = rule.kind
-    if kind in ("int", "float"):
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise bad()
-        if kind == "int" and isinstance(value, float):
-            if not value.is_integer():
-                raise bad()
-            value = int(value)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise bad("is not finite")
-        lo, hi = rule.lo, rule.hi
-        if lo is not None and (value <= lo if rule.lo_open else value < lo) or hi is not None and value > hi:
-            raise bad("is out of range")
-    elif kind == "bool":
-        if not isinstance(value, bool):
-            raise bad()
-    elif kind in ("str", "choice"):
-        if not isinstance(value, str):
-            raise bad()
-        if not value.strip():
-            raise bad("is empty")
-        if kind == "choice" and value not in rule.choices:
-            raise ConfigError(f"{full}={value!r} is not known", key=full, allowed=list(rule.choices))
-    elif kind == "spec":
-        _check_spec(value, rule.choices, full)
-    elif kind == "direction":
-        items = value if isinstance(value, list | tuple) else [value]
-        if not items or any(str(d).lower() not in ("minimize", "maximize") for d in items):
-            raise ConfigError(f"{full}={value!r} is not known", key=full, allowed=["minimize", "maximize"])
-    elif kind == "strs":
-        if not isinstance(value, list | tuple) or not all(
-            isinstance(v, str | int) and not isinstance(v, bool) and str(v).strip() for v in value
-        ):
-            raise bad()
-    elif kind == "map":
-        if not isinstance(value, dict):
-            raise bad()
+        raise _bad_setting(full, value, rule, "cannot be null")
+    check = _KIND_CHECKS.get(rule.kind)
+    if check is not None:
+        check(full, value, rule)
+
+
+def _bad_setting(full: str, value: Any, rule: Rule, why: str = "") -> ConfigError:
+    """The error for ``full=value``: ``why``, or by default that it is not what the rule's kind wants."""
+    shown = "null" if value is None else repr(value) if isinstance(value, str) else value
+    return ConfigError(
+        f"{full}={shown} {why or 'is not ' + _kind_text(rule)}", key=full, allowed=[_kind_text(rule)]
+    )
+
+
+def _check_number_setting(full: str, value: Any, rule: Rule) -> None:
+    """``int``/``float``: a number (not a bool; an ``int`` may be a whole float), finite, within the rule's
+    bounds."""
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad_setting(full, value, rule)
+    if rule.kind == "int" and isinstance(value, float):
+        if not value.is_integer():
+            raise _bad_setting(full, value, rule)
+        value = int(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _bad_setting(full, value, rule, "is not finite")
+    lo, hi = rule.lo, rule.hi
+    if lo is not None and (value <= lo if rule.lo_open else value < lo) or hi is not None and value > hi:
+        raise _bad_setting(full, value, rule, "is out of range")
+
+
+def _check_bool_setting(full: str, value: Any, rule: Rule) -> None:
+    """``bool``: true or false."""
+    if not isinstance(value, bool):
+        raise _bad_setting(full, value, rule)
+
+
+def _check_text_setting(full: str, value: Any, rule: Rule) -> None:
+    """``str``/``choice``: a non-blank string; for ``choice``, one of the rule's choices."""
+    if not isinstance(value, str):
+        raise _bad_setting(full, value, rule)
+    if not value.strip():
+        raise _bad_setting(full, value, rule, "is empty")
+    if rule.kind == "choice" and value not in rule.choices:
+        raise ConfigError(f"{full}={value!r} is not known", key=full, allowed=list(rule.choices))
+
+
+def _check_spec_setting(full: str, value: Any, rule: Rule) -> None:
+    """``spec``: a name among the rule's choices or a dict (:func:`_check_spec`)."""
+    _check_spec(value, rule.choices, full)
+
+
+def _check_direction_setting(full: str, value: Any, rule: Rule) -> None:
+    """``direction``: ``minimize``/``maximize`` (any case) or a non-empty list of them."""
+    items = value if isinstance(value, list | tuple) else [value]
+    if not items or any(str(d).lower() not in ("minimize", "maximize") for d in items):
+        raise ConfigError(f"{full}={value!r} is not known", key=full, allowed=["minimize", "maximize"])
+
+
+def _check_strs_setting(full: str, value: Any, rule: Rule) -> None:
+    """``strs``: a list of non-blank strings or integers (not bools)."""
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(v, str | int) and not isinstance(v, bool) and str(v).strip() for v in value
+    ):
+        raise _bad_setting(full, value, rule)
+
+
+def _check_map_setting(full: str, value: Any, rule: Rule) -> None:
+    """``map``: a dict."""
+    if not isinstance(value, dict):
+        raise _bad_setting(full, value, rule)
+
+
+#: The type/range check of a given, non-null setting, by its rule's kind (``any``: none here; checked where
+#: it is parsed).
+_KIND_CHECKS: dict[str, Callable[[str, Any, Rule], None]] = {
+    "int": _check_number_setting,
+    "float": _check_number_setting,
+    "bool": _check_bool_setting,
+    "str": _check_text_setting,
+    "choice": _check_text_setting,
+    "spec": _check_spec_setting,
+    "direction": _check_direction_setting,
+    "strs": _check_strs_setting,
+    "map": _check_map_setting,
+}
 
 
 def check_conf(sweeper: dict[str, Any]) -> None:
@@ -453,59 +494,78 @@ def parse_objectives(raw: Any, direction: Any = None) -> list[Objective]:
     ``direction`` (str or list) overrides the directions in order.
     """
 
-    items: list[tuple[str, str | None]] = []
-    if raw is None:
-        items = [(M.EVAL_LOSS, "minimize")]
-    elif isinstance(raw, dict) and "metric" not in raw:
-        items = [(str(k), None if v is None else str(v)) for k, v in raw.items()]
-    else:
-        for entry in _as_list(raw if not isinstance(raw, dict) else [raw], "sweep.objectives"):
-            if isinstance(entry, str):
-                items.append((entry, None))
-            elif isinstance(entry, dict) and "metric" in entry:
-                d = entry.get("direction")
-                items.append((str(entry["metric"]), None if d is None else str(d)))
-            else:
-                raise ConfigError(
-                    f"sweep.objectives entry {entry!r} must be a metric name or {{metric: ..., "
-                    f"direction: ...}}",
-                    key="sweep.objectives",
-                    allowed=list(OBJECTIVE_METRICS),
-                )
+    items = _objective_items(raw)
     if not items:
         raise ConfigError(
             "sweep.objectives is empty", key="sweep.objectives", allowed=list(OBJECTIVE_METRICS)
         )
     if direction is not None:
-        dirs = _as_list(direction, "hydra.sweeper.direction")
-        if len(dirs) != len(items):
-            raise ConfigError(
-                f"hydra.sweeper.direction has {len(dirs)} entries for {len(items)} objectives "
-                f"({', '.join(m for m, _ in items)})",
-                key="hydra.sweeper.direction",
-            )
-        items = [(m, str(d)) for (m, _), d in zip(items, dirs)]
-    out: list[Objective] = []
-    for metric, d in items:
-        if not is_objective(metric):
-            raise ConfigError(
-                f"unknown objective metric {metric!r}",
-                key="sweep.objectives",
-                allowed=list(OBJECTIVE_METRICS),
-            )
-        if d is None:
-            d = metric_direction(metric)
-        d = d.lower()
-        if d not in ("minimize", "maximize"):
-            raise ConfigError(
-                f"objective {metric}: direction={d!r}",
-                key="sweep.objectives",
-                allowed=["minimize", "maximize"],
-            )
-        out.append(Objective(metric, d))
+        items = _override_directions(items, direction)
+    out = [_objective(metric, d) for metric, d in items]
     if len({o.metric for o in out}) != len(out):
         raise ConfigError("sweep.objectives names a metric twice", key="sweep.objectives")
     return out
+
+
+def _objective_items(raw: Any) -> list[tuple[str, str | None]]:
+    """``(metric, direction or None)`` pairs of raw objectives: ``None`` is ``eval_loss`` minimised; a dict
+    without ``metric`` maps metrics to directions; else each entry (of a list, or the one name or
+    ``{metric, direction}`` dict) is a metric name or such a dict."""
+    if raw is None:
+        return [(M.EVAL_LOSS, "minimize")]
+    if isinstance(raw, dict) and "metric" not in raw:
+        return [(str(k), None if v is None else str(v)) for k, v in raw.items()]
+    return [
+        _objective_entry(entry)
+        for entry in _as_list(raw if not isinstance(raw, dict) else [raw], "sweep.objectives")
+    ]
+
+
+def _objective_entry(entry: Any) -> tuple[str, str | None]:
+    """One objectives entry: a metric name or ``{metric: ..., direction: ...}``."""
+    if isinstance(entry, str):
+        return (entry, None)
+    if isinstance(entry, dict) and "metric" in entry:
+        d = entry.get("direction")
+        return (str(entry["metric"]), None if d is None else str(d))
+    raise ConfigError(
+        f"sweep.objectives entry {entry!r} must be a metric name or {{metric: ..., direction: ...}}",
+        key="sweep.objectives",
+        allowed=list(OBJECTIVE_METRICS),
+    )
+
+
+def _override_directions(items: list[tuple[str, str | None]], direction: Any) -> list[tuple[str, str | None]]:
+    """``hydra.sweeper.direction`` (one entry per objective) replaces the items' directions in order."""
+    dirs = _as_list(direction, "hydra.sweeper.direction")
+    if len(dirs) != len(items):
+        raise ConfigError(
+            f"hydra.sweeper.direction has {len(dirs)} entries for {len(items)} objectives "
+            f"({', '.join(m for m, _ in items)})",
+            key="hydra.sweeper.direction",
+        )
+    return [(m, str(d)) for (m, _), d in zip(items, dirs)]
+
+
+def _objective(metric: str, d: str | None) -> Objective:
+    """One :class:`Objective`: a known objective metric, its direction (default: the metric's registered
+    one) ``minimize`` or ``maximize`` in any case."""
+    if not is_objective(metric):
+        raise ConfigError(
+            f"unknown objective metric {metric!r}",
+            key="sweep.objectives",
+            allowed=list(OBJECTIVE_METRICS),
+        )
+    if d is None:
+        d = metric_direction(metric)
+    d = d.lower()
+    if d not in ("minimize", "maximize"):
+        raise ConfigError(
+            f"objective {metric}: direction={d!r}",
+            key="sweep.objectives",
+            allowed=["minimize", "maximize"],
+        )
+    return Objective(metric, d)
 
 
 def default_repeats(design: str, objectives: list[Objective]) -> int:
