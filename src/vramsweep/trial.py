@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.config.compose import ConfigError, check_rules, compose
 from vramsweep.config.rules import refused_point, validate
+from vramsweep.data.evalset import eval_set
 from vramsweep.data.packing import pack_examples, packing_stats
 from vramsweep.data.prep import collate_batch, eval_batches, micro_batches, trial_data
 from vramsweep.estimate import estimate
@@ -382,6 +383,7 @@ def prepare(cfg: DictConfig, result: dict) -> Prepared:
     source = model_source(cfg)  # (weights dir, tokenizer): the tokenizer is loaded once per trial
     tokenizer = source[1]
     data = trial_data(cfg, tokenizer)
+    result["meta"]["eval_set"] = eval_set(data.eval, int(t.eval_batches), data.stats)  # before any remap
     n_rows = len(_rows(cfg, data.train)[0])  # examples, or packed rows (data.packing): what an epoch covers
     if (steps := apply_epochs(cfg, n_rows)) is not None:  # train.epochs: the run's length
         result["meta"]["steps_from_epochs"] = {"epochs": float(t.epochs), "steps": steps}

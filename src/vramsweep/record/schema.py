@@ -191,6 +191,7 @@ class Meta(_Record):
         "duplicate_of": ("int", True),
         "result_path": ("text", True),
         "max_context_probe": ("dict", True),
+        "eval_set": ("dict", True),
     }
     WHERE: ClassVar[str] = "meta"
 
@@ -206,6 +207,8 @@ class Meta(_Record):
     duplicate_of: int | None = None
     result_path: str | None = None
     max_context_probe: dict[str, Any] | None = None
+    #: what the held-out metrics are over (vramsweep.data.evalset): {fingerprint, examples, ...}
+    eval_set: dict[str, Any] | None = None
 
     @classmethod
     def from_json(cls, data: Any) -> Meta:

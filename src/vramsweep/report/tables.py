@@ -34,6 +34,7 @@ from vramsweep.record.metrics import (
     value_format,
 )
 from vramsweep.record.metrics import label as metric_label
+from vramsweep.report.evalset import held_out, same_eval_set, split
 from vramsweep.report.load import (
     REPEAT_KEYS,
     SweepData,
@@ -168,6 +169,8 @@ def csv_text(tables: Iterable[Table]) -> str:
 # ---------------------------------------------------------------------------------------------
 #: Significance marks on Δ cells (see :mod:`vramsweep.report.stats` for the tests).
 MARKS = {SIGNIFICANT: "*", NOISE: "~", UNKNOWN: "?"}
+#: A held-out metric's Δ cell between trials that scored different held-out tokens (report/evalset.py).
+NOT_COMPARABLE = "n/c"
 #: Mark of a throughput delta measured under load (replaces the significance mark: not a finding).
 LOAD_MARK = "!"
 MARK_LEGEND = (
@@ -549,10 +552,16 @@ def _compare_into(
     (keys ``d_<pfx><key>``, ``d_<pfx><key>_pct``, ``se_<pfx><key>``, ``p_<pfx><key>``, ``sig_<pfx><key>``)."""
     loaded = _loaded(point.trials) + (_loaded(ref.trials) if ref is not None else [])
     r[f"loaded_{pfx}".rstrip("_")] = "; ".join(f"trial {n}: {why}" for n, why in loaded) or None
+    oks = [t for t in point.trials if t.ok] + ([t for t in ref.trials if t.ok] if ref is not None else [])
+    other_eval_set = ref is not None and not same_eval_set(oks, [])
     for spec in specs:
         a = ok_values(point.trials, spec.value)
         b = ok_values(ref.trials, spec.value) if ref is not None else []
-        c: Comparison | None = compare(a, b)
+        # held-out metrics over different held-out tokens: no Δ, the cell says n/c (report/evalset.py)
+        nc = other_eval_set and held_out(spec.metric) and bool(a) and bool(b)
+        if nc:
+            r[f"nc_{pfx}{spec.key}"] = True
+        c: Comparison | None = None if nc else compare(a, b)
         pct = f"d_{pfx}{spec.pct_key[2:]}"
         ref_mean = statistics.fmean(b) if b else None
         r[f"d_{pfx}{spec.key}"] = c.delta if c else None
@@ -591,6 +600,8 @@ def _delta_cell(
         marked = pct == (spec.delta_header is None)
 
     def cell(r: dict[str, Any]) -> str:
+        if r.get(f"nc_{pfx}{spec.key}"):
+            return NOT_COMPARABLE
         d = r.get(f"d_{key}")
         if d is None:
             return ""
@@ -657,6 +668,18 @@ def _noise_notes(rows: list[dict[str, Any]], specs: list[MetricSpec], pfx: str) 
     return notes
 
 
+def _eval_set_notes(sweep: SweepData, rows: list[dict[str, Any]], points: list[PointTrials]) -> list[str]:
+    """Why held-out Δ cells say n/c: the compared trials scored different held-out tokens, and the knob."""
+    if not any(k.startswith("nc_") and v for r in rows for k, v in r.items()):
+        return []
+    sp = split(sweep, [t for p in points for t in p.trials if t.ok])
+    why = sp.message() if sp is not None else "the trials scored different held-out tokens"
+    return [
+        f"{NOT_COMPARABLE}: held-out metrics not compared (eval loss, ppl, task score, fact/control): {why}. "
+        "Fix that key across the sweep to compare them (docs/DATA.md, Held-out loss)."
+    ]
+
+
 def _load_notes(points: list[PointTrials]) -> list[str]:
     """Which trials measured their throughput under load (``meta.timing_conditions``), and why."""
     loaded = sorted({n: why for p in points for n, why in _loaded(p.trials)}.items())
@@ -706,6 +729,7 @@ def ablation_table(sweep: SweepData) -> Table | None:
     elif not base_row["n_ok"]:
         notes.append("Every baseline trial failed: Δ columns are empty.")
     notes += _noise_notes(rows, specs, "") if ref is not None else []
+    notes += _eval_set_notes(sweep, rows, [baseline, *factors])
     notes += _load_notes([baseline, *factors])
     return Table("ablation", "One-factor ablation", cols, rows, intro=intro, notes=notes)
 
@@ -747,7 +771,7 @@ def stacking_table(sweep: SweepData) -> Table | None:
         "Optimisations added one at a time, in order; each row is the cumulative config after that step. "
         "Δ prev compares with the step before (empty when either is unmeasured). " + MARK_LEGEND
     )
-    notes = _noise_notes(rows, specs, "prev_") + _load_notes(points)
+    notes = _noise_notes(rows, specs, "prev_") + _eval_set_notes(sweep, rows, points) + _load_notes(points)
     return Table("stacking", "Stacking", cols, rows, intro=intro, notes=notes)
 
 
@@ -932,8 +956,12 @@ def best_table(sweep: SweepData) -> Table:
     knobs = sweep.varying_knobs()
     feasible = [t for t in sweep.trials if sweep.feasible(t)]
     rows = []
+    unranked = []  # held-out objectives over different eval sets (report/evalset.py)
     for metric, direction in sweep.objectives:
-        found = best_config(sweep, feasible, metric, direction)
+        sp = split(sweep, [t for t in feasible if t.metric(metric) is not None]) if held_out(metric) else None
+        found = None if sp is not None else best_config(sweep, feasible, metric, direction)
+        if sp is not None:
+            unranked.append(metric)
         if found is None:
             rows.append(
                 {
@@ -942,7 +970,7 @@ def best_table(sweep: SweepData) -> Table:
                     "trial": None,
                     "value": None,
                     "knobs": "",
-                    "noise": "",
+                    "noise": f"not ranked: {sp.message()}" if sp is not None else "",
                 }
             )
             continue
@@ -957,8 +985,11 @@ def best_table(sweep: SweepData) -> Table:
                 **info,
             }
         )
-    front = pareto_front(feasible, sweep.objectives)
-    objs = ", ".join(f"{m} {'↓' if d == 'minimize' else '↑'}" for m, d in sweep.objectives)
+    front_objectives = [(m, d) for m, d in sweep.objectives if m not in unranked]
+    front = pareto_front(feasible, front_objectives)
+    objs = ", ".join(f"{m} {'↓' if d == 'minimize' else '↑'}" for m, d in front_objectives)
+    if unranked:
+        objs += f" ({', '.join(unranked)} left out: the trials scored different held-out tokens)"
     intro = (
         f"Feasible trials only ({len(feasible)} of {len(sweep.trials)}). Best = the config with "
         "the best mean over its seed repeats (its best trial shown); vs other configs: which it "
