@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vramsweep.data.examples import IGNORE_INDEX
+from vramsweep.data.prep import EVAL_BATCH, eval_subset
 
 #: Hex digits of the fingerprint kept in the result (64 bits: collisions are not a concern at sweep sizes).
 FINGERPRINT_HEX = 16
@@ -43,8 +44,6 @@ def scored_tokens(examples: Sequence[Any]) -> int:
 def eval_set(examples: Sequence[Any], n_batches: int, stats: dict | None = None) -> dict[str, Any]:
     """``meta.eval_set``: the fingerprint of the held-out examples a trial scores (the eval subset of
     ``n_batches`` batches), their count, the scored tokens and the mask they were scored under."""
-    from vramsweep.data.prep import EVAL_BATCH, eval_subset
-
     scored = eval_subset(list(examples), int(n_batches) * EVAL_BATCH)
     stats = stats or {}
     out: dict[str, Any] = {
