@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from _reports import _conf_copy, cells, result, write_sweep
-from vramsweep.report import build_report, load_sweep, run_pick
+from vramsweep.report import build_report, load_sweep, run_pick, run_report
 
 pytestmark = pytest.mark.torchfree
 
@@ -86,6 +86,12 @@ def test_differing_eval_sets_are_refused_with_the_knob_named(tmp_path, monkeypat
     assert "eval_loss left out" in report.tables["best"].intro
     imp_notes = report.importances.notes
     assert any(n.startswith("eval_loss: skipped, the trials scored different") for n in imp_notes)
+
+    capsys.readouterr()
+    assert run_report(str(folder)) == 0
+    out = capsys.readouterr().out
+    assert "best eval_loss: not ranked: the trials scored different held-out tokens" in " ".join(out.split())
+    assert "Pareto front (feasible; peak_memory_bytes min, tokens_per_s max): trial 0005" in out
 
     assert run_pick(str(folder), budget_gib=16, conf_dir=str(conf)) == 2
     err = capsys.readouterr().err

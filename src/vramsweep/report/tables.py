@@ -34,7 +34,7 @@ from vramsweep.record.metrics import (
     value_format,
 )
 from vramsweep.record.metrics import label as metric_label
-from vramsweep.report.evalset import held_out, same_eval_set, split
+from vramsweep.report.evalset import EvalSplit, held_out, same_eval_set, split
 from vramsweep.report.load import (
     REPEAT_KEYS,
     SweepData,
@@ -950,18 +950,28 @@ def best_config(
     return best, info
 
 
+def ranked_objectives(
+    sweep: SweepData, trials: list[TrialRecord]
+) -> tuple[list[tuple[str, str]], dict[str, EvalSplit]]:
+    """The objectives ``trials`` can be ranked on, and the held-out ones they cannot: metric -> the
+    :class:`~vramsweep.report.evalset.EvalSplit` of trials that scored different held-out tokens."""
+    unranked: dict[str, EvalSplit] = {}
+    for metric, _ in sweep.objectives:
+        if held_out(metric) and (sp := split(sweep, [t for t in trials if t.metric(metric) is not None])):
+            unranked[metric] = sp
+    return [(m, d) for m, d in sweep.objectives if m not in unranked], unranked
+
+
 def best_table(sweep: SweepData) -> Table:
     """Best feasible config per objective (by its mean over seed repeats; its best trial shown), whether it
     is separated from the other configs beyond noise, and the feasible Pareto front."""
     knobs = sweep.varying_knobs()
     feasible = [t for t in sweep.trials if sweep.feasible(t)]
     rows = []
-    unranked = []  # held-out objectives over different eval sets (report/evalset.py)
+    front_objectives, unranked = ranked_objectives(sweep, feasible)
     for metric, direction in sweep.objectives:
-        sp = split(sweep, [t for t in feasible if t.metric(metric) is not None]) if held_out(metric) else None
+        sp = unranked.get(metric)
         found = None if sp is not None else best_config(sweep, feasible, metric, direction)
-        if sp is not None:
-            unranked.append(metric)
         if found is None:
             rows.append(
                 {
@@ -985,7 +995,6 @@ def best_table(sweep: SweepData) -> Table:
                 **info,
             }
         )
-    front_objectives = [(m, d) for m, d in sweep.objectives if m not in unranked]
     front = pareto_front(feasible, front_objectives)
     objs = ", ".join(f"{m} {'↓' if d == 'minimize' else '↑'}" for m, d in front_objectives)
     if unranked:
