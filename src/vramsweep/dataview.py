@@ -64,6 +64,12 @@ def marked(example: Any, tok: Any, colour: bool) -> str:
     return "".join(parts)
 
 
+def _merged(e: Any) -> int:
+    """Trained spans whose first token straddles the prompt/answer boundary (``Example.boundary_merged``
+    where the data step counts them; 0 otherwise)."""
+    return int(getattr(e, "boundary_merged", 0) or 0)
+
+
 def _key(e: Any) -> tuple:
     return (e.where or e.doc_id, e.target_section)
 
@@ -90,6 +96,7 @@ class Split:
             "trained": sum(sum(1 for t in e.labels if t != IGNORE_INDEX) for e in ex),
             "truncated": sum(1 for e in ex if self.full_len(e) > len(e.input_ids)),
             "dropped": len({k[0] for k in self.full} - kept),
+            "boundary_merged": sum(_merged(e) for e in ex),
         }
 
 
@@ -105,6 +112,7 @@ def record(split: Split, i: int, e: Any, tok: Any) -> dict[str, Any]:
         "trained_tokens": sum(1 for t in e.labels if t != IGNORE_INDEX),
         "truncated": full > len(e.input_ids),
         "untruncated_tokens": full,
+        "boundary_merged": _merged(e),
         "trained": [tok.decode(e.input_ids[a:b]) for a, b in spans(e.labels)],
     }
 
@@ -147,7 +155,7 @@ def _totals_line(s: Split) -> str:
     return (
         f"{what}: {t['records']:,} records -> {t['examples']:,} examples, {t['tokens']:,} tokens, "
         f"{t['trained']:,} trained ({_pct(t['trained'], t['tokens'])}), {t['truncated']:,} truncated, "
-        f"{t['dropped']:,} dropped"
+        f"{t['dropped']:,} dropped, {t['boundary_merged']:,} boundary-merged"
     )
 
 

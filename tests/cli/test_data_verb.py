@@ -60,6 +60,7 @@ def test_json_lists_each_trained_span_and_counts(chats, capsys):
         "trained": sum(r["trained_tokens"] for r in recs),
         "truncated": 2,
         "dropped": 0,
+        "boundary_merged": 0,  # the embedded tokenizer keeps a boundary space apart
     }
     assert summary["eval"]["truncated"] == 1 and summary["eval_from"] == "last 10 %"
     assert (summary["train_on"], summary["eval_train_on"]) == ("assistant", "assistant")
@@ -89,7 +90,7 @@ def test_text_marks_trained_tokens_and_reads_the_trials_cache(chats, capsys, mon
     )
     assert "<|bos|>assistant\n[[Four.<|eos|>]]\n" in out and "[[Six.<|eos|>]]" in out
     assert "--- example 2 of 9 (" in out and "truncated from" in out
-    assert "train: 9 records -> 9 examples" in out and ", 2 truncated, 0 dropped" in out
+    assert "train: 9 records -> 9 examples" in out and ", 2 truncated, 0 dropped, 0 boundary-merged" in out
     assert "held-out records: last 10 % (1), scored under train_on assistant" in out
     assert "lengths (train, tokens): min " in out and "(context.max_tokens=64)" in out
 
@@ -130,3 +131,23 @@ def test_help_names_the_docs(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--records N" in out and "--json" in out and "docs: docs/DATA.md" in out
+
+
+def test_boundary_merged_spans_are_counted_where_the_data_step_marks_them():
+    """``Example.boundary_merged`` (set by the data step where a token straddles the prompt/answer
+    boundary) is shown per record and summed; an example without the field counts 0."""
+    from vramsweep.data.examples import Example
+    from vramsweep.dataview import Split, record
+
+    class Tok:
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    plain = Example(
+        input_ids=[1, 2, 3], labels=[-100, 2, 3], doc_id="a", target_section=0, n_context_tokens=1
+    )
+    merged = Example(input_ids=[4, 5], labels=[-100, 5], doc_id="b", target_section=0, n_context_tokens=1)
+    merged.boundary_merged = 1
+    split = Split("train", [plain, merged], {("a", 0): 3, ("b", 0): 2}, 2)
+    assert [record(split, i, e, Tok())["boundary_merged"] for i, e in enumerate(split.examples)] == [0, 1]
+    assert split.totals()["boundary_merged"] == 1 and record(split, 0, plain, Tok())["trained"] == ["2 3"]

@@ -85,7 +85,9 @@ def test_fingerprint_follows_every_change_to_the_scored_tokens(tmp_path, tok):
     assert len(fp) == 16 and fp == fingerprint(base.eval[:4])
     assert eval_set(_data(path, tok, "data.train_on=all").eval, 1)["fingerprint"] == fp
     assert eval_set(_data(path, tok, "context.max_tokens=32").eval, 1)["fingerprint"] != fp
-    assert eval_set(_data(path, tok, "data.chat_template=chatml").eval, 1)["fingerprint"] != fp
+    other = tmp_path / "other.jinja"  # the tokenizer's own template behind a header line: another rendering
+    other.write_text("{{ 'Chat log\\n' }}" + tok.chat_template)
+    assert eval_set(_data(path, tok, f"data.chat_template={other}").eval, 1)["fingerprint"] != fp
     many = [{"messages": [*CHAT[:-1], {"role": "assistant", "content": f"Answer {i}."}]} for i in range(80)]
     varied = _data(_file(tmp_path, many), tok)
     assert eval_set(varied.eval, 1)["fingerprint"] != eval_set(varied.eval, 2)["fingerprint"]
