@@ -129,3 +129,36 @@ def test_long_context_stack_matches_the_2026_12_04_gpu_probe():
     assert oom["fits"] is False and oom["required_bytes"] > 15 * GIB
     top = max_context(_cfg(*STACK))["max_tokens"]
     assert 49_152 < top < GPU_2026_12_04_OOM, top
+
+
+def test_grouped_attention_workspace_by_hand():
+    """tiling.attention_heads=G: the per-call fp32 block, heads x (2·head_dim + 1) x 4 B = 32,896 B/token
+    for Qwen3-8B in bf16, is 1/G; the kernel's dq/dk/dv outputs (12,288 B) stay whole, and split's
+    backward concatenates the query gradient (8,192 B) once every group is done."""
+    block, outputs, dq = 32 * (2 * 128 + 1) * 4, 4096 * 2 + 2 * 1024 * 2, 4096 * 2
+    assert block == 32_896
+    ws = {
+        g: attention_backward_bytes_per_token(knobs_from_cfg(_cfg(f"tiling.attention_heads={g}")))
+        for g in (0, 1, 2, 4, 8)
+    }
+    assert ws[0] == ws[1] == block + outputs == 45_184
+    assert ws[2] == outputs + block / 2
+    assert ws[4] == outputs + block / 4 == 20_512
+    assert ws[8] == outputs + dq  # the concatenation is the larger moment
+    assert (
+        attention_backward_bytes_per_token(knobs_from_cfg(compose(["tiling.attention_heads=2"]))) == 0
+    )  # CPU
+
+
+@pytest.mark.torchfree
+def test_grouped_attention_moves_the_16gb_max_context_past_65536():
+    """Before (one call): 62,881 tokens, 15.35 GiB required at 65,536; in 4 head groups the recomputed
+    layer's attention backward holds 24,672 B/token less: > 68,813 (65,536 with a 5 % margin)."""
+    one = estimate(_cfg(*STACK, "context.max_tokens=65536"), calibration=False)
+    four = estimate(_cfg(*STACK, "tiling.attention_heads=4", "context.max_tokens=65536"), calibration=False)
+    saved = one["required_bytes"] - four["required_bytes"]
+    assert saved >= (45_184 - 20_512) * 65_536  # the workspace's drop (+ its share of the allocator reserve)
+    assert four["fits"] is True and one["fits"] is False
+    assert any("attention_heads=4" in t for t in four["extrapolated_terms"])
+    top = max_context(_cfg(*STACK, "tiling.attention_heads=4"))["max_tokens"]
+    assert top >= 68_813, top

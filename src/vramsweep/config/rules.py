@@ -168,6 +168,20 @@ def check_values(cfg: DictConfig) -> None:
     _check_choice(cfg, "adapter.dtype", ("fp32", "compute"))
     _check_range(cfg, "tiling.loss_chunk_tokens", 0, 10**7, integer=True)
     _check_range(cfg, "tiling.mlp_tile_tokens", 0, 10**7, integer=True)
+    _check_attention_heads(cfg)
+
+
+def _check_attention_heads(cfg: DictConfig) -> None:
+    """``tiling.attention_heads``: 0 (off) or a divisor of the model's kv heads (GQA-aligned groups)."""
+    _check_range(cfg, "tiling.attention_heads", 0, 4096, integer=True)
+    groups, kv = int(cfg.tiling.get("attention_heads", 0) or 0), cfg.model.get("num_kv_heads")
+    if groups > 1 and kv is not None and int(kv) % groups:
+        raise ConfigError(
+            f"tiling.attention_heads={groups} must divide model.num_kv_heads={kv} (each group: whole kv "
+            "heads and the query heads that share them)",
+            key="tiling.attention_heads",
+            allowed=[0, *[g for g in range(1, int(kv) + 1) if int(kv) % g == 0]],
+        )
 
 
 def _check_quant_adapter_values(cfg: DictConfig) -> None:
@@ -376,11 +390,15 @@ def _rules_checkpointing(cfg: DictConfig) -> None:
 
 def _rules_tiling(cfg: DictConfig) -> None:
     """Tiling against the kernels: not with Unsloth, and the chunked loss not with Liger's fused loss."""
-    tiled = int(cfg.tiling.loss_chunk_tokens) > 0 or int(cfg.tiling.mlp_tile_tokens) > 0
+    tiled = (
+        int(cfg.tiling.loss_chunk_tokens) > 0
+        or int(cfg.tiling.mlp_tile_tokens) > 0
+        or int(cfg.tiling.get("attention_heads", 0) or 0) > 1
+    )
     if tiled and cfg.kernels.unsloth:
         raise ConfigError(
             f"tiling={cfg.tiling.name} cannot be combined with kernels=unsloth: Unsloth replaces "
-            "the MLP and the loss with its own kernels (its fused loss is already chunked)",
+            "the MLP, the loss and the attention with its own kernels (its fused loss is already chunked)",
             key="tiling",
             allowed=["off"],
         )

@@ -166,6 +166,9 @@ class TilingConfig:
     name: str = "off"
     loss_chunk_tokens: int = 0  # >0: chunked linear cross-entropy, no full logits (vramsweep.longctx.loss)
     mlp_tile_tokens: int = 0  # >0: sequence-tiled MLP, recomputed per tile (vramsweep.longctx.mlp)
+    attention_heads: int = (
+        0  # >1: attention in that many GQA-aligned head groups (vramsweep.longctx.attention)
+    )
 
 
 @dataclass
