@@ -223,6 +223,42 @@ def _check_context_vocab_values(cfg: DictConfig) -> None:
     _check_range(cfg, "vocab.reserve", 0, 10**7, integer=True)
     if cfg.vocab.mode == "top_k":
         _check_range(cfg, "vocab.top_k", 1, 10**7, integer=True)
+    _check_vocab_rows(cfg)
+
+
+def _check_vocab_rows(cfg: DictConfig) -> None:
+    """``vocab.rows``: a sliced vocabulary's row count for estimates without a corpus (``vocab=sliced``,
+    ``vocab.mode=corpus``), at most the model's vocabulary."""
+    rows = cfg.vocab.get("rows", 0)
+    _check_range(cfg, "vocab.rows", 0, 10**7, integer=True)
+    if not int(rows):
+        return
+    if cfg.vocab.mode != "corpus":
+        raise ConfigError(
+            f"vocab.rows={rows} sizes a corpus slice before there is a corpus; it needs vocab=sliced "
+            f"(vocab.mode=corpus), got vocab.mode={cfg.vocab.mode}"
+            + (" (vocab.top_k already gives the rows)" if cfg.vocab.mode == "top_k" else ""),
+            key="vocab.rows",
+            allowed=["0", "vocab=sliced vocab.rows=<n>"],
+        )
+    full = cfg.model.get("vocab_size")
+    if full is not None and int(rows) > int(full):
+        raise ConfigError(
+            f"vocab.rows={rows} exceeds model.vocab_size={full}",
+            key="vocab.rows",
+            allowed=[f"1..{full}"],
+        )
+
+
+def _rules_trial_only(cfg: DictConfig) -> None:
+    """What only an estimate may ask for: ``vocab.rows`` (a trial keeps the rows its corpus uses)."""
+    if int(cfg.vocab.get("rows", 0) or 0):
+        raise ConfigError(
+            f"vocab.rows={cfg.vocab.rows} only sizes an estimate (vramsweep estimate) without a corpus; a "
+            "trial keeps the rows its training data uses: drop vocab.rows",
+            key="vocab.rows",
+            allowed=["0"],
+        )
 
 
 def _check_hardware_values(cfg: DictConfig) -> None:
@@ -359,12 +395,14 @@ def _rules_combinations(cfg: DictConfig) -> None:
     if cfg.model.source == "embedded" and cfg.model.name != "tiny":
         pass  # other embedded sizes are allowed (custom dims)
     # context.max_tokens against the model's positions: _rules_rope (after model.path is checked)
-    if cfg.vocab.mode != "full" and cfg.model.source == "arch" and not cfg.model.get("path"):
+    arch = cfg.model.source == "arch" and not cfg.model.get("path")
+    if cfg.vocab.mode != "full" and arch and not int(cfg.vocab.get("rows", 0) or 0):
         raise ConfigError(
             "vocab=sliced needs a tokenizer and corpus: it works with the embedded model or model.path, not "
-            f"architecture-only model={cfg.model.name}",
+            f"architecture-only model={cfg.model.name}; to estimate a slice there, give its row count: "
+            "vramsweep estimate ... vocab=sliced vocab.rows=<n>",
             key="vocab",
-            allowed=["full"],
+            allowed=["full", "sliced with vocab.rows=<n> (estimate only)"],
         )
     _rules_model_path(cfg)
     _rules_data_paths(cfg)
@@ -845,4 +883,5 @@ def validate(cfg: DictConfig, *, machine: bool = True) -> None:
         rule(cfg)
     _rules_module_names(cfg)
     if machine:
+        _rules_trial_only(cfg)
         check_machine(cfg)

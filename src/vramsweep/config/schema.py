@@ -194,6 +194,7 @@ class VocabConfig:
     top_k: int = 0
     reserve: int = 0
     fallback: str = "error"  # error | unk: what to do with tokens outside the kept set
+    rows: int = 0  # >0: the rows a slice keeps, for `vramsweep estimate` without a corpus (0: the corpus's)
 
 
 @dataclass

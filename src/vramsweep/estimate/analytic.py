@@ -1132,6 +1132,10 @@ def extrapolated_terms(k: Knobs, acts: ActivationTerms | None = None) -> list[st
         out.append("tiling.loss_chunk_tokens: the chunked loss")
     if k.adapter_bytes != 4:
         out.append("adapter.dtype=compute (16-bit adapters, fp32 masters in the optimizer)")
+    if k.opt.paged:
+        out.append("paged optimizer state (bitsandbytes unified memory, outside the caching allocator)")
+    if k.vocab < k.dims.vocab_size:
+        out.append(f"vocabulary slice ({k.vocab:,} of {k.dims.vocab_size:,} rows)")
     return out
 
 
