@@ -318,10 +318,14 @@ def test_probe_row_records_the_allocators_figures():
             "cuda_max_allocated_bytes": 13 * 2**30,
             "tokens_per_s": 900.0,
         },
-        "meta": {"host_memory": {"pool_bytes": 9 * 2**30}},
-        "estimate": {"peak_memory_bytes": 13.5 * 2**30},
+        "meta": {
+            "host_memory": {"pool_bytes": 9 * 2**30},
+            "build": {"knobs": {"offload": {}, "attention_heads": {}}},
+        },
+        "estimate": {"peak_memory_bytes": 13.5 * 2**30, "required_bytes": 13 * 2**30},
     }
     row = probe.probe_row(result, 65536, {"num_alloc_retries": 3}, 41.0)
+    assert row["knobs"] == ["attention_heads", "offload"] and row["estimate_required_bytes"] == 13 * 2**30
     assert row["peak_reserved_bytes"] == 14 * 2**30 and row["peak_allocated_bytes"] == 13 * 2**30
     assert row["num_alloc_retries"] == 3 and row["pool_bytes"] == 9 * 2**30
     assert row["estimate_bytes"] == 13.5 * 2**30 and row["tokens"] == 65536
@@ -696,3 +700,28 @@ def test_memsnapshot_replays_the_trace_to_its_peak_and_names_the_owners():
         ("act@vramsweep/loop.py:7", 50, 1),
     ]
     assert "| `weights@vramsweep/build.py:7` |" in snap.render(s, ["a=b"])
+
+
+def test_grouped_attention_probe_is_ascending_on_the_full_stack_and_fits_one_call(smoke, tmp_path):
+    """Issue 53's device phase: 57,344 / 65,536 / 73,728 ascending (all three at most, stopping at the first
+    OOM) on the long-context stack + paged 8-bit AdamW + 4 head groups with YaRN; every point composes
+    under the rules; the phase (with env and report) fits one 540 s call."""
+    from vramsweep.config import compose
+
+    assert smoke.PROBE_GROUPED_TOKENS == (57344, 65536, 73728) and "memprobe_grouped" in smoke.OPT_IN
+    phases = smoke.plan(only=("env", "memprobe_grouped", "report"))
+    caps = {p.name: p.cap_s for p in phases}
+    assert caps["memprobe_grouped"] == pytest.approx(
+        sum(smoke.trial_cost_s(n, 1) for n in smoke.PROBE_GROUPED_TOKENS)
+    )
+    assert sum(caps.values()) <= 540
+    sm = _sm(smoke, tmp_path)
+    for n in smoke.PROBE_GROUPED_TOKENS:
+        ovs = sm.overrides(n, "compute", 1, "memprobe_grouped")
+        assert {"tiling.attention_heads=4", "optimizer=paged_adamw_8bit", "rope=yarn"} <= set(ovs)
+        assert "checkpointing=offload" in ovs and "kernels=liger" in ovs and "quant=nf4_dq" in ovs
+        compose(ovs, rules="config")
+    assert "tiling.attention_heads=4" not in sm.overrides(57344, "compute", 1)  # the plain memprobe: none
+    skip = smoke.probe_order_skip
+    assert skip(65536, [{"tokens": 57344, "status": "oom"}]).startswith("stopped at the first OOM")
+    assert skip(73728, [{"tokens": 57344, "status": "ok"}, {"tokens": 65536, "status": "ok"}]) is None
