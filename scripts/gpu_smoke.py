@@ -175,7 +175,7 @@ SNAPSHOT_MARGIN = 1.25
 #: Phases run only when named in --only: with 2026-12-04's measured costs the issue's whole list is ~850 s, so
 #: the default plan (one call, <= 540 s) is the verification and the compute-adapter boundary, and a second
 #: call (`--only memprobe_fp32,snapshot,step_time`) takes these.
-OPT_IN = ("memprobe_fp32", "memprobe_grouped", "snapshot", "step_time")
+OPT_IN = ("memprobe_fp32", "memprobe_grouped", "packing_bf16", "snapshot", "step_time")
 
 
 def step_s(tokens: int) -> float:
@@ -231,6 +231,8 @@ def plan(
               "(21.7 s on a warm H200, > 27 s cold)"),
         Phase("batching", BATCH_S, "scripts/gpu_batch_check.py: token-weighted accumulation + packing == one batch "
               "(23.8 s to its verdict on a cold H200)"),
+        Phase("packing_bf16", BATCH_S, "scripts/gpu_batch_check.py --dtype bf16: packed == unpacked and 2 head "
+              "groups == one call in bf16 (tolerance 2e-2), the packed step's attention kernel names (batching's cap)"),
         Phase("memprobe", compute, f"Qwen3-8B, 15 GiB cap, compute adapters at {_lengths(compute_tokens)} in that order, "
               f"none past an OOM or below a fit; {slot}"),
         Phase("memprobe_fp32", fp32, f"the same, fp32 adapters at {_lengths(fp32_tokens)}"),
@@ -1052,8 +1054,8 @@ def phase_step_time(sm: Smoke) -> None:
         )
 
 
-ALL_PHASES = ("bundle", "env", "fork", "exact", "batching", "memprobe", "memprobe_fp32", "memprobe_grouped",
-              "trial", "snapshot", "step_time", "report")  # fmt: skip
+ALL_PHASES = ("bundle", "env", "fork", "exact", "batching", "packing_bf16", "memprobe", "memprobe_fp32",
+              "memprobe_grouped", "trial", "snapshot", "step_time", "report")  # fmt: skip
 
 
 def _tokens(text: str | None) -> tuple[int, ...]:
@@ -1131,6 +1133,7 @@ def main(argv: list[str] | None = None) -> int:
         ["--tokens", "64", "--tile", "16"] if sm.dry else [],
     )
     run("batching", phase_check, "batching", "gpu_batch_check.py", [])
+    run("packing_bf16", phase_check, "packing_bf16", "gpu_batch_check.py", ["--dtype", "bf16"])
     run("memprobe", phase_memprobe, "memprobe", tokens["compute_tokens"], "compute")
     run("memprobe_fp32", phase_memprobe, "memprobe_fp32", tokens["fp32_tokens"], "fp32")
     run("memprobe_grouped", phase_memprobe, "memprobe_grouped", PROBE_GROUPED_TOKENS, "compute")

@@ -392,6 +392,29 @@ def test_batch_check_catches_the_mean_of_means(monkeypatch, embedded_model_dir, 
     assert "verdict: FAIL" in capsys.readouterr().out
 
 
+def test_batch_check_in_bf16_passes_and_fails_when_groups_cross_kv_heads(
+    monkeypatch, embedded_model_dir, capsys
+):
+    """``--dtype bf16``: packed == unpacked and grouped == one call within 2e-2 on CPU; a grouping that mixes
+    the kv heads' query heads (here: the groups' query heads reversed) fails it."""
+    from vramsweep.longctx import attention as grouped
+
+    check = _load("gpu_batch_check")
+    assert check.main(["--device", "cpu", "--dtype", "bf16"]) == 0
+    assert '"bf16 packed, 2 head groups == packed"' in capsys.readouterr().out
+    real = grouped.grouped_call
+
+    def crossed(fn, groups, module, q, k, v, mask, **kw):
+        return (
+            real(fn, groups, module, q.flip(1), k, v, mask, **kw)
+            if groups > 1
+            else fn(module, q, k, v, mask, **kw)
+        )
+
+    monkeypatch.setattr(grouped, "grouped_call", crossed)
+    assert check.main(["--device", "cpu", "--dtype", "bf16"]) == 1
+
+
 def test_env_probe_reads_versions_without_importing(smoke, tmp_path, monkeypatch):
     """A cold ``import unsloth`` from a fresh bundle outlasted the probe's cap and aborted the whole smoke
     ("cannot import torch"); versions now come from the metadata and the module is never imported."""
@@ -722,6 +745,9 @@ def test_grouped_attention_probe_is_ascending_on_the_full_stack_and_fits_one_cal
         assert "checkpointing=offload" in ovs and "kernels=liger" in ovs and "quant=nf4_dq" in ovs
         compose(ovs, rules="config")
     assert "tiling.attention_heads=4" not in sm.overrides(57344, "compute", 1)  # the plain memprobe: none
+    third = smoke.plan(only=("env", "packing_bf16", "memprobe_grouped", "report"))
+    assert [p.name for p in third] == ["bundle", "env", "packing_bf16", "memprobe_grouped", "report"]
+    assert sum(p.cap_s for p in third) <= 540
     skip = smoke.probe_order_skip
     assert skip(65536, [{"tokens": 57344, "status": "oom"}]).startswith("stopped at the first OOM")
     assert skip(73728, [{"tokens": 57344, "status": "ok"}, {"tokens": 65536, "status": "ok"}]) is None
