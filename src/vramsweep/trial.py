@@ -46,7 +46,7 @@ from vramsweep.measure.cuda import CudaMemoryMonitor
 from vramsweep.measure.eval import evaluate
 from vramsweep.measure.flops import device_peak, trial_mfu
 from vramsweep.measure.quality import QualityMeter
-from vramsweep.measure.steps import StepClock, install_sync_point
+from vramsweep.measure.steps import StepClock, count_cuda_synchronize, install_sync_point
 from vramsweep.preflight import check_host_memory
 from vramsweep.production.checkpoint import (
     Checkpointer,
@@ -444,15 +444,19 @@ class _Grads(Callback):
 def liger_sync_point(cfg: DictConfig, model, clock: StepClock):
     """With Liger's fused linear cross-entropy, which calls ``.item()`` as its forward starts (liger-kernel
     0.8.5: a host sync each micro-batch), mark that point on ``clock`` after each decoder forward, so the
-    host's wait there is counted as ``loss_sync`` (a wait for the device) instead of forward work. Returns
-    the hook's handle, or None."""
+    host's wait there is counted as ``loss_sync`` (a wait for the device) instead of forward work; and
+    one as each backward starts (its backward's ``torch.equal`` on the incoming gradient: ``backward_sync``).
+    Returns the hook's handle, or None."""
     k = cfg.kernels
     if not (bool(k.get("liger", False)) and bool(k.get("liger_fused_linear_cross_entropy", False))):
         return None
     lm = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     get_decoder = getattr(lm, "get_decoder", None)
     decoder = get_decoder() if callable(get_decoder) else None
-    return install_sync_point(clock, decoder) if decoder is not None else None
+    if decoder is None:
+        return None
+    clock.backward_sync_point = True
+    return install_sync_point(clock, decoder)
 
 
 def _record_throughput(cfg: DictConfig, result: dict, built, timing: Timing) -> None:
@@ -556,6 +560,7 @@ def _train_steps(
     evals = _PeriodicEval(cfg, run_eval, timing, progress, logger, reporter, m.get(M.INTERMEDIATE_EVAL) or ())
     train_loss = _TrainLoss(timing)
     owners, trained, ckpt = (train_loss, evals, peak), (model, optimizer, scheduler), None
+    restore_sync = count_cuda_synchronize(timing.clock)  # bitsandbytes' per-parameter syncs: optimizer_sync
     try:
         outputs, ckpt = _run_outputs(cfg, run, resume, train_loss, evals, trained, logger, result, owners)
         step_loss = faults.wrap(loss_fn(cfg, model))  # the model's own, or chunked (tiling.loss_chunk_tokens)
@@ -567,6 +572,7 @@ def _train_steps(
         fit(loop, [tracking, timing, faults, grads, progress, *wandb_rows, train_loss, evals, *outputs])
         tracking.close()  # every step was a tracked one: keep the tracked peak anyway
     finally:
+        restore_sync()
         progress.close()
         if ckpt is not None:
             ckpt.close()

@@ -166,6 +166,9 @@ class TilingConfig:
     name: str = "off"
     loss_chunk_tokens: int = 0  # >0: chunked linear cross-entropy, no full logits (vramsweep.longctx.loss)
     mlp_tile_tokens: int = 0  # >0: sequence-tiled MLP, recomputed per tile (vramsweep.longctx.mlp)
+    attention_heads: int = (
+        0  # >1: attention in that many GQA-aligned head groups (vramsweep.longctx.attention)
+    )
 
 
 @dataclass
@@ -191,6 +194,7 @@ class VocabConfig:
     top_k: int = 0
     reserve: int = 0
     fallback: str = "error"  # error | unk: what to do with tokens outside the kept set
+    rows: int = 0  # >0: the rows a slice keeps, for `vramsweep estimate` without a corpus (0: the corpus's)
 
 
 @dataclass

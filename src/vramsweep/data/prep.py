@@ -322,6 +322,10 @@ def collate_batch(examples: list, pad_id: int, width: int | None = None) -> dict
     # each micro-batch's weight in its optimizer step (vramsweep.loop.token_weights).
     b["n_loss_tokens"] = int((b["labels"][:, 1:] != -100).sum())
     b["packed"] = "position_ids" in b
+    if b["packed"]:  # the segments, from the host tensor: the forward never reads the positions back
+        from vramsweep.knobs.packed_attention import bounds_of
+
+        b["segment_bounds"] = bounds_of(b["position_ids"])
     b["no_padding"] = b["n_tokens"] == int(b["attention_mask"].numel())
     return b
 
