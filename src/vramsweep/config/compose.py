@@ -30,6 +30,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.config.errors import ConfigError, one_line
+from vramsweep.config.fit import fit_unset
 from vramsweep.config.paths import (  # noqa: F401 - re-exported: the search path is part of composing
     _EXPLICIT,
     _PACKAGED,
@@ -245,6 +246,7 @@ def compose(
             OmegaConf.resolve(cfg)
         except Exception as exc:
             raise ConfigError(f"cannot resolve config: {exc}") from exc
+        fit_unset(cfg)  # unset warm-ups, fitted to train.steps (vramsweep.config.fit)
         check_rules(cfg, rules)  # with the same search path: a user's option files are options
     finally:
         _EXPLICIT.reset(token)

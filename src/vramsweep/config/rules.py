@@ -431,7 +431,14 @@ def _rules_model_path(cfg: DictConfig) -> None:
     """``model.source=path``: ``model.path`` is a local folder with a ``config.json``."""
     if cfg.model.source == "path":
         p = cfg.model.path
-        if not p or not os.path.isdir(str(p)):
+        if not p:
+            raise ConfigError(
+                f"model={cfg.model.name} needs model.path=<folder>: the local Hugging Face model folder to "
+                "fine-tune (config.json, weights, tokenizer; nothing is downloaded)",
+                key="model.path",
+                allowed=["<local HF folder with config.json>"],
+            )
+        if not os.path.isdir(str(p)):
             raise ConfigError(
                 f"model.path={p!r} is not a local folder (nothing is downloaded)",
                 key="model.path",
@@ -452,7 +459,14 @@ def _rules_data_paths(cfg: DictConfig) -> None:
             p = cfg.data[key]
             if key == "eval_path" and p is None:
                 continue
-            if not p or not (os.path.isfile(str(p)) or os.path.isdir(str(p))):
+            if not p and key == "path":
+                raise ConfigError(
+                    f"data={cfg.data.name} needs data.path=<file>: your records (.jsonl, .json, .parquet or "
+                    "a datasets folder; formats in docs/DATA.md)",
+                    key="data.path",
+                    allowed=["<path to .jsonl / .json / .parquet / folder>"],
+                )
+            if not (os.path.isfile(str(p)) or os.path.isdir(str(p))):
                 odd = bool(p) and os.path.exists(str(p))  # a FIFO or a device: reading it would block
                 raise ConfigError(
                     f"data.{key}={p!r} is not a readable data file or dataset folder"

@@ -241,13 +241,13 @@ class TrainConfig:
     grad_accum: int = 1
     lr: float = 3e-3
     schedule: str = "cosine"
-    warmup_steps: int = 2
+    warmup_steps: Optional[int] = None  # None: 2, at most half of steps (vramsweep.config.fit)
     max_grad_norm: float = 1.0
     dtype: str = "bf16"  # fp32 | bf16 | fp16
     seed: int = 0
     eval_every: int = 0  # optimizer steps between intermediate evals (0 = only before/after)
     eval_batches: int = 4
-    measure_warmup_steps: int = 2  # excluded from tokens/s
+    measure_warmup_steps: Optional[int] = None  # excluded from tokens/s; None: 2, at most steps - 1
     threads: int = 0  # torch CPU threads; 0 = torch default
     # Production run (docs/RUNS.md): length over the data, outputs, checkpoints, resume.
     epochs: float = 0.0  # > 0: run length in passes over the training examples (replaces steps)
