@@ -47,6 +47,7 @@ from vramsweep.measure.eval import evaluate
 from vramsweep.measure.flops import device_peak, trial_mfu
 from vramsweep.measure.quality import QualityMeter
 from vramsweep.measure.steps import StepClock, install_sync_point
+from vramsweep.measure.threads import apply as apply_threads
 from vramsweep.preflight import check_host_memory
 from vramsweep.production.checkpoint import (
     Checkpointer,
@@ -616,11 +617,10 @@ def _keep_figures(result: dict, owners: tuple[_Figures, ...]) -> None:
 
 
 def _seed_and_threads(t: DictConfig) -> None:
-    """``train.threads`` (when > 0) and ``train.seed`` for Python's and torch's generators."""
+    """``train.seed`` for Python's and torch's generators (``train.threads`` was applied at trial start,
+    :func:`vramsweep.measure.threads.apply`)."""
     import torch
 
-    if int(t.threads) > 0:
-        torch.set_num_threads(int(t.threads))
     random.seed(int(t.seed))
     torch.manual_seed(int(t.seed))
 
@@ -743,7 +743,9 @@ def run_trial(
     result = new_result(
         sweep=sweep, trial=trial, overrides=list(overrides), config=OmegaConf.to_container(cfg, resolve=True)
     )
+    threads = apply_threads(cfg.train.get("threads", "auto"))  # before the meta: it records the count used
     result["meta"] = collect_meta(cfg, _peak_key)
+    result["meta"]["threads"] = threads.to_json()
     result["meta"]["started"] = started.isoformat()
     if design is not None:
         result["meta"]["design"] = design

@@ -99,6 +99,19 @@ def _check_range(cfg, key, lo, hi, *, integer=False, lo_open=False, hi_open=Fals
         )
 
 
+def _check_threads(cfg) -> None:
+    """``train.threads``: ``auto`` or a count 0..1024 (0 = torch's default); vramsweep.measure.threads."""
+    v = str(cfg.train.get("threads", "auto")).strip()
+    if v.lower() == "auto":
+        return
+    if not re.fullmatch(r"\d+", v) or int(v) > 1024:
+        raise ConfigError(
+            f"train.threads={v!r} is not auto or a thread count",
+            key="train.threads",
+            allowed=["auto", "0 (torch's default)", "1..1024"],
+        )
+
+
 def _check_choice(cfg, key, allowed):
     v = _num(cfg, key)
     if v not in allowed:
@@ -250,7 +263,7 @@ def _check_train_values(cfg: DictConfig) -> None:
             key="train.measure_warmup_steps",
             allowed=[f"0..{cfg.train.steps - 1}"],
         )
-    _check_range(cfg, "train.threads", 0, 1024, integer=True)
+    _check_threads(cfg)
     for key in ("train.seed", "data.seed"):  # torch, numpy and random all take 0 .. 2**32 - 1
         if OmegaConf.select(cfg, key) is not None:
             _check_range(cfg, key, 0, 2**32 - 1, integer=True)

@@ -248,7 +248,7 @@ class TrainConfig:
     eval_every: int = 0  # optimizer steps between intermediate evals (0 = only before/after)
     eval_batches: int = 4
     measure_warmup_steps: Optional[int] = None  # excluded from tokens/s; None: 2, at most steps - 1
-    threads: int = 0  # torch CPU threads; 0 = torch default
+    threads: str = "auto"  # torch CPU threads: auto (vramsweep.measure.threads) | 0 (torch's default) | N
     # Production run (docs/RUNS.md): length over the data, outputs, checkpoints, resume.
     epochs: float = 0.0  # > 0: run length in passes over the training examples (replaces steps)
     save_adapter: str = "auto"  # auto (a train run saves, a sweep trial does not) | always | never

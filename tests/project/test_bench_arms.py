@@ -1,0 +1,64 @@
+"""The benches that compare arms: the order rotates every round, threads are pinned in every child, a ratio
+is the median of per-round paired ratios with its min-max, and the thread bench's verdict can fail."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # the benches import their helpers as scripts do
+
+import _arms  # noqa: E402
+
+
+def _bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.torchfree
+@given(n=st.integers(1, 6))
+def test_every_arm_runs_in_every_position_equally_often(n):
+    arms = [f"a{i}" for i in range(n)]
+    positions = Counter((arm, i) for rnd in range(n) for i, arm in enumerate(_arms.order(arms, rnd)))
+    assert all(positions[(arm, i)] == 1 for arm in arms for i in range(n))
+    assert _arms.order(["A", "B"], 0) == ["A", "B"] and _arms.order(["A", "B"], 1) == ["B", "A"]
+
+
+@pytest.mark.torchfree
+def test_ratios_are_paired_by_round_and_printed_with_their_spread():
+    assert _arms.paired_ratios([2.0, None, 3.0, 4.0], [1.0, 1.0, None, 2.0]) == [2.0, 2.0]
+    assert _arms.spread([1.2, 0.9, 1.0]) == "1.000 [0.900-1.200] (3 rounds)"
+    assert _arms.spread([]).startswith("n/a")
+
+
+@pytest.mark.torchfree
+def test_children_get_pinned_thread_pools():
+    env = _arms.child_env(1)
+    assert all(env[k] == "1" for k in _arms.THREAD_ENV)
+
+
+@pytest.mark.torchfree
+def test_thread_bench_compares_auto_with_the_best_fixed_arm_and_can_fail():
+    threads = _bench("threads")
+    walls = {"auto": [10.0, 12.0], "1": [10.0, 11.0], "2": [40.0, 52.0]}
+    assert threads.best_fixed(walls, ["1", "2"]) == "1"
+    assert threads.verdict(_arms.paired_ratios(walls["auto"], walls["1"]), 1.30) == "PASS"
+    assert threads.verdict(_arms.paired_ratios(walls["2"], walls["1"]), 1.30) == "FAIL"
+    assert threads.verdict([], 1.3) == "n/a"
+    assert threads.TARGETS == {"busy": 1.30, "idle": 1.10}
+
+
+@pytest.mark.torchfree
+def test_overhead_bench_pins_threads_and_rotates_its_arms():
+    text = (ROOT / "bench" / "overhead.py").read_text()
+    assert "order(engines, rnd)" in text and "child_env(a.threads)" in text and "pin_torch(a.threads)" in text
