@@ -30,6 +30,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.config.compose import ConfigError, check_rules, compose
+from vramsweep.config.fit import cpu_bf16
 from vramsweep.config.rules import refused_point, validate
 from vramsweep.data.packing import pack_examples, packing_stats
 from vramsweep.data.prep import collate_batch, eval_batches, micro_batches, trial_data
@@ -746,6 +747,8 @@ def run_trial(
     threads = apply_threads(cfg.train.get("threads", "auto"))  # before the meta: it records the count used
     result["meta"] = collect_meta(cfg, _peak_key)
     result["meta"]["threads"] = threads.to_json()
+    if cfg.hardware.device == "cpu":  # what train.dtype=auto read; bf16 without it is emulated
+        result["meta"]["cpu_bf16"] = cpu_bf16()
     result["meta"]["started"] = started.isoformat()
     if design is not None:
         result["meta"]["design"] = design

@@ -144,3 +144,41 @@ def test_readme_quick_start_shows_one_trial_on_your_own_jsonl_right_after_make_d
     preflight(cfg, overrides=overrides)
     assert int(cfg.train.steps) == 1 and cfg.data.path == path
     assert sorted(tmp_path.rglob("*")) == before
+
+
+# ------------------------------------------------------------------------------------------------------
+# train.dtype=auto: bf16 only where the CPU computes it natively
+# ------------------------------------------------------------------------------------------------------
+SAPPHIRE = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+EPYC = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_vnni\n"
+
+
+@pytest.mark.torchfree
+def test_auto_dtype_is_bf16_only_on_a_cpu_with_native_bf16(monkeypatch):
+    from vramsweep.config.fit import CPU_BF16_ENV, auto_dtype, cpu_bf16
+
+    monkeypatch.delenv(CPU_BF16_ENV, raising=False)
+    assert auto_dtype("cpu", SAPPHIRE)[0] == "bf16"
+    assert cpu_bf16(SAPPHIRE) == {
+        "native": True,
+        "flags": ["amx_bf16", "avx512_bf16"],
+        "source": "/proc/cpuinfo",
+    }
+    dtype, why = auto_dtype("cpu", EPYC)
+    assert dtype == "fp32" and "no avx512_bf16/amx_bf16" in why
+    assert auto_dtype("cpu", "")[0] == "fp32"  # nothing known: the dtype that is never emulated
+    assert auto_dtype("cuda", EPYC)[0] == "bf16"
+    monkeypatch.setenv(CPU_BF16_ENV, "emulated")
+    assert auto_dtype("cpu", SAPPHIRE)[0] == "fp32"
+
+
+@pytest.mark.parametrize("native, want", [("native", "bf16"), ("emulated", "fp32")])
+def test_compose_resolves_auto_dtype_and_keeps_a_given_one(monkeypatch, native, want):
+    from vramsweep.config.fit import CPU_BF16_ENV
+
+    monkeypatch.setenv(CPU_BF16_ENV, native)
+    assert compose([]).train.dtype == want
+    assert compose(["train.dtype=bf16"]).train.dtype == "bf16"  # a value the user set is kept
+    assert compose(["hardware=rtx4080_16gb"], rules="config").train.dtype == "bf16"
+    with pytest.raises(ConfigError, match="auto"):
+        compose(["train.dtype=fp8"])

@@ -138,6 +138,8 @@ def test_a_trial_records_the_threads_it_used(tmp_path, setting):
     used = res["meta"]["threads"]
     assert used["setting"] == setting
     assert res["meta"]["timing_conditions"]["torch_threads"] == used["threads"]
+    assert res["meta"]["cpu_bf16"]["native"] is True  # what train.dtype=auto read (the suite pins it)
+    assert res["config"]["train"]["dtype"] == "bf16"
     if setting == "1":
         assert used["threads"] == 1
     else:

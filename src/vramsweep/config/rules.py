@@ -252,7 +252,7 @@ def _check_train_values(cfg: DictConfig) -> None:
     _check_choice(cfg, "train.schedule", SCHEDULES)
     _check_range(cfg, "train.warmup_steps", 0, cfg.train.steps, integer=True)
     _check_range(cfg, "train.max_grad_norm", 0.0, 1e6)
-    _check_choice(cfg, "train.dtype", DTYPES)
+    _check_choice(cfg, "train.dtype", (*DTYPES, "auto"))  # auto is resolved at compose (config.fit)
     _check_range(cfg, "train.eval_every", 0, 10**7, integer=True)
     _check_range(cfg, "train.eval_batches", 1, 10**5, integer=True)
     _check_range(cfg, "train.measure_warmup_steps", 0, 10**7, integer=True)

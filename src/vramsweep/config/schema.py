@@ -243,7 +243,7 @@ class TrainConfig:
     schedule: str = "cosine"
     warmup_steps: Optional[int] = None  # None: 2, at most half of steps (vramsweep.config.fit)
     max_grad_norm: float = 1.0
-    dtype: str = "bf16"  # fp32 | bf16 | fp16
+    dtype: str = "auto"  # auto (vramsweep.config.fit.auto_dtype) | fp32 | bf16 | fp16
     seed: int = 0
     eval_every: int = 0  # optimizer steps between intermediate evals (0 = only before/after)
     eval_batches: int = 4
