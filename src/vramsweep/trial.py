@@ -46,6 +46,7 @@ from vramsweep.measure.cpu import close_tracker, model_state_tensors, optimizer_
 from vramsweep.measure.cuda import CudaMemoryMonitor
 from vramsweep.measure.eval import evaluate
 from vramsweep.measure.flops import device_peak, trial_mfu
+from vramsweep.measure.initial_eval import for_trial as shared_initial_eval
 from vramsweep.measure.quality import QualityMeter
 from vramsweep.measure.steps import StepClock, install_sync_point
 from vramsweep.measure.threads import apply as apply_threads
@@ -532,7 +533,8 @@ def _train_steps(
         return evaluate(model, prep.evals, device, causal_lm=causal_lm_of, meter=meter)
 
     resume = _resume_point(cfg, run, result)
-    eval_s = _initial_eval(m, run_eval, resume, cuda_mon)
+    shared = shared_initial_eval(cfg, prep.evals, result)  # one initial eval per sweep and base model
+    eval_s = _initial_eval(m, run_eval, resume, cuda_mon, shared, meta)
     start = resume.next_step if resume is not None else 0
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -626,14 +628,30 @@ def _seed_and_threads(t: DictConfig) -> None:
     torch.manual_seed(int(t.seed))
 
 
-def _initial_eval(m: dict, run_eval, resume: Resume | None, cuda_mon) -> float:
-    """The eval before the first step (or, resuming, the run's metrics so far); its seconds."""
+def _initial_eval(m: dict, run_eval, resume: Resume | None, cuda_mon, shared=(None, ""), meta=None) -> float:
+    """The eval before the first step (or, resuming, the run's metrics so far); its seconds. ``shared``:
+    the sweep's store of initial evals (:mod:`vramsweep.measure.initial_eval`) and why there is none; what
+    happened goes to ``meta["initial_eval"]``."""
     if cuda_mon is not None:
         cuda_mon.phase("initial_eval")  # the build's peak stays in meta.cuda.phases.setup
     t_eval = time.perf_counter()
+    store, why_not = shared
     if resume is None:
-        first = run_eval()
-        m[M.INITIAL_EVAL_LOSS], m[M.INITIAL_TASK_SCORE] = first.loss, first.task_score
+        stored = store.load() if store is not None else None
+        if stored is not None:
+            m[M.INITIAL_EVAL_LOSS], m[M.INITIAL_TASK_SCORE] = stored["loss"], stored.get("task_score")
+        else:
+            first = run_eval()
+            m[M.INITIAL_EVAL_LOSS], m[M.INITIAL_TASK_SCORE] = first.loss, first.task_score
+            if store is not None:
+                store.store(first.loss, first.task_score, time.perf_counter() - t_eval)
+        if meta is not None:
+            meta["initial_eval"] = {
+                "shared": stored is not None,
+                "key": None if store is None else store.key,
+                "computed_by_trial": stored.get("trial") if stored is not None else None,
+                "not_shared_because": why_not or None,
+            }
     else:  # the metrics so far (initial eval, peak of the first steps, intermediate evals) are the run's
         m.update(resume.state["metrics"])
     return time.perf_counter() - t_eval
