@@ -63,14 +63,27 @@ def not_shared(cfg: DictConfig) -> str | None:
 
 def key_parts(cfg: DictConfig, batches: list[dict]) -> dict[str, Any]:
     """What the initial eval depends on: the model-side config groups, the dtype, the loss path (tiling,
-    chunks) and the held-out batches' fingerprint."""
+    chunks), the held-out batches' fingerprint and the package versions."""
     parts: dict[str, Any] = {
         g: OmegaConf.to_container(cfg[g], resolve=True) for g in MODEL_GROUPS if g in cfg
     }
     parts["train.dtype"] = str(cfg.train.dtype)
     parts["tiling"] = OmegaConf.to_container(cfg.tiling, resolve=True) if "tiling" in cfg else None
     parts["eval_set"] = eval_set_fingerprint(batches)
+    parts["versions"] = _versions()  # a sweep folder resumed after an upgrade does not reuse old figures
     return parts
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for dist in ("vramsweep", "torch", "transformers", "peft", "bitsandbytes"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
+    return out
 
 
 def key_of(parts: dict[str, Any]) -> str:
