@@ -62,3 +62,29 @@ def test_thread_bench_compares_auto_with_the_best_fixed_arm_and_can_fail():
 def test_overhead_bench_pins_threads_and_rotates_its_arms():
     text = (ROOT / "bench" / "overhead.py").read_text()
     assert "order(engines, rnd)" in text and "child_env(a.threads)" in text and "pin_torch(a.threads)" in text
+
+
+@pytest.mark.torchfree
+@pytest.mark.parametrize("shape, best_rank", [("rank_helps", "64"), ("rank_hurts", "4"), ("unrelated", None)])
+def test_fake_landscapes_put_the_best_config_where_they_say(monkeypatch, shape, best_rank):
+    """The sweep-efficiency bench's landscapes: on rank_helps the best config is the highest rank (the
+    highest memory), on rank_hurts the lowest, on unrelated rank and precision do not move the loss
+    beyond the per-config draw."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import fakes
+
+    monkeypatch.setenv("VRAMSWEEP_FAKE", json.dumps({"landscape": shape}))
+    loss = {
+        (q, r): fakes.landscape({"quant": q, "adapter.r": r, "train.lr": "1e-3"})["eval_loss"]
+        for q in ("none", "nf4")
+        for r in ("4", "16", "64")
+    }
+    if best_rank is None:
+        assert max(loss.values()) - min(loss.values()) <= 2 * 0.05  # the draw's range only
+    else:
+        assert min(loss, key=loss.get) == ("none", best_rank)
+    monkeypatch.setenv("VRAMSWEEP_FAKE", json.dumps({"landscape": "nope"}))
+    with pytest.raises(ValueError, match="rank_hurts"):
+        fakes.landscape({"adapter.r": "4"})
