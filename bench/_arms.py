@@ -45,9 +45,11 @@ def paired_ratios(num: Sequence[float | None], den: Sequence[float | None]) -> l
     return [a / b for a, b in zip(num, den, strict=False) if a is not None and b]
 
 
-def spread(values: Sequence[float]) -> str:
-    """``median [min-max] (n rounds)`` of ``values``, or ``n/a``."""
+def spread(values: Sequence[float], what: str = "round") -> str:
+    """``median [min-max] (n rounds)`` of ``values`` (``what``: what one value is), or ``n/a``."""
     if not values:
-        return "n/a (no round measured both arms)"
+        return f"n/a (no {what} measured)"
     v = sorted(values)
-    return f"{statistics.median(v):.3f} [{v[0]:.3f}-{v[-1]:.3f}] ({len(v)} round{'s' if len(v) != 1 else ''})"
+    return (
+        f"{statistics.median(v):.3f} [{v[0]:.3f}-{v[-1]:.3f}] ({len(v)} {what}{'s' if len(v) != 1 else ''})"
+    )

@@ -195,7 +195,7 @@ def _print_summary(summary: dict[str, dict], args) -> None:
         print(f"  {shape} ({s['near']} configs within tolerance):")
         for arm, rs in s["rows"].items():
             ratios = [r["ratio"] for r in rs]
-            print(f"    {ARM_NAMES[arm]:15s} {spread(ratios)}")
+            print(f"    {ARM_NAMES[arm]:15s} {spread(ratios, 'seed')}")
 
 
 def _landscape(args, common: list[str], root: Path, budget: float) -> dict:

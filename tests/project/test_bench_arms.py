@@ -39,6 +39,7 @@ def test_ratios_are_paired_by_round_and_printed_with_their_spread():
     assert _arms.paired_ratios([2.0, None, 3.0, 4.0], [1.0, 1.0, None, 2.0]) == [2.0, 2.0]
     assert _arms.spread([1.2, 0.9, 1.0]) == "1.000 [0.900-1.200] (3 rounds)"
     assert _arms.spread([]).startswith("n/a")
+    assert _arms.spread([0.1], "seed") == "0.100 [0.100-0.100] (1 seed)"
 
 
 @pytest.mark.torchfree
@@ -88,3 +89,29 @@ def test_fake_landscapes_put_the_best_config_where_they_say(monkeypatch, shape, 
     monkeypatch.setenv("VRAMSWEEP_FAKE", json.dumps({"landscape": "nope"}))
     with pytest.raises(ValueError, match="rank_hurts"):
         fakes.landscape({"adapter.r": "4"})
+
+
+def test_packing_bench_arms_train_the_same_examples_per_step():
+    """bench/packing.py compares at equal optimizer steps and tokens: each step of every arm holds the
+    examples of the same packed rows; grouped sorts them by length, padded does not, packed is one
+    micro-batch of rows."""
+    packing = _bench("packing")
+    examples = packing.chat_like(40, 3, 500, hi=256)
+    plan = packing.step_plan(examples, 256, 2, seed=0)
+    flat = sorted(e.input_ids for step in plan for e in step)
+    assert flat == sorted(e.input_ids for e in examples)  # every example once
+    for k, step in enumerate(plan):
+        per_arm = {
+            arm: packing.arm_micro_batches(arm, step, 2, 256, k) for arm in ("padded", "grouped", "packed")
+        }
+        tokens = {
+            arm: sorted(len(e.input_ids) for m in ms for e in m)
+            for arm, ms in per_arm.items()
+            if arm != "packed"
+        }
+        assert tokens["padded"] == tokens["grouped"] == sorted(len(e.input_ids) for e in step)
+        assert len(per_arm["packed"]) == 1 and sum(len(r.input_ids) for r in per_arm["packed"][0]) == sum(
+            len(e.input_ids) for e in step
+        )
+        lengths = [len(e.input_ids) for m in per_arm["grouped"] for e in m]
+        assert lengths == sorted(lengths, reverse=True)
