@@ -83,9 +83,11 @@ def arm_micro_batches(arm: str, step: list, micro_batch: int, width: int, seed: 
 
     if arm == "packed":
         return [pack_examples(step, width, seed)]
-    ex = sorted(step, key=lambda e: -len(e.input_ids)) if arm == "grouped" else list(step)
-    if arm == "padded":
-        random.Random(seed).shuffle(ex)
+    if arm == "grouped":  # chunked from the shortest (a short last chunk holds the longest), widest first
+        ex = sorted(step, key=lambda e: len(e.input_ids))
+        return [ex[i : i + micro_batch] for i in range(0, len(ex), micro_batch)][::-1]
+    ex = list(step)
+    random.Random(seed).shuffle(ex)
     return [ex[i : i + micro_batch] for i in range(0, len(ex), micro_batch)]
 
 

@@ -182,3 +182,11 @@ def test_compose_resolves_auto_dtype_and_keeps_a_given_one(monkeypatch, native, 
     assert compose(["hardware=rtx4080_16gb"], rules="config").train.dtype == "bf16"
     with pytest.raises(ConfigError, match="auto"):
         compose(["train.dtype=fp8"])
+
+
+def test_a_bad_step_count_gets_its_error_alone(tmp_path, monkeypatch, capsys):
+    """The warm-up note comes only after the rules passed: train.steps=0 prints one error line."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(SAID_ENV, raising=False)
+    line = _one_error(capsys, ["train", "train.steps=0", f"results_dir={tmp_path / 'res'}"])
+    assert "train.steps=0 is out of range" in line

@@ -113,5 +113,10 @@ def test_packing_bench_arms_train_the_same_examples_per_step():
         assert len(per_arm["packed"]) == 1 and sum(len(r.input_ids) for r in per_arm["packed"][0]) == sum(
             len(e.input_ids) for e in step
         )
-        lengths = [len(e.input_ids) for m in per_arm["grouped"] for e in m]
-        assert lengths == sorted(lengths, reverse=True)
+        slots = {
+            arm: sum(max(len(e.input_ids) for e in m) * len(m) for m in per_arm[arm])
+            for arm in ("padded", "grouped")
+        }
+        assert slots["grouped"] <= slots["padded"]  # length grouping never pads more
+        widths = [max(len(e.input_ids) for e in m) for m in per_arm["grouped"]]
+        assert widths == sorted(widths, reverse=True)  # the widest micro-batch first

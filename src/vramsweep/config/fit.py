@@ -87,8 +87,8 @@ def fitted_warmups(steps: int) -> tuple[int, int]:
 
 def fit_unset(cfg: DictConfig) -> list[str]:
     """Fill ``train.dtype=auto`` (:func:`auto_dtype`) and the unset (``null``) warm-ups of ``cfg.train``
-    (:func:`fitted_warmups`); say once when a default was shrunk. Returns the ``key=value`` settings that
-    were shrunk (empty when none was)."""
+    (:func:`fitted_warmups`). Returns the ``key=value`` settings that were shrunk (empty when none was),
+    for :func:`say_fitted` once the rules have passed (a bad ``train.steps`` gets its error alone)."""
     t = cfg.get("train")
     if t is None or "warmup_steps" not in t:
         return []
@@ -109,10 +109,14 @@ def fit_unset(cfg: DictConfig) -> list[str]:
                 t[key] = value
                 if value != default:
                     shrunk.append(f"train.{key}={value}")
+    return shrunk
+
+
+def say_fitted(cfg: DictConfig, shrunk: list[str]) -> None:
+    """Once per command, after the rules passed: which unset warm-ups :func:`fit_unset` shrank."""
     if shrunk:
         say_once(
             "short-run-warmups",
-            f"vramsweep: note: train.steps={steps} is shorter than the default warm-ups: "
+            f"vramsweep: note: train.steps={cfg.train.steps} is shorter than the default warm-ups: "
             f"{', '.join(shrunk)} (set train.warmup_steps / train.measure_warmup_steps to choose)",
         )
-    return shrunk
