@@ -99,6 +99,19 @@ def _check_range(cfg, key, lo, hi, *, integer=False, lo_open=False, hi_open=Fals
         )
 
 
+def _check_threads(cfg) -> None:
+    """``train.threads``: ``auto`` or a count 0..1024 (0 = torch's default); vramsweep.measure.threads."""
+    v = str(cfg.train.get("threads", "auto")).strip()
+    if v.lower() == "auto":
+        return
+    if not re.fullmatch(r"\d+", v) or int(v) > 1024:
+        raise ConfigError(
+            f"train.threads={v!r} is not auto or a thread count",
+            key="train.threads",
+            allowed=["auto", "0 (torch's default)", "1..1024"],
+        )
+
+
 def _check_choice(cfg, key, allowed):
     v = _num(cfg, key)
     if v not in allowed:
@@ -289,7 +302,7 @@ def _check_train_values(cfg: DictConfig) -> None:
     _check_choice(cfg, "train.schedule", SCHEDULES)
     _check_range(cfg, "train.warmup_steps", 0, cfg.train.steps, integer=True)
     _check_range(cfg, "train.max_grad_norm", 0.0, 1e6)
-    _check_choice(cfg, "train.dtype", DTYPES)
+    _check_choice(cfg, "train.dtype", (*DTYPES, "auto"))  # auto is resolved at compose (config.fit)
     _check_range(cfg, "train.eval_every", 0, 10**7, integer=True)
     _check_range(cfg, "train.eval_batches", 1, 10**5, integer=True)
     _check_range(cfg, "train.measure_warmup_steps", 0, 10**7, integer=True)
@@ -300,7 +313,7 @@ def _check_train_values(cfg: DictConfig) -> None:
             key="train.measure_warmup_steps",
             allowed=[f"0..{cfg.train.steps - 1}"],
         )
-    _check_range(cfg, "train.threads", 0, 1024, integer=True)
+    _check_threads(cfg)
     for key in ("train.seed", "data.seed"):  # torch, numpy and random all take 0 .. 2**32 - 1
         if OmegaConf.select(cfg, key) is not None:
             _check_range(cfg, key, 0, 2**32 - 1, integer=True)
@@ -487,7 +500,14 @@ def _rules_model_path(cfg: DictConfig) -> None:
     """``model.source=path``: ``model.path`` is a local folder with a ``config.json``."""
     if cfg.model.source == "path":
         p = cfg.model.path
-        if not p or not os.path.isdir(str(p)):
+        if not p:
+            raise ConfigError(
+                f"model={cfg.model.name} needs model.path=<folder>: the local Hugging Face model folder to "
+                "fine-tune (config.json, weights, tokenizer; nothing is downloaded)",
+                key="model.path",
+                allowed=["<local HF folder with config.json>"],
+            )
+        if not os.path.isdir(str(p)):
             raise ConfigError(
                 f"model.path={p!r} is not a local folder (nothing is downloaded)",
                 key="model.path",
@@ -508,7 +528,14 @@ def _rules_data_paths(cfg: DictConfig) -> None:
             p = cfg.data[key]
             if key == "eval_path" and p is None:
                 continue
-            if not p or not (os.path.isfile(str(p)) or os.path.isdir(str(p))):
+            if not p and key == "path":
+                raise ConfigError(
+                    f"data={cfg.data.name} needs data.path=<file>: your records (.jsonl, .json, .parquet or "
+                    "a datasets folder; formats in docs/DATA.md)",
+                    key="data.path",
+                    allowed=["<path to .jsonl / .json / .parquet / folder>"],
+                )
+            if not (os.path.isfile(str(p)) or os.path.isdir(str(p))):
                 odd = bool(p) and os.path.exists(str(p))  # a FIFO or a device: reading it would block
                 raise ConfigError(
                     f"data.{key}={p!r} is not a readable data file or dataset folder"

@@ -245,14 +245,14 @@ class TrainConfig:
     grad_accum: int = 1
     lr: float = 3e-3
     schedule: str = "cosine"
-    warmup_steps: int = 2
+    warmup_steps: Optional[int] = None  # None: 2, at most half of steps (vramsweep.config.fit)
     max_grad_norm: float = 1.0
-    dtype: str = "bf16"  # fp32 | bf16 | fp16
+    dtype: str = "auto"  # auto (vramsweep.config.fit.auto_dtype) | fp32 | bf16 | fp16
     seed: int = 0
     eval_every: int = 0  # optimizer steps between intermediate evals (0 = only before/after)
     eval_batches: int = 4
-    measure_warmup_steps: int = 2  # excluded from tokens/s
-    threads: int = 0  # torch CPU threads; 0 = torch default
+    measure_warmup_steps: Optional[int] = None  # excluded from tokens/s; None: 2, at most steps - 1
+    threads: str = "auto"  # torch CPU threads: auto (vramsweep.measure.threads) | 0 (torch's default) | N
     # Production run (docs/RUNS.md): length over the data, outputs, checkpoints, resume.
     epochs: float = 0.0  # > 0: run length in passes over the training examples (replaces steps)
     save_adapter: str = "auto"  # auto (a train run saves, a sweep trial does not) | always | never

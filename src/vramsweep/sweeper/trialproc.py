@@ -36,6 +36,7 @@ from vramsweep.record.hostmem import MARKER_ENV, marker_path
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import atomic_write_json, new_result, read_json_file, write_result
 from vramsweep.record.status import Status
+from vramsweep.record.threads_env import CONCURRENT_ENV
 from vramsweep.record.units import GIB
 from vramsweep.sweeper.outcome import Outcome, classify, normalise_result, result_from_exception
 from vramsweep.sweeper.samplers import make_pruner
@@ -74,11 +75,13 @@ class TrialSpec:
         """The spec of a sweep's trial ``job`` (:class:`.study.Job`) in ``plan`` (:class:`.plan.Plan`):
         result JSON and log under ``<sweep dir>/trials`` (no log file in process), the sweep's
         objectives, pruner and checks, this process as the parent (``parent_ctime``: its start time),
-        and this environment plus ``VRAMSWEEP_SWEEP_DIR`` (trial W&B runs go to ``<sweep dir>/wandb``)
-        and, when ``cuda_devices`` is set, worker ``worker``'s ``CUDA_VISIBLE_DEVICES``."""
+        and this environment plus ``VRAMSWEEP_SWEEP_DIR`` (trial W&B runs go to ``<sweep dir>/wandb``),
+        ``VRAMSWEEP_CONCURRENT_TRIALS`` (``plan.n_jobs``: ``train.threads=auto`` takes a share) and, when
+        ``cuda_devices`` is set, worker ``worker``'s ``CUDA_VISIBLE_DEVICES``."""
         trials = plan.sweep_dir / "trials"
         env = dict(os.environ)
         env["VRAMSWEEP_SWEEP_DIR"] = str(plan.sweep_dir)
+        env[CONCURRENT_ENV] = str(max(1, int(plan.n_jobs)))  # train.threads=auto takes its share of the cores
         if plan.cuda_devices:
             env["CUDA_VISIBLE_DEVICES"] = plan.cuda_devices[worker % len(plan.cuda_devices)]
         return cls(
