@@ -539,8 +539,8 @@ def _train_steps(
         return evaluate(model, prep.evals, device, causal_lm=causal_lm_of, meter=meter)
 
     resume = _resume_point(cfg, run, result)
-    shared = shared_initial_eval(cfg, prep.evals, result)  # one initial eval per sweep and base model
-    eval_s = _initial_eval(m, run_eval, resume, cuda_mon, shared, meta)
+    # one initial eval per sweep and base model (vramsweep.measure.initial_eval)
+    eval_s = _initial_eval(m, run_eval, resume, cuda_mon, shared_initial_eval(cfg, prep.evals, result), meta)
     start = resume.next_step if resume is not None else 0
 
     params = [p for p in model.parameters() if p.requires_grad]
