@@ -302,13 +302,14 @@ class TrialRecord:
         """Why this trial's throughput was measured under load (``meta.timing_conditions``), else None.
 
         Under load: the 1-minute load average at the trial's start exceeds the CPU count, or at its end
-        exceeds the CPU count plus the trial's own torch threads, or other processes used the GPU.
+        exceeds the CPU count plus the trial's own torch threads, or other processes used the GPU, or another
+        trial of the sweep shared its GPU (:attr:`gpu_shared`, first).
         The start figure includes the sweep's previous trial as it decays (up to about one trial's
         threads), so the rule flags load on top of the sweep itself.
         """
         tc = self.meta.get("timing_conditions")
         if not isinstance(tc, dict):
-            return None
+            return self.gpu_shared
         why = []
         cpus = num(tc.get("cpu_count"))
         threads = num(tc.get("torch_threads")) or 0.0
@@ -322,9 +323,27 @@ class TrialRecord:
                     + (f" + {own:g} own threads" if own else "")
                 )
         gpu = num(tc.get("other_gpu_processes"))
-        if gpu:
+        if gpu and not self.gpu_shared:  # the sweep's own trials beside it: said once, as shared
             why.append(f"{gpu:g} other GPU process(es)")
+        if self.gpu_shared:
+            why.insert(0, self.gpu_shared)
         return "; ".join(why) or None
+
+    @property
+    def gpu_shared(self) -> str | None:
+        """``shared ...`` when another trial of the sweep ran on this trial's GPU while it ran
+        (``meta.gpu_share``, ``hydra.sweeper.trials_per_gpu``): its tokens/s, MFU and step times are not the
+        card's own (memory figures are: the cap and the peaks are per process). Else None."""
+        gs = self.meta.get("gpu_share")
+        if not isinstance(gs, dict) or not gs.get("shared"):
+            return None
+        others = [int(n) for n in gs.get("with") or [] if isinstance(n, int | float)]
+        if gs.get("exact") and others:
+            return f"shared GPU {gs.get('device')} with trial(s) {', '.join(str(n) for n in others)}"
+        return (
+            f"shared GPU {gs.get('device')} with up to {gs.get('trials_per_gpu')} trials (who is not known: "
+            "the sweeper stopped before it could say)"
+        )
 
     # -- design and knobs ---------------------------------------------------------------------
     @property

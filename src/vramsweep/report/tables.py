@@ -173,7 +173,7 @@ LOAD_MARK = "!"
 MARK_LEGEND = (
     "Δ ± standard error of the difference, then a mark: `*` exceeds the seed-to-seed noise (t-test, "
     "p < 0.05), `~` within noise, `?` noise unknown (a single run on both sides), "
-    f"`{LOAD_MARK}` throughput measured under load (not a finding)."
+    f"`{LOAD_MARK}` throughput measured under load or on a GPU shared with another trial (not a finding)."
 )
 
 
@@ -515,6 +515,7 @@ def trials_table(sweep: SweepData) -> Table:
                 "feasible": sweep.feasible(t),
                 "reason": t.reason,
                 "timing_disturbed": t.timing_disturbed,
+                "gpu_share": _gpu_share_text(t),
                 "overrides": list(t.overrides),
             }
         )
@@ -533,6 +534,8 @@ def trials_table(sweep: SweepData) -> Table:
         ),
         Column("fits", lambda r: r["fits"], False),
     ]
+    if any(r["gpu_share"] for r in rows):  # trials_per_gpu: whose throughput was measured beside another
+        cols.append(Column("GPU", lambda r: r["gpu_share"] or "", False))
     budget = sweep.budget_gib
     intro = (
         f"Budget {budget:g} GiB: fits = status ok and peak ≤ budget."
@@ -564,6 +567,14 @@ def _compare_into(
         r[f"p_{pfx}{spec.key}"] = c.p if c else None
         r[f"sig_{pfx}{spec.key}"] = c.verdict if c else None
         r[f"test_{pfx}{spec.key}"] = c.test if c else None
+
+
+def _gpu_share_text(t: TrialRecord) -> str | None:
+    """The trials table's GPU cell: ``shared`` (throughput not the card's own) or ``alone``."""
+    gs = t.meta.get("gpu_share")
+    if not isinstance(gs, dict):
+        return None
+    return f"{gs.get('device')} shared" if t.gpu_shared else f"{gs.get('device')} alone"
 
 
 def _loaded(trials: list[TrialRecord]) -> list[tuple[int, str]]:

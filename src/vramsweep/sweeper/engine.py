@@ -36,6 +36,7 @@ from vramsweep.preflight import check_fault_env, check_named_options, preflight_
 from vramsweep.record.diskfull import disk_full_reason
 from vramsweep.report.wandb_summary import SummaryUpdater
 from vramsweep.sweeper.fastpath import finished_study
+from vramsweep.sweeper.gpus import GpuSeats
 from vramsweep.sweeper.isolation import effective_preload, make_runner
 from vramsweep.sweeper.launch import LauncherRunner
 from vramsweep.sweeper.maxctx import run_max_context
@@ -137,7 +138,7 @@ class Sweep:
         wandb_summary = None
         if self.plan.wandb:
             wandb_summary = SummaryUpdater(s.sweep_dir, on_warning=self.progress.say)
-        pool = WorkerPool(self.book, self.runner, state, self.progress, wandb_summary)
+        pool = WorkerPool(self.book, self.runner, state, self.progress, wandb_summary, seats=self.seats())
         stop_beat = threading.Event()
         t0 = time.perf_counter()
         threading.Thread(
@@ -160,6 +161,13 @@ class Sweep:
         self.summary(time.perf_counter() - t0)
         checkpoint_wal(s.storage)
         return 1 if state.abort.is_set() else 0
+
+    def seats(self) -> GpuSeats | None:
+        """The GPUs' seats of this run (``None``: CPU, or trials run as launcher jobs elsewhere)."""
+        layout = self.plan.layout
+        if layout is None or not layout.gpus or isinstance(self.runner, LauncherRunner):
+            return None
+        return GpuSeats(layout.gpus, layout.per_gpu)
 
     def _run_workers(self, pool: WorkerPool, n_threads: int) -> None:
         """``n_threads`` workers until every slot is done; Ctrl-C stops them (running trials re-enqueued)."""
@@ -229,9 +237,10 @@ class Sweep:
             what += f" ({s.design_reason})"
         objs = ", ".join(f"{o.direction} {o.metric}" for o in s.objectives)
         budget = f"; budget {s.budget_gib:g} GiB" if s.budget_gib else ""
+        workers = s.layout.line if s.layout is not None else f"{s.n_jobs} worker(s)"
         return (
             f"vramsweep: '{s.name}': {what}, {plural(self.plan.n_total, 'trial')}, {objs}{budget}; "
-            f"{pruning}; {s.n_jobs} worker(s), each trial in a {how}"
+            f"{pruning}; {workers}, each trial in a {how}"
         )
 
     def summary(self, wall_s: float) -> None:

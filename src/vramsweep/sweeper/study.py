@@ -221,6 +221,8 @@ class StudyBook:
                 "design_points": len(self.plan.points) if self.plan.points is not None else None,
                 "sweep_id": self.plan.sweep_id,
                 "identity": self.plan.identity,
+                # worker slots and GPU seats of the run that wrote this file (gpus.Layout)
+                "workers": s.layout.public() if s.layout is not None else None,
             },
         )
         if self.plan.points is None:
