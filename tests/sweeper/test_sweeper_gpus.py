@@ -149,6 +149,10 @@ def test_trials_per_gpu_that_does_not_fit_is_refused(monkeypatch):
     with pytest.raises(ConfigError, match="needs a per-trial memory cap"):
         G.plan_layout(_conf(trials_per_gpu=2), "fork", G.Profile())
     assert G.plan_layout(_conf(trials_per_gpu=3), "fork", RTX4080).n_jobs == 3
+    swept = G.plan_layout(_conf(trials_per_gpu=2), "fork", G.Profile(**{**RTX4080.__dict__, "swept": True}))
+    assert (
+        swept.per_gpu == 2 and "not checked against the card's memory" in swept.notes[0]
+    )  # said, not silent
 
 
 @pytest.mark.parametrize(
@@ -460,3 +464,67 @@ def test_the_gpu_share_smoke_dry_runs_on_cpu(tmp_path):
     assert smoke.main(["--dry-run", "--out", str(tmp_path / "out")]) == 0
     found = json.loads((tmp_path / "out" / "share_smoke.json").read_text())["findings"]
     assert len(found) == 9 and all(f["ok"] for f in found)
+
+
+def test_confirm_stage_reruns_the_chosen_config_alone_and_pick_ranks_on_it(tmp_path, monkeypatch, capfd):
+    """Two configs shared the fake 80 GiB card; sweep.confirm (auto) re-runs the one pick chooses (the best
+    eval loss, single runs) alone in <sweep>/confirm: its result is not shared, the report's confirm table
+    shows shared vs alone, pick's tokens/s for it is the alone figure. The same command again runs nothing."""
+    monkeypatch.setenv(G.FAKE_ENV, "80")
+    monkeypatch.setenv("VRAMSWEEP_FAKE", json.dumps({"sleep_s": 12.0}))
+    args = [f"results_dir={tmp_path}", *FAKE, "hardware=rtx4080_16gb", "adapter.r=4,16", "sweep.name=conf"]
+    assert run_multirun([*args, "train.steps=3"]) == 0
+    out = capfd.readouterr().out
+    assert "vramsweep: confirm: 1 config(s) pick chooses between" in out
+    assert "1 worker(s) on GPU(s) 0, one trial per GPU" in out
+    folder = tmp_path / "sweeps" / "conf"
+    main = _results(tmp_path, "conf")
+    assert all(r["meta"]["gpu_share"]["shared"] for r in main.values())
+    best = min(main.values(), key=lambda r: r["metrics"]["eval_loss"])
+    confirm = {int(p.stem): json.loads(p.read_text()) for p in (folder / "confirm" / "trials").glob("*.json")}
+    assert len(confirm) == 1
+    (c,) = confirm.values()
+    assert c["overrides"] == best["overrides"] and c["meta"]["design"] == {
+        "kind": "confirm",
+        "role": "confirm",
+        "of": best["trial"],
+    }
+    assert c["meta"]["gpu_share"]["shared"] is False and c["status"] == "ok"
+    from vramsweep.report import build_report, load_sweep
+    from vramsweep.report.pick import candidates
+
+    sweep = load_sweep(str(folder))
+    table = build_report(sweep, importances=False).tables["confirm"]
+    assert [r["trial"] for r in table.rows] == [best["trial"]]
+    assert table.rows[0]["tokens_per_s_alone"] == c["metrics"]["tokens_per_s"]
+    ranked = {cand.number: cand for cand in candidates(sweep, [t for t in sweep.trials if t.ok])}
+    assert ranked[best["trial"]].tokens_per_s == c["metrics"]["tokens_per_s"]
+    assert not ranked[best["trial"]].speed_loaded
+    other = next(n for n in ranked if n != best["trial"])
+    assert ranked[other].tokens_per_s is None and ranked[other].speed_loaded
+    assert run_multirun([*args, "train.steps=3"]) == 0  # again: both stages complete, nothing runs
+    assert len(list((folder / "confirm" / "trials").glob("*.json"))) == 1
+
+
+@pytest.mark.slow  # ~60 s: the confirm test's sweep again with the stage off
+def test_confirm_0_runs_no_confirm_stage(tmp_path, monkeypatch):
+    monkeypatch.setenv(G.FAKE_ENV, "80")
+    monkeypatch.setenv("VRAMSWEEP_FAKE", json.dumps({"sleep_s": 12.0}))
+    args = [f"results_dir={tmp_path}", *FAKE, "hardware=rtx4080_16gb", "adapter.r=4,16", "sweep.name=off"]
+    assert run_multirun([*args, "+sweep.confirm=0", "train.steps=3"]) == 0
+    assert all(r["meta"]["gpu_share"]["shared"] for r in _results(tmp_path, "off").values())
+    assert not (tmp_path / "sweeps" / "off" / "confirm").exists()
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"), [(None, True), ("auto", True), (0, True), (3, True), (-1, False), ("x", False)]
+)
+def test_sweep_confirm_takes_auto_or_a_count(value, ok):
+    from vramsweep.sweeper.settings import SweepConfig
+
+    if ok:
+        assert SweepConfig.from_dict({"confirm": value}).confirm == value
+        return
+    with pytest.raises(ConfigError, match="sweep.confirm") as e:
+        SweepConfig.from_dict({"confirm": value})
+    assert e.value.key == "sweep.confirm"

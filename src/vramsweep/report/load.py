@@ -171,6 +171,9 @@ class TrialRecord:
     source: str = "json"  # json | storage
     path: str | None = None
     problem: str | None = None
+    #: the config re-run alone on a GPU by the sweep's confirm stage (``confirm/trials``), when its own
+    #: throughput was measured on a shared GPU (:attr:`gpu_shared`)
+    alone: TrialRecord | None = None
 
     @classmethod
     def from_result(
@@ -824,6 +827,29 @@ def load_sweep(target: str, *, study: str | None = None) -> SweepData:
     return _load_folder(path, study)
 
 
+def _attach_confirmed(folder: Path, records: dict[int, TrialRecord], notes: list[str]) -> None:
+    """The confirm stage's results (``<folder>/confirm/trials``, ``meta.design = {kind: confirm, of: N}``):
+    each ok one becomes :attr:`TrialRecord.alone` of trial N (its throughput alone on a GPU)."""
+    if not (folder / "confirm" / "trials").is_dir():
+        return
+    confirm_notes: list[str] = []
+    attached = []
+    for rec in _load_result_files(folder / "confirm", confirm_notes).values():
+        design = rec.meta.get("design") if isinstance(rec.meta.get("design"), dict) else {}
+        of = design.get("of")
+        if design.get("kind") != "confirm" or not isinstance(of, int) or of not in records or not rec.ok:
+            continue
+        if rec.gpu_shared:  # never: the stage runs one trial per GPU; a shared figure confirms nothing
+            continue
+        records[of].alone = rec
+        attached.append(of)
+    if attached:
+        notes.append(
+            f"Throughput re-measured alone on a GPU (sweep.confirm) for trial(s) "
+            f"{', '.join(str(n) for n in sorted(attached))}: pick ranks on the alone figure."
+        )
+
+
 def _load_settings(folder: Path, notes: list[str]) -> dict[str, Any]:
     p = folder / "sweep.json"
     if not p.is_file():
@@ -890,6 +916,7 @@ def _load_folder(folder: Path, study: str | None) -> SweepData:
         raise ReportError(f"--study {study!r} given but {folder} has no study database")
     _set_aside_lost_jobs(records, notes)
     _note_schema_problems(records, notes)
+    _attach_confirmed(folder, records, notes)
     name = str(settings.get("name") or folder.name)
     return SweepData(
         name=name,

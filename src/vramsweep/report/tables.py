@@ -1010,6 +1010,41 @@ class Report:
         raise KeyError("no tables")
 
 
+def confirm_table(sweep: SweepData) -> Table | None:
+    """Shared vs alone: the throughput of each config the confirm stage re-ran alone on a GPU (``None`` when
+    none was)."""
+    rows = []
+    for t in sweep.trials:
+        if t.alone is None:
+            continue
+        shared, alone = t.tokens_per_s, t.alone.tokens_per_s
+        rows.append(
+            {
+                "trial": t.number,
+                "confirm_trial": t.alone.number,
+                "tokens_per_s_shared": shared,
+                "tokens_per_s_alone": alone,
+                "shared_over_alone_pct": (shared / alone - 1.0) * 100.0 if shared and alone else None,
+                "shared_with": t.gpu_shared,
+                "overrides": list(t.overrides),
+            }
+        )
+    if not rows:
+        return None
+    cols = [
+        Column("trial", lambda r: str(r["trial"])),
+        Column("tok/s shared", lambda r: fmt(r["tokens_per_s_shared"], ",.0f")),
+        Column("tok/s alone", lambda r: fmt(r["tokens_per_s_alone"], ",.0f")),
+        Column("shared vs alone %", lambda r: fmt(r["shared_over_alone_pct"], "+.1f")),
+        Column("confirm trial", lambda r: str(r["confirm_trial"])),
+    ]
+    intro = (
+        "sweep.confirm: the configs pick chooses between, re-run each alone on a GPU after measuring their "
+        "throughput beside other trials; pick ranks on the alone figure."
+    )
+    return Table("confirm", "Throughput: shared GPU vs alone", cols, rows, intro=intro)
+
+
 def build_tables(sweep: SweepData) -> Report:
     """All tables for ``sweep`` (which must have at least one trial)."""
     tables: dict[str, Table] = {}
@@ -1021,6 +1056,8 @@ def build_tables(sweep: SweepData) -> Report:
     if st is not None:
         tables["stacking"] = st
     tables["trials"] = trials_table(sweep)
+    if (confirm := confirm_table(sweep)) is not None:
+        tables["confirm"] = confirm
     tables["failures"] = failures_table(sweep)
     est = estimate_tables(sweep)
     notes = list(sweep.notes)

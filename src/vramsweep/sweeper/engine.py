@@ -35,6 +35,7 @@ from vramsweep.config.errors import error_line
 from vramsweep.preflight import check_fault_env, check_named_options, preflight_sweep
 from vramsweep.record.diskfull import disk_full_reason
 from vramsweep.report.wandb_summary import SummaryUpdater
+from vramsweep.sweeper.confirm import may_confirm, run_confirm
 from vramsweep.sweeper.fastpath import finished_study
 from vramsweep.sweeper.gpus import GpuSeats
 from vramsweep.sweeper.isolation import effective_preload, make_runner
@@ -349,7 +350,8 @@ def run_sweep(
             return 2
         return run_max_context(sweeper_cfg, task_cfg, arguments, runner=runner)
     done = finished_study(sweeper_cfg, task_cfg, arguments)
-    if done is not None:  # nothing to run: the summary, without composing every point or importing torch
+    # nothing to run (and no confirm stage to finish): the summary, without composing every point or torch
+    if done is not None and not may_confirm(done[0]):
         return Sweep.report_complete(*done, runner=runner, launcher_factory=launcher_factory)
     try:
         check_fault_env()
@@ -361,7 +363,8 @@ def run_sweep(
         print(error_line("train", str(exc)), file=sys.stderr)
         return 2
     try:
-        return Sweep(plan, runner=runner, launcher_factory=launcher_factory).run()
+        code = Sweep(plan, runner=runner, launcher_factory=launcher_factory).run()
+        return run_confirm(plan, runner=runner) if code == 0 else code
     except ConfigError as exc:
         print(error_line("train", str(exc)), file=sys.stderr)
         return 2

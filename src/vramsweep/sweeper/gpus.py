@@ -264,6 +264,12 @@ def plan_layout(
         k, why = int(conf.trials_per_gpu), f"hydra.sweeper.trials_per_gpu={int(conf.trials_per_gpu)}"
         _check_fits(k, card, hw, float(conf.gpu_reserve_gib))
     notes = []
+    if k > 1 and (card is None or hw.swept):
+        notes.append(
+            f"hydra.sweeper.trials_per_gpu={k} not checked against the card's memory ("
+            + ("its size is unknown" if card is None else "hardware is swept: each trial's cap may differ")
+            + f"): {k} x (largest cap + CUDA context) must fit the card"
+        )
     n = n_given or len(gpus) * k
     if n > len(gpus) * k:
         k2 = math.ceil(n / len(gpus))

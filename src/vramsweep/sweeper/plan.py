@@ -175,7 +175,7 @@ class Plan:
 
 
 #: Fixed overrides that do not change what a trial measures (not part of a sweep's identity).
-NOT_IDENTITY = ("results_dir", "sweep.name")
+NOT_IDENTITY = ("results_dir", "sweep.name", "sweep.confirm")
 IDENTITY = "vramsweep:identity"
 
 

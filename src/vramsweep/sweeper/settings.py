@@ -479,7 +479,7 @@ class Objective:
 
 
 #: ``sweep:`` keys a :class:`~vramsweep.sweeper.plan.Plan` reads through from its :class:`SweepConfig`.
-SWEEP_KEYS = ("baseline", "factors", "stack", "preflight")
+SWEEP_KEYS = ("baseline", "factors", "stack", "preflight", "confirm")
 
 
 def _spec_name(spec: Any) -> str:
@@ -660,6 +660,9 @@ class SweepConfig:
     configs: list[Any] = field(default_factory=list)
     fixed: list[str] = field(default_factory=list)
     max_context: dict[str, Any] = field(default_factory=dict)
+    #: the confirm stage (sweeper/confirm.py): ``null``/``auto`` the configs pick chooses between, ``n`` the
+    #: first n, ``0`` off; runs only when trials shared a GPU
+    confirm: Any = None
 
     @classmethod
     def from_dict(cls, node: dict[str, Any] | None) -> SweepConfig:
@@ -698,7 +701,21 @@ class SweepConfig:
             configs=list(node.get("configs") or []),
             fixed=[str(x) for x in _as_list(node.get("fixed"), "sweep.fixed")],
             max_context=dict(node.get("max_context") or {}),
+            confirm=_confirm_value(node.get("confirm")),
         )
+
+
+def _confirm_value(value: Any) -> int | str | None:
+    """``sweep.confirm``: null or ``auto``, or a count >= 0 (0: off)."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1000:
+        return value
+    raise ConfigError(
+        f"sweep.confirm={value!r} must be auto, null or a number of configs in 0..1000",
+        key="sweep.confirm",
+        allowed=["auto", "null", "0 (off)", "1..1000"],
+    )
 
 
 def _optional_bool(value: Any, key: str) -> bool | None:
