@@ -10,6 +10,7 @@ driver never touches CUDA). Checked (one line per finding, exit 1 on any failure
 * the sweep's first line says ``2 workers on GPU 0, up to 2 trials per GPU``;
 * both trials ``ok``, both on GPU 0 (``CUDA_VISIBLE_DEVICES``), each marked ``meta.gpu_share.shared`` with the
   other (exact);
+* the confirm stage (``sweep.confirm``) re-ran the config ``pick`` chooses alone: ``ok``, not shared;
 * on a GPU only: each trial capped at its own budget (``meta.cuda.cap``: applied, ``cap_bytes`` = 2 GiB and
   3 GiB) and its peak (``metrics.peak_memory_bytes``, the allocator's reserved peak) under its cap; the two
   trials' wall-clock spans overlap (``meta.started`` / ``meta.finished``).
@@ -112,6 +113,17 @@ def check(out: Path, log: str, dry: bool) -> list[tuple[bool, str]]:
                 f"trial {n}: peak {peak} B < cap {budget:.0f} B",
             )
         )
+    confirm = [
+        json.loads(p.read_text()) for p in (out / "sweeps" / NAME / "confirm" / "trials").glob("[0-9]*.json")
+    ]
+    found.append(
+        (
+            len(confirm) == 1
+            and confirm[0].get("status") == "ok"
+            and (confirm[0].get("meta") or {}).get("gpu_share", {}).get("shared") is False,
+            f"confirm stage: {len(confirm)} config re-run alone (want 1, ok, not shared)",
+        )
+    )
     if not dry and len(res) == 2:
         spans = [(_time(r["meta"].get("started")), _time(r["meta"].get("finished"))) for r in res]
         ok = all(a is not None and b is not None for a, b in spans) and max(s[0] for s in spans) < min(

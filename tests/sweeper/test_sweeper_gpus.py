@@ -297,7 +297,8 @@ def test_a_fake_80gb_card_runs_4_emulated_16gb_trials_marked_shared(tmp_path, mo
         "adapter.r=4,8,12,16",
         "sweep.name=emu",
     ]
-    assert run_multirun([*args, "train.steps=3"]) == 0
+    # the confirm stage off: its trial 0 would write the same start marker as this stage's trial 0
+    assert run_multirun([*args, "train.steps=3", "+sweep.confirm=0"]) == 0
     out = capfd.readouterr()
     assert "4 workers on GPU 0, up to 4 trials per GPU" in out.out + out.err
     res = _results(tmp_path, "emu")
@@ -454,7 +455,7 @@ def test_killed_sweeper_on_shared_gpus_then_rerun_runs_every_point_once(tmp_path
 @pytest.mark.slow  # ~40 s: a sweep of two 12 s fake trials through the real CLI
 def test_the_gpu_share_smoke_dry_runs_on_cpu(tmp_path):
     """scripts/gpu_share_smoke.py --dry-run: two trials under two caps share the faked card, each marked
-    shared with the other; every finding passes."""
+    shared with the other, then the chosen config alone (the confirm stage); every finding passes."""
     import importlib.util
 
     path = Path(__file__).parents[2] / "scripts" / "gpu_share_smoke.py"
@@ -463,7 +464,7 @@ def test_the_gpu_share_smoke_dry_runs_on_cpu(tmp_path):
     spec.loader.exec_module(smoke)
     assert smoke.main(["--dry-run", "--out", str(tmp_path / "out")]) == 0
     found = json.loads((tmp_path / "out" / "share_smoke.json").read_text())["findings"]
-    assert len(found) == 9 and all(f["ok"] for f in found)
+    assert len(found) == 10 and all(f["ok"] for f in found)
 
 
 def test_confirm_stage_reruns_the_chosen_config_alone_and_pick_ranks_on_it(tmp_path, monkeypatch, capfd):
@@ -528,3 +529,34 @@ def test_sweep_confirm_takes_auto_or_a_count(value, ok):
     with pytest.raises(ConfigError, match="sweep.confirm") as e:
         SweepConfig.from_dict({"confirm": value})
     assert e.value.key == "sweep.confirm"
+
+
+def test_a_slot_is_owned_before_it_turns_running(tmp_path):
+    """The kill -9 fuzz with 4 workers left a trial RUNNING without an owner (the sweeper died between
+    pop_slot's RUNNING and the owner stamp): no re-run could tell it from a live one for grace_s. The owner
+    is now stamped first: a death right after the RUNNING write leaves an owned trial."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from vramsweep.sweeper.storage import OWNER, SLOT, pop_slot
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/s.db", study_name="s")
+    study.enqueue_trial({}, skip_if_exists=False)
+    storage = study._storage
+    (t,) = study.get_trials(deepcopy=False)
+    storage.set_trial_system_attr(t._trial_id, SLOT, 0)
+    real = storage.set_trial_state_values
+
+    def die_after_running(trial_id, state, values=None):
+        real(trial_id, state=state, values=values)
+        raise KeyboardInterrupt  # the process dies right after the RUNNING write
+
+    storage.set_trial_state_values = die_after_running
+
+    def claim(tid):
+        storage.set_trial_system_attr(tid, OWNER, {"host": "h", "pid": 1})
+
+    with pytest.raises(KeyboardInterrupt):
+        pop_slot(study, 1, claim=claim)
+    (t,) = study.get_trials(deepcopy=False)
+    assert t.state == TrialState.RUNNING and t.system_attrs[OWNER] == {"host": "h", "pid": 1}

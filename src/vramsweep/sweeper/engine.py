@@ -150,6 +150,7 @@ class Sweep:
             self.progress.say(self.describe())
             self.runner.start()
             started = True
+            pool.prime()
             self.progress.start()
             self._run_workers(pool, max(1, s.n_jobs))
         finally:

@@ -109,10 +109,29 @@ class WorkerPool:
     def alone_reason(self, job: Job) -> str | None:
         """Why ``job`` must have its GPU alone (``None``: it may share): from its memory estimate, composed
         here (torch-free) once per point."""
-        key = tuple(job.overrides)
+        return self._alone_for(job.overrides)
+
+    def _alone_for(self, overrides: list[str]) -> str | None:
+        key = tuple(overrides)
         if key not in self._alone:
-            self._alone[key] = _alone_reason(job.overrides, self.plan.share_below)
+            self._alone[key] = _alone_reason(list(overrides), self.plan.share_below)
         return self._alone[key]
+
+    def prime(self) -> None:
+        """Estimate a fixed design's first wave (the ``n_jobs`` lowest waiting slots) before the workers
+        start, so its trials start together instead of one compose apart."""
+        if self.seats is None or self.seats.per_gpu <= 1 or self.plan.points is None:
+            return
+        from optuna.trial import TrialState
+
+        from vramsweep.sweeper.space import merge_overrides
+        from vramsweep.sweeper.storage import SLOT
+
+        waiting = self.book.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        ordered = sorted(waiting, key=lambda t: t.number)
+        slots = [int(t.system_attrs[SLOT]) for t in ordered if SLOT in t.system_attrs]
+        for slot in [s for s in slots if s < len(self.plan.points)][: self.plan.n_jobs]:
+            self._alone_for(merge_overrides(self.plan.fixed, self.plan.points[slot].overrides))
 
     def _run_on(self, spec: TrialSpec, gpu: dict[str, Any] | None) -> RunReport:
         """Run ``spec``'s trial; on a GPU seat, give the seat back (blocked first when the GPU must pass a
