@@ -270,6 +270,7 @@ def fake_trial(
         "wall_s": (sim * truth["step_time_s"] / 1.46 * ran) if sim else None,
         "steps_run": ran,
         "fake": True,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # the GPU the sweeper gave it
     }
     _touch(env, "end", trial)
     return res

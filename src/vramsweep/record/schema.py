@@ -192,6 +192,7 @@ class Meta(_Record):
         "result_path": ("text", True),
         "max_context_probe": ("dict", True),
         "eval_set": ("dict", True),
+        "gpu_share": ("dict", True),
     }
     WHERE: ClassVar[str] = "meta"
 
@@ -209,6 +210,10 @@ class Meta(_Record):
     max_context_probe: dict[str, Any] | None = None
     #: what the held-out metrics are over (vramsweep.data.evalset): {fingerprint, examples, ...}
     eval_set: dict[str, Any] | None = None
+    #: the trial's GPU seat: ``device``, ``trials_per_gpu``, ``alone`` (why it held the GPU alone),
+    #: ``shared`` (another trial ran on its GPU meanwhile: its throughput is not the card's own), ``with``
+    #: (those trials), ``exact`` (false: the trial's own conservative mark, the sweeper stopped first)
+    gpu_share: dict[str, Any] | None = None
 
     @classmethod
     def from_json(cls, data: Any) -> Meta:

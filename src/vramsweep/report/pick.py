@@ -136,8 +136,9 @@ class Candidate:
         if name == _PEAK:
             vals = [t.peak_bytes for t in self.trials]
             return None if any(v is None for v in vals) else max(vals)  # type: ignore[type-var]
-        if name == _TPS:
+        if name == _TPS:  # unloaded figures, and the confirm stage's alone figure of a shared one
             vals = [t.tokens_per_s for t in self.trials if not t.timing_disturbed]
+            vals += [t.alone.tokens_per_s for t in self.trials if t.timing_disturbed and t.alone is not None]
         else:
             vals = [t.metric(name) for t in self.trials]
         vals = [v for v in vals if v is not None]
@@ -146,7 +147,7 @@ class Candidate:
     @property
     def speed_loaded(self) -> bool:
         """Every repeat's throughput was measured under load (and so is left out of the ranking)."""
-        return all(t.timing_disturbed for t in self.trials) and any(
+        return all(t.timing_disturbed and t.alone is None for t in self.trials) and any(
             t.tokens_per_s is not None for t in self.trials
         )
 

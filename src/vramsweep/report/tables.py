@@ -176,7 +176,7 @@ LOAD_MARK = "!"
 MARK_LEGEND = (
     "Δ ± standard error of the difference, then a mark: `*` exceeds the seed-to-seed noise (t-test, "
     "p < 0.05), `~` within noise, `?` noise unknown (a single run on both sides), "
-    f"`{LOAD_MARK}` throughput measured under load (not a finding)."
+    f"`{LOAD_MARK}` throughput measured under load or on a GPU shared with another trial (not a finding)."
 )
 
 
@@ -518,6 +518,7 @@ def trials_table(sweep: SweepData) -> Table:
                 "feasible": sweep.feasible(t),
                 "reason": t.reason,
                 "timing_disturbed": t.timing_disturbed,
+                "gpu_share": _gpu_share_text(t),
                 "overrides": list(t.overrides),
             }
         )
@@ -536,6 +537,8 @@ def trials_table(sweep: SweepData) -> Table:
         ),
         Column("fits", lambda r: r["fits"], False),
     ]
+    if any(r["gpu_share"] for r in rows):  # trials_per_gpu: whose throughput was measured beside another
+        cols.append(Column("GPU", lambda r: r["gpu_share"] or "", False))
     budget = sweep.budget_gib
     intro = (
         f"Budget {budget:g} GiB: fits = status ok and peak ≤ budget."
@@ -573,6 +576,14 @@ def _compare_into(
         r[f"p_{pfx}{spec.key}"] = c.p if c else None
         r[f"sig_{pfx}{spec.key}"] = c.verdict if c else None
         r[f"test_{pfx}{spec.key}"] = c.test if c else None
+
+
+def _gpu_share_text(t: TrialRecord) -> str | None:
+    """The trials table's GPU cell: ``shared`` (throughput not the card's own) or ``alone``."""
+    gs = t.meta.get("gpu_share")
+    if not isinstance(gs, dict):
+        return None
+    return f"{gs.get('device')} shared" if t.gpu_shared else f"{gs.get('device')} alone"
 
 
 def _loaded(trials: list[TrialRecord]) -> list[tuple[int, str]]:
@@ -1039,6 +1050,41 @@ class Report:
         raise KeyError("no tables")
 
 
+def confirm_table(sweep: SweepData) -> Table | None:
+    """Shared vs alone: the throughput of each config the confirm stage re-ran alone on a GPU (``None`` when
+    none was)."""
+    rows = []
+    for t in sweep.trials:
+        if t.alone is None:
+            continue
+        shared, alone = t.tokens_per_s, t.alone.tokens_per_s
+        rows.append(
+            {
+                "trial": t.number,
+                "confirm_trial": t.alone.number,
+                "tokens_per_s_shared": shared,
+                "tokens_per_s_alone": alone,
+                "shared_over_alone_pct": (shared / alone - 1.0) * 100.0 if shared and alone else None,
+                "shared_with": t.gpu_shared,
+                "overrides": list(t.overrides),
+            }
+        )
+    if not rows:
+        return None
+    cols = [
+        Column("trial", lambda r: str(r["trial"])),
+        Column("tok/s shared", lambda r: fmt(r["tokens_per_s_shared"], ",.0f")),
+        Column("tok/s alone", lambda r: fmt(r["tokens_per_s_alone"], ",.0f")),
+        Column("shared vs alone %", lambda r: fmt(r["shared_over_alone_pct"], "+.1f")),
+        Column("confirm trial", lambda r: str(r["confirm_trial"])),
+    ]
+    intro = (
+        "sweep.confirm: the configs pick chooses between, re-run each alone on a GPU after measuring their "
+        "throughput beside other trials; pick ranks on the alone figure."
+    )
+    return Table("confirm", "Throughput: shared GPU vs alone", cols, rows, intro=intro)
+
+
 def build_tables(sweep: SweepData) -> Report:
     """All tables for ``sweep`` (which must have at least one trial)."""
     tables: dict[str, Table] = {}
@@ -1050,6 +1096,8 @@ def build_tables(sweep: SweepData) -> Report:
     if st is not None:
         tables["stacking"] = st
     tables["trials"] = trials_table(sweep)
+    if (confirm := confirm_table(sweep)) is not None:
+        tables["confirm"] = confirm
     tables["failures"] = failures_table(sweep)
     est = estimate_tables(sweep)
     notes = list(sweep.notes)
