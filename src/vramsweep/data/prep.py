@@ -173,6 +173,8 @@ def _build(cfg: DictConfig, tokenizer: Any) -> TrialData:
         stats[split]["trained_tokens"] = trained
         stats[split]["prompt_tokens"] = stats[split]["total_tokens"] - trained
         stats[split]["length_distribution"] = _length_distribution(ex)
+        stats[split]["truncated"] = sum(1 for e in ex if e.truncated)
+        stats[split]["boundary_merged"] = sum(1 for e in ex if e.boundary_merged)
     return TrialData(train=train, eval=ev, pad_id=int(tokenizer.pad_token_id), stats=stats)
 
 

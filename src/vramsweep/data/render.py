@@ -8,11 +8,14 @@ the tokenization of exactly that text (``add_special_tokens=False``: templates w
 
 What is trained (``data.train_on``). Spans are found by rendering prefixes, so any template works without
 ``{% generation %}`` markers: an assistant turn ``k`` starts where the rendering of ``messages[:k]`` with
-``add_generation_prompt=True`` stops agreeing with the full rendering, and ends after the turn's content
-plus the end-of-turn special token that follows it (``<|im_end|>`` in ChatML). ``assistant``: every
+``add_generation_prompt=True`` stops agreeing with the full rendering (after the record's copy of what the
+generation prompt pre-fills, when the turn replaces it: Qwen3's think block with ``enable_thinking=false``
+is prompt) and ends through the first end-of-turn special token after it (:func:`end_of_turn_markers`:
+``<|im_end|>`` in ChatML), whitespace between the content and that token included. ``assistant``: every
 assistant turn; ``last_assistant``: the last one; ``completion``: the assistant turns of the completion
-(prompt/completion, alpaca; plain strings: the completion and its EOS); ``all``: every token. A token is
-trained when it starts inside a trained span.
+(prompt/completion, alpaca; plain strings: from the first token that differs from the tokenised prompt,
+TRL's split, through EOS); ``all``: every token. A token is trained when its characters overlap a trained
+span, so a token straddling a span's start is trained (and counted in :attr:`Example.boundary_merged`).
 
 Length (``context.max_tokens``). A conversation that does not fit keeps its leading system messages and
 the newest exchanges (a user turn and what follows it) that fit; ``context.truncation=exp_decay`` instead
@@ -115,12 +118,63 @@ def _apply(tok: Any, messages: list[dict], s: RenderSettings, *, gen: bool = Fal
     )
 
 
-def _end_markers(tok: Any) -> list[str]:
+def _specials(tok: Any) -> set[str]:
+    """The text of every special token of ``tok`` (what a template writes as a turn marker)."""
     names = {str(t) for t in getattr(tok, "all_special_tokens", []) or []}
     added = getattr(tok, "added_tokens_decoder", {}) or {}
     names |= {str(t.content) for t in added.values() if getattr(t, "special", False)}
-    eos = getattr(tok, "eos_token", None)
-    return sorted((n for n in names if n), key=lambda n: (n != eos, -len(n)))
+    return {n for n in names if n}
+
+
+#: Two stand-in answers rendered once per (tokenizer, template, thinking) to see what the template writes
+#: after an assistant turn's content (:func:`end_of_turn_markers`).
+_PROBE = ("vramsweep-probe-answer-one", "vramsweep-probe-answer-two")
+_MARKERS: dict[tuple[int, str | None, bool], tuple[Any, tuple[str, ...]]] = {}
+
+
+def end_of_turn_markers(tok: Any, s: RenderSettings) -> tuple[str, ...]:
+    """The special tokens that end an assistant turn under ``s.template``: the first special token the
+    template writes after each of two probe answers (ChatML ``<|im_end|>``, Llama-3 ``<|eot_id|>``, the
+    embedded template ``<|eos|>``), found once per tokenizer and template.
+
+    Raises:
+        ValueError: the template writes no special token of the tokenizer after an assistant turn (the
+            model would never be taught to stop), naming what it writes there instead.
+    """
+    key = (id(tok), s.template, s.enable_thinking)
+    hit = _MARKERS.get(key)
+    if hit is not None and hit[0] is tok:
+        return hit[1]
+    msgs = [
+        {"role": "user", "content": "probe question one"},
+        {"role": "assistant", "content": _PROBE[0]},
+        {"role": "user", "content": "probe question two"},
+        {"role": "assistant", "content": _PROBE[1]},
+    ]
+    text = _apply(tok, msgs, s)
+    specials = _specials(tok)
+    found: list[str] = []
+    after = ""
+    for probe in _PROBE:
+        at = text.find(probe)
+        if at < 0:
+            continue
+        after = text[at + len(probe) :]
+        hits = [(after.find(m), -len(m), m) for m in specials if m in after]
+        if hits:
+            found.append(min(hits)[2])
+        elif probe == _PROBE[-1]:
+            found = []
+    if not found:
+        raise ValueError(
+            "the chat template writes no special token of the tokenizer after an assistant turn "
+            f"(it writes {after[:40]!r}), so no end-of-turn token would be trained and the model would "
+            "never learn to stop; use a template whose turn end is a special token of this tokenizer "
+            "(data.chat_template=<file>), or add that token to the tokenizer"
+        )
+    markers = tuple(dict.fromkeys(found))
+    _MARKERS[key] = (tok, markers)
+    return markers
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -139,11 +193,35 @@ def _common_prefix(a: str, b: str) -> int:
     return lo
 
 
-def _visible(content: str) -> str:
-    """The part of an assistant content a template shows (Qwen3 moves ``<think>`` blocks out of it)."""
-    if "</think>" in content:
-        content = content.split("</think>")[-1]
-    return content.strip()
+def _turn_span(
+    full: str, k: int, messages: list[dict], tok: Any, s: RenderSettings, markers: Sequence[str]
+) -> tuple[int, int]:
+    """The characters of ``full`` that assistant turn ``k`` trains (module docstring): from where the
+    rendering of ``messages[:k]`` with the generation prompt stops agreeing with ``full`` (after what the
+    generation prompt pre-fills, when the turn replaces it) through the first end-of-turn marker after it.
+
+    Raises:
+        ValueError: no end-of-turn marker follows the turn.
+    """
+    gen = _apply(tok, messages[:k], s, gen=True)
+    start = _common_prefix(gen, full)
+    ends = [(at, len(m)) for m in markers for at in (full.find(m, start),) if at >= 0]
+    if not ends:
+        raise ValueError(
+            f"assistant turn {k}: no end-of-turn token ({', '.join(markers)}) follows it in the rendered "
+            "text, so the model would not be taught to stop after it"
+        )
+    at, n = min(ends)
+    # The generation prompt pre-fills text the turn replaces: Qwen3 with enable_thinking=false pre-fills an
+    # empty think block and a turn with reasoning writes its own. That block is prompt: training starts
+    # after the record's copy of the pre-fill's ending ("\n</think>\n\n"), where the model's answer
+    # starts at inference.
+    tail = gen[start:]
+    if tail.strip():
+        found = full.find(tail, start, at)
+        if found >= 0:
+            start = found + len(tail)
+    return start, at + n
 
 
 def _chat_spans(
@@ -158,24 +236,8 @@ def _chat_spans(
     elif s.train_on == "completion":  # the completion's messages are the record's last ones (kept by fitting)
         n_completion = len(item.messages) - item.n_prompt
         idx = [k for k in idx if k >= len(messages) - n_completion]
-    markers = _end_markers(tok)
-    spans = []
-    for k in idx:
-        start = _common_prefix(_apply(tok, messages[:k], s, gen=True), full)
-        c = _visible(messages[k]["content"])
-        at = full.find(c, start)
-        if not c or at < 0:
-            raise ValueError(
-                f"the chat template does not show assistant turn {k}'s content verbatim, so its tokens "
-                "cannot be found; use a template that does (data.chat_template=<file>)"
-            )
-        end = at + len(c)
-        for mk in markers:
-            if full.startswith(mk, end):
-                end += len(mk)
-                break
-        spans.append((start, end))
-    return full, spans
+    markers = end_of_turn_markers(tok, s)
+    return full, [_turn_span(full, k, messages, tok, s, markers) for k in idx]
 
 
 def render_item(
@@ -271,10 +333,41 @@ def _render_fitting(items: Sequence[Item], tok: Any, s: RenderSettings) -> tuple
 
 
 def _labels(ids: list[int], offs: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """A token is trained when its characters overlap a trained span: a token that straddles the span's
+    start (a byte-level BPE merging the prompt's last characters with the answer's first) is trained."""
     out = []
-    for t, (a, _b) in zip(ids, offs):
-        out.append(t if any(s0 <= a < s1 for s0, s1 in spans) else IGNORE_INDEX)
+    for t, (a, b) in zip(ids, offs):
+        hit = any((a < s1 and b > s0) or (a == b and s0 <= a < s1) for s0, s1 in spans)
+        out.append(t if hit else IGNORE_INDEX)
     return out
+
+
+def _merged(offs: list[tuple[int, int]], spans: list[tuple[int, int]]) -> int:
+    """How many spans start inside a token (that token is trained and holds prompt characters)."""
+    return sum(1 for s0, _ in spans if any(a < s0 < b for a, b in offs))
+
+
+def _common_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two id lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _plain_labels(
+    ids: list[int], offs: list[tuple[int, int]], prompt_ids: list[int], n_text: int
+) -> tuple[list[int], list[tuple[int, int]], int]:
+    """(labels, trained character span, boundary-merged) of a prompt/completion string record: trained from
+    the first token that differs from the tokenised prompt (TRL's split), so a token merging the prompt's
+    trailing space with the completion's first word is trained; merged when that token holds prompt
+    characters (the prompt's ids do not all survive)."""
+    n = _common_len(prompt_ids, ids)
+    start = offs[n][0] if n < len(offs) else n_text
+    labels = [IGNORE_INDEX] * n + list(ids[n:])
+    return labels, [(start, n_text)], int(n < len(prompt_ids))
 
 
 def _fact_spans(
@@ -398,9 +491,14 @@ def build_item_examples(items: Sequence[Item], tok: Any, s: RenderSettings) -> l
     else:
         rendered = [_render(it, tok, s) for it in items]
         encoded = _encode(tok, [t for t, _ in rendered]) if rendered else []
+    plain = [i for i, it in enumerate(items) if it.kind == "plain" and s.train_on != "all"]
+    prompt_ids = (
+        dict(zip(plain, (p for p, _ in _encode(tok, [items[i].prompt for i in plain])))) if plain else {}
+    )
     out: list[Example] = []
-    for it, (text, spans), (ids, offs) in zip(items, rendered, encoded):
-        if len(ids) > s.max_tokens:
+    for i, (it, (text, spans), (ids, offs)) in enumerate(zip(items, rendered, encoded)):
+        cut = len(ids) > s.max_tokens
+        if cut:
             if it.kind == "chat":
                 try:
                     text, spans = render_item(it, tok, s, _fit_messages(it, tok, s))
@@ -408,7 +506,10 @@ def build_item_examples(items: Sequence[Item], tok: Any, s: RenderSettings) -> l
                     raise ValueError(f"{it.where}: {e}") from None
                 ids, offs = _encode(tok, [text])[0]
             ids, offs = ids[: s.max_tokens], offs[: s.max_tokens]
-        labels = _labels(ids, offs, spans)
+        if i in prompt_ids:
+            labels, spans, merged = _plain_labels(ids, offs, prompt_ids[i], len(text))
+        else:
+            labels, merged = _labels(ids, offs, spans), _merged(offs, spans)
         n_trained = sum(1 for t in labels if t != IGNORE_INDEX)
         if n_trained == 0:
             raise ValueError(
@@ -425,6 +526,8 @@ def build_item_examples(items: Sequence[Item], tok: Any, s: RenderSettings) -> l
                 n_context_tokens=len(ids) - n_trained,
                 fact_spans=_fact_spans(text, offs, spans, it.facts, len(ids)),
                 where=it.where,
+                boundary_merged=merged,
+                truncated=cut,
             )
         )
     return out

@@ -1,0 +1,155 @@
+"""What is trained is what the record means, on three tokenizer families (tests/data/_tokenizers.py) and
+three chat templates (tests/fixtures/chat_templates): the end-of-turn token after whitespace, a token that
+straddles the prompt/answer boundary, think blocks, the stop-token guard."""
+
+from __future__ import annotations
+
+import pytest
+from _tokenizers import END_OF_TURN, TEMPLATES, TOKENIZERS
+
+from vramsweep.data.examples import IGNORE_INDEX
+from vramsweep.data.formats import normalize_records
+from vramsweep.data.render import RenderSettings, build_item_examples
+from vramsweep.data.sources import Record
+
+
+def settings(template=None, train_on="assistant", max_tokens=4096, truncation="tail", **kw) -> RenderSettings:
+    return RenderSettings(
+        train_on=train_on,
+        template=template,
+        enable_thinking=kw.pop("enable_thinking", False),
+        max_tokens=max_tokens,
+        truncation=truncation,
+        decay=kw.pop("decay", 0.5),
+        min_tokens_per_section=kw.pop("min_tokens_per_section", 4),
+    )
+
+
+def items(*objs, fmt="auto"):
+    return normalize_records([Record(f"f.jsonl:{i + 1}", o) for i, o in enumerate(objs)], fmt)
+
+
+def example(tok, rec, **kw):
+    (e,) = build_item_examples(items(rec), tok, settings(**kw))
+    return e
+
+
+def runs(e) -> list[tuple[int, int]]:
+    """The trained token runs of an example: ``[start, end)`` of each contiguous run of labels != -100."""
+    out: list[tuple[int, int]] = []
+    for i, t in enumerate(e.labels):
+        if t == IGNORE_INDEX:
+            continue
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
+def texts(tok, e) -> list[str]:
+    """The text of each trained run, as the prefix difference of decodes (a SentencePiece-style decoder
+    drops a leading space when it decodes a run on its own)."""
+    out = []
+    for a, b in runs(e):
+        head, whole = tok.decode(e.input_ids[:a]), tok.decode(e.input_ids[:b])
+        assert whole.startswith(head)
+        out.append(whole[len(head) :])
+    return out
+
+
+# ---------------------------------------------------------------- bug 1: whitespace before the end of turn
+@pytest.mark.parametrize("tok_name", list(TOKENIZERS))
+@pytest.mark.parametrize("template", ["chatml", "qwen3", "llama3"])
+@pytest.mark.parametrize("answer", ["Four.\n", "Four. ", "Four.\n\n", " Four.\t\n"])
+def test_an_answer_ending_in_whitespace_trains_its_end_of_turn_token(tok_name, template, answer):
+    """Bug 1: the span ended after the stripped content and looked for the end marker only right after it,
+    so an answer ending in whitespace (common in chat exports) trained no end-of-turn token."""
+    tok = TOKENIZERS[tok_name]()
+    rec = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": answer}]}
+    e = example(tok, rec, template=TEMPLATES[template])
+    eot = tok.convert_tokens_to_ids(END_OF_TURN[template])
+    ((a, b),) = runs(e)
+    assert e.input_ids[b - 1] == eot
+    shown = answer.strip() if template == "llama3" else answer  # Llama 3's template trims the content
+    (text,) = texts(tok, e)
+    assert text.endswith(shown + END_OF_TURN[template])
+
+
+def test_the_embedded_template_trains_its_end_of_turn_after_whitespace():
+    from vramsweep.data.tokenizer import load_tokenizer
+    from vramsweep.embedded import ASSET_DIR
+
+    tok = load_tokenizer(ASSET_DIR, embedded=True)
+    rec = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "Four.\n"}]}
+    e = example(tok, rec, template=tok.chat_template)
+    assert tok.decode([t for t in e.labels if t != IGNORE_INDEX]) == "Four.\n<|eos|>"
+
+
+# ------------------------------------------------------- bug 2: a token straddling the prompt/answer boundary
+@pytest.mark.parametrize("tok_name", ["bpe", "metaspace"])
+def test_a_token_merging_the_prompts_trailing_space_with_the_answer_is_trained(tok_name):
+    """Bug 2: byte-level BPE (and SentencePiece-style) tokenizers merge a string prompt's trailing space
+    into the completion's first token (``"Answer: " + "yes"`` -> ``' yes'``); a token was trained only if
+    it started inside the completion, so a one-token answer trained only EOS. Trained from the first token
+    that differs from the tokenised prompt (TRL's split), and counted as boundary-merged."""
+    tok = TOKENIZERS[tok_name]()
+    e = example(tok, {"prompt": "Answer: ", "completion": "yes"}, train_on="completion")
+    ids = tok("Answer: yes", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids)[-1] in ("Ġyes", "▁yes")  # the straddling token exists
+    trained = [t for t in e.labels if t != IGNORE_INDEX]
+    assert trained == [ids[-1], tok.eos_token_id]
+    assert e.boundary_merged == 1
+    kept = example(tok, {"prompt": "Answer:", "completion": " yes"}, train_on="completion")
+    assert [t for t in kept.labels if t != IGNORE_INDEX] == trained and kept.boundary_merged == 0
+
+
+def test_a_chat_answer_whose_first_newline_merges_with_the_templates_is_trained_and_counted():
+    """Qwen2-style pre-tokenisation joins newlines: ChatML's ``assistant\\n`` + an answer starting with
+    ``\\n`` is one ``'\\n\\n'`` token straddling the boundary: trained (it holds the answer's newline) and
+    counted."""
+    tok = TOKENIZERS["bpe"]()
+    rec = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "\nFour."}]}
+    e = example(tok, rec, template=TEMPLATES["chatml"])
+    assert texts(tok, e) == ["\n\nFour.<|im_end|>"] and e.boundary_merged == 1
+
+
+# ----------------------------------------------------------------------- bug 3: Qwen3 think blocks
+REASONING = [
+    {"role": "user", "content": "What is 3+3?"},
+    {"role": "assistant", "content": "<think>\nadd again\n</think>\n\nIt is six."},
+]
+REASONING_FIELD = [
+    {"role": "user", "content": "What is 3+3?"},
+    {"role": "assistant", "content": "It is six.", "reasoning_content": "add again"},
+]
+
+
+@pytest.mark.parametrize("msgs", [REASONING, REASONING_FIELD], ids=["think-in-content", "reasoning_content"])
+@pytest.mark.parametrize("tok_name", list(TOKENIZERS))
+def test_qwen3_think_block_is_prompt_without_thinking_and_trained_from_its_opener_with(msgs, tok_name):
+    """Bug 3: with enable_thinking=false the span started inside the think block (``add again\\n</think>
+    \\n\\nIt is six.<|im_end|>`` trained, its opener not). Now the record's think block is prompt (the
+    generation prompt pre-fills an empty one at inference); with enable_thinking=true the whole block is
+    trained from ``<think>``."""
+    tok = TOKENIZERS[tok_name]()
+    off = example(tok, {"messages": msgs}, template=TEMPLATES["qwen3"])
+    assert texts(tok, off) == ["It is six.<|im_end|>"]
+    assert "add again" in tok.decode(off.input_ids)  # the reasoning stays in the prompt
+    on = example(tok, {"messages": msgs}, template=TEMPLATES["qwen3"], enable_thinking=True)
+    assert texts(tok, on) == ["<think>\nadd again\n</think>\n\nIt is six.<|im_end|>"]
+
+
+# ----------------------------------------------------------------------------- the stop-token guard
+def test_a_template_without_an_end_of_turn_token_is_refused_naming_the_record():
+    """ChatML's ``<|im_end|>`` on a tokenizer that does not have it: the end of a turn would be trained
+    as plain characters (no stop token); refused before anything is built."""
+    from vramsweep.data.tokenizer import load_tokenizer
+    from vramsweep.embedded import ASSET_DIR
+
+    tok = load_tokenizer(ASSET_DIR, embedded=True)
+    rec = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "Four."}]}
+    with pytest.raises(
+        ValueError, match=r"^f.jsonl:1: the chat template writes no special token .*'<\|im_end\|>"
+    ):
+        build_item_examples(items(rec), tok, settings(template=TEMPLATES["chatml"]))
