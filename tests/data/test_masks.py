@@ -153,3 +153,73 @@ def test_a_template_without_an_end_of_turn_token_is_refused_naming_the_record():
         ValueError, match=r"^f.jsonl:1: the chat template writes no special token .*'<\|im_end\|>"
     ):
         build_item_examples(items(rec), tok, settings(template=TEMPLATES["chatml"]))
+
+
+class _Claims:
+    """A tokenizer that lists special tokens it does not have as tokens (a tokenizer_config.json naming
+    specials its tokenizer.json lacks): the template's end of turn is then split into characters."""
+
+    def __init__(self, base, extra):
+        self._base, self._extra = base, extra
+
+    @property
+    def all_special_tokens(self):
+        return [*self._base.all_special_tokens, *self._extra]
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
+
+
+def test_a_turn_whose_end_of_turn_is_not_one_trained_token_is_refused():
+    """The stop-token guard, per record: the end-of-turn text is there but is not one special token, so no
+    stop token would be trained: refused naming the record and why."""
+    from vramsweep.data.tokenizer import load_tokenizer
+    from vramsweep.embedded import ASSET_DIR
+
+    tok = _Claims(load_tokenizer(ASSET_DIR, embedded=True), ["<|im_start|>", "<|im_end|>"])
+    rec = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "Four."}]}
+    with pytest.raises(
+        ValueError,
+        match=r"^f.jsonl:1: a trained turn does not end with a trained end-of-turn token \(one of <\|eos\|>, "
+        r"<\|im_end\|>\): it ends with 'ssistant\\nFour.<\|im_end\|>', not tokenised as that special token",
+    ):
+        build_item_examples(items(rec), tok, settings(template=TEMPLATES["chatml"]))
+
+
+@pytest.mark.parametrize("tok_name", list(TOKENIZERS))
+def test_a_conversation_cut_inside_its_last_answer_is_truncated_not_refused(tok_name):
+    """Only a turn cut at context.max_tokens may lose its end-of-turn token: counted as truncated."""
+    tok = TOKENIZERS[tok_name]()
+    long = " ".join(["the answer is yes"] * 40)
+    rec = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": long}]}
+    e = example(tok, rec, template=TEMPLATES["chatml"], max_tokens=24)
+    assert e.truncated and len(e.input_ids) == 24 and e.labels[-1] != IGNORE_INDEX
+
+
+@pytest.mark.parametrize(
+    "rec",
+    [
+        {"messages": [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "2+2?"}]},
+        {"conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "human", "value": "2+2?"}]},
+    ],
+    ids=["messages", "sharegpt"],
+)
+def test_an_assistant_first_conversation_is_refused_saying_so(rec):
+    """It was refused as 'Cannot apply chat template to an empty conversation'."""
+    with pytest.raises(
+        ValueError, match=r"^f.jsonl:1: '(messages|conversations)' starts with an assistant turn"
+    ):
+        items(rec)
+
+
+@pytest.mark.parametrize("tok_name", list(TOKENIZERS))
+@pytest.mark.parametrize("template", ["chatml", "qwen3", "llama3"])
+def test_a_first_exchange_longer_than_the_context_is_cut_not_refused(tok_name, template):
+    """docs/DATA.md: only when the newest exchange alone is too long is the sequence cut at max_tokens. It
+    was refused with 'Cannot apply chat template to an empty conversation'."""
+    tok = TOKENIZERS[tok_name]()
+    user = " ".join(["what is the answer"] * 60)
+    rec = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "It is yes."}]}
+    e = example(tok, rec, template=TEMPLATES[template], max_tokens=48)
+    assert e.truncated and len(e.input_ids) <= 48
+    assert texts(tok, e)[-1].endswith("It is yes." + END_OF_TURN[template])  # the answer whole, stop trained

@@ -151,6 +151,14 @@ def _need_assistant(msgs: list[dict[str, str]], what: str) -> None:
         raise ValueError(f"'{what}' has no assistant turn: nothing to train on")
 
 
+def _need_prompt_first(msgs: list[dict[str, str]], what: str) -> None:
+    if msgs[0]["role"] == "assistant":
+        raise ValueError(
+            f"'{what}' starts with an assistant turn: nothing before it prompts it (a chat template renders "
+            "no prompt for it); start the conversation with a system or user turn, or drop that turn"
+        )
+
+
 def _item(rec: Record, fmt: str) -> Item:
     obj = rec.obj
     rid = obj.get("id") if isinstance(obj.get("id"), str) and obj.get("id") else rec.where
@@ -163,6 +171,7 @@ def _item(rec: Record, fmt: str) -> Item:
         key = "messages" if fmt == "messages" else "conversations"
         msgs = _messages(obj[key], key, sharegpt=fmt == "sharegpt")
         _need_assistant(msgs, key)
+        _need_prompt_first(msgs, key)
         return Item(**base, kind="chat", messages=msgs, facts=facts)
     if fmt == "prompt_completion":
         p, c = obj["prompt"], obj["completion"]
@@ -177,6 +186,7 @@ def _item(rec: Record, fmt: str) -> Item:
         if isinstance(p, list) and isinstance(c, list):
             pm, cm = _messages(p, "prompt"), _messages(c, "completion")
             _need_assistant(cm, "completion")
+            _need_prompt_first(pm, "prompt")
             return Item(**base, kind="chat", messages=pm + cm, n_prompt=len(pm), facts=facts)
         raise ValueError(
             "'prompt' and 'completion' must both be strings or both be message lists, got "

@@ -30,6 +30,7 @@ records keep their first ``max_tokens`` tokens.
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -404,7 +405,38 @@ def _cut_content(tok: Any, content: str, keep: int) -> str:
 
 
 def _length(tok: Any, item: Item, messages: list[dict], s: RenderSettings) -> int:
-    return len(tok(render_item(item, tok, s, messages)[0], add_special_tokens=False)["input_ids"])
+    """Tokens of ``messages`` rendered (the text only: its spans are found once the messages are chosen)."""
+    try:
+        text = _apply(tok, messages, s)
+    except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError, TypeError, ...
+        raise ValueError(
+            f"the chat template failed to render this record cut to fit context.max_tokens={s.max_tokens}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    return len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _cut_exchange(
+    item: Item, tok: Any, s: RenderSettings, system: list[dict], group: list[dict]
+) -> list[dict]:
+    """The newest exchange alone is too long: its user / tool contents (never an assistant turn) are cut to
+    their last tokens, the longest first, re-measured until the rendering fits (at most 4 rounds: cutting
+    re-tokenises at the cut); what is still over is cut at ``max_tokens`` by the caller."""
+    last = [dict(m) for m in group]
+    for _ in range(4):
+        over = _length(tok, item, [*system, *last], s) - s.max_tokens
+        if over <= 0:
+            break
+        prompt = [m for m in last if m["role"] != "assistant" and m.get("content")]
+        sizes = {id(m): len(tok(m["content"], add_special_tokens=False)["input_ids"]) for m in prompt}
+        for m in sorted(prompt, key=lambda m: -sizes[id(m)]):
+            cut = min(sizes[id(m)] - 1, over + 2)
+            if cut > 0:
+                m["content"] = _cut_content(tok, m["content"], sizes[id(m)] - cut)
+                over -= cut
+            if over <= 0:
+                break
+    return last
 
 
 def _fit_messages(item: Item, tok: Any, s: RenderSettings) -> list[dict]:
@@ -419,13 +451,7 @@ def _fit_messages(item: Item, tok: Any, s: RenderSettings) -> list[dict]:
     # the newest exchanges that fit whole: the smallest j with groups[j:] fitting (length falls as j grows)
     lo, hi = 0, len(groups) - 1
     if _length(tok, item, flat(groups[hi:]), s) > s.max_tokens:
-        last = [dict(m) for m in groups[-1]]
-        for m in last:  # cut the newest exchange's prompt side until it fits, then give up
-            if m["role"] not in trained_roles:
-                fixed = _length(tok, item, flat([[x for x in last if x is not m]]), s)
-                room = s.max_tokens - fixed - 8
-                m["content"] = _cut_content(tok, m["content"], max(1, room))
-        return flat([last])
+        return flat([_cut_exchange(item, tok, s, system, groups[-1])])
     while lo < hi:
         mid = (lo + hi) // 2
         if _length(tok, item, flat(groups[mid:]), s) <= s.max_tokens:
@@ -495,39 +521,88 @@ def build_item_examples(items: Sequence[Item], tok: Any, s: RenderSettings) -> l
     prompt_ids = (
         dict(zip(plain, (p for p, _ in _encode(tok, [items[i].prompt for i in plain])))) if plain else {}
     )
-    out: list[Example] = []
-    for i, (it, (text, spans), (ids, offs)) in enumerate(zip(items, rendered, encoded)):
-        cut = len(ids) > s.max_tokens
-        if cut:
-            if it.kind == "chat":
-                try:
-                    text, spans = render_item(it, tok, s, _fit_messages(it, tok, s))
-                except ValueError as e:
-                    raise ValueError(f"{it.where}: {e}") from None
-                ids, offs = _encode(tok, [text])[0]
-            ids, offs = ids[: s.max_tokens], offs[: s.max_tokens]
-        if i in prompt_ids:
-            labels, spans, merged = _plain_labels(ids, offs, prompt_ids[i], len(text))
-        else:
-            labels, merged = _labels(ids, offs, spans), _merged(offs, spans)
-        n_trained = sum(1 for t in labels if t != IGNORE_INDEX)
-        if n_trained == 0:
-            raise ValueError(
-                f"{it.where}: no trained token after masking (data.train_on={s.train_on}"
-                + (f", cut to context.max_tokens={s.max_tokens}" if len(ids) >= s.max_tokens else "")
-                + ")"
-            )
-        out.append(
-            Example(
-                input_ids=ids,
-                labels=labels,
-                doc_id=it.id,
-                target_section=0,
-                n_context_tokens=len(ids) - n_trained,
-                fact_spans=_fact_spans(text, offs, spans, it.facts, len(ids)),
-                where=it.where,
-                boundary_merged=merged,
-                truncated=cut,
-            )
+    stops = _stop_ids(tok, s, items)
+    return [
+        _example(it, text, spans, ids, offs, tok, s, prompt_ids.get(i), stops)
+        for i, (it, (text, spans), (ids, offs)) in enumerate(zip(items, rendered, encoded))
+    ]
+
+
+def _stop_ids(tok: Any, s: RenderSettings, items: Sequence[Item]) -> tuple[set[int], list[str]]:
+    """(ids, texts) of the tokens that end a trained turn: the template's end-of-turn tokens (chat records)
+    and EOS (prompt/completion strings)."""
+    names = [str(getattr(tok, "eos_token", None) or "")]
+    if any(it.kind == "chat" for it in items) and s.train_on != "all" and s.template is not None:
+        names += end_of_turn_markers(tok, s)
+    vocab = tok.get_vocab()
+    names = sorted({n for n in names if n})
+    return {vocab[n] for n in names if n in vocab}, names
+
+
+def _check_stops(
+    it: Item, text: str, ids: list[int], offs: list[tuple[int, int]], labels: list[int], spans, stops
+) -> None:
+    """The stop-token guard: every trained span that was not cut at ``max_tokens`` ends with a trained
+    end-of-turn token (one special token), else the record is refused saying why."""
+    ends = [b for _, b in offs]
+    for _, s1 in spans:
+        if not ends or s1 > ends[-1]:
+            continue  # the turn was cut at context.max_tokens (counted as truncated)
+        j = bisect.bisect_right(ends, s1) - 1
+        if j >= 0 and ends[j] == s1 and ids[j] in stops[0] and labels[j] != IGNORE_INDEX:
+            continue
+        got = repr(text[max(0, s1 - 24) : s1])
+        raise ValueError(
+            f"{it.where}: a trained turn does not end with a trained end-of-turn token (one of "
+            f"{', '.join(stops[1])}): it ends with {got}, not tokenised as that special "
+            "token, so the model would not learn to stop; check that the tokenizer has the template's "
+            "end-of-turn token as a special token"
         )
-    return out
+
+
+def _example(
+    it: Item,
+    text: str,
+    spans: list[tuple[int, int]],
+    ids: list[int],
+    offs: list[tuple[int, int]],
+    tok: Any,
+    s: RenderSettings,
+    prompt_ids: list[int] | None,
+    stops: tuple[set[int], list[str]],
+) -> Example:
+    """One record's example: cut to ``max_tokens`` (conversations: :func:`_fit_messages` first), labelled,
+    its stop tokens checked (:func:`_check_stops`)."""
+    cut = len(ids) > s.max_tokens
+    if cut:
+        if it.kind == "chat":
+            try:
+                text, spans = render_item(it, tok, s, _fit_messages(it, tok, s))
+            except ValueError as e:
+                raise ValueError(f"{it.where}: {e}") from None
+            ids, offs = _encode(tok, [text])[0]
+        ids, offs = ids[: s.max_tokens], offs[: s.max_tokens]
+    if prompt_ids is not None:
+        labels, spans, merged = _plain_labels(ids, offs, prompt_ids, len(text))
+    else:
+        labels, merged = _labels(ids, offs, spans), _merged(offs, spans)
+    n_trained = sum(1 for t in labels if t != IGNORE_INDEX)
+    if n_trained == 0:
+        raise ValueError(
+            f"{it.where}: no trained token after masking (data.train_on={s.train_on}"
+            + (f", cut to context.max_tokens={s.max_tokens}" if len(ids) >= s.max_tokens else "")
+            + ")"
+        )
+    if s.train_on != "all" and it.kind in ("chat", "plain"):
+        _check_stops(it, text, ids, offs, labels, spans, stops)
+    return Example(
+        input_ids=ids,
+        labels=labels,
+        doc_id=it.id,
+        target_section=0,
+        n_context_tokens=len(ids) - n_trained,
+        fact_spans=_fact_spans(text, offs, spans, it.facts, len(ids)),
+        where=it.where,
+        boundary_merged=merged,
+        truncated=cut,
+    )
