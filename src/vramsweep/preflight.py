@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -41,7 +42,7 @@ from vramsweep.config.schema import DataConfig
 from vramsweep.config.weights import arch_path
 from vramsweep.data.documents import format_section, load_jsonl
 from vramsweep.data.formats import detect_format, normalize_records
-from vramsweep.data.prep import USER_SOURCES, build_trial_data, data_format, load_documents
+from vramsweep.data.prep import USER_SOURCES, build_trial_data, data_format, load_documents, summary_line
 from vramsweep.data.sources import read_source
 from vramsweep.data.truncation import ContextOverflowError, longest_first
 from vramsweep.embedded import ASSET_DIR, _key, asset_info, build_note, embedded_dir
@@ -667,7 +668,7 @@ def check_sections_fit(docs: list[dict], tok: Any, fixed: int, max_tokens: int) 
 
 
 def _record_error_key(msg: str) -> tuple[str, list[str] | None]:
-    for key in ("data.chat_template", "data.train_on", "data.format", "data.eval_path"):
+    for key in ("data.chat_template", "data.train_on", "data.format", "data.eval_path", "data.too_long"):
         if key in msg:
             return key, None
     return "data.path", None
@@ -689,8 +690,12 @@ def check_records(cfg: Any, folder: Path) -> None:
             key="model.path" if str(cfg.model.source) == "path" else "model",
         ) from None
     try:
-        build_trial_data(cfg, tok)
+        built = build_trial_data(cfg, tok)
     except ContextOverflowError as exc:
+        if "data.too_long=error" in str(exc):
+            raise ConfigError(
+                f"data.too_long=error: {exc}", key="data.too_long", allowed=["truncate", "drop"]
+            ) from None
         raise ConfigError(
             f"context.truncation=none: {exc}",
             key="context.truncation",
@@ -701,6 +706,7 @@ def check_records(cfg: Any, folder: Path) -> None:
         raise ConfigError(
             str(exc) if str(exc).startswith("data.") else f"{key}: {exc}", key=key, allowed=allowed
         ) from None
+    print(summary_line(built.stats), file=sys.stderr, flush=True)
 
 
 def _cache_bytes_needed(cfg: Any) -> int:

@@ -15,6 +15,7 @@ from vramsweep.data.sources import Record
 
 def settings(template=None, train_on="assistant", max_tokens=4096, truncation="tail", **kw) -> RenderSettings:
     return RenderSettings(
+        too_long=kw.pop("too_long", "truncate"),
         train_on=train_on,
         template=template,
         enable_thinking=kw.pop("enable_thinking", False),
@@ -30,7 +31,9 @@ def items(*objs, fmt="auto"):
 
 
 def example(tok, rec, **kw):
-    (e,) = build_item_examples(items(rec), tok, settings(**kw))
+    from vramsweep.data.render import build_item_slots
+
+    (e,) = build_item_slots(items(rec), tok, settings(**kw))
     return e
 
 
@@ -223,3 +226,121 @@ def test_a_first_exchange_longer_than_the_context_is_cut_not_refused(tok_name, t
     e = example(tok, rec, template=TEMPLATES[template], max_tokens=48)
     assert e.truncated and len(e.input_ids) <= 48
     assert texts(tok, e)[-1].endswith("It is yes." + END_OF_TURN[template])  # the answer whole, stop trained
+
+
+# ---------------------------------------------------------------------------------------- bug 5: length
+LONG_PROMPT = {"prompt": "Context: " + "the answer is yes and " * 60 + "so: ", "completion": "It is yes."}
+
+
+@pytest.mark.parametrize("tok_name", list(TOKENIZERS))
+def test_a_long_string_prompt_is_cut_from_its_start_keeping_the_completion(tok_name):
+    """Bug 5: plain records kept their first tokens whatever context.truncation said, so a long prompt cut
+    the completion away and stopped the run ('no trained token after masking'). Now the prompt is cut from
+    its start (TRL's keep-end, LLaMA-Factory's cutoff) and the completion is whole, EOS trained."""
+    tok = TOKENIZERS[tok_name]()
+    e = example(tok, LONG_PROMPT, train_on="completion", max_tokens=32)
+    assert len(e.input_ids) == 32 and e.truncated
+    (text,) = texts(tok, e)
+    assert text.endswith("It is yes." + tok.eos_token)
+    full = tok(LONG_PROMPT["prompt"] + LONG_PROMPT["completion"] + tok.eos_token, add_special_tokens=False)
+    assert e.input_ids == full["input_ids"][-32:]
+    head = example(tok, LONG_PROMPT, train_on="completion", max_tokens=32, truncation="head", too_long="drop")
+    assert head is None
+
+
+def test_head_keeps_the_first_tokens_and_drop_and_error_do_what_they_say():
+    tok = TOKENIZERS["bpe"]()
+    short = {"prompt": "Q: ", "completion": "yes"}
+    with pytest.raises(ValueError, match=r"^f.jsonl:1: no trained token after masking .*cut to context"):
+        build_item_examples(
+            items(LONG_PROMPT), tok, settings(train_on="completion", max_tokens=32, truncation="head")
+        )
+    both = items(LONG_PROMPT, short)
+    kept = build_item_examples(both, tok, settings(train_on="completion", max_tokens=32, too_long="drop"))
+    assert [e.where for e in kept] == ["f.jsonl:2"] and not kept[0].truncated
+    from vramsweep.data.truncation import ContextOverflowError
+
+    with pytest.raises(
+        ContextOverflowError,
+        match=r"^f.jsonl:1: \d+ tokens, the longest of 1 of 2 records .*\(data.too_long=error",
+    ):
+        build_item_examples(both, tok, settings(train_on="completion", max_tokens=32, too_long="error"))
+
+
+def test_too_long_is_a_checked_setting():
+    from vramsweep.config import compose
+    from vramsweep.config.compose import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data.too_long.*truncate, drop, error|data.too_long"):
+        compose(["data=grant_chat", "data.too_long=cut"])
+    with pytest.raises(ConfigError, match=r"data.too_long=drop does not apply to data.source=embedded"):
+        compose(["data.too_long=drop"])
+
+
+def test_counts_of_truncated_dropped_and_merged_records_reach_meta_data_and_the_summary(
+    tmp_path, monkeypatch
+):
+    import json
+
+    from vramsweep.config import compose
+    from vramsweep.data.prep import summary_line, trial_data
+    from vramsweep.data.tokenizer import load_tokenizer
+    from vramsweep.embedded import ASSET_DIR
+
+    monkeypatch.setenv("VRAMSWEEP_CACHE", str(tmp_path / "cache"))
+    tok = load_tokenizer(ASSET_DIR, embedded=True)
+    recs = [LONG_PROMPT, *[{"prompt": f"Q{i}: 2+2?\n", "completion": "Four."} for i in range(9)]]
+    p, long = tmp_path / "pc.jsonl", tmp_path / "long.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    long.write_text(json.dumps(LONG_PROMPT) + "\n")
+    base = ["data=file", f"data.path={p}", "context.max_tokens=64"]
+    d = trial_data(compose(base), tok)
+    assert (d.stats["train"]["truncated"], d.stats["eval"]["truncated"], len(d.train)) == (1, 0, 9)
+    assert (d.stats["train"]["dropped"], d.stats["eval"]["dropped"]) == (0, 0)
+    dropped = trial_data(compose([*base, "data.too_long=drop"]), tok)
+    assert (dropped.stats["train"]["dropped"], dropped.stats["train"]["truncated"], len(dropped.train)) == (
+        1,
+        0,
+        8,
+    )
+    line = summary_line(dropped.stats)
+    assert line.startswith("data: prompt_completion, train_on=completion, too_long=drop: train 8 records"), (
+        line
+    )
+    assert "truncated 0, dropped 1, boundary-merged 0; eval 1 records" in line, line
+    with pytest.raises(ValueError, match=r"data.too_long=drop: all 1 held-out records are longer"):
+        trial_data(compose([*base, "data.too_long=drop", f"data.eval_path={long}"]), tok)
+
+
+# ------------------------------------------------------------------------------------------ tool calls
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}],
+    },
+    {"role": "tool", "content": "sunny"},
+    {"role": "assistant", "content": "It is sunny."},
+]
+
+
+@pytest.mark.parametrize("tok_name", list(TOKENIZERS))
+def test_openai_tool_call_turns_render_through_a_template_that_supports_them(tok_name):
+    """Bug 5: ``content: null`` + ``tool_calls`` was refused as "'content' must be a string". Qwen3's
+    template renders the call, which is trained with its end-of-turn token."""
+    tok = TOKENIZERS[tok_name]()
+    e = example(tok, {"messages": TOOL_CHAT}, template=TEMPLATES["qwen3"])
+    assert texts(tok, e) == [
+        '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+        "It is sunny.<|im_end|>",
+    ]
+
+
+def test_a_template_that_drops_tool_calls_is_named():
+    tok = TOKENIZERS["bpe"]()
+    with pytest.raises(
+        ValueError,
+        match=r"^f.jsonl:1: the chat template \(data.chat_template=chatml\) does not render tool calls",
+    ):
+        build_item_examples(items({"messages": TOOL_CHAT}), tok, settings(template=TEMPLATES["chatml"]))

@@ -24,8 +24,12 @@ shares the room left beside the newest exchange among older ones with the weight
 and its user/tool content cut to its last tokens, or is dropped when less than
 ``context.min_tokens_per_section`` tokens of that content would remain: never a cut inside a trained span.
 ``none`` raises :class:`~vramsweep.data.truncation.ContextOverflowError` naming the record and its length.
-Only when the newest exchange alone is too long is the sequence cut at ``max_tokens``. Plain and text
-records keep their first ``max_tokens`` tokens.
+When the newest exchange alone is too long its user / tool contents are cut (:func:`_cut_exchange`) and
+only what is still over is cut at ``max_tokens``. Plain prompt/completion strings keep the completion and
+cut the prompt from its start (``truncation=head``: their first ``max_tokens`` tokens); text records keep
+their first ``max_tokens`` tokens. ``data.too_long`` (:data:`TOO_LONG`): ``truncate`` as above, ``drop``
+leaves the record out (:func:`build_item_slots` returns None in its place), ``error`` refuses like
+``none``.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ __all__ = [
     "TRAIN_ON",
     "RenderSettings",
     "build_item_examples",
+    "build_item_slots",
     "default_train_on",
     "render_item",
     "resolve_template",
@@ -107,6 +112,11 @@ class RenderSettings:
     truncation: str
     decay: float
     min_tokens_per_section: int
+    too_long: str = "truncate"  # data.too_long: truncate | drop | error (a record over max_tokens)
+
+
+#: ``data.too_long`` values: what becomes of a record longer than ``context.max_tokens``.
+TOO_LONG: tuple[str, ...] = ("truncate", "drop", "error")
 
 
 def _apply(tok: Any, messages: list[dict], s: RenderSettings, *, gen: bool = False) -> str:
@@ -127,33 +137,28 @@ def _specials(tok: Any) -> set[str]:
     return {n for n in names if n}
 
 
-#: Two stand-in answers rendered once per (tokenizer, template, thinking) to see what the template writes
-#: after an assistant turn's content (:func:`end_of_turn_markers`).
+#: Two stand-in answers rendered once per (tokenizer, template, thinking) to see how the template lays out an
+#: assistant turn (:func:`turn_layout`).
 _PROBE = ("vramsweep-probe-answer-one", "vramsweep-probe-answer-two")
-_MARKERS: dict[tuple[int, str | None, bool], tuple[Any, tuple[str, ...]]] = {}
+_LAYOUTS: dict[tuple[int, str | None, bool], tuple[Any, TurnLayout]] = {}
 
 
-def end_of_turn_markers(tok: Any, s: RenderSettings) -> tuple[str, ...]:
-    """The special tokens that end an assistant turn under ``s.template``: the first special token the
-    template writes after each of two probe answers (ChatML ``<|im_end|>``, Llama-3 ``<|eot_id|>``, the
-    embedded template ``<|eos|>``), found once per tokenizer and template.
+@dataclass(frozen=True)
+class TurnLayout:
+    """How a template lays out an assistant turn (:func:`turn_layout`).
 
-    Raises:
-        ValueError: the template writes no special token of the tokenizer after an assistant turn (the
-            model would never be taught to stop), naming what it writes there instead.
-    """
-    key = (id(tok), s.template, s.enable_thinking)
-    hit = _MARKERS.get(key)
-    if hit is not None and hit[0] is tok:
-        return hit[1]
-    msgs = [
-        {"role": "user", "content": "probe question one"},
-        {"role": "assistant", "content": _PROBE[0]},
-        {"role": "user", "content": "probe question two"},
-        {"role": "assistant", "content": _PROBE[1]},
-    ]
-    text = _apply(tok, msgs, s)
-    specials = _specials(tok)
+    ``markers``: the special tokens that end it (ChatML ``<|im_end|>``). ``opener``: what it writes before
+    the answer (``<|im_start|>assistant\n``; empty when that is not one fixed text holding a special token).
+    ``prefill``: what the generation prompt adds after the opener and a rendered turn replaces (Qwen3 with
+    ``enable_thinking=false``: ``<think>\n\n</think>\n\n``)."""
+
+    markers: tuple[str, ...]
+    opener: str
+    prefill: str
+
+
+def _probe_markers(text: str, specials: set[str]) -> tuple[tuple[str, ...], str]:
+    """(the first special token after each probe answer, what follows the last answer)."""
     found: list[str] = []
     after = ""
     for probe in _PROBE:
@@ -166,16 +171,87 @@ def end_of_turn_markers(tok: Any, s: RenderSettings) -> tuple[str, ...]:
             found.append(min(hits)[2])
         elif probe == _PROBE[-1]:
             found = []
-    if not found:
+    return tuple(dict.fromkeys(found)), after
+
+
+def turn_layout(tok: Any, s: RenderSettings) -> TurnLayout:
+    """The :class:`TurnLayout` of ``s.template``, found once per tokenizer and template by rendering two
+    probe answers: the end-of-turn markers are the first special token written after each; the opener is
+    what the generation prompt and a rendered assistant turn have in common.
+
+    Raises:
+        ValueError: the template writes no special token of the tokenizer after an assistant turn (the
+            model would never be taught to stop), naming what it writes there instead.
+    """
+    key = (id(tok), s.template, s.enable_thinking)
+    hit = _LAYOUTS.get(key)
+    if hit is not None and hit[0] is tok:
+        return hit[1]
+    msgs = [
+        {"role": "user", "content": "probe question one"},
+        {"role": "assistant", "content": _PROBE[0]},
+        {"role": "user", "content": "probe question two"},
+        {"role": "assistant", "content": _PROBE[1]},
+    ]
+    text = _apply(tok, msgs, s)
+    specials = _specials(tok)
+    markers, after = _probe_markers(text, specials)
+    if not markers:
         raise ValueError(
             "the chat template writes no special token of the tokenizer after an assistant turn "
             f"(it writes {after[:40]!r}), so no end-of-turn token would be trained and the model would "
             "never learn to stop; use a template whose turn end is a special token of this tokenizer "
             "(data.chat_template=<file>), or add that token to the tokenizer"
         )
-    markers = tuple(dict.fromkeys(found))
-    _MARKERS[key] = (tok, markers)
-    return markers
+    head, gen = _apply(tok, msgs[:1], s), _apply(tok, msgs[:1], s, gen=True)
+    opener = prefill = ""
+    if gen.startswith(head) and text.startswith(head):
+        suffix, turn = gen[len(head) :], text[len(head) :]
+        n = _common_prefix(suffix, turn)
+        if any(m in suffix[:n] for m in specials) and turn[n:].startswith(_PROBE[0]):
+            opener, prefill = suffix[:n], suffix[n:]
+    layout = TurnLayout(markers, opener, prefill)
+    _LAYOUTS[key] = (tok, layout)
+    return layout
+
+
+_TOOL_PROBE = "vramsweep_probe_tool"
+_TOOLS: dict[tuple[int, str | None, bool], tuple[Any, bool]] = {}
+
+
+def _renders_tool_calls(tok: Any, s: RenderSettings) -> bool:
+    """Whether ``s.template`` writes an assistant turn's ``tool_calls`` (a probe call's name shows up)."""
+    key = (id(tok), s.template, s.enable_thinking)
+    hit = _TOOLS.get(key)
+    if hit is not None and hit[0] is tok:
+        return hit[1]
+    call = {"type": "function", "function": {"name": _TOOL_PROBE, "arguments": {"x": 1}}}
+    msgs = [
+        {"role": "user", "content": "probe question"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "probe result"},
+        {"role": "assistant", "content": "probe answer"},
+    ]
+    try:
+        ok = _TOOL_PROBE in _apply(tok, msgs, s)
+    except Exception:  # noqa: BLE001 - a template that raises on tool calls does not render them
+        ok = False
+    _TOOLS[key] = (tok, ok)
+    return ok
+
+
+def _template_name(tok: Any, s: RenderSettings) -> str:
+    for name, text in BUILTIN_TEMPLATES.items():
+        if s.template == text:
+            return f"data.chat_template={name}"
+    if s.template == getattr(tok, "chat_template", None):
+        return "the tokenizer's own"
+    return "data.chat_template=<file>"
+
+
+def end_of_turn_markers(tok: Any, s: RenderSettings) -> tuple[str, ...]:
+    """The special tokens that end an assistant turn under ``s.template`` (:func:`turn_layout`)."""
+    return turn_layout(tok, s).markers
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -194,29 +270,48 @@ def _common_prefix(a: str, b: str) -> int:
     return lo
 
 
-def _turn_span(
-    full: str, k: int, messages: list[dict], tok: Any, s: RenderSettings, markers: Sequence[str]
-) -> tuple[int, int]:
-    """The characters of ``full`` that assistant turn ``k`` trains (module docstring): from where the
-    rendering of ``messages[:k]`` with the generation prompt stops agreeing with ``full`` (after what the
-    generation prompt pre-fills, when the turn replaces it) through the first end-of-turn marker after it.
+def _turn_end(full: str, start: int, k: int, markers: Sequence[str]) -> tuple[int, int]:
+    """(where the first end-of-turn marker after ``start`` is, its length).
 
     Raises:
         ValueError: no end-of-turn marker follows the turn.
     """
-    gen = _apply(tok, messages[:k], s, gen=True)
-    start = _common_prefix(gen, full)
     ends = [(at, len(m)) for m in markers for at in (full.find(m, start),) if at >= 0]
     if not ends:
         raise ValueError(
             f"assistant turn {k}: no end-of-turn token ({', '.join(markers)}) follows it in the rendered "
             "text, so the model would not be taught to stop after it"
         )
-    at, n = min(ends)
-    # The generation prompt pre-fills text the turn replaces: Qwen3 with enable_thinking=false pre-fills an
-    # empty think block and a turn with reasoning writes its own. That block is prompt: training starts
-    # after the record's copy of the pre-fill's ending ("\n</think>\n\n"), where the model's answer
-    # starts at inference.
+    return min(ends)
+
+
+def _after_prefill(full: str, start: int, end: int, prefill: str) -> int:
+    """Where the answer starts when the generation prompt pre-fills ``prefill`` after the opener at
+    ``start``: after the pre-fill when the turn renders it as is; when the turn replaces it (Qwen3 with
+    ``enable_thinking=false`` pre-fills an empty think block and a turn with reasoning writes its own), after
+    the turn's copy of the pre-fill's ending (``\n</think>\n\n``): that block is prompt, the answer starts
+    where it starts at inference; else (a turn rendered without it) at ``start``."""
+    n = _common_prefix(prefill, full[start : start + len(prefill)])
+    tail = prefill[n:]
+    if not tail:
+        return start + n
+    if tail.strip() and n:
+        found = full.find(tail, start + n, end)
+        if found >= 0:
+            return found + len(tail)
+    return start
+
+
+def _turn_span(
+    full: str, k: int, messages: list[dict], tok: Any, s: RenderSettings, layout: TurnLayout
+) -> tuple[int, int]:
+    """The characters of ``full`` that assistant turn ``k`` trains when its opener cannot be counted: from
+    where the rendering of ``messages[:k]`` with the generation prompt stops agreeing with ``full`` through
+    the first end-of-turn marker after it (a template whose earlier turns render the same whatever
+    follows)."""
+    gen = _apply(tok, messages[:k], s, gen=True)
+    start = _common_prefix(gen, full)
+    at, n = _turn_end(full, start, k, layout.markers)
     tail = gen[start:]
     if tail.strip():
         found = full.find(tail, start, at)
@@ -225,20 +320,41 @@ def _turn_span(
     return start, at + n
 
 
+def _openers(full: str, opener: str) -> list[int]:
+    out, at = [], full.find(opener)
+    while at >= 0:
+        out.append(at + len(opener))
+        at = full.find(opener, at + len(opener))
+    return out
+
+
 def _chat_spans(
     item: Item, messages: list[dict], tok: Any, s: RenderSettings
 ) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text and the trained spans of a conversation. Each assistant turn starts after its
+    opener (the ``j``-th opener in the text is the ``j``-th assistant turn's, when they are as many) and the
+    pre-fill (:func:`_after_prefill`), and ends through the first end-of-turn marker after it; a template
+    without a countable opener is read by rendering prefixes (:func:`_turn_span`)."""
     full = _apply(tok, messages, s)
     if s.train_on == "all":
         return full, [(0, len(full))]
-    idx = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    idx = assistant
     if s.train_on == "last_assistant":
         idx = idx[-1:]
     elif s.train_on == "completion":  # the completion's messages are the record's last ones (kept by fitting)
         n_completion = len(item.messages) - item.n_prompt
         idx = [k for k in idx if k >= len(messages) - n_completion]
-    markers = end_of_turn_markers(tok, s)
-    return full, [_turn_span(full, k, messages, tok, s, markers) for k in idx]
+    layout = turn_layout(tok, s)
+    starts = _openers(full, layout.opener) if layout.opener else []
+    if len(starts) != len(assistant):
+        return full, [_turn_span(full, k, messages, tok, s, layout) for k in idx]
+    spans = []
+    for k in idx:
+        start = starts[assistant.index(k)]
+        at, n = _turn_end(full, start, k, layout.markers)
+        spans.append((_after_prefill(full, start, at, layout.prefill), at + n))
+    return full, spans
 
 
 def render_item(
@@ -261,8 +377,15 @@ def render_item(
             "the tokenizer has no chat template; set data.chat_template= one of "
             f"{', '.join(BUILTIN_TEMPLATES)} or a path to a Jinja file"
         )
+    msgs = messages if messages is not None else item.messages
+    if any(m.get("tool_calls") for m in msgs) and not _renders_tool_calls(tok, s):
+        raise ValueError(
+            f"the chat template ({_template_name(tok, s)}) does not render tool calls (an assistant turn "
+            "with 'tool_calls'): they would be dropped from what is trained; use a template that renders"
+            " them (data.chat_template=<file>, e.g. the model's own) or leave those records out"
+        )
     try:
-        return _chat_spans(item, messages if messages is not None else item.messages, tok, s)
+        return _chat_spans(item, msgs, tok, s)
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError, TypeError, ...
@@ -329,7 +452,12 @@ def _render_fitting(items: Sequence[Item], tok: Any, s: RenderSettings) -> tuple
                 else f"the longest of {len(over)} longer than {limit} among the {read} of {len(items)} "
                 "records tokenised, longest first"
             )
-            raise ContextOverflowError(f"{where}: {n} tokens, {among} (context.truncation=none cuts nothing)")
+            why = (
+                "data.too_long=error refuses it"
+                if s.too_long == "error"
+                else "context.truncation=none cuts nothing"
+            )
+            raise ContextOverflowError(f"{where}: {n} tokens, {among} ({why})")
     return rendered, encoded
 
 
@@ -505,25 +633,35 @@ def _fit_messages(item: Item, tok: Any, s: RenderSettings) -> list[dict]:
 
 
 def build_item_examples(items: Sequence[Item], tok: Any, s: RenderSettings) -> list[Example]:
-    """Examples of chat / plain / text records (module docstring).
+    """Examples of chat / plain / text records (module docstring); the records ``data.too_long=drop``
+    drops are left out (:func:`build_item_slots` keeps their places)."""
+    return [e for e in build_item_slots(items, tok, s) if e is not None]
+
+
+def build_item_slots(items: Sequence[Item], tok: Any, s: RenderSettings) -> list[Example | None]:
+    """One example per record, in order, None where ``data.too_long=drop`` dropped a record longer than
+    ``context.max_tokens``.
 
     Raises:
-        ContextOverflowError: ``truncation="none"`` and a record is longer than ``max_tokens`` (names it).
-        ValueError: ``"<where>: <problem>"``: a template that does not render a record, or a record with no
-            trained token.
+        ContextOverflowError: ``truncation="none"`` or ``too_long="error"`` and a record is longer than
+            ``max_tokens`` (names the longest).
+        ValueError: ``"<where>: <problem>"``: a template that does not render a record, a record with no
+            trained token, a trained turn without its end-of-turn token.
     """
-    if s.truncation == "none":
+    if s.truncation == "none" or s.too_long == "error":
         rendered, encoded = _render_fitting(items, tok, s)
     else:
         rendered = [_render(it, tok, s) for it in items]
         encoded = _encode(tok, [t for t, _ in rendered]) if rendered else []
-    plain = [i for i, it in enumerate(items) if it.kind == "plain" and s.train_on != "all"]
+    plain = [i for i, it in enumerate(items) if it.kind == "plain"]
     prompt_ids = (
         dict(zip(plain, (p for p, _ in _encode(tok, [items[i].prompt for i in plain])))) if plain else {}
     )
     stops = _stop_ids(tok, s, items)
     return [
-        _example(it, text, spans, ids, offs, tok, s, prompt_ids.get(i), stops)
+        None
+        if len(ids) > s.max_tokens and s.too_long == "drop"
+        else _example(it, text, spans, ids, offs, tok, s, prompt_ids.get(i), stops)
         for i, (it, (text, spans), (ids, offs)) in enumerate(zip(items, rendered, encoded))
     ]
 
@@ -581,8 +719,11 @@ def _example(
             except ValueError as e:
                 raise ValueError(f"{it.where}: {e}") from None
             ids, offs = _encode(tok, [text])[0]
+        elif prompt_ids is not None and s.truncation != "head":  # keep the completion: cut the prompt's start
+            drop = min(len(ids) - s.max_tokens, _common_len(prompt_ids, ids))
+            ids, offs, prompt_ids = ids[drop:], offs[drop:], prompt_ids[drop:]
         ids, offs = ids[: s.max_tokens], offs[: s.max_tokens]
-    if prompt_ids is not None:
+    if prompt_ids is not None and s.train_on != "all":
         labels, spans, merged = _plain_labels(ids, offs, prompt_ids, len(text))
     else:
         labels, merged = _labels(ids, offs, spans), _merged(offs, spans)
