@@ -313,6 +313,7 @@ def preflight(
 ) -> None:
     """Every pre-flight check for a composed, validated ``cfg``; raise :class:`ConfigError` on the first
     problem. ``results_dir`` defaults to ``cfg.results_dir`` (a sweep passes its sweep folder)."""
+    _DATA_SUMMARY.clear()
     check_fault_env()
     check_named_options(overrides)
     where = results_dir if results_dir is not None else str(cfg.results_dir)
@@ -326,6 +327,9 @@ def preflight(
         check_model_folder(str(cfg.model.path), data_source=str(cfg.data.source))  # weights, tokenizer
     check_host_memory(cfg)
     note_embedded_build(cfg.model)
+    if _DATA_SUMMARY:  # what check_records built, said once every check has passed
+        print(_DATA_SUMMARY.pop(), file=sys.stderr, flush=True)
+        _DATA_SUMMARY.clear()
 
 
 def note_embedded_build(mcfg: Any) -> None:
@@ -674,6 +678,10 @@ def _record_error_key(msg: str) -> tuple[str, list[str] | None]:
     return "data.path", None
 
 
+#: the data summary line of the last :func:`check_records` (printed by :func:`preflight` at its end)
+_DATA_SUMMARY: list[str] = []
+
+
 def check_records(cfg: Any, folder: Path) -> None:
     """Chat / prompt-completion / alpaca / text records: build the trial's examples with its tokenizer (the
     tokenisation cache keeps them for the trial), so a template that fails to render a record, a record with
@@ -706,7 +714,7 @@ def check_records(cfg: Any, folder: Path) -> None:
         raise ConfigError(
             str(exc) if str(exc).startswith("data.") else f"{key}: {exc}", key=key, allowed=allowed
         ) from None
-    print(summary_line(built.stats), file=sys.stderr, flush=True)
+    _DATA_SUMMARY[:] = [summary_line(built.stats)]
 
 
 def _cache_bytes_needed(cfg: Any) -> int:

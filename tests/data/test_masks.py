@@ -344,3 +344,30 @@ def test_a_template_that_drops_tool_calls_is_named():
         match=r"^f.jsonl:1: the chat template \(data.chat_template=chatml\) does not render tool calls",
     ):
         build_item_examples(items({"messages": TOOL_CHAT}), tok, settings(template=TEMPLATES["chatml"]))
+
+
+def test_the_preflight_prints_the_data_summary_line_once_every_check_passed(tmp_path, monkeypatch, capsys):
+    import json
+
+    from vramsweep.config import compose
+    from vramsweep.preflight import preflight
+
+    monkeypatch.setenv("VRAMSWEEP_CACHE", str(tmp_path / "cache"))
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "Four.\n"}]
+    p = tmp_path / "c.jsonl"
+    p.write_text("".join(json.dumps({"messages": chat}) + "\n" for _ in range(10)))
+    cfg = compose(["data=file", f"data.path={p}", f"results_dir={tmp_path / 'r'}"])
+    capsys.readouterr()
+    preflight(cfg)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("data: ")]
+    from vramsweep.data.tokenizer import load_tokenizer
+    from vramsweep.embedded import ASSET_DIR
+
+    tok = load_tokenizer(ASSET_DIR, embedded=True)
+    n = len(tok.apply_chat_template(chat)["input_ids"])
+    k = len(tok("Four.\n<|eos|>", add_special_tokens=False)["input_ids"])  # the answer's tokens and its stop
+    assert err == [
+        f"data: messages, train_on=assistant, too_long=truncate: train 9 records, {9 * n} tokens ({9 * k} "
+        f"trained), truncated 0, dropped 0, boundary-merged 0; eval 1 records, {n} tokens ({k} trained), "
+        "truncated 0, dropped 0, boundary-merged 0"
+    ]
