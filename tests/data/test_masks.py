@@ -371,3 +371,33 @@ def test_the_preflight_prints_the_data_summary_line_once_every_check_passed(tmp_
         f"trained), truncated 0, dropped 0, boundary-merged 0; eval 1 records, {n} tokens ({k} trained), "
         "truncated 0, dropped 0, boundary-merged 0"
     ]
+
+
+@pytest.mark.parametrize("tok_name", list(TOKENIZERS))
+def test_qwen3_tool_chains_whose_earlier_reasoning_renders_differently_are_masked_by_their_openers(tok_name):
+    """Qwen3 shows an assistant turn's reasoning only when no user message follows it, so the rendering of
+    a prefix is not a prefix of the full rendering: spans found by prefix rendering started in the wrong
+    turn (found by the property test). Counting the openers finds each turn."""
+    tok = TOKENIZERS[tok_name]()
+    msgs = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "<think>\nask the tool\n</think>\n\nLet me check."},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."},
+        {"role": "user", "content": "Thanks"},
+        {"role": "assistant", "content": "Welcome."},
+    ]
+    e = example(tok, {"messages": msgs}, template=TEMPLATES["qwen3"])
+    assert texts(tok, e) == ["Let me check.<|im_end|>", "Sunny.<|im_end|>", "Welcome.<|im_end|>"]
+
+
+def test_a_user_content_holding_the_opener_text_falls_back_to_prefix_rendering():
+    """The openers cannot be counted (a user pasted ``<|im_start|>assistant``): the turn is found by
+    rendering the prefix, with the same result."""
+    tok = TOKENIZERS["bpe"]()
+    msgs = [
+        {"role": "user", "content": "Explain <|im_start|>assistant\n please"},
+        {"role": "assistant", "content": "It opens a turn.\n"},
+    ]
+    e = example(tok, {"messages": msgs}, template=TEMPLATES["chatml"])
+    assert texts(tok, e) == ["It opens a turn.\n<|im_end|>"]

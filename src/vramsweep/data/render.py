@@ -6,12 +6,14 @@ Rendering. A chat record (``messages``, sharegpt, conversational prompt/completi
 prompt/completion strings render as ``prompt + completion + eos``, ``text`` as ``text + eos``. The ids are
 the tokenization of exactly that text (``add_special_tokens=False``: templates write their own specials).
 
-What is trained (``data.train_on``). Spans are found by rendering prefixes, so any template works without
-``{% generation %}`` markers: an assistant turn ``k`` starts where the rendering of ``messages[:k]`` with
-``add_generation_prompt=True`` stops agreeing with the full rendering (after the record's copy of what the
-generation prompt pre-fills, when the turn replaces it: Qwen3's think block with ``enable_thinking=false``
-is prompt) and ends through the first end-of-turn special token after it (:func:`end_of_turn_markers`:
-``<|im_end|>`` in ChatML), whitespace between the content and that token included. ``assistant``: every
+What is trained (``data.train_on``). Spans are found without ``{% generation %}`` markers, so any template
+works: an assistant turn ``k`` starts after its opener (:func:`turn_layout`: ``<|im_start|>assistant\n``;
+the ``j``-th opener in the text is the ``j``-th assistant turn's; after the generation prompt's pre-fill,
+or the record's copy of its ending when the turn replaces it: Qwen3's think block with
+``enable_thinking=false`` is prompt) or, where openers cannot be counted, where the rendering of
+``messages[:k]`` with ``add_generation_prompt=True`` stops agreeing with the full rendering; it ends through
+the first end-of-turn special token after it (``<|im_end|>`` in ChatML), whitespace between the content and
+that token included. ``assistant``: every
 assistant turn; ``last_assistant``: the last one; ``completion``: the assistant turns of the completion
 (prompt/completion, alpaca; plain strings: from the first token that differs from the tokenised prompt,
 TRL's split, through EOS); ``all``: every token. A token is trained when its characters overlap a trained
