@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -41,7 +42,7 @@ from vramsweep.config.schema import DataConfig
 from vramsweep.config.weights import arch_path
 from vramsweep.data.documents import format_section, load_jsonl
 from vramsweep.data.formats import detect_format, normalize_records
-from vramsweep.data.prep import USER_SOURCES, build_trial_data, data_format, load_documents
+from vramsweep.data.prep import USER_SOURCES, build_trial_data, data_format, load_documents, summary_line
 from vramsweep.data.sources import read_source
 from vramsweep.data.truncation import ContextOverflowError, longest_first
 from vramsweep.embedded import ASSET_DIR, _key, asset_info, build_note, embedded_dir
@@ -312,6 +313,7 @@ def preflight(
 ) -> None:
     """Every pre-flight check for a composed, validated ``cfg``; raise :class:`ConfigError` on the first
     problem. ``results_dir`` defaults to ``cfg.results_dir`` (a sweep passes its sweep folder)."""
+    _DATA_SUMMARY.clear()
     check_fault_env()
     check_named_options(overrides)
     where = results_dir if results_dir is not None else str(cfg.results_dir)
@@ -325,6 +327,9 @@ def preflight(
         check_model_folder(str(cfg.model.path), data_source=str(cfg.data.source))  # weights, tokenizer
     check_host_memory(cfg)
     note_embedded_build(cfg.model)
+    if _DATA_SUMMARY:  # what check_records built, said once every check has passed
+        print(_DATA_SUMMARY.pop(), file=sys.stderr, flush=True)
+        _DATA_SUMMARY.clear()
 
 
 def note_embedded_build(mcfg: Any) -> None:
@@ -667,10 +672,14 @@ def check_sections_fit(docs: list[dict], tok: Any, fixed: int, max_tokens: int) 
 
 
 def _record_error_key(msg: str) -> tuple[str, list[str] | None]:
-    for key in ("data.chat_template", "data.train_on", "data.format", "data.eval_path"):
+    for key in ("data.chat_template", "data.train_on", "data.format", "data.eval_path", "data.too_long"):
         if key in msg:
             return key, None
     return "data.path", None
+
+
+#: the data summary line of the last :func:`check_records` (printed by :func:`preflight` at its end)
+_DATA_SUMMARY: list[str] = []
 
 
 def check_records(cfg: Any, folder: Path) -> None:
@@ -689,8 +698,12 @@ def check_records(cfg: Any, folder: Path) -> None:
             key="model.path" if str(cfg.model.source) == "path" else "model",
         ) from None
     try:
-        build_trial_data(cfg, tok)
+        built = build_trial_data(cfg, tok)
     except ContextOverflowError as exc:
+        if "data.too_long=error" in str(exc):
+            raise ConfigError(
+                f"data.too_long=error: {exc}", key="data.too_long", allowed=["truncate", "drop"]
+            ) from None
         raise ConfigError(
             f"context.truncation=none: {exc}",
             key="context.truncation",
@@ -701,6 +714,7 @@ def check_records(cfg: Any, folder: Path) -> None:
         raise ConfigError(
             str(exc) if str(exc).startswith("data.") else f"{key}: {exc}", key=key, allowed=allowed
         ) from None
+    _DATA_SUMMARY[:] = [summary_line(built.stats)]
 
 
 def _cache_bytes_needed(cfg: Any) -> int:

@@ -155,7 +155,7 @@ CASES: list[tuple[str, str, list[str], dict[str, str], str]] = [
     (
         "fmt-no-trained-token",
         "train",
-        ["data=file", "data.path={pc_longprompt.jsonl}", "context.max_tokens=32"],
+        ["data=file", "data.path={pc_longprompt.jsonl}", "context.max_tokens=32", "context.truncation=head"],
         {},
         "pc_longprompt.jsonl:1: no trained token after masking",
     ),

@@ -568,6 +568,7 @@ def _rules_packing(cfg: DictConfig) -> None:
 DATA_SOURCES = ("embedded", "embedded_chat", "file", "jsonl", "random")
 DATA_FORMATS = ("auto", "messages", "sharegpt", "prompt_completion", "alpaca", "text", "documents")
 TRAIN_ON = ("auto", "assistant", "last_assistant", "completion", "all")
+TOO_LONG = ("truncate", "drop", "error")
 
 
 def _rules_data(cfg: DictConfig) -> None:
@@ -576,6 +577,7 @@ def _rules_data(cfg: DictConfig) -> None:
     _check_choice(cfg, "data.source", DATA_SOURCES)
     _check_choice(cfg, "data.format", DATA_FORMATS)
     _check_choice(cfg, "data.train_on", TRAIN_ON)
+    _check_choice(cfg, "data.too_long", TOO_LONG)
     generated = str(d.source) in ("embedded", "embedded_chat", "random")
     for key in ("num_docs", "num_eval_docs"):
         if generated:
@@ -617,6 +619,15 @@ def _rules_data(cfg: DictConfig) -> None:
             "readable Jinja file",
             key="data.chat_template",
             allowed=["chatml", "embedded", "<path to a .jinja file>", "null (the tokenizer's own)"],
+        )
+    if str(d.too_long) != "truncate" and (
+        str(d.source) == "embedded" or str(d.format) == "documents" or str(d.source) == "random"
+    ):
+        raise ConfigError(
+            f"data.too_long={d.too_long} does not apply to data.source={d.source} data.format={d.format} "
+            "(sectioned documents are cut by context.truncation; random tokens are max_tokens long)",
+            key="data.too_long",
+            allowed=["truncate"],
         )
     if str(d.source) == "embedded" and str(d.train_on) != "auto":
         raise ConfigError(

@@ -209,6 +209,9 @@ class DataConfig:
     train_on: str = "auto"  # auto | assistant | last_assistant | completion | all (docs/DATA.md)
     chat_template: Optional[str] = None  # None: the tokenizer's own; chatml | embedded | <path to .jinja>
     enable_thinking: bool = False  # passed to the chat template (Qwen3's thinking switch)
+    # a record (chat, prompt/completion, alpaca, text) longer than context.max_tokens: truncate (cut as
+    # docs/DATA.md says; memory bounded by max_tokens) | drop (left out, counted) | error (exit 2 naming it)
+    too_long: str = "truncate"
     num_docs: Optional[int] = (
         None  # generated training documents/chats (source=embedded|embedded_chat|random)
     )

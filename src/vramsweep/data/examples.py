@@ -48,6 +48,9 @@ class Example:
     fact_spans: list[tuple[int, int]] = field(default_factory=list)
     segments: list[int] | None = None  # a packed row: the length of each example in it (data/packing.py)
     where: str = ""  # the record's location (``file:line``) for records read from a file
+    #: trained spans whose first token straddles the prompt/answer boundary (trained, holding prompt text)
+    boundary_merged: int = 0
+    truncated: bool = False  # the record was cut to fit ``context.max_tokens``
 
 
 def _encode(tokenizer: Any, text: str, *, offsets: bool = False) -> tuple[list[int], list[tuple[int, int]]]:

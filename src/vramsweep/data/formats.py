@@ -119,16 +119,38 @@ def _messages(raw: Any, what: str, *, sharegpt: bool = False) -> list[dict[str, 
             role = _SHAREGPT_ROLES[role]
         elif role not in ROLES:
             raise ValueError(f"{what}[{i}]: unknown role {role!r}; roles are {', '.join(ROLES)}")
+        calls = None if sharegpt or role != "assistant" else _tool_calls(m.get("tool_calls"), f"{what}[{i}]")
         content = m.get(ck)
+        if content is None and calls:
+            content = ""  # OpenAI's tool-call turn: the template renders the calls
         if not isinstance(content, str):
             raise ValueError(f"{what}[{i}] ({role}): '{ck}' must be a string, got {type(content).__name__}")
-        if not content.strip():
+        if not content.strip() and role != "system" and not calls:  # an empty system prompt is rendered
             raise ValueError(f"{what}[{i}] ({role}) has empty content")
-        msg = {"role": role, "content": content}
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            msg["tool_calls"] = calls
         if not sharegpt and isinstance(m.get("reasoning_content"), str):
             msg["reasoning_content"] = m["reasoning_content"]
         out.append(msg)
     return out
+
+
+def _tool_calls(raw: Any, what: str) -> list[dict] | None:
+    """An assistant message's OpenAI ``tool_calls`` (``[{"type": "function", "function": {"name": ...,
+    "arguments": ...}}]``), checked; None when absent or empty."""
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list):
+        raise ValueError(f"{what}: 'tool_calls' must be a list, got {type(raw).__name__}")
+    for j, call in enumerate(raw):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]):
+            raise ValueError(
+                f"{what}: tool_calls[{j}] must be an object with a 'function' holding a 'name' (OpenAI's "
+                'form: {"type": "function", "function": {"name": "...", "arguments": {...}}})'
+            )
+    return raw
 
 
 def _facts(obj: dict) -> list[str]:
@@ -151,6 +173,14 @@ def _need_assistant(msgs: list[dict[str, str]], what: str) -> None:
         raise ValueError(f"'{what}' has no assistant turn: nothing to train on")
 
 
+def _need_prompt_first(msgs: list[dict[str, str]], what: str) -> None:
+    if msgs[0]["role"] == "assistant":
+        raise ValueError(
+            f"'{what}' starts with an assistant turn: nothing before it prompts it (a chat template renders "
+            "no prompt for it); start the conversation with a system or user turn, or drop that turn"
+        )
+
+
 def _item(rec: Record, fmt: str) -> Item:
     obj = rec.obj
     rid = obj.get("id") if isinstance(obj.get("id"), str) and obj.get("id") else rec.where
@@ -163,6 +193,7 @@ def _item(rec: Record, fmt: str) -> Item:
         key = "messages" if fmt == "messages" else "conversations"
         msgs = _messages(obj[key], key, sharegpt=fmt == "sharegpt")
         _need_assistant(msgs, key)
+        _need_prompt_first(msgs, key)
         return Item(**base, kind="chat", messages=msgs, facts=facts)
     if fmt == "prompt_completion":
         p, c = obj["prompt"], obj["completion"]
@@ -177,6 +208,7 @@ def _item(rec: Record, fmt: str) -> Item:
         if isinstance(p, list) and isinstance(c, list):
             pm, cm = _messages(p, "prompt"), _messages(c, "completion")
             _need_assistant(cm, "completion")
+            _need_prompt_first(pm, "prompt")
             return Item(**base, kind="chat", messages=pm + cm, n_prompt=len(pm), facts=facts)
         raise ValueError(
             "'prompt' and 'completion' must both be strings or both be message lists, got "

@@ -91,6 +91,7 @@ def render_settings(cfg: DictConfig, tokenizer: Any, fmt: str) -> Any:
         truncation=str(c.truncation),
         decay=float(c.decay),
         min_tokens_per_section=int(c.min_tokens_per_section),
+        too_long=str(d.get("too_long", "truncate")),
     )
 
 
@@ -105,9 +106,23 @@ def eval_reference(s: Any, fmt: str) -> Any:
     return replace(s, train_on=default_train_on(fmt))
 
 
+def _build_slots(train_items: list, eval_items: list, tokenizer: Any, s: Any, ref: Any) -> dict[str, list]:
+    """Each split's example slots (None where ``data.too_long=drop`` left a record out): the held-out records
+    under the eval reference ``ref``; one pass over both splits when ``ref`` is the trial's own settings
+    (one tokenizer call, and ``truncation=none`` names the longest of all records)."""
+    from vramsweep.data.render import build_item_slots
+
+    if ref == s:
+        both = build_item_slots([*train_items, *eval_items], tokenizer, s)
+        return {"train": both[: len(train_items)], "eval": both[len(train_items) :]}
+    return {
+        "train": build_item_slots(train_items, tokenizer, s),
+        "eval": build_item_slots(eval_items, tokenizer, ref),
+    }
+
+
 def _record_examples(cfg: DictConfig, tokenizer: Any, ud: Any = None) -> tuple[list, list, dict]:
     """Examples of chat / prompt-completion / alpaca / text records (the user's or the shipped chat set)."""
-    from vramsweep.data.render import build_item_examples
 
     d = cfg.data
     if d.source == "embedded_chat":
@@ -126,13 +141,19 @@ def _record_examples(cfg: DictConfig, tokenizer: Any, ud: Any = None) -> tuple[l
         info = {"eval_from": ud.eval_from, "source_sha256": ud.sha256}
     s = render_settings(cfg, tokenizer, fmt)
     ref = eval_reference(s, fmt)
-    if ref == s:  # one pass over both splits: one tokenizer call, truncation=none names the longest of all
-        both = build_item_examples([*train_items, *eval_items], tokenizer, s)
-        train, ev = both[: len(train_items)], both[len(train_items) :]
-    else:
-        train = build_item_examples(train_items, tokenizer, s)
-        ev = build_item_examples(eval_items, tokenizer, ref)
+    slots = _build_slots(train_items, eval_items, tokenizer, s, ref)
+    train, ev = ([e for e in v if e is not None] for v in slots.values())
+    dropped = {k: sum(1 for e in v if e is None) for k, v in slots.items()}
+    for split, n in (("train", len(train_items)), ("eval", len(eval_items))):
+        if n and dropped[split] == n:
+            raise ValueError(
+                f"data.too_long=drop: all {n} {'training' if split == 'train' else 'held-out'} records are "
+                f"longer than context.max_tokens={s.max_tokens}, so none is left; use data.too_long=truncate "
+                "or a larger context.max_tokens"
+            )
     info |= {
+        "too_long": s.too_long,
+        "dropped": dropped,
         "format": fmt,
         "train_on": s.train_on,
         "eval_train_on": ref.train_on,
@@ -189,7 +210,28 @@ def _build(cfg: DictConfig, tokenizer: Any) -> TrialData:
         stats[split]["trained_tokens"] = trained
         stats[split]["prompt_tokens"] = stats[split]["total_tokens"] - trained
         stats[split]["length_distribution"] = _length_distribution(ex)
+        stats[split]["truncated"] = sum(1 for e in ex if e.truncated)
+        stats[split]["dropped"] = int((info.get("dropped") or {}).get(split, 0))
+        stats[split]["boundary_merged"] = sum(1 for e in ex if e.boundary_merged)
+    stats.pop("dropped", None)
     return TrialData(train=train, eval=ev, pad_id=int(tokenizer.pad_token_id), stats=stats)
+
+
+def summary_line(stats: dict) -> str:
+    """One line of what the records became (the pre-flight prints it): records, tokens, trained tokens,
+    truncated, dropped and boundary-merged records, per split."""
+    parts = []
+    for split in ("train", "eval"):
+        st = stats.get(split) or {}
+        parts.append(
+            f"{split} {st.get('count', 0)} records, {st.get('total_tokens', 0)} tokens "
+            f"({st.get('trained_tokens', 0)} trained), truncated {st.get('truncated', 0)}, "
+            f"dropped {st.get('dropped', 0)}, boundary-merged {st.get('boundary_merged', 0)}"
+        )
+    head = f"data: {stats.get('format')}, train_on={stats.get('train_on')}"
+    if stats.get("too_long"):
+        head += f", too_long={stats['too_long']}"
+    return f"{head}: " + "; ".join(parts)
 
 
 def cache_parts(cfg: DictConfig, tokenizer: Any) -> dict:

@@ -6,13 +6,18 @@ Rendering. A chat record (``messages``, sharegpt, conversational prompt/completi
 prompt/completion strings render as ``prompt + completion + eos``, ``text`` as ``text + eos``. The ids are
 the tokenization of exactly that text (``add_special_tokens=False``: templates write their own specials).
 
-What is trained (``data.train_on``). Spans are found by rendering prefixes, so any template works without
-``{% generation %}`` markers: an assistant turn ``k`` starts where the rendering of ``messages[:k]`` with
-``add_generation_prompt=True`` stops agreeing with the full rendering, and ends after the turn's content
-plus the end-of-turn special token that follows it (``<|im_end|>`` in ChatML). ``assistant``: every
+What is trained (``data.train_on``). Spans are found without ``{% generation %}`` markers, so any template
+works: an assistant turn ``k`` starts after its opener (:func:`turn_layout`: ``<|im_start|>assistant\n``;
+the ``j``-th opener in the text is the ``j``-th assistant turn's; after the generation prompt's pre-fill,
+or the record's copy of its ending when the turn replaces it: Qwen3's think block with
+``enable_thinking=false`` is prompt) or, where openers cannot be counted, where the rendering of
+``messages[:k]`` with ``add_generation_prompt=True`` stops agreeing with the full rendering; it ends through
+the first end-of-turn special token after it (``<|im_end|>`` in ChatML), whitespace between the content and
+that token included. ``assistant``: every
 assistant turn; ``last_assistant``: the last one; ``completion``: the assistant turns of the completion
-(prompt/completion, alpaca; plain strings: the completion and its EOS); ``all``: every token. A token is
-trained when it starts inside a trained span.
+(prompt/completion, alpaca; plain strings: from the first token that differs from the tokenised prompt,
+TRL's split, through EOS); ``all``: every token. A token is trained when its characters overlap a trained
+span, so a token straddling a span's start is trained (and counted in :attr:`Example.boundary_merged`).
 
 Length (``context.max_tokens``). A conversation that does not fit keeps its leading system messages and
 the newest exchanges (a user turn and what follows it) that fit; ``context.truncation=exp_decay`` instead
@@ -21,12 +26,17 @@ shares the room left beside the newest exchange among older ones with the weight
 and its user/tool content cut to its last tokens, or is dropped when less than
 ``context.min_tokens_per_section`` tokens of that content would remain: never a cut inside a trained span.
 ``none`` raises :class:`~vramsweep.data.truncation.ContextOverflowError` naming the record and its length.
-Only when the newest exchange alone is too long is the sequence cut at ``max_tokens``. Plain and text
-records keep their first ``max_tokens`` tokens.
+When the newest exchange alone is too long its user / tool contents are cut (:func:`_cut_exchange`) and
+only what is still over is cut at ``max_tokens``. Plain prompt/completion strings keep the completion and
+cut the prompt from its start (``truncation=head``: their first ``max_tokens`` tokens); text records keep
+their first ``max_tokens`` tokens. ``data.too_long`` (:data:`TOO_LONG`): ``truncate`` as above, ``drop``
+leaves the record out (:func:`build_item_slots` returns None in its place), ``error`` refuses like
+``none``.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +56,7 @@ __all__ = [
     "TRAIN_ON",
     "RenderSettings",
     "build_item_examples",
+    "build_item_slots",
     "default_train_on",
     "render_item",
     "resolve_template",
@@ -103,6 +114,11 @@ class RenderSettings:
     truncation: str
     decay: float
     min_tokens_per_section: int
+    too_long: str = "truncate"  # data.too_long: truncate | drop | error (a record over max_tokens)
+
+
+#: ``data.too_long`` values: what becomes of a record longer than ``context.max_tokens``.
+TOO_LONG: tuple[str, ...] = ("truncate", "drop", "error")
 
 
 def _apply(tok: Any, messages: list[dict], s: RenderSettings, *, gen: bool = False) -> str:
@@ -115,12 +131,129 @@ def _apply(tok: Any, messages: list[dict], s: RenderSettings, *, gen: bool = Fal
     )
 
 
-def _end_markers(tok: Any) -> list[str]:
+def _specials(tok: Any) -> set[str]:
+    """The text of every special token of ``tok`` (what a template writes as a turn marker)."""
     names = {str(t) for t in getattr(tok, "all_special_tokens", []) or []}
     added = getattr(tok, "added_tokens_decoder", {}) or {}
     names |= {str(t.content) for t in added.values() if getattr(t, "special", False)}
-    eos = getattr(tok, "eos_token", None)
-    return sorted((n for n in names if n), key=lambda n: (n != eos, -len(n)))
+    return {n for n in names if n}
+
+
+#: Two stand-in answers rendered once per (tokenizer, template, thinking) to see how the template lays out an
+#: assistant turn (:func:`turn_layout`).
+_PROBE = ("vramsweep-probe-answer-one", "vramsweep-probe-answer-two")
+_LAYOUTS: dict[tuple[int, str | None, bool], tuple[Any, TurnLayout]] = {}
+
+
+@dataclass(frozen=True)
+class TurnLayout:
+    """How a template lays out an assistant turn (:func:`turn_layout`).
+
+    ``markers``: the special tokens that end it (ChatML ``<|im_end|>``). ``opener``: what it writes before
+    the answer (``<|im_start|>assistant\n``; empty when that is not one fixed text holding a special token).
+    ``prefill``: what the generation prompt adds after the opener and a rendered turn replaces (Qwen3 with
+    ``enable_thinking=false``: ``<think>\n\n</think>\n\n``)."""
+
+    markers: tuple[str, ...]
+    opener: str
+    prefill: str
+
+
+def _probe_markers(text: str, specials: set[str]) -> tuple[tuple[str, ...], str]:
+    """(the first special token after each probe answer, what follows the last answer)."""
+    found: list[str] = []
+    after = ""
+    for probe in _PROBE:
+        at = text.find(probe)
+        if at < 0:
+            continue
+        after = text[at + len(probe) :]
+        hits = [(after.find(m), -len(m), m) for m in specials if m in after]
+        if hits:
+            found.append(min(hits)[2])
+        elif probe == _PROBE[-1]:
+            found = []
+    return tuple(dict.fromkeys(found)), after
+
+
+def turn_layout(tok: Any, s: RenderSettings) -> TurnLayout:
+    """The :class:`TurnLayout` of ``s.template``, found once per tokenizer and template by rendering two
+    probe answers: the end-of-turn markers are the first special token written after each; the opener is
+    what the generation prompt and a rendered assistant turn have in common.
+
+    Raises:
+        ValueError: the template writes no special token of the tokenizer after an assistant turn (the
+            model would never be taught to stop), naming what it writes there instead.
+    """
+    key = (id(tok), s.template, s.enable_thinking)
+    hit = _LAYOUTS.get(key)
+    if hit is not None and hit[0] is tok:
+        return hit[1]
+    msgs = [
+        {"role": "user", "content": "probe question one"},
+        {"role": "assistant", "content": _PROBE[0]},
+        {"role": "user", "content": "probe question two"},
+        {"role": "assistant", "content": _PROBE[1]},
+    ]
+    text = _apply(tok, msgs, s)
+    specials = _specials(tok)
+    markers, after = _probe_markers(text, specials)
+    if not markers:
+        raise ValueError(
+            "the chat template writes no special token of the tokenizer after an assistant turn "
+            f"(it writes {after[:40]!r}), so no end-of-turn token would be trained and the model would "
+            "never learn to stop; use a template whose turn end is a special token of this tokenizer "
+            "(data.chat_template=<file>), or add that token to the tokenizer"
+        )
+    head, gen = _apply(tok, msgs[:1], s), _apply(tok, msgs[:1], s, gen=True)
+    opener = prefill = ""
+    if gen.startswith(head) and text.startswith(head):
+        suffix, turn = gen[len(head) :], text[len(head) :]
+        n = _common_prefix(suffix, turn)
+        if any(m in suffix[:n] for m in specials) and turn[n:].startswith(_PROBE[0]):
+            opener, prefill = suffix[:n], suffix[n:]
+    layout = TurnLayout(markers, opener, prefill)
+    _LAYOUTS[key] = (tok, layout)
+    return layout
+
+
+_TOOL_PROBE = "vramsweep_probe_tool"
+_TOOLS: dict[tuple[int, str | None, bool], tuple[Any, bool]] = {}
+
+
+def _renders_tool_calls(tok: Any, s: RenderSettings) -> bool:
+    """Whether ``s.template`` writes an assistant turn's ``tool_calls`` (a probe call's name shows up)."""
+    key = (id(tok), s.template, s.enable_thinking)
+    hit = _TOOLS.get(key)
+    if hit is not None and hit[0] is tok:
+        return hit[1]
+    call = {"type": "function", "function": {"name": _TOOL_PROBE, "arguments": {"x": 1}}}
+    msgs = [
+        {"role": "user", "content": "probe question"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "probe result"},
+        {"role": "assistant", "content": "probe answer"},
+    ]
+    try:
+        ok = _TOOL_PROBE in _apply(tok, msgs, s)
+    except Exception:  # noqa: BLE001 - a template that raises on tool calls does not render them
+        ok = False
+    _TOOLS[key] = (tok, ok)
+    return ok
+
+
+def _template_name(tok: Any, s: RenderSettings) -> str:
+    for name, text in BUILTIN_TEMPLATES.items():
+        if s.template == text:
+            return f"data.chat_template={name}"
+    if s.template == getattr(tok, "chat_template", None):
+        return "the tokenizer's own"
+    return "data.chat_template=<file>"
+
+
+def end_of_turn_markers(tok: Any, s: RenderSettings) -> tuple[str, ...]:
+    """The special tokens that end an assistant turn under ``s.template`` (:func:`turn_layout`)."""
+    return turn_layout(tok, s).markers
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -139,42 +272,90 @@ def _common_prefix(a: str, b: str) -> int:
     return lo
 
 
-def _visible(content: str) -> str:
-    """The part of an assistant content a template shows (Qwen3 moves ``<think>`` blocks out of it)."""
-    if "</think>" in content:
-        content = content.split("</think>")[-1]
-    return content.strip()
+def _turn_end(full: str, start: int, k: int, markers: Sequence[str]) -> tuple[int, int]:
+    """(where the first end-of-turn marker after ``start`` is, its length).
+
+    Raises:
+        ValueError: no end-of-turn marker follows the turn.
+    """
+    ends = [(at, len(m)) for m in markers for at in (full.find(m, start),) if at >= 0]
+    if not ends:
+        raise ValueError(
+            f"assistant turn {k}: no end-of-turn token ({', '.join(markers)}) follows it in the rendered "
+            "text, so the model would not be taught to stop after it"
+        )
+    return min(ends)
+
+
+def _after_prefill(full: str, start: int, end: int, prefill: str) -> int:
+    """Where the answer starts when the generation prompt pre-fills ``prefill`` after the opener at
+    ``start``: after the pre-fill when the turn renders it as is; when the turn replaces it (Qwen3 with
+    ``enable_thinking=false`` pre-fills an empty think block and a turn with reasoning writes its own), after
+    the turn's copy of the pre-fill's ending (``\n</think>\n\n``): that block is prompt, the answer starts
+    where it starts at inference; else (a turn rendered without it) at ``start``."""
+    n = _common_prefix(prefill, full[start : start + len(prefill)])
+    tail = prefill[n:]
+    if not tail:
+        return start + n
+    if tail.strip() and n:
+        found = full.find(tail, start + n, end)
+        if found >= 0:
+            return found + len(tail)
+    return start
+
+
+def _turn_span(
+    full: str, k: int, messages: list[dict], tok: Any, s: RenderSettings, layout: TurnLayout
+) -> tuple[int, int]:
+    """The characters of ``full`` that assistant turn ``k`` trains when its opener cannot be counted: from
+    where the rendering of ``messages[:k]`` with the generation prompt stops agreeing with ``full`` through
+    the first end-of-turn marker after it (a template whose earlier turns render the same whatever
+    follows)."""
+    gen = _apply(tok, messages[:k], s, gen=True)
+    start = _common_prefix(gen, full)
+    at, n = _turn_end(full, start, k, layout.markers)
+    tail = gen[start:]
+    if tail.strip():
+        found = full.find(tail, start, at)
+        if found >= 0:
+            start = found + len(tail)
+    return start, at + n
+
+
+def _openers(full: str, opener: str) -> list[int]:
+    out, at = [], full.find(opener)
+    while at >= 0:
+        out.append(at + len(opener))
+        at = full.find(opener, at + len(opener))
+    return out
 
 
 def _chat_spans(
     item: Item, messages: list[dict], tok: Any, s: RenderSettings
 ) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text and the trained spans of a conversation. Each assistant turn starts after its
+    opener (the ``j``-th opener in the text is the ``j``-th assistant turn's, when they are as many) and the
+    pre-fill (:func:`_after_prefill`), and ends through the first end-of-turn marker after it; a template
+    without a countable opener is read by rendering prefixes (:func:`_turn_span`)."""
     full = _apply(tok, messages, s)
     if s.train_on == "all":
         return full, [(0, len(full))]
-    idx = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    idx = assistant
     if s.train_on == "last_assistant":
         idx = idx[-1:]
     elif s.train_on == "completion":  # the completion's messages are the record's last ones (kept by fitting)
         n_completion = len(item.messages) - item.n_prompt
         idx = [k for k in idx if k >= len(messages) - n_completion]
-    markers = _end_markers(tok)
+    layout = turn_layout(tok, s)
+    starts = _openers(full, layout.opener) if layout.opener else []
+    if len(starts) != len(assistant):
+        return full, [_turn_span(full, k, messages, tok, s, layout) for k in idx]
     spans = []
     for k in idx:
-        start = _common_prefix(_apply(tok, messages[:k], s, gen=True), full)
-        c = _visible(messages[k]["content"])
-        at = full.find(c, start)
-        if not c or at < 0:
-            raise ValueError(
-                f"the chat template does not show assistant turn {k}'s content verbatim, so its tokens "
-                "cannot be found; use a template that does (data.chat_template=<file>)"
-            )
-        end = at + len(c)
-        for mk in markers:
-            if full.startswith(mk, end):
-                end += len(mk)
-                break
-        spans.append((start, end))
+        start = starts[assistant.index(k)]
+        at, n = _turn_end(full, start, k, layout.markers)
+        spans.append((_after_prefill(full, start, at, layout.prefill), at + n))
     return full, spans
 
 
@@ -198,8 +379,15 @@ def render_item(
             "the tokenizer has no chat template; set data.chat_template= one of "
             f"{', '.join(BUILTIN_TEMPLATES)} or a path to a Jinja file"
         )
+    msgs = messages if messages is not None else item.messages
+    if any(m.get("tool_calls") for m in msgs) and not _renders_tool_calls(tok, s):
+        raise ValueError(
+            f"the chat template ({_template_name(tok, s)}) does not render tool calls (an assistant turn "
+            "with 'tool_calls'): they would be dropped from what is trained; use a template that renders"
+            " them (data.chat_template=<file>, e.g. the model's own) or leave those records out"
+        )
     try:
-        return _chat_spans(item, messages if messages is not None else item.messages, tok, s)
+        return _chat_spans(item, msgs, tok, s)
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError, TypeError, ...
@@ -266,15 +454,51 @@ def _render_fitting(items: Sequence[Item], tok: Any, s: RenderSettings) -> tuple
                 else f"the longest of {len(over)} longer than {limit} among the {read} of {len(items)} "
                 "records tokenised, longest first"
             )
-            raise ContextOverflowError(f"{where}: {n} tokens, {among} (context.truncation=none cuts nothing)")
+            why = (
+                "data.too_long=error refuses it"
+                if s.too_long == "error"
+                else "context.truncation=none cuts nothing"
+            )
+            raise ContextOverflowError(f"{where}: {n} tokens, {among} ({why})")
     return rendered, encoded
 
 
 def _labels(ids: list[int], offs: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """A token is trained when its characters overlap a trained span: a token that straddles the span's
+    start (a byte-level BPE merging the prompt's last characters with the answer's first) is trained."""
     out = []
-    for t, (a, _b) in zip(ids, offs):
-        out.append(t if any(s0 <= a < s1 for s0, s1 in spans) else IGNORE_INDEX)
+    for t, (a, b) in zip(ids, offs):
+        hit = any((a < s1 and b > s0) or (a == b and s0 <= a < s1) for s0, s1 in spans)
+        out.append(t if hit else IGNORE_INDEX)
     return out
+
+
+def _merged(offs: list[tuple[int, int]], spans: list[tuple[int, int]]) -> int:
+    """How many spans start inside a token (that token is trained and holds prompt characters)."""
+    return sum(1 for s0, _ in spans if any(a < s0 < b for a, b in offs))
+
+
+def _common_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of two id lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _plain_labels(
+    ids: list[int], offs: list[tuple[int, int]], prompt_ids: list[int], n_text: int
+) -> tuple[list[int], list[tuple[int, int]], int]:
+    """(labels, trained character span, boundary-merged) of a prompt/completion string record: trained from
+    the first token that differs from the tokenised prompt (TRL's split), so a token merging the prompt's
+    trailing space with the completion's first word is trained; merged when that token holds prompt
+    characters (the prompt's ids do not all survive)."""
+    n = _common_len(prompt_ids, ids)
+    start = offs[n][0] if n < len(offs) else n_text
+    labels = [IGNORE_INDEX] * n + list(ids[n:])
+    return labels, [(start, n_text)], int(n < len(prompt_ids))
 
 
 def _fact_spans(
@@ -311,7 +535,38 @@ def _cut_content(tok: Any, content: str, keep: int) -> str:
 
 
 def _length(tok: Any, item: Item, messages: list[dict], s: RenderSettings) -> int:
-    return len(tok(render_item(item, tok, s, messages)[0], add_special_tokens=False)["input_ids"])
+    """Tokens of ``messages`` rendered (the text only: its spans are found once the messages are chosen)."""
+    try:
+        text = _apply(tok, messages, s)
+    except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError, TypeError, ...
+        raise ValueError(
+            f"the chat template failed to render this record cut to fit context.max_tokens={s.max_tokens}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    return len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _cut_exchange(
+    item: Item, tok: Any, s: RenderSettings, system: list[dict], group: list[dict]
+) -> list[dict]:
+    """The newest exchange alone is too long: its user / tool contents (never an assistant turn) are cut to
+    their last tokens, the longest first, re-measured until the rendering fits (at most 4 rounds: cutting
+    re-tokenises at the cut); what is still over is cut at ``max_tokens`` by the caller."""
+    last = [dict(m) for m in group]
+    for _ in range(4):
+        over = _length(tok, item, [*system, *last], s) - s.max_tokens
+        if over <= 0:
+            break
+        prompt = [m for m in last if m["role"] != "assistant" and m.get("content")]
+        sizes = {id(m): len(tok(m["content"], add_special_tokens=False)["input_ids"]) for m in prompt}
+        for m in sorted(prompt, key=lambda m: -sizes[id(m)]):
+            cut = min(sizes[id(m)] - 1, over + 2)
+            if cut > 0:
+                m["content"] = _cut_content(tok, m["content"], sizes[id(m)] - cut)
+                over -= cut
+            if over <= 0:
+                break
+    return last
 
 
 def _fit_messages(item: Item, tok: Any, s: RenderSettings) -> list[dict]:
@@ -326,13 +581,7 @@ def _fit_messages(item: Item, tok: Any, s: RenderSettings) -> list[dict]:
     # the newest exchanges that fit whole: the smallest j with groups[j:] fitting (length falls as j grows)
     lo, hi = 0, len(groups) - 1
     if _length(tok, item, flat(groups[hi:]), s) > s.max_tokens:
-        last = [dict(m) for m in groups[-1]]
-        for m in last:  # cut the newest exchange's prompt side until it fits, then give up
-            if m["role"] not in trained_roles:
-                fixed = _length(tok, item, flat([[x for x in last if x is not m]]), s)
-                room = s.max_tokens - fixed - 8
-                m["content"] = _cut_content(tok, m["content"], max(1, room))
-        return flat([last])
+        return flat([_cut_exchange(item, tok, s, system, groups[-1])])
     while lo < hi:
         mid = (lo + hi) // 2
         if _length(tok, item, flat(groups[mid:]), s) <= s.max_tokens:
@@ -386,45 +635,117 @@ def _fit_messages(item: Item, tok: Any, s: RenderSettings) -> list[dict]:
 
 
 def build_item_examples(items: Sequence[Item], tok: Any, s: RenderSettings) -> list[Example]:
-    """Examples of chat / plain / text records (module docstring).
+    """Examples of chat / plain / text records (module docstring); the records ``data.too_long=drop``
+    drops are left out (:func:`build_item_slots` keeps their places)."""
+    return [e for e in build_item_slots(items, tok, s) if e is not None]
+
+
+def build_item_slots(items: Sequence[Item], tok: Any, s: RenderSettings) -> list[Example | None]:
+    """One example per record, in order, None where ``data.too_long=drop`` dropped a record longer than
+    ``context.max_tokens``.
 
     Raises:
-        ContextOverflowError: ``truncation="none"`` and a record is longer than ``max_tokens`` (names it).
-        ValueError: ``"<where>: <problem>"``: a template that does not render a record, or a record with no
-            trained token.
+        ContextOverflowError: ``truncation="none"`` or ``too_long="error"`` and a record is longer than
+            ``max_tokens`` (names the longest).
+        ValueError: ``"<where>: <problem>"``: a template that does not render a record, a record with no
+            trained token, a trained turn without its end-of-turn token.
     """
-    if s.truncation == "none":
+    if s.truncation == "none" or s.too_long == "error":
         rendered, encoded = _render_fitting(items, tok, s)
     else:
         rendered = [_render(it, tok, s) for it in items]
         encoded = _encode(tok, [t for t, _ in rendered]) if rendered else []
-    out: list[Example] = []
-    for it, (text, spans), (ids, offs) in zip(items, rendered, encoded):
-        if len(ids) > s.max_tokens:
-            if it.kind == "chat":
-                try:
-                    text, spans = render_item(it, tok, s, _fit_messages(it, tok, s))
-                except ValueError as e:
-                    raise ValueError(f"{it.where}: {e}") from None
-                ids, offs = _encode(tok, [text])[0]
-            ids, offs = ids[: s.max_tokens], offs[: s.max_tokens]
-        labels = _labels(ids, offs, spans)
-        n_trained = sum(1 for t in labels if t != IGNORE_INDEX)
-        if n_trained == 0:
-            raise ValueError(
-                f"{it.where}: no trained token after masking (data.train_on={s.train_on}"
-                + (f", cut to context.max_tokens={s.max_tokens}" if len(ids) >= s.max_tokens else "")
-                + ")"
-            )
-        out.append(
-            Example(
-                input_ids=ids,
-                labels=labels,
-                doc_id=it.id,
-                target_section=0,
-                n_context_tokens=len(ids) - n_trained,
-                fact_spans=_fact_spans(text, offs, spans, it.facts, len(ids)),
-                where=it.where,
-            )
+    plain = [i for i, it in enumerate(items) if it.kind == "plain"]
+    prompt_ids = (
+        dict(zip(plain, (p for p, _ in _encode(tok, [items[i].prompt for i in plain])))) if plain else {}
+    )
+    stops = _stop_ids(tok, s, items)
+    return [
+        None
+        if len(ids) > s.max_tokens and s.too_long == "drop"
+        else _example(it, text, spans, ids, offs, tok, s, prompt_ids.get(i), stops)
+        for i, (it, (text, spans), (ids, offs)) in enumerate(zip(items, rendered, encoded))
+    ]
+
+
+def _stop_ids(tok: Any, s: RenderSettings, items: Sequence[Item]) -> tuple[set[int], list[str]]:
+    """(ids, texts) of the tokens that end a trained turn: the template's end-of-turn tokens (chat records)
+    and EOS (prompt/completion strings)."""
+    names = [str(getattr(tok, "eos_token", None) or "")]
+    if any(it.kind == "chat" for it in items) and s.train_on != "all" and s.template is not None:
+        names += end_of_turn_markers(tok, s)
+    vocab = tok.get_vocab()
+    names = sorted({n for n in names if n})
+    return {vocab[n] for n in names if n in vocab}, names
+
+
+def _check_stops(
+    it: Item, text: str, ids: list[int], offs: list[tuple[int, int]], labels: list[int], spans, stops
+) -> None:
+    """The stop-token guard: every trained span that was not cut at ``max_tokens`` ends with a trained
+    end-of-turn token (one special token), else the record is refused saying why."""
+    ends = [b for _, b in offs]
+    for _, s1 in spans:
+        if not ends or s1 > ends[-1]:
+            continue  # the turn was cut at context.max_tokens (counted as truncated)
+        j = bisect.bisect_right(ends, s1) - 1
+        if j >= 0 and ends[j] == s1 and ids[j] in stops[0] and labels[j] != IGNORE_INDEX:
+            continue
+        got = repr(text[max(0, s1 - 24) : s1])
+        raise ValueError(
+            f"{it.where}: a trained turn does not end with a trained end-of-turn token (one of "
+            f"{', '.join(stops[1])}): it ends with {got}, not tokenised as that special "
+            "token, so the model would not learn to stop; check that the tokenizer has the template's "
+            "end-of-turn token as a special token"
         )
-    return out
+
+
+def _example(
+    it: Item,
+    text: str,
+    spans: list[tuple[int, int]],
+    ids: list[int],
+    offs: list[tuple[int, int]],
+    tok: Any,
+    s: RenderSettings,
+    prompt_ids: list[int] | None,
+    stops: tuple[set[int], list[str]],
+) -> Example:
+    """One record's example: cut to ``max_tokens`` (conversations: :func:`_fit_messages` first), labelled,
+    its stop tokens checked (:func:`_check_stops`)."""
+    cut = len(ids) > s.max_tokens
+    if cut:
+        if it.kind == "chat":
+            try:
+                text, spans = render_item(it, tok, s, _fit_messages(it, tok, s))
+            except ValueError as e:
+                raise ValueError(f"{it.where}: {e}") from None
+            ids, offs = _encode(tok, [text])[0]
+        elif prompt_ids is not None and s.truncation != "head":  # keep the completion: cut the prompt's start
+            drop = min(len(ids) - s.max_tokens, _common_len(prompt_ids, ids))
+            ids, offs, prompt_ids = ids[drop:], offs[drop:], prompt_ids[drop:]
+        ids, offs = ids[: s.max_tokens], offs[: s.max_tokens]
+    if prompt_ids is not None and s.train_on != "all":
+        labels, spans, merged = _plain_labels(ids, offs, prompt_ids, len(text))
+    else:
+        labels, merged = _labels(ids, offs, spans), _merged(offs, spans)
+    n_trained = sum(1 for t in labels if t != IGNORE_INDEX)
+    if n_trained == 0:
+        raise ValueError(
+            f"{it.where}: no trained token after masking (data.train_on={s.train_on}"
+            + (f", cut to context.max_tokens={s.max_tokens}" if len(ids) >= s.max_tokens else "")
+            + ")"
+        )
+    if s.train_on != "all" and it.kind in ("chat", "plain"):
+        _check_stops(it, text, ids, offs, labels, spans, stops)
+    return Example(
+        input_ids=ids,
+        labels=labels,
+        doc_id=it.id,
+        target_section=0,
+        n_context_tokens=len(ids) - n_trained,
+        fact_spans=_fact_spans(text, offs, spans, it.facts, len(ids)),
+        where=it.where,
+        boundary_merged=merged,
+        truncated=cut,
+    )
