@@ -18,6 +18,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+from vramsweep.knobs.packed_attention import remember
 from vramsweep.measure.steps import StepClock
 
 # (input_ids, attention_mask | None, labels, **kw) -> mean loss over the trained tokens; ``kw`` is
@@ -118,8 +119,6 @@ def loss_kwargs(batch: dict, device: Any, non_blocking: bool = False) -> dict[st
         return {}
     pos = batch["position_ids"].to(device, non_blocking=non_blocking)
     if batch.get("segment_bounds") is not None:  # collate's host-side segments: no host read in the forward
-        from vramsweep.knobs.packed_attention import remember
-
         remember(pos, batch["segment_bounds"])
     return {"position_ids": pos}
 

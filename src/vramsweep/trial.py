@@ -647,7 +647,7 @@ def _initial_eval(m: dict, run_eval, resume: Resume | None, cuda_mon, shared=(No
     if resume is None:
         stored = store.load() if store is not None else None
         if stored is not None:
-            m[M.INITIAL_EVAL_LOSS], m[M.INITIAL_TASK_SCORE] = stored["loss"], stored.get("task_score")
+            m[M.INITIAL_EVAL_LOSS], m[M.INITIAL_TASK_SCORE] = stored["loss"], stored.get("score")
         else:
             first = run_eval()
             m[M.INITIAL_EVAL_LOSS], m[M.INITIAL_TASK_SCORE] = first.loss, first.task_score

@@ -96,3 +96,15 @@ def packing_stats(rows: Sequence[Example], max_tokens: int) -> dict[str, float |
         "row_tokens": max_tokens,
         "padding_fraction": (1 - real / slots) if slots else 0.0,
     }
+
+
+def bounds_of(position_ids: Any) -> list[list[tuple[int, int]]]:
+    """Per row, the ``[start, end)`` of each segment (a segment starts where the position is 0), from a
+    host tensor or nested lists (collate's, before anything is on the device)."""
+    rows = []
+    for row in position_ids.tolist() if hasattr(position_ids, "tolist") else position_ids:
+        starts = [i for i, p in enumerate(row) if p == 0] or [0]
+        if starts[0] != 0:
+            starts.insert(0, 0)
+        rows.append(list(zip(starts, [*starts[1:], len(row)], strict=True)))
+    return rows

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from vramsweep.data.packing import bounds_of
+
 #: attention.implementation -> the registered segment-wise implementation
 PACKED_NAMES = {"sdpa": "vramsweep_packed_sdpa", "eager": "vramsweep_packed_eager"}
 
@@ -27,18 +29,6 @@ _last: list[Any] = [None, None]  # (position_ids tensor, its row segments): the 
 #: How many times a forward had to read ``position_ids`` back to the host (a device sync on CUDA): 0 when the
 #: loop hands the bounds collate computed (:func:`remember`); tests read it.
 HOST_READS = [0]
-
-
-def bounds_of(position_ids: Any) -> list[list[tuple[int, int]]]:
-    """Per row, the ``[start, end)`` of each segment (a segment starts where the position is 0), from a
-    host tensor or nested lists (collate's, before anything is on the device)."""
-    rows = []
-    for row in position_ids.tolist() if hasattr(position_ids, "tolist") else position_ids:
-        starts = [i for i, p in enumerate(row) if p == 0] or [0]
-        if starts[0] != 0:
-            starts.insert(0, 0)
-        rows.append(list(zip(starts, [*starts[1:], len(row)], strict=True)))
-    return rows
 
 
 def remember(position_ids: torch.Tensor, bounds: list[list[tuple[int, int]]]) -> None:

@@ -9,8 +9,8 @@ trial of a sweep computes it and stores it in ``<sweep dir>/initial_eval/<key>.j
 (``meta.initial_eval.shared``). Trials running at once may both compute it before either stored it.
 
 Not shared: 4-bit quantisation on CPU (bitsandbytes converts a 4-bit layer to its CPU inference layout on
-the first eval-mode forward, which changes the training that follows: REFERENCE.md, 2026-12-06 — every such
-trial runs its own eval, so seed repeats stay alike), an adapter initialised away from the identity, and a
+the first eval-mode forward unless the build turns that off — every such trial runs its own eval, so seed
+repeats stay alike), an adapter initialised away from the identity, and a
 trial outside a sweep folder.
 
 :func:`key_parts` is the one place that says what the figure depends on; extend it (e.g. a different
@@ -113,7 +113,7 @@ class SharedInitialEval:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(
             self.path,
-            {"loss": loss, "task_score": task_score, "trial": self.trial, "seconds": round(seconds, 3)},
+            {"loss": loss, "score": task_score, "trial": self.trial, "seconds": round(seconds, 3)},
         )
 
 

@@ -20,6 +20,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from vramsweep.report import ReportError, load_sweep
+from vramsweep.report.pick import BEST, EQUAL, eligible, quality_tiers, rank_key
 from vramsweep.sweeper.design import DesignPoint
 from vramsweep.sweeper.gpus import Layout
 from vramsweep.sweeper.plan import Plan, name_sweep
@@ -37,8 +39,6 @@ def confirm_setting(plan: Plan) -> int | None:
 
 def configs_to_confirm(sweep_dir: Path, budget_gib: float, setting: int | None) -> list[Any]:
     """The representative trials (``TrialRecord``) of the configs to re-run alone, best first."""
-    from vramsweep.report import ReportError, load_sweep
-    from vramsweep.report.pick import BEST, EQUAL, eligible, quality_tiers, rank_key
 
     if setting == 0:
         return []
@@ -116,20 +116,19 @@ def may_confirm(plan: Plan) -> bool:
     return int(workers.get("trials_per_gpu") or 1) > 1
 
 
-def run_confirm(plan: Plan, runner: Any = None) -> int:
-    """Run the confirm stage of ``plan``'s sweep when it shared GPUs (0 when there is nothing to confirm)."""
-    from vramsweep.sweeper.engine import Sweep
-
+def confirm_stage(plan: Plan) -> Plan | None:
+    """The plan of ``plan``'s confirm stage when its sweep shared GPUs (``None`` when there is nothing to
+    confirm); the engine runs it (this module does not import the engine: no cycle)."""
     if plan.layout is None or not plan.layout.shares or plan.isolation in ("launcher", "inprocess"):
-        return 0
+        return None
     setting = confirm_setting(plan)
     trials = configs_to_confirm(plan.sweep_dir, plan.budget_gib, setting)
     if not trials:
-        return 0
+        return None
     print(
         f"vramsweep: confirm: {len(trials)} config(s) pick chooses between measured their throughput on a "
         f"shared GPU (trial(s) {', '.join(f'{t.number:04d}' for t in trials)}): each runs again alone "
         f"(sweep.confirm; results in {plan.sweep_dir / CONFIRM_DIR})",
         flush=True,
     )
-    return Sweep(confirm_plan(plan, trials), runner=runner).run()
+    return confirm_plan(plan, trials)

@@ -35,7 +35,7 @@ from vramsweep.config.errors import error_line
 from vramsweep.preflight import check_fault_env, check_named_options, preflight_sweep
 from vramsweep.record.diskfull import disk_full_reason
 from vramsweep.report.wandb_summary import SummaryUpdater
-from vramsweep.sweeper.confirm import may_confirm, run_confirm
+from vramsweep.sweeper.confirm import confirm_stage, may_confirm
 from vramsweep.sweeper.fastpath import finished_study
 from vramsweep.sweeper.gpus import GpuSeats
 from vramsweep.sweeper.isolation import effective_preload, make_runner
@@ -365,7 +365,8 @@ def run_sweep(
         return 2
     try:
         code = Sweep(plan, runner=runner, launcher_factory=launcher_factory).run()
-        return run_confirm(plan, runner=runner) if code == 0 else code
+        stage = confirm_stage(plan) if code == 0 else None
+        return Sweep(stage, runner=runner).run() if stage is not None else code
     except ConfigError as exc:
         print(error_line("train", str(exc)), file=sys.stderr)
         return 2

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
+from vramsweep.record.status import Status
 from vramsweep.record.units import GIB
+from vramsweep.sweeper.isolation import cuda_host
 
 #: Test and ``--dry-run`` stand-in for the host's GPUs: card memory in GiB, comma-separated (``80,80``).
 FAKE_ENV = "VRAMSWEEP_FAKE_GPUS"
@@ -54,7 +56,6 @@ class Gpu:
 def visible_gpus(given: list[str] | None = None) -> tuple[list[Gpu], str]:
     """``(GPUs, where the list came from)``; no GPU on a CPU host. ``given``: ``hydra.sweeper.cuda_devices``
     (their memory looked up where NVML knows it)."""
-    from vramsweep.sweeper.isolation import cuda_host
 
     fake = os.environ.get(FAKE_ENV)
     if fake is not None:
@@ -341,7 +342,7 @@ def probe_gpu(gpu: str) -> str | None:
 def needs_probe(result: dict[str, Any]) -> bool:
     """Whether a trial's GPU must pass a probe before it takes another trial: the trial ended ``error``
     (a crash, a signal, a CUDA error, a timeout); an OOM and every other outcome leave the GPU as it was."""
-    return str(result.get("status")) == "error"
+    return str(result.get("status")) == Status.ERROR
 
 
 def needs_gpu_alone(cfg: Any, estimate: dict[str, Any] | None, share_below: float) -> str | None:

@@ -11,12 +11,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramsweep.config.compose import compose, hydra_state
+from vramsweep.estimate import estimate
 from vramsweep.record.diskfull import NO_SPACE
+from vramsweep.record.result import write_result
 from vramsweep.sweeper import gpus
 from vramsweep.sweeper.gpus import GpuSeats, needs_gpu_alone, needs_probe
 from vramsweep.sweeper.progress import Progress, trial_line
+from vramsweep.sweeper.space import merge_overrides
+from vramsweep.sweeper.storage import SLOT
 from vramsweep.sweeper.study import Job, StudyBook
-from vramsweep.sweeper.trialproc import RunReport, TrialSpec
+from vramsweep.sweeper.trialproc import RunReport, TrialSpec, provisional_share
 
 
 @dataclass
@@ -123,9 +128,6 @@ class WorkerPool:
         if self.seats is None or self.seats.per_gpu <= 1 or self.plan.points is None:
             return
         from optuna.trial import TrialState
-
-        from vramsweep.sweeper.space import merge_overrides
-        from vramsweep.sweeper.storage import SLOT
 
         waiting = self.book.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         ordered = sorted(waiting, key=lambda t: t.number)
@@ -272,8 +274,6 @@ _COMPOSE = threading.Lock()  # Hydra's global state: one compose at a time in th
 
 def _alone_reason(overrides: list[str], share_below: float) -> str | None:
     """:func:`.gpus.needs_gpu_alone` of the trial composed from ``overrides`` (no estimate: alone)."""
-    from vramsweep.config.compose import compose, hydra_state
-    from vramsweep.estimate import estimate
 
     try:
         with _COMPOSE, hydra_state():
@@ -288,8 +288,6 @@ def mark_share(report: RunReport, spec: TrialSpec, shared_with: list[int] | None
     """Rewrite the trial's ``meta.gpu_share`` with who ran on its GPU while it ran (``exact``), in the
     result JSON (atomic) and in ``report``. Its throughput (tokens/s, MFU, step times) is the card's own
     only when ``shared`` is false."""
-    from vramsweep.record.result import write_result
-    from vramsweep.sweeper.trialproc import provisional_share
 
     meta = report.result.setdefault("meta", {})
     exact = {"shared": bool(shared_with), "with": list(shared_with or []), "exact": True}
