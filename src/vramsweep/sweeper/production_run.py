@@ -111,12 +111,20 @@ class ProductionJob:
 
     def __call__(self) -> dict[str, Any]:
         from vramsweep.production.checkpoint import check_same_config
+        from vramsweep.production.owner import claim, complete_line
         from vramsweep.trial import run_trial
 
         cfg = compose(self.overrides, rules="all")  # this machine's rules: the node's, not the login host's
         run_dir = Path(self.result_path).parent
         check_same_config(run_dir, OmegaConf.to_container(cfg, resolve=True))
-        res = run_trial(cfg, result_path=Path(self.result_path), overrides=self.overrides)
+        own = claim(run_dir, str(cfg.train.resume))  # one owner; a finished run is complete: nothing to do
+        if own.complete:
+            print(f"vramsweep: {complete_line(own)}", flush=True)
+            return {"status": "ok", "reason": None, "result": self.result_path}
+        try:
+            res = run_trial(cfg, result_path=Path(self.result_path), overrides=self.overrides)
+        finally:
+            own.release()
         sig = ((res.get("meta") or {}).get("checkpoints") or {}).get("signal")
         why = f" ({res['reason']})" if res.get("reason") else ""
         print(f"vramsweep: run {res['status']}{why}", flush=True)
@@ -137,6 +145,7 @@ class ProductionJob:
 
 def submit_run(overrides: list[str]) -> int:
     """``vramsweep train ... hydra/launcher=submitit_slurm``: check, submit one job, say where it is."""
+    from vramsweep.production.owner import Claim, check_contents, complete_line
     from vramsweep.trial import default_result_path
 
     name = launcher_choice(overrides)
@@ -157,11 +166,17 @@ def submit_run(overrides: list[str]) -> int:
         # the folder as `train` would pick it here (a new one unless the user resumes); the node's own rules
         # (hardware) run in the job
         user = run_overrides(overrides)
-        result = default_result_path(compose(user, rules="config"), user).resolve()
+        cfg = compose(user, rules="config")
+        result = default_result_path(cfg, user).resolve()
+        # a finished or stopped run is not overwritten; resume=auto on a finished one: nothing to submit
+        done = check_contents(result.parent, str(cfg.train.resume))
         compose(mine, rules="config")
         params = launcher_params(overrides, result.parent)
     except ConfigError as exc:
         return _err(str(exc))
+    if done is not None:
+        print(complete_line(Claim(result.parent, complete=True, result=done)))
+        return 0
     try:
         result.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
