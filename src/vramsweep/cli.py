@@ -311,11 +311,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _own_run_folder(cfg, overrides: list[str]):
     """The run folder, owned (:func:`vramsweep.production.owner.claim`: locked, a finished or stopped run
     not overwritten), or the exit code: 2 for a refusal, 0 when ``train.resume=auto`` finds it complete."""
+    from vramsweep.production.fingerprint import check_data
     from vramsweep.production.owner import claim, complete_line
     from vramsweep.trial import default_result_path
 
     try:
         folder = default_result_path(cfg, overrides).parent  # resume=auto refuses a changed config here
+        check_data(cfg, folder)  # pinned hashes; resume=auto: the data the checkpoint recorded
     except ConfigError as exc:
         return _err(str(exc))
     try:  # the run folder made now: a name or folder that cannot be written fails before the training

@@ -55,6 +55,7 @@ from vramsweep.production.checkpoint import (
     load_checkpoint,
     saved_wandb_id,
 )
+from vramsweep.production.fingerprint import check_pinned, check_resume_data, data_fingerprints
 from vramsweep.production.length import apply_epochs
 from vramsweep.production.outputs import LossLog, RunFolder, run_folder_for, save_outputs, write_config
 from vramsweep.record.diskfull import disk_full_reason
@@ -522,6 +523,8 @@ def _train_steps(
     run folder, log the losses and save the adapter (docs/RUNS.md)."""
     m, meta, t = result["metrics"], result["meta"], cfg.train
     _seed_and_threads(t)
+    check_pinned(cfg)  # the hashes pick pinned beside the data paths
+    meta["data_sources"] = data_fingerprints(cfg)  # sha256 of every data file (docs/RUNS.md)
     prep = prepare(cfg, result)
     model, device = prep.built.model, prep.built.device
 
@@ -663,7 +666,7 @@ def _run_outputs(
         int(t.save_every),
         int(t.keep_checkpoints),
         *trained,
-        _state_so_far(log, lambda: _with_figures(result["metrics"], owners), logger),
+        _state_so_far(log, lambda: _with_figures(result["metrics"], owners), logger, result),
         int(t.steps),
         stats=result["meta"].setdefault("checkpoints", {}),
     )
@@ -685,20 +688,30 @@ def _resume_point(cfg: DictConfig, run: RunFolder | None, result: dict) -> Resum
     if path is None:
         result["meta"]["resumed_from"] = None
         return None
+    changes = check_resume_data(path, cfg)  # changed data: refused unless train.resume_on_changed_data
     resume = load_checkpoint(path)
     result["meta"]["resumed_from"] = {"checkpoint": str(path), "next_step": resume.next_step}
+    earlier = list(resume.state.get("data_changes") or [])
+    if changes or earlier:  # the opt-in's record: what changed, at which step (kept by later checkpoints)
+        now = [{**c, "at_step": resume.next_step} for c in changes]
+        result["meta"]["data_changed_on_resume"] = earlier + now
     return resume
 
 
-def _state_so_far(log: LossLog, metrics: Callable[[], dict], logger) -> Callable[[], dict]:
-    """What a checkpoint keeps besides tensors: the loss rows, the metrics so far, the W&B run id."""
+def _state_so_far(log: LossLog, metrics: Callable[[], dict], logger, result: dict) -> Callable[[], dict]:
+    """What a checkpoint keeps besides tensors: the loss rows, the metrics so far, the W&B run id, the run's
+    config and its data fingerprints (a resume checks both against them, docs/RUNS.md)."""
 
     def state() -> dict:
         run_id = getattr(getattr(logger, "run", None), "id", None)
+        meta = result["meta"]
         return {
             "losses": list(log.rows),
             "metrics": json.loads(json.dumps(metrics(), default=str)),
             "wandb_run_id": run_id,
+            "config": result["config"],
+            "data": meta.get("data_sources"),
+            "data_changes": meta.get("data_changed_on_resume") or [],
         }
 
     return state

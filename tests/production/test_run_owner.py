@@ -5,7 +5,6 @@ after)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import socket
@@ -15,21 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from _run_folders import folder_hash
 from conftest import FAST
 from vramsweep.cli import main
 from vramsweep.production.owner import LOCK_FILE, RunFolderError, claim
 
 SRC = str(Path(__file__).parents[2] / "src")
-
-
-def folder_hash(folder: Path) -> str:
-    """Names, bytes and modification times of every file under ``folder``."""
-    h = hashlib.sha256()
-    for p in sorted(folder.rglob("*")):
-        h.update(str(p.relative_to(folder)).encode() + b"\0")
-        if p.is_file():
-            h.update(p.read_bytes() + str(p.stat().st_mtime_ns).encode())
-    return h.hexdigest()
 
 
 def _args(run: Path, *extra: str) -> list[str]:
@@ -50,7 +40,11 @@ def test_a_finished_run_with_resume_never_is_refused_and_nothing_changes(finishe
     assert main(_args(finished, "train.save_every=2")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("vramsweep train: error:"), err
-    assert "holds a finished run" in err[0] and "train.resume=auto" in err[0] and "new train.output_dir" in err[0]
+    assert (
+        "holds a finished run" in err[0]
+        and "train.resume=auto" in err[0]
+        and "new train.output_dir" in err[0]
+    )
     assert folder_hash(finished) == before
 
 

@@ -51,6 +51,7 @@ MEASUREMENT_KEYS = (
     "train.save_every",
     "train.keep_checkpoints",
     "train.resume",
+    "train.resume_on_changed_data",
     "data.num_docs",
     "data.num_eval_docs",
 )
@@ -213,6 +214,9 @@ class DataConfig:
     # sectioned documents only: the instruction placed first in every prompt (may be "")
     instructions: str = "Write the next section of this grant report."
     packing: bool = False  # training examples packed into rows of context.max_tokens (data/packing.py)
+    # the sha256 the file must have (``vramsweep pick`` pins the sweep's); None: not checked
+    path_sha256: Optional[str] = None
+    eval_path_sha256: Optional[str] = None
 
 
 @dataclass
@@ -256,6 +260,7 @@ class TrainConfig:
     save_every: int = 0  # optimizer steps between checkpoints (0 = only on SIGTERM/SIGUSR1)
     keep_checkpoints: int = 2  # the newest K complete checkpoints are kept
     resume: str = "never"  # never | auto (continue from the run folder's newest complete checkpoint)
+    resume_on_changed_data: bool = False  # resume although a data file's sha256 changed (recorded)
 
 
 @dataclass

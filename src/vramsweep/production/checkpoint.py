@@ -35,7 +35,13 @@ from vramsweep.loop import Callback
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 #: Keys that may differ between a run and its resumption (how it is launched, not what it trains).
-RESUME_FREE_KEYS = ("train.resume", "train.threads", "logger.mode", "logger.dir")
+RESUME_FREE_KEYS = (
+    "train.resume",
+    "train.resume_on_changed_data",
+    "train.threads",
+    "logger.mode",
+    "logger.dir",
+)
 #: Test hook: seconds to sleep after every optimizer step of a production run (a run long enough to be
 #: signalled, requeued or timed out on a real cluster: tests/production/test_run_slurm.py).
 PAUSE_ENV = "VRAMSWEEP_STEP_PAUSE_S"
@@ -163,13 +169,29 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: d}
 
 
+def _saved_config(run_dir: Path) -> tuple[Path, dict | None]:
+    """The run's own config: the one its newest complete checkpoint recorded (so deleting or editing
+    ``config.yaml`` changes nothing), else ``config.yaml``; None when neither is there."""
+    for ckpt in reversed(checkpoint_dirs(run_dir)):
+        try:
+            cfg = json.loads((ckpt / "state.json").read_text()).get("config")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(cfg, dict):
+            return ckpt / "state.json", cfg
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return path, None
+    return path, OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+
+
 def check_same_config(run_dir: Path, config: Any) -> None:
     """Refuse to resume ``run_dir`` with a config other than the one it started with (``ConfigError``
     naming the keys that differ; the launch-only keys :data:`RESUME_FREE_KEYS` may differ)."""
-    saved_path = Path(run_dir) / "config.yaml"
-    if not saved_path.is_file():
+    saved_path, saved_cfg = _saved_config(Path(run_dir))
+    if saved_cfg is None:
         return
-    saved = _flat(OmegaConf.to_container(OmegaConf.load(saved_path), resolve=True))
+    saved = _flat(saved_cfg)
     now = _flat(OmegaConf.to_container(OmegaConf.create(config), resolve=True))
     diff = sorted(
         k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in RESUME_FREE_KEYS

@@ -111,12 +111,14 @@ class ProductionJob:
 
     def __call__(self) -> dict[str, Any]:
         from vramsweep.production.checkpoint import check_same_config
+        from vramsweep.production.fingerprint import check_data
         from vramsweep.production.owner import claim, complete_line
         from vramsweep.trial import run_trial
 
         cfg = compose(self.overrides, rules="all")  # this machine's rules: the node's, not the login host's
         run_dir = Path(self.result_path).parent
         check_same_config(run_dir, OmegaConf.to_container(cfg, resolve=True))
+        check_data(cfg, run_dir)  # changed data is refused (train.resume_on_changed_data=true allows it)
         own = claim(run_dir, str(cfg.train.resume))  # one owner; a finished run is complete: nothing to do
         if own.complete:
             print(f"vramsweep: {complete_line(own)}", flush=True)
