@@ -38,7 +38,9 @@ def test_report_and_pick_flag_trials_trained_on_different_data(tmp_path, monkeyp
     folder = _sweep(tmp_path, data, ["a" * 64, "a" * 64, now])
     assert run_report(str(folder)) == 0
     err = " ".join(capsys.readouterr().err.split())  # the terminal wraps lines
-    assert "trained on 2 different data files" in err and "(trials 0000, 0001)" in err and "(trials 0002)" in err
+    assert (
+        "trained on 2 different data files" in err and "(trials 0000, 0001)" in err and "(trials 0002)" in err
+    )
     assert "2 different data files" in (folder / "ablation.md").read_text()
 
     assert run_pick(str(folder), budget_gib=2, name="p", conf_dir=str(conf)) == 0
