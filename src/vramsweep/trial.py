@@ -51,8 +51,7 @@ from vramsweep.production.checkpoint import (
     Checkpointer,
     Resume,
     check_same_config,
-    latest_checkpoint,
-    load_checkpoint,
+    load_newest,
     saved_wandb_id,
 )
 from vramsweep.production.fingerprint import check_pinned, check_resume_data, data_fingerprints
@@ -684,18 +683,34 @@ def _resume_point(cfg: DictConfig, run: RunFolder | None, result: dict) -> Resum
     """``train.resume=auto`` in a run folder with a complete checkpoint: that checkpoint, loaded."""
     if run is None or not run.production or str(cfg.train.resume) != "auto":
         return None
-    path = latest_checkpoint(run.path)
-    if path is None:
+    resume, broken = load_newest(run.path)  # a checkpoint that fails to load: named, the older one used
+    for path, why in broken:
+        older = f"resuming from {resume.path}" if resume is not None else "no older complete one"
+        _say(f"checkpoint {path} cannot be loaded ({why}); moved aside; {older}")
+    if resume is None:
+        if broken:
+            raise RuntimeError(
+                f"train.resume=auto: no checkpoint of {run.path} loads (newest: {broken[0][0]})"
+            )
         result["meta"]["resumed_from"] = None
         return None
+    path = resume.path
     changes = check_resume_data(path, cfg)  # changed data: refused unless train.resume_on_changed_data
-    resume = load_checkpoint(path)
     result["meta"]["resumed_from"] = {"checkpoint": str(path), "next_step": resume.next_step}
+    if broken:
+        result["meta"]["resumed_from"]["skipped"] = [{"checkpoint": str(p), "why": w} for p, w in broken]
     earlier = list(resume.state.get("data_changes") or [])
     if changes or earlier:  # the opt-in's record: what changed, at which step (kept by later checkpoints)
         now = [{**c, "at_step": resume.next_step} for c in changes]
         result["meta"]["data_changed_on_resume"] = earlier + now
     return resume
+
+
+def _say(line: str) -> None:
+    """One line on stderr for the person watching a production run."""
+    import sys
+
+    print(f"vramsweep train: {line}", file=sys.stderr, flush=True)
 
 
 def _state_so_far(log: LossLog, metrics: Callable[[], dict], logger, result: dict) -> Callable[[], dict]:

@@ -171,7 +171,16 @@ def claim(run_dir: str | os.PathLike, resume: str) -> Claim:
                 os.close(fd)
         raise
     _record_holder(fd)
-    note = None if locked else f"{lock}: this filesystem has no flock; the folder is not locked"
+    if not locked:
+        return Claim(run_dir, fd=fd, note=f"{lock}: this filesystem has no flock; the folder is not locked")
+    from vramsweep.production.checkpoint import remove_dead_staging
+
+    gone = remove_dead_staging(run_dir)  # the lock is ours: every staging folder here is a dead writer's
+    note = (
+        f"removed {len(gone)} staging folder(s)/temporary file(s) of a dead run: {gone[0].name}"
+        if gone
+        else None
+    )
     return Claim(run_dir, fd=fd, note=note)
 
 

@@ -123,6 +123,8 @@ class ProductionJob:
         if own.complete:
             print(f"vramsweep: {complete_line(own)}", flush=True)
             return {"status": "ok", "reason": None, "result": self.result_path}
+        if own.note:
+            print(f"vramsweep: {own.note}", flush=True)
         try:
             res = run_trial(cfg, result_path=Path(self.result_path), overrides=self.overrides)
         finally:
