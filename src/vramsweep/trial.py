@@ -515,6 +515,13 @@ def _final_eval(result: dict, run_eval, eval_s: float) -> None:
         raise Diverged(f"final eval loss is {final.loss}")
 
 
+def _data_sources(cfg: DictConfig) -> dict:
+    """The hashes ``pick`` pinned beside the data paths checked; the sha256 of every data file (recorded in
+    the result and every checkpoint, docs/RUNS.md)."""
+    check_pinned(cfg)
+    return data_fingerprints(cfg)
+
+
 def _train_steps(
     cfg: DictConfig, result: dict, reporter: Reporter | None, logger, cuda_mon, run: RunFolder | None = None
 ) -> None:
@@ -522,8 +529,7 @@ def _train_steps(
     run folder, log the losses and save the adapter (docs/RUNS.md)."""
     m, meta, t = result["metrics"], result["meta"], cfg.train
     _seed_and_threads(t)
-    check_pinned(cfg)  # the hashes pick pinned beside the data paths
-    meta["data_sources"] = data_fingerprints(cfg)  # sha256 of every data file (docs/RUNS.md)
+    meta["data_sources"] = _data_sources(cfg)
     prep = prepare(cfg, result)
     model, device = prep.built.model, prep.built.device
 
@@ -552,6 +558,7 @@ def _train_steps(
     faults, grads, peak = _Faults(), _Grads(params), _PeakRecorder(optimizer, m.get(M.PEAK_MEMORY_BYTES))
     tracking = CpuMemoryTracking(tracker, tracked, peak)
     progress = _TrialProgress(steps, cfg, timing, peak, initial=start)
+    lines = _progress_lines(cfg, run, progress, timing, peak, start)  # no terminal: plain lines (a log)
     wandb_rows = [_WandbRows(logger, scheduler, timing, peak)] if logger is not None else []
     evals = _PeriodicEval(cfg, run_eval, timing, progress, logger, reporter, m.get(M.INTERMEDIATE_EVAL) or ())
     train_loss = _TrainLoss(timing)
@@ -564,7 +571,10 @@ def _train_steps(
         )
         if resume is not None:
             resume.restore_rng()  # last: nothing from here to the first resumed step draws a random number
-        fit(loop, [tracking, timing, faults, grads, progress, *wandb_rows, train_loss, evals, *outputs])
+        fit(
+            loop,
+            [tracking, timing, faults, grads, progress, *lines, *wandb_rows, train_loss, evals, *outputs],
+        )
         tracking.close()  # every step was a tracked one: keep the tracked peak anyway
     finally:
         progress.close()
@@ -576,6 +586,35 @@ def _train_steps(
     _final_eval(result, run_eval, eval_s)
     if run is not None and run.save_adapter:
         meta["outputs"] = save_outputs(run, cfg, model, prep.tokenizer, prep.built.id_map, prep.base_path)
+
+
+def _progress_lines(cfg: DictConfig, run, progress: _TrialProgress, timing: Timing, peak, start: int) -> list:
+    """A production run without a progress bar (its output is a log): :class:`ProgressLines`."""
+    if run is None or not run.production or progress.bar is not None:
+        return []
+    if os.environ.get("VRAMSWEEP_PROGRESS", "1") == "0":
+        return []
+    from vramsweep.production.progress import ProgressLines
+
+    def peak_bytes() -> int | None:
+        if progress.cuda:
+            import torch
+
+            return int(torch.cuda.max_memory_reserved())
+        return peak.bytes
+
+    t = cfg.train
+    every_steps, every_s = int(t.get("progress_every_steps", 0)), float(t.get("progress_every_s", 60))
+    return [
+        ProgressLines(
+            int(t.steps),
+            start,
+            every_steps=every_steps,
+            every_s=every_s,
+            tokens_per_s=timing.tokens_per_s,
+            peak_bytes=peak_bytes,
+        )
+    ]
 
 
 def _trial_loop(
@@ -697,6 +736,7 @@ def _resume_point(cfg: DictConfig, run: RunFolder | None, result: dict) -> Resum
     path = resume.path
     changes = check_resume_data(path, cfg)  # changed data: refused unless train.resume_on_changed_data
     result["meta"]["resumed_from"] = {"checkpoint": str(path), "next_step": resume.next_step}
+    _say(f"resumed from step {resume.next_step} of {int(cfg.train.steps)} (checkpoint {path})")
     if broken:
         result["meta"]["resumed_from"]["skipped"] = [{"checkpoint": str(p), "why": w} for p, w in broken]
     earlier = list(resume.state.get("data_changes") or [])

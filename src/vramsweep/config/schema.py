@@ -52,6 +52,8 @@ MEASUREMENT_KEYS = (
     "train.keep_checkpoints",
     "train.resume",
     "train.resume_on_changed_data",
+    "train.progress_every_steps",
+    "train.progress_every_s",
     "data.num_docs",
     "data.num_eval_docs",
 )
@@ -261,6 +263,9 @@ class TrainConfig:
     keep_checkpoints: int = 2  # the newest K complete checkpoints are kept
     resume: str = "never"  # never | auto (continue from the run folder's newest complete checkpoint)
     resume_on_changed_data: bool = False  # resume although a data file's sha256 changed (recorded)
+    # progress lines of a train run whose output is not a terminal (0: that rule off)
+    progress_every_steps: int = 0
+    progress_every_s: float = 60.0
 
 
 @dataclass

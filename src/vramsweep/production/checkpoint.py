@@ -38,6 +38,8 @@ COMPLETE = "COMPLETE"
 RESUME_FREE_KEYS = (
     "train.resume",
     "train.resume_on_changed_data",
+    "train.progress_every_steps",
+    "train.progress_every_s",
     "train.threads",
     "logger.mode",
     "logger.dir",
