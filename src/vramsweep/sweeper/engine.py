@@ -159,7 +159,8 @@ class Sweep:
                 wandb_summary.close()
         self.summary(time.perf_counter() - t0)
         checkpoint_wal(s.storage)
-        return 1 if state.abort.is_set() else 0
+        # an aborted sweep exits non-zero whatever stopped it (a reason set without the event included)
+        return 1 if state.abort.is_set() or state.abort_reason or state.interrupted else 0
 
     def _run_workers(self, pool: WorkerPool, n_threads: int) -> None:
         """``n_threads`` workers until every slot is done; Ctrl-C stops them (running trials re-enqueued)."""

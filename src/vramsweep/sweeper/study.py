@@ -42,6 +42,7 @@ from vramsweep.sweeper.storage import (
     FINGERPRINT,
     HEARTBEAT,
     JOB_LOST,
+    JOB_STOPPED,
     LOST,
     OWNER,
     RETRIES,
@@ -276,6 +277,7 @@ class StudyBook:
                     {"name": s.name, "design": s.design, "objectives": [o.metric for o in s.objectives]},
                 )
             self.reconcile()
+            self.stop_lost_jobs()  # every job the study recorded for a lost point, before it is retried
             self.requeue_lost_slots()
             self.edge = start_at_the_edge(self)  # sweep.edge_start: a new study only (then read back)
             added = top_up(self.study, self.plan.n_total, self._slot_attrs)
@@ -351,6 +353,39 @@ class StudyBook:
         """Keep a trial's launcher job in the study (a re-run stops it before retrying: :mod:`.orphans`)."""
         self.storage.set_trial_system_attr(spec.trial_id, JOB, record)
 
+    def stop_lost_jobs(self) -> None:
+        """Stop the launcher jobs of closed trials whose job was lost or cancelled (Ctrl-C, SIGTERM, a
+        controller that did not answer): a job still PENDING or RUNNING would run its point a second time
+        beside the retry. Each is asked once (then marked); one that cannot be stopped (the controller is
+        down) is a ConfigError: nothing runs until it can be. Call under the storage lock."""
+        from optuna.trial import TrialState
+
+        stuck = []
+        stopped = set(self.study.user_attrs.get(JOB_STOPPED) or [])  # a finished trial takes no attrs
+        for t in self.admin.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
+            rec = t.system_attrs.get(JOB)
+            if rec is None or not t.system_attrs.get(JOB_LOST) or t.number in stopped:
+                continue
+            running, why = stop_orphan(rec)
+            if why is not None:
+                stuck.append(f"trial {t.number:04d}'s job {rec.get('id')} ({why})")
+                continue
+            stopped.add(t.number)
+            self.study.set_user_attr(JOB_STOPPED, sorted(stopped))
+            if running:
+                self.say(
+                    f"vramsweep: trial {t.number:04d}'s launcher job {rec.get('id')} was still queued or "
+                    "running: stopped before its point is retried"
+                )
+        if stuck:
+            raise ConfigError(
+                f"the launcher jobs of {len(stuck)} lost trial(s) could not be stopped: "
+                f"{'; '.join(stuck[:3])}; retrying their points now would run them twice. Nothing was run: "
+                "re-run the same command "
+                "when the controller answers (or cancel the jobs by hand)",
+                key="hydra/launcher",
+            )
+
     def _adopt_job(self, t: Any) -> bool:
         """A stale trial's launcher job that may still run is stopped (and waited for) before the trial is
         reaped, so its point never runs twice; ``False`` when it could not be stopped (the trial stays)."""
@@ -381,6 +416,8 @@ class StudyBook:
         for tmp in self.trials_dir.glob(f".{t.number:04d}.json.*.tmp"):
             with contextlib.suppress(OSError):
                 tmp.unlink()
+        if data is not None and (data.get("meta") or {}).get("lost_job"):
+            data = None  # the interrupted sweeper's own placeholder (its job was not stopped): not a result
         if data is not None:
             outcome = Outcome.from_dict(data["meta"]["optuna"])
             self.tell(self.admin, trial, data, outcome)
