@@ -142,3 +142,18 @@ def test_the_interrupted_sweepers_own_placeholder_is_not_taken_for_a_result(tmp_
     study = optuna.load_study(study_name="jobs", storage=f"sqlite:///{plan.sweep_dir / 'study.db'}")
     done = [x.params["adapter.r"] for x in study.trials if x.state == TrialState.COMPLETE]
     assert sorted(done) == [4, 8]
+
+
+def test_a_sweep_that_prints_aborted_exits_non_zero(tmp_path, monkeypatch, capsys):
+    """Three of four aborted launcher sweeps exited 0 after printing ABORTED: the exit follows the reason."""
+    from vramsweep.sweeper.workers import WorkerPool
+
+    monkeypatch.setenv("VRAMSWEEP_FAKE", "{}")
+
+    def stops_without_the_event(self, idx):
+        self.state.abort_reason = "the launcher's controller stopped answering"
+
+    monkeypatch.setattr(WorkerPool, "run_worker", stops_without_the_event)
+    plan = plan_from_args([f"results_dir={tmp_path}", *ARGS])
+    assert Sweep(plan, runner=_Runner(False, plan.sweep_dir, [])).run() == 1
+    assert "ABORTED: the launcher's controller stopped answering" in capsys.readouterr().out
