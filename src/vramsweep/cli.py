@@ -27,6 +27,8 @@ from vramsweep.config.schema import CONFIG_GROUPS
 from vramsweep.estimate.cli import run_suggest
 from vramsweep.noise import DIGEST, quiet_terminal_warnings
 from vramsweep.preflight import check_named_options, preflight
+from vramsweep.production.fingerprint import check_data
+from vramsweep.production.owner import claim, complete_line
 from vramsweep.production.use import add_parsers
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.metrics import format_value, label, metric, title
@@ -311,8 +313,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _own_run_folder(cfg, overrides: list[str]):
     """The run folder, owned (:func:`vramsweep.production.owner.claim`: locked, a finished or stopped run
     not overwritten), or the exit code: 2 for a refusal, 0 when ``train.resume=auto`` finds it complete."""
-    from vramsweep.production.fingerprint import check_data
-    from vramsweep.production.owner import claim, complete_line
     from vramsweep.trial import default_result_path
 
     try:

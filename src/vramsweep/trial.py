@@ -57,6 +57,7 @@ from vramsweep.production.checkpoint import (
 from vramsweep.production.fingerprint import check_pinned, check_resume_data, data_fingerprints
 from vramsweep.production.length import apply_epochs
 from vramsweep.production.outputs import LossLog, RunFolder, run_folder_for, save_outputs, write_config
+from vramsweep.production.progress import ProgressLines
 from vramsweep.record.diskfull import disk_full_reason
 from vramsweep.record.failure import classify_exception
 from vramsweep.record.hostmem import HostMemoryError, process_rss
@@ -594,7 +595,6 @@ def _progress_lines(cfg: DictConfig, run, progress: _TrialProgress, timing: Timi
         return []
     if os.environ.get("VRAMSWEEP_PROGRESS", "1") == "0":
         return []
-    from vramsweep.production.progress import ProgressLines
 
     def peak_bytes() -> int | None:
         if progress.cuda:

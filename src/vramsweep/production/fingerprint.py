@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.errors import ConfigError
+from vramsweep.data.sources import source_sha256
 
 #: the config keys whose files a run's records come from (``data.chat_template``: only when a file)
 DATA_FILE_KEYS = ("data.path", "data.eval_path", "data.chat_template")
@@ -40,8 +41,6 @@ def _files(cfg: Any) -> dict[str, str]:
 
 def file_sha256(path: str) -> str | None:
     """sha256 of a file or folder (:func:`vramsweep.data.sources.source_sha256`); None when it is missing."""
-    from vramsweep.data.sources import source_sha256
-
     if not os.path.exists(path):
         return None
     return source_sha256(path)

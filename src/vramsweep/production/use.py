@@ -19,6 +19,7 @@ from typing import Any
 
 from vramsweep.config import compose
 from vramsweep.config.errors import error_line
+from vramsweep.data.prep import trial_data
 from vramsweep.production.layout import ADAPTER_DIR, MODEL_DIR, TOKENIZER_DIR, read_manifest
 
 
@@ -155,8 +156,6 @@ def held_out_ids(run: Path, tok: Any) -> list[list[int]]:
     """Token ids of up to :data:`CHECK_RECORDS` of the run's held-out examples (its ``config.yaml``'s data,
     through the tokenisation cache), each cut to :data:`CHECK_TOKENS`."""
     from omegaconf import OmegaConf
-
-    from vramsweep.data.prep import trial_data
 
     cfg = OmegaConf.load(run / "config.yaml")
     data = trial_data(cfg, tok)

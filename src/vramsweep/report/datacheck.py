@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from vramsweep.production.fingerprint import file_sha256
+
 KEYS = ("data.path", "data.eval_path")
 
 
@@ -53,8 +55,6 @@ def data_pins(trial: Any) -> tuple[dict[str, Any], list[str]]:
     """What ``pick`` pins for the winner's data: the absolute path (as the trial recorded it) and its hash
     (``data.path_sha256`` / ``data.eval_path_sha256``), with warnings for a file that changed or is missing
     since the sweep."""
-    from vramsweep.production.fingerprint import file_sha256
-
     cfg_data = (getattr(trial, "config", None) or {}).get("data") or {}
     meta = getattr(trial, "meta", None) or {}
     sources = meta.get("data_sources") if isinstance(meta.get("data_sources"), dict) else {}

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
+from vramsweep.preflight import sqlite_path
 from vramsweep.sweeper.settings import mask_url
 
 RESULT_NAME = re.compile(r"^(\d{4,})\.json$")
@@ -78,8 +79,6 @@ def check_owner(plan: Any) -> None:
 def _in_folder(storage: Any, sweep_dir: Any) -> str | None:
     """``<folder>/<file>`` when ``storage`` is a SQLite file inside ``sweep_dir`` (the sweep's own database,
     wherever the folder lies now), else None."""
-    from vramsweep.preflight import sqlite_path
-
     if not isinstance(storage, str) or not sweep_dir:
         return None
     path = sqlite_path(storage)

@@ -28,7 +28,9 @@ from omegaconf import OmegaConf
 
 from vramsweep.config.compose import ConfigError, compose
 from vramsweep.config.errors import error_line
+from vramsweep.production.fingerprint import check_data
 from vramsweep.production.layout import LOSS_LOG
+from vramsweep.production.owner import Claim, check_contents, claim, complete_line
 
 #: How many times a run that reaches its time limit is requeued when ``hydra.launcher.max_num_timeout`` is
 #: not given (hydra-submitit-launcher's own default, 0, would end a production run at its first limit).
@@ -111,8 +113,6 @@ class ProductionJob:
 
     def __call__(self) -> dict[str, Any]:
         from vramsweep.production.checkpoint import check_same_config
-        from vramsweep.production.fingerprint import check_data
-        from vramsweep.production.owner import claim, complete_line
         from vramsweep.trial import run_trial
 
         cfg = compose(self.overrides, rules="all")  # this machine's rules: the node's, not the login host's
@@ -149,7 +149,6 @@ class ProductionJob:
 
 def submit_run(overrides: list[str]) -> int:
     """``vramsweep train ... hydra/launcher=submitit_slurm``: check, submit one job, say where it is."""
-    from vramsweep.production.owner import Claim, check_contents, complete_line
     from vramsweep.trial import default_result_path
 
     name = launcher_choice(overrides)
