@@ -27,6 +27,8 @@ from vramsweep.config.schema import CONFIG_GROUPS
 from vramsweep.estimate.cli import run_suggest
 from vramsweep.noise import DIGEST, quiet_terminal_warnings
 from vramsweep.preflight import check_named_options, preflight
+from vramsweep.production.fingerprint import check_data
+from vramsweep.production.owner import claim, complete_line
 from vramsweep.production.use import add_parsers
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.metrics import format_value, label, metric, title
@@ -292,21 +294,44 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         print(OmegaConf.to_yaml(cfg))
         return 0
-    from vramsweep.trial import default_result_path, run_trial
+    from vramsweep.trial import run_trial
 
+    own = _own_run_folder(cfg, overrides)
+    if isinstance(own, int):
+        return own
+    path = own.run_dir / "result.json"
     try:
-        path = default_result_path(cfg, overrides)  # train.resume=auto refuses a changed config here
-    except ConfigError as exc:
-        return _err(str(exc))
-    try:  # the run folder made now: a name or folder that cannot be written fails before the training
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return _err(f"results_dir: cannot create the run folder {path.parent}: {exc.strerror or exc}")
-    DIGEST.use_log(Path(path).parent / "warnings.log")  # full texts of the harmless warnings shown once
-    res = run_trial(cfg, result_path=path, overrides=overrides)
+        DIGEST.use_log(Path(path).parent / "warnings.log")  # full texts of the harmless warnings shown once
+        res = run_trial(cfg, result_path=path, overrides=overrides)
+    finally:
+        own.release()
     print_result(res, path)
 
     return 0 if res["status"] == Status.OK else 1
+
+
+def _own_run_folder(cfg, overrides: list[str]):
+    """The run folder, owned (:func:`vramsweep.production.owner.claim`: locked, a finished or stopped run
+    not overwritten), or the exit code: 2 for a refusal, 0 when ``train.resume=auto`` finds it complete."""
+    from vramsweep.trial import default_result_path
+
+    try:
+        folder = default_result_path(cfg, overrides).parent  # resume=auto refuses a changed config here
+        check_data(cfg, folder)  # pinned hashes; resume=auto: the data the checkpoint recorded
+    except ConfigError as exc:
+        return _err(str(exc))
+    try:  # the run folder made now: a name or folder that cannot be written fails before the training
+        own = claim(folder, str(cfg.train.resume))
+    except ConfigError as exc:
+        return _err(str(exc))
+    except OSError as exc:
+        return _err(f"results_dir: cannot create the run folder {folder}: {exc.strerror or exc}")
+    if own.complete:
+        print(complete_line(own))
+        return 0
+    if own.note:
+        print(f"vramsweep train: note: {own.note}", file=sys.stderr)
+    return own
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:

@@ -56,12 +56,13 @@ from vramsweep.production.checkpoint import (
     Checkpointer,
     Resume,
     check_same_config,
-    latest_checkpoint,
-    load_checkpoint,
+    load_newest,
     saved_wandb_id,
 )
+from vramsweep.production.fingerprint import check_pinned, check_resume_data, data_fingerprints
 from vramsweep.production.length import apply_epochs
 from vramsweep.production.outputs import LossLog, RunFolder, run_folder_for, save_outputs, write_config
+from vramsweep.production.progress import ProgressLines
 from vramsweep.record.diskfull import disk_full_reason
 from vramsweep.record.failure import classify_exception
 from vramsweep.record.hostmem import HostMemoryError, process_rss
@@ -525,6 +526,13 @@ def _final_eval(result: dict, run_eval, eval_s: float) -> None:
         raise Diverged(f"final eval loss is {final.loss}")
 
 
+def _data_sources(cfg: DictConfig) -> dict:
+    """The hashes ``pick`` pinned beside the data paths checked; the sha256 of every data file (recorded in
+    the result and every checkpoint, docs/RUNS.md)."""
+    check_pinned(cfg)
+    return data_fingerprints(cfg)
+
+
 def _train_steps(
     cfg: DictConfig, result: dict, reporter: Reporter | None, logger, cuda_mon, run: RunFolder | None = None
 ) -> None:
@@ -532,6 +540,7 @@ def _train_steps(
     run folder, log the losses and save the adapter (docs/RUNS.md)."""
     m, meta, t = result["metrics"], result["meta"], cfg.train
     _seed_and_threads(t)
+    meta["data_sources"] = _data_sources(cfg)
     prep = prepare(cfg, result)
     model, device = prep.built.model, prep.built.device
 
@@ -545,15 +554,8 @@ def _train_steps(
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, meta["optimizer"] = build_optimizer(cfg, params)
-    model.train()
-    if cuda_mon is not None:
-        cuda_mon.phase("train")  # peak_memory_bytes = the training steps' reserved peak
-    steps, warm = int(t.steps), int(t.measure_warmup_steps)
-    tracker = TensorMemoryTracker(model, optimizer) if device.type == "cpu" and start == 0 else None
-    # Step 0 is always tracked on CPU (so there is a peak however measure_warmup_steps is set); timing
-    # starts after the tracked steps.
-    tracked = max(warm, 1) if tracker is not None else 0
-    timing = Timing(StepClock(cuda=device.type == "cuda"), timed_from=max(warm, tracked, start))
+    tracker, tracked, timing = _start_training(t, model, optimizer, device, cuda_mon, start)
+    steps = int(t.steps)
     liger_sync_point(cfg, model, timing.clock)
     scheduler = build_scheduler(cfg, optimizer)
     if resume is not None:
@@ -561,6 +563,7 @@ def _train_steps(
     faults, grads, peak = _Faults(), _Grads(params), _PeakRecorder(optimizer, m.get(M.PEAK_MEMORY_BYTES))
     tracking = CpuMemoryTracking(tracker, tracked, peak)
     progress = _TrialProgress(steps, cfg, timing, peak, initial=start)
+    lines = _progress_lines(cfg, run, progress, timing, peak, start)  # no terminal: plain lines (a log)
     wandb_rows = [_WandbRows(logger, scheduler, timing, peak)] if logger is not None else []
     evals = _PeriodicEval(cfg, run_eval, timing, progress, logger, reporter, m.get(M.INTERMEDIATE_EVAL) or ())
     train_loss = _TrainLoss(timing)
@@ -574,7 +577,10 @@ def _train_steps(
         )
         if resume is not None:
             resume.restore_rng()  # last: nothing from here to the first resumed step draws a random number
-        fit(loop, [tracking, timing, faults, grads, progress, *wandb_rows, train_loss, evals, *outputs])
+        fit(
+            loop,
+            [tracking, timing, faults, grads, progress, *lines, *wandb_rows, train_loss, evals, *outputs],
+        )
         tracking.close()  # every step was a tracked one: keep the tracked peak anyway
     finally:
         restore_sync()
@@ -587,6 +593,51 @@ def _train_steps(
     _final_eval(result, run_eval, eval_s)
     if run is not None and run.save_adapter:
         meta["outputs"] = save_outputs(run, cfg, model, prep.tokenizer, prep.built.id_map, prep.base_path)
+
+
+def _start_training(t: DictConfig, model, optimizer, device, cuda_mon, start: int) -> tuple:
+    """Train mode, the CUDA monitor's train phase, and the CPU tensor tracker (``None`` on CUDA or resuming),
+    how many steps it tracks, and the step timing. Step 0 is always tracked on CPU (so there is a peak however
+    ``measure_warmup_steps`` is set); timing starts after the tracked steps (and at the resumed step)."""
+    model.train()
+    if cuda_mon is not None:
+        cuda_mon.phase("train")  # peak_memory_bytes = the training steps' reserved peak
+    warm = int(t.measure_warmup_steps)
+    tracker = TensorMemoryTracker(model, optimizer) if device.type == "cpu" and start == 0 else None
+    tracked = max(warm, 1) if tracker is not None else 0
+    return (
+        tracker,
+        tracked,
+        Timing(StepClock(cuda=device.type == "cuda"), timed_from=max(warm, tracked, start)),
+    )
+
+
+def _progress_lines(cfg: DictConfig, run, progress: _TrialProgress, timing: Timing, peak, start: int) -> list:
+    """A production run without a progress bar (its output is a log): :class:`ProgressLines`."""
+    if run is None or not run.production or progress.bar is not None:
+        return []
+    if os.environ.get("VRAMSWEEP_PROGRESS", "1") == "0":
+        return []
+
+    def peak_bytes() -> int | None:
+        if progress.cuda:
+            import torch
+
+            return int(torch.cuda.max_memory_reserved())
+        return peak.bytes
+
+    t = cfg.train
+    every_steps, every_s = int(t.get("progress_every_steps", 0)), float(t.get("progress_every_s", 60))
+    return [
+        ProgressLines(
+            int(t.steps),
+            start,
+            every_steps=every_steps,
+            every_s=every_s,
+            tokens_per_s=timing.tokens_per_s,
+            peak_bytes=peak_bytes,
+        )
+    ]
 
 
 def _trial_loop(
@@ -691,7 +742,7 @@ def _run_outputs(
         int(t.save_every),
         int(t.keep_checkpoints),
         *trained,
-        _state_so_far(log, lambda: _with_figures(result["metrics"], owners), logger),
+        _state_so_far(log, lambda: _with_figures(result["metrics"], owners), logger, result),
         int(t.steps),
         stats=result["meta"].setdefault("checkpoints", {}),
     )
@@ -709,24 +760,51 @@ def _resume_point(cfg: DictConfig, run: RunFolder | None, result: dict) -> Resum
     """``train.resume=auto`` in a run folder with a complete checkpoint: that checkpoint, loaded."""
     if run is None or not run.production or str(cfg.train.resume) != "auto":
         return None
-    path = latest_checkpoint(run.path)
-    if path is None:
+    resume, broken = load_newest(run.path)  # a checkpoint that fails to load: named, the older one used
+    for path, why in broken:
+        older = f"resuming from {resume.path}" if resume is not None else "no older complete one"
+        _say(f"checkpoint {path} cannot be loaded ({why}); moved aside; {older}")
+    if resume is None:
+        if broken:
+            raise RuntimeError(
+                f"train.resume=auto: no checkpoint of {run.path} loads (newest: {broken[0][0]})"
+            )
         result["meta"]["resumed_from"] = None
         return None
-    resume = load_checkpoint(path)
+    path = resume.path
+    changes = check_resume_data(path, cfg)  # changed data: refused unless train.resume_on_changed_data
     result["meta"]["resumed_from"] = {"checkpoint": str(path), "next_step": resume.next_step}
+    _say(f"resumed from step {resume.next_step} of {int(cfg.train.steps)} (checkpoint {path})")
+    if broken:
+        result["meta"]["resumed_from"]["skipped"] = [{"checkpoint": str(p), "why": w} for p, w in broken]
+    earlier = list(resume.state.get("data_changes") or [])
+    if changes or earlier:  # the opt-in's record: what changed, at which step (kept by later checkpoints)
+        now = [{**c, "at_step": resume.next_step} for c in changes]
+        result["meta"]["data_changed_on_resume"] = earlier + now
     return resume
 
 
-def _state_so_far(log: LossLog, metrics: Callable[[], dict], logger) -> Callable[[], dict]:
-    """What a checkpoint keeps besides tensors: the loss rows, the metrics so far, the W&B run id."""
+def _say(line: str) -> None:
+    """One line on stderr for the person watching a production run."""
+    import sys
+
+    print(f"vramsweep train: {line}", file=sys.stderr, flush=True)
+
+
+def _state_so_far(log: LossLog, metrics: Callable[[], dict], logger, result: dict) -> Callable[[], dict]:
+    """What a checkpoint keeps besides tensors: the loss rows, the metrics so far, the W&B run id, the run's
+    config and its data fingerprints (a resume checks both against them, docs/RUNS.md)."""
 
     def state() -> dict:
         run_id = getattr(getattr(logger, "run", None), "id", None)
+        meta = result["meta"]
         return {
             "losses": list(log.rows),
             "metrics": json.loads(json.dumps(metrics(), default=str)),
             "wandb_run_id": run_id,
+            "config": result["config"],
+            "data": meta.get("data_sources"),
+            "data_changes": meta.get("data_changed_on_resume") or [],
         }
 
     return state

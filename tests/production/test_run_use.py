@@ -31,7 +31,7 @@ def _logits(model, tok) -> torch.Tensor:
         return model(input_ids=torch.tensor([tok(PROBE)["input_ids"]])).logits.float()
 
 
-def test_export_merge_is_a_plain_model_with_the_adapters_logits(run, tmp_path):
+def test_export_merge_is_a_plain_model_with_the_adapters_logits(run, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vramsweep.production.use import load_run_model
@@ -49,7 +49,20 @@ def test_export_merge_is_a_plain_model_with_the_adapters_logits(run, tmp_path):
     diff = (got - want).abs()
     assert diff.max().item() <= 0.25 and diff.mean().item() <= 0.02, (diff.max(), diff.mean())
     assert torch.equal(got.argmax(-1), want.argmax(-1))
-    assert json.loads((tmp_path / "merged" / "vramsweep_export.json").read_text())["merged"] is True
+    info = json.loads((tmp_path / "merged" / "vramsweep_export.json").read_text())
+    assert info["merged"] is True
+    check = info.get("merged_vs_trained")
+    if quant == "none":
+        assert check is None  # merged into the weights it was trained on: nothing to measure
+        return
+    # a QLoRA run: the merged bf16 model is not the trained one (fitted to NF4-rounded weights); measured
+    assert check["measured"] and check["records"] >= 1 and check["positions"] > 0, check
+    assert (
+        0 < check["mean_abs_logit_diff"] <= check["max_abs_logit_diff"]
+        and 0 <= check["argmax_agreement"] <= 1
+    )
+    said = capsys.readouterr().out
+    assert f"max |dlogit| {check['max_abs_logit_diff']:.3f}" in said, said
 
 
 def test_export_without_merge_copies_the_adapter_and_tokenizer(run, tmp_path, capsys):
@@ -85,3 +98,26 @@ def test_generate_and_export_refuse_a_folder_that_is_not_a_run(tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all("run.json is missing" in e for e in err), err
     assert err[0].startswith("vramsweep generate: error:") and err[1].startswith("vramsweep export: error:")
+
+
+def test_generate_puts_the_prompt_on_the_models_device(run, monkeypatch, capsys):
+    """A 4-bit base on CUDA lands on cuda:0 with no hooks that move inputs (transformers 5.x bnb path); the
+    prompt stayed on the CPU. Here the placement is faked: the model reports the ``meta`` device."""
+    from vramsweep.production import use
+
+    folder, _ = run
+    _, tok, man = use.load_run_model(folder)
+    seen = {}
+
+    class OnAnotherDevice:
+        device = torch.device("meta")
+
+        def generate(self, input_ids, attention_mask, **kw):
+            seen["ids"], seen["mask"] = input_ids.device, attention_mask.device
+            prompt = torch.zeros(input_ids.shape, dtype=torch.long)  # a meta tensor holds no values
+            return torch.cat([prompt, torch.tensor([[5, 6]])], dim=1)
+
+    monkeypatch.setattr(use, "load_run_model", lambda run, quantised=True: (OnAnotherDevice(), tok, man))
+    assert main(["generate", str(folder), "--prompt", PROBE, "--max-new-tokens", "2"]) == 0
+    assert seen == {"ids": torch.device("meta"), "mask": torch.device("meta")}
+    assert capsys.readouterr().out == tok.decode([5, 6], skip_special_tokens=True) + "\n"

@@ -216,3 +216,42 @@ def test_edge_start_false_is_todays_search(tmp_path, capsys):
     assert EDGE_ATTR not in study.user_attrs
     assert len(study.trials) == 2 and all(SLOT in t.system_attrs for t in study.trials)
     assert not any("fixed_params" in t.system_attrs or t.system_attrs.get(SCREENED) for t in study.trials)
+
+
+class _Killed(BaseException):
+    """Stands for kill -9: nothing after it runs in this process."""
+
+
+def test_an_edge_screen_cut_by_a_kill_completes_on_the_next_start_as_if_uncut(tmp_path, monkeypatch, capsys):
+    """Before: a kill during the screen left the unrecorded points never screened; they later took trial
+    slots an uninterrupted sweep would not give them."""
+    import vramsweep.sweeper.edge as edge
+
+    monkeypatch.setenv("VRAMSWEEP_FAKE", "{}")
+    assert _sweep(tmp_path / "whole", "ek", "hydra.sweeper.n_trials=3") == 0
+    real, calls = edge.record_screened, []
+
+    def dies_on_the_fourth(*a, **k):
+        calls.append(1)
+        if len(calls) == 4:
+            raise _Killed
+        return real(*a, **k)
+
+    monkeypatch.setattr(edge, "record_screened", dies_on_the_fourth)
+    with pytest.raises(_Killed):
+        _sweep(tmp_path / "cut", "ek", "hydra.sweeper.n_trials=3")
+    cut = _study(tmp_path / "cut", "ek")
+    assert sum(bool(t.system_attrs.get(SCREENED)) for t in cut.trials) == 3  # 3 of 8 recorded, then killed
+    monkeypatch.setattr(edge, "record_screened", real)
+    assert _sweep(tmp_path / "cut", "ek", "hydra.sweeper.n_trials=3") == 0
+    capsys.readouterr()
+
+    def trials(study):
+        return [(t.number, t.params, t.state, bool(t.system_attrs.get(SCREENED))) for t in study.trials]
+
+    whole, cut = _study(tmp_path / "whole", "ek"), _study(tmp_path / "cut", "ek")
+    assert trials(cut) == trials(whole)
+    assert sum(s for *_, s in trials(cut)) == 8
+    assert sorted(p.name for p in (tmp_path / "cut/sweeps/ek/trials").glob("*.json")) == sorted(
+        p.name for p in (tmp_path / "whole/sweeps/ek/trials").glob("*.json")
+    )

@@ -51,6 +51,9 @@ MEASUREMENT_KEYS = (
     "train.save_every",
     "train.keep_checkpoints",
     "train.resume",
+    "train.resume_on_changed_data",
+    "train.progress_every_steps",
+    "train.progress_every_s",
     "data.num_docs",
     "data.num_eval_docs",
 )
@@ -220,6 +223,9 @@ class DataConfig:
     # sectioned documents only: the instruction placed first in every prompt (may be "")
     instructions: str = "Write the next section of this grant report."
     packing: bool = False  # training examples packed into rows of context.max_tokens (data/packing.py)
+    # the sha256 the file must have (``vramsweep pick`` pins the sweep's); None: not checked
+    path_sha256: Optional[str] = None
+    eval_path_sha256: Optional[str] = None
 
 
 @dataclass
@@ -263,6 +269,10 @@ class TrainConfig:
     save_every: int = 0  # optimizer steps between checkpoints (0 = only on SIGTERM/SIGUSR1)
     keep_checkpoints: int = 2  # the newest K complete checkpoints are kept
     resume: str = "never"  # never | auto (continue from the run folder's newest complete checkpoint)
+    resume_on_changed_data: bool = False  # resume although a data file's sha256 changed (recorded)
+    # progress lines of a train run whose output is not a terminal (0: that rule off)
+    progress_every_steps: int = 0
+    progress_every_s: float = 60.0
 
 
 @dataclass

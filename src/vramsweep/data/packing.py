@@ -24,6 +24,7 @@ import bisect
 import random
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from vramsweep.data.examples import IGNORE_INDEX, Example
 

@@ -172,7 +172,8 @@ def mfu(
     row = device_peak(device_name)
     if row is None:
         info["reason"] = (
-            f"device {device_name!r} is not in the peak table (vramsweep.measure.flops.DEVICE_PEAKS)"
+            f"unknown peak FLOP/s: device {device_name!r} is not in the peak table "
+            "(vramsweep.measure.flops.DEVICE_PEAKS)"
         )
         return None, info
     info.update(peak_key=row.key, peak_flops=row.peak_flops, peak_note=row.note)
@@ -218,6 +219,7 @@ def trial_mfu(
     there is none), the convention, HFU (recompute included) beside MFU, and the causal-attention figures
     beside both. Null on CPU."""
     if cfg.hardware.device != "cuda":
+        meta[MetricName.MFU.value] = {"device": meta.get("device"), "reason": NO_CUDA_REASON}
         return None
     total = int(notes.get("total_params", 0))
     trainable = int(notes.get("trainable_params", 0))
@@ -263,6 +265,12 @@ def trial_mfu(
     meta[MetricName.MFU.value] = info  # meta.mfu: how the metric was computed
     return value
 
+
+#: ``meta.mfu.reason`` of a trial that did not run on a GPU (MFU is against a GPU's dense bf16 peak).
+NO_CUDA_REASON = (
+    "no CUDA device: MFU is model FLOP/s over a GPU's dense bf16 peak FLOP/s, and this trial ran on the CPU "
+    "(hardware.device=cpu)"
+)
 
 #: Stated in every trial's ``meta.mfu``.
 CONVENTION = (

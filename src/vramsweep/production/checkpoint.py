@@ -35,7 +35,15 @@ from vramsweep.loop import Callback
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 #: Keys that may differ between a run and its resumption (how it is launched, not what it trains).
-RESUME_FREE_KEYS = ("train.resume", "train.threads", "logger.mode", "logger.dir")
+RESUME_FREE_KEYS = (
+    "train.resume",
+    "train.resume_on_changed_data",
+    "train.progress_every_steps",
+    "train.progress_every_s",
+    "train.threads",
+    "logger.mode",
+    "logger.dir",
+)
 #: Test hook: seconds to sleep after every optimizer step of a production run (a run long enough to be
 #: signalled, requeued or timed out on a real cluster: tests/production/test_run_slurm.py).
 PAUSE_ENV = "VRAMSWEEP_STEP_PAUSE_S"
@@ -196,6 +204,43 @@ def load_checkpoint(path: Path) -> Resume:
     return Resume(path, int(state["next_step"]), state, tensors, torch_state)
 
 
+#: where a checkpoint that fails to load is moved (kept for inspection, never used or counted again)
+BROKEN_PREFIX = ".broken-"
+
+
+def load_newest(run_dir: Path) -> tuple[Resume | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint of ``run_dir`` that loads, and the newer ones that did not (each with
+    why). A broken one is moved to ``checkpoints/.broken-step-N`` so the run's new checkpoints are never
+    pruned as older than it."""
+    broken: list[tuple[Path, str]] = []
+    for path in reversed(checkpoint_dirs(Path(run_dir))):
+        try:
+            return load_checkpoint(path), broken
+        except Exception as exc:  # a torn or truncated file: safetensors, torch.load, json all differ
+            why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            aside = path.with_name(f"{BROKEN_PREFIX}{path.name}")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(path, aside)
+            broken.append((path, why))
+    return None, broken
+
+
+def remove_dead_staging(run_dir: Path) -> list[Path]:
+    """Remove the staging folders (``checkpoints/.staging-step-N-<pid>``) and temporary files of writers that
+    died; call only while holding the run folder's lock (no other writer is alive). Returns what went."""
+    gone = []
+    root = Path(run_dir) / CHECKPOINTS
+    stale = list(root.glob(".staging-step-*")) if root.is_dir() else []
+    stale += [p for p in Path(run_dir).glob(".*.tmp-*") if p.is_file()]
+    for p in stale:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        gone.append(p)
+    return gone
+
+
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(d, dict):
         out: dict[str, Any] = {}
@@ -205,13 +250,29 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: d}
 
 
+def _saved_config(run_dir: Path) -> tuple[Path, dict | None]:
+    """The run's own config: the one its newest complete checkpoint recorded (so deleting or editing
+    ``config.yaml`` changes nothing), else ``config.yaml``; None when neither is there."""
+    for ckpt in reversed(checkpoint_dirs(run_dir)):
+        try:
+            cfg = json.loads((ckpt / "state.json").read_text()).get("config")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(cfg, dict):
+            return ckpt / "state.json", cfg
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return path, None
+    return path, OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+
+
 def check_same_config(run_dir: Path, config: Any) -> None:
     """Refuse to resume ``run_dir`` with a config other than the one it started with (``ConfigError``
     naming the keys that differ; the launch-only keys :data:`RESUME_FREE_KEYS` may differ)."""
-    saved_path = Path(run_dir) / "config.yaml"
-    if not saved_path.is_file():
+    saved_path, saved_cfg = _saved_config(Path(run_dir))
+    if saved_cfg is None:
         return
-    saved = _flat(OmegaConf.to_container(OmegaConf.load(saved_path), resolve=True))
+    saved = _flat(saved_cfg)
     now = _flat(OmegaConf.to_container(OmegaConf.create(config), resolve=True))
     diff = sorted(
         k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in RESUME_FREE_KEYS
@@ -316,15 +377,19 @@ class Checkpointer(Callback):
         tmp = self.root / f".staging-step-{step + 1:08d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_file(trainable_state(self.model), str(tmp / "trainable.safetensors"))
-        torch.save(
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "rng": rng_states(),
-            },
-            tmp / "train_state.pt",
-        )
+        try:
+            save_file(trainable_state(self.model), str(tmp / "trainable.safetensors"))
+            torch.save(
+                {
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "rng": rng_states(),
+                },
+                tmp / "train_state.pt",
+            )
+        except BaseException:  # disk full, an error: the half-written folder does not keep the space
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         self.staged = (step, tmp)
 
     def _complete(self) -> None:
@@ -337,12 +402,16 @@ class Checkpointer(Callback):
         step, tmp = self.staged  # type: ignore[misc]
         self.staged = None
         state = {"next_step": step + 1, **self.state_so_far()}
-        (tmp / "state.json").write_text(json.dumps(state))
-        for name in ("trainable.safetensors", "train_state.pt", "state.json"):
-            _fsync_file(tmp / name)
-        (tmp / COMPLETE).write_text(f"step {step + 1}\n")
-        _fsync_file(tmp / COMPLETE)
-        _fsync_dir(tmp)
+        try:
+            (tmp / "state.json").write_text(json.dumps(state))
+            for name in ("trainable.safetensors", "train_state.pt", "state.json"):
+                _fsync_file(tmp / name)
+            (tmp / COMPLETE).write_text(f"step {step + 1}\n")
+            _fsync_file(tmp / COMPLETE)
+            _fsync_dir(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         final = self.root / f"step-{step + 1:08d}"
         if final.exists():
             shutil.rmtree(final)

@@ -98,6 +98,28 @@ class LossLog(Callback):
             f.write(json.dumps(row) + "\n")
 
 
+#: what run.json says of the embedded model (it is on no hub: the adapter's base folder is a local cache)
+EMBEDDED_NOTE = (
+    "vramsweep's embedded tiny model (src/vramsweep/embedded.py), built and cached on this machine; not on "
+    "any hub: on another machine `vramsweep train` (same vramsweep version) builds it again"
+)
+
+
+def base_entry(cfg: DictConfig, base_path: Any) -> dict[str, Any]:
+    """run.json's ``base``: the weights folder as an absolute, resolved path (``path``; what generate and
+    export load, from any folder) and as typed (``path_typed``); for the embedded model, what it is."""
+    typed = cfg.model.get("path")
+    entry: dict[str, Any] = {
+        "name": str(cfg.model.name),
+        "source": str(cfg.model.source),
+        "path": None if base_path is None else str(Path(os.path.expanduser(str(base_path))).resolve()),
+        "path_typed": None if typed is None else str(typed),
+    }
+    if str(cfg.model.source) == "embedded":
+        entry["what"] = EMBEDDED_NOTE
+    return entry
+
+
 def save_outputs(
     run: RunFolder, cfg: DictConfig, model: Any, tokenizer: Any, id_map: Any, base_path: Any
 ) -> dict[str, Any]:
@@ -106,9 +128,13 @@ def save_outputs(
     run.path.mkdir(parents=True, exist_ok=True)
     full = str(cfg.adapter.method) != "lora"
     weights = run.path / (MODEL_DIR if full else ADAPTER_DIR)
+    base = base_entry(cfg, base_path)
     if full:
         model.save_pretrained(str(weights))
     else:  # the adapter only: the embeddings are the base's (a sliced vocab keeps rows, it trains none)
+        for pc in getattr(model, "peft_config", {}).values():  # the folder as an absolute path, not as typed
+            if base["path"] is not None:
+                pc.base_model_name_or_path = base["path"]
         model.save_pretrained(str(weights), save_embedding_layers=False)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(run.path / TOKENIZER_DIR))
@@ -116,11 +142,7 @@ def save_outputs(
         id_map.save(run.path)
     manifest = {
         "schema": 1,
-        "base": {
-            "name": str(cfg.model.name),
-            "source": str(cfg.model.source),
-            "path": None if base_path is None else str(base_path),
-        },
+        "base": base,
         "adapter": str(cfg.adapter.method),
         "weights": weights.name,
         "vocab": str(cfg.vocab.mode),

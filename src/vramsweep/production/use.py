@@ -19,6 +19,7 @@ from typing import Any
 
 from vramsweep.config import compose
 from vramsweep.config.errors import error_line
+from vramsweep.data.prep import trial_data
 from vramsweep.production.layout import ADAPTER_DIR, MODEL_DIR, TOKENIZER_DIR, read_manifest
 
 
@@ -67,6 +68,17 @@ def load_run_model(run: str | Path, *, quantised: bool = True) -> tuple[Any, Any
     return PeftModel.from_pretrained(base, str(run / ADAPTER_DIR)).eval(), tok, man
 
 
+def model_device(model: Any) -> Any:
+    """Where the model's weights are (transformers 5.x places a 4-bit model on the current CUDA device and
+    attaches no hooks that would move the inputs: the caller must)."""
+    import torch
+
+    dev = getattr(model, "device", None)
+    if isinstance(dev, torch.device):
+        return dev
+    return next(model.parameters()).device
+
+
 def prompt_ids(tok: Any, prompt: str | None, messages: list[dict] | None) -> list[int]:
     """Token ids of the prompt: through the chat template when the tokenizer has one (a generation prompt
     appended), else the plain text."""
@@ -92,6 +104,7 @@ def generate(run: str | Path, prompt: str | None, messages: list[dict] | None, m
         x = torch.tensor([idm.encode(ids)])
     else:
         idm, x = None, torch.tensor([ids])
+    x = x.to(model_device(model))  # a 4-bit base lands on cuda:0 without hooks: the prompt goes there too
     with torch.no_grad():
         out = model.generate(
             input_ids=x,
@@ -100,7 +113,7 @@ def generate(run: str | Path, prompt: str | None, messages: list[dict] | None, m
             do_sample=False,
             pad_token_id=tok.pad_token_id,
         )
-    new = out[0, x.shape[1] :]
+    new = out[0, x.shape[1] :].cpu()
     if idm is not None:
         new = idm.new_to_old[new]
     return tok.decode(new.tolist(), skip_special_tokens=True)
@@ -128,8 +141,59 @@ def export(run: str | Path, out: str | Path, *, merge: bool) -> Path:
         model = model.merge_and_unload()
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
-    (out / "vramsweep_export.json").write_text(json.dumps({"run": str(run), "merged": True, **man}, indent=1))
+    info: dict[str, Any] = {"run": str(run.resolve()), "merged": True, **man}
+    if man["weights"] == ADAPTER_DIR and int(man["quant"]["bits"]) in (4, 8):
+        info["merged_vs_trained"] = merge_check(run, model)  # the adapter was fitted to quantised weights
+    (out / "vramsweep_export.json").write_text(json.dumps(info, indent=1))
     return out
+
+
+#: held-out records and tokens per record that :func:`merge_check` compares on
+CHECK_RECORDS, CHECK_TOKENS = 4, 128
+
+
+def held_out_ids(run: Path, tok: Any) -> list[list[int]]:
+    """Token ids of up to :data:`CHECK_RECORDS` of the run's held-out examples (its ``config.yaml``'s data,
+    through the tokenisation cache), each cut to :data:`CHECK_TOKENS`."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(run / "config.yaml")
+    data = trial_data(cfg, tok)
+    return [list(e.input_ids[:CHECK_TOKENS]) for e in data.eval[:CHECK_RECORDS]]
+
+
+def merge_check(run: Path, merged: Any) -> dict[str, Any]:
+    """Logits of the merged bf16 model against the model as trained (quantised base + adapter) on a few
+    held-out records: ``max_abs``/``mean_abs`` |Δlogit| and the share of positions whose argmax agrees.
+    The adapter was fitted to the quantised weights, so the merged model is not the trained one: this says
+    by how much (docs/RUNS.md)."""
+    import torch
+
+    trained, tok, _ = load_run_model(run)
+    try:
+        records = held_out_ids(run, tok)
+    except Exception as exc:  # no config.yaml, data moved: the check cannot run, say why
+        return {"measured": False, "reason": f"held-out records unavailable: {type(exc).__name__}: {exc}"}
+    dmax, dsum, n, agree = 0.0, 0.0, 0, 0
+    with torch.no_grad():
+        for ids in records:
+            a = merged(input_ids=torch.tensor([ids]).to(model_device(merged))).logits.float().cpu()
+            b = trained(input_ids=torch.tensor([ids]).to(model_device(trained))).logits.float().cpu()
+            d = (a - b).abs()
+            dmax, dsum, n = max(dmax, d.max().item()), dsum + d.sum().item(), n + d.numel()
+            agree += int((a.argmax(-1) == b.argmax(-1)).sum().item())
+    positions = sum(len(r) for r in records)
+    return {
+        "measured": True,
+        "records": len(records),
+        "positions": positions,
+        "max_abs_logit_diff": dmax,
+        "mean_abs_logit_diff": dsum / max(n, 1),
+        "argmax_agreement": agree / max(positions, 1),
+        "definition": "merged bf16 model vs quantised base + adapter as trained, on the run's first held-out "
+        f"records (at most {CHECK_RECORDS}, {CHECK_TOKENS} tokens each): |logit difference| and the share of "
+        "positions with the same argmax token",
+    }
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -166,6 +230,19 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(error_line("export", str(exc)), file=sys.stderr)
         return 2
     print(f"{'merged model' if args.merge else 'adapter'}: {out}")
+    check = (
+        json.loads((out / "vramsweep_export.json").read_text()).get("merged_vs_trained")
+        if args.merge
+        else None
+    )
+    if check and check.get("measured"):
+        print(
+            f"merged vs trained (quantised base + adapter) on {check['records']} held-out records: "
+            f"max |dlogit| {check['max_abs_logit_diff']:.3f}, mean {check['mean_abs_logit_diff']:.4f}, "
+            f"same argmax at {100 * check['argmax_agreement']:.1f} % of {check['positions']} positions"
+        )
+    elif check:
+        print(f"merged vs trained: not measured ({check['reason']})")
     return 0
 
 

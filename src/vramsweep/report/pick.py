@@ -685,6 +685,20 @@ def _pin_warnings(winner: TrialRecord, spec: Any) -> list[str]:
     return warnings
 
 
+def _pin_data(sweep: SweepData, winner: TrialRecord, spec: ExperimentSpec) -> list[str]:
+    """Pin the winner's data files by absolute path with their sha256 beside them (the production run
+    checks it); the warnings: data changed since the sweep, trials on different data."""
+    from vramsweep.report.datacheck import data_pins, mixed_data_note
+
+    pins, warnings = data_pins(winner)
+    for key, value in pins.items():
+        _set(spec.pinned, f"data.{key}", value)
+    spec.checked_keys = [k for k in spec.checked_keys if k.removeprefix("data.") not in pins]
+    if note := mixed_data_note(sweep.trials):
+        warnings.append(note)
+    return warnings
+
+
 def _pinned_header(
     command: str,
     sweep: SweepData,
@@ -874,7 +888,7 @@ def _pin_winner(
         spec = build_experiment(winner.rep, conf)
     except ReportError as exc:
         return _err(f"cannot pin trial {winner.number:04d}: {exc}")
-    warnings = _pin_warnings(winner.rep, spec)
+    warnings = _pin_warnings(winner.rep, spec) + _pin_data(sweep, winner.rep, spec)
     header = _pinned_header(command, sweep, winner, prefer, len(ranked), limit, min_tokens_per_s, name, conf)
     exp_path = conf / "experiment" / f"{name}.yaml"
     existed = exp_path.exists()

@@ -15,6 +15,7 @@ from pathlib import Path
 from vramsweep.config.errors import error_line
 from vramsweep.record.result import atomic_write_text
 from vramsweep.report.build import build_report, importance_table  # noqa: F401 - re-exported
+from vramsweep.report.datacheck import mixed_data_note
 from vramsweep.report.importance import Importances
 from vramsweep.report.load import ReportError, SweepData, load_sweep, safe_url
 from vramsweep.report.plots import make_plots
@@ -127,6 +128,9 @@ def run_report(
         print(error_line("report", f"cannot create output folder {out}: {exc}"), file=sys.stderr)
         return 2
     report = build_report(sweep)
+    if mixed := mixed_data_note(sweep.trials):  # a sweep resumed after its data file changed
+        print(f"vramsweep report: warning: {mixed}", file=sys.stderr)
+        report.notes.append(mixed)
     imps = report.importances if report.importances is not None else Importances()
     plots, plot_notes = make_plots(sweep, imps, out)
     report.notes += plot_notes

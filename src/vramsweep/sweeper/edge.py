@@ -292,11 +292,12 @@ def start_at_the_edge(book: Any) -> list[dict[str, Any]]:
     if not getattr(plan, "edge_start", False) or plan.points is not None:
         return []
     stored = study.user_attrs.get(EDGE_ATTR)
-    if stored is not None or study.get_trials(deepcopy=False):
-        return [dict(p) for p in (stored or {}).get("points") or []]
+    if stored is not None:
+        record_pending(book, stored)  # a screen a kill cut short ends now, as it would have
+        return [dict(p) for p in stored.get("points") or []]
+    if study.get_trials(deepcopy=False):
+        return []
     found = screen(plan.fixed, plan.dims, plan.seed)
-    for point, est, budget in found.infeasible:
-        record_screened(book, point, est, budget)
     info = {
         "points": found.edge,
         "screened": len(found.infeasible),
@@ -305,10 +306,26 @@ def start_at_the_edge(book: Any) -> list[dict[str, Any]]:
         "space": found.space if math.isfinite(found.space) else None,
         "seconds": round(found.seconds, 3),
         "note": found.note,
+        # what the screen records, kept first: a kill while it records resumes with the same points
+        "pending": [{"point": p, "estimate": e, "budget_gib": b} for p, e, b in found.infeasible],
     }
     study.set_user_attr(EDGE_ATTR, info)
+    record_pending(book, info)
     book.say(describe(info))
     return list(found.edge)
+
+
+def record_pending(book: Any, info: dict[str, Any]) -> None:
+    """Record the screen's points (``info["pending"]``) that the study does not hold yet, in order."""
+    pending = info.get("pending") or []
+    if not pending:
+        return
+    done = [t.params for t in book.study.get_trials(deepcopy=False) if t.system_attrs.get(SCREENED)]
+    for item in pending:
+        point = dict(item["point"])
+        if point in done:
+            continue
+        record_screened(book, point, item["estimate"], float(item["budget_gib"]))
 
 
 def describe(info: dict[str, Any]) -> str:

@@ -162,7 +162,8 @@ class Sweep:
                 wandb_summary.close()
         self.summary(time.perf_counter() - t0)
         checkpoint_wal(s.storage)
-        return 1 if state.abort.is_set() else 0
+        # an aborted sweep exits non-zero whatever stopped it (a reason set without the event included)
+        return 1 if state.abort.is_set() or state.abort_reason or state.interrupted else 0
 
     def seats(self) -> GpuSeats | None:
         """The GPUs' seats of this run (``None``: CPU, or trials run as launcher jobs elsewhere)."""

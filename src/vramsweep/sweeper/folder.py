@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
+from vramsweep.preflight import sqlite_path
 from vramsweep.sweeper.settings import mask_url
 
 RESULT_NAME = re.compile(r"^(\d{4,})\.json$")
@@ -63,6 +64,9 @@ def check_owner(plan: Any) -> None:
     ours = (plan.study_name, mask_url(plan.storage))
     if theirs == ours or None in theirs:
         return
+    here = (plan.study_name, _in_folder(plan.storage, plan.sweep_dir))
+    if (theirs[0], _in_folder(theirs[1], recorded.get("sweep_dir"))) == here and here[1] is not None:
+        return  # the folder's own database, recorded where the folder lay before it was copied or moved
     raise ConfigError(
         f"sweep folder {plan.sweep_dir} belongs to sweep '{recorded.get('name')}' (study "
         f"'{theirs[0]}' in {theirs[1]}); this is sweep '{plan.name}' (study '{ours[0]}' in {ours[1]}): a "
@@ -70,6 +74,17 @@ def check_owner(plan: Any) -> None:
         "out: <results_dir>/sweeps/<name>)",
         key="hydra.sweep.dir",
     )
+
+
+def _in_folder(storage: Any, sweep_dir: Any) -> str | None:
+    """``<folder>/<file>`` when ``storage`` is a SQLite file inside ``sweep_dir`` (the sweep's own database,
+    wherever the folder lies now), else None."""
+    if not isinstance(storage, str) or not sweep_dir:
+        return None
+    path = sqlite_path(storage)
+    if path is None or Path(os.path.abspath(path)).parent != Path(os.path.abspath(str(sweep_dir))):
+        return None
+    return f"<folder>/{path.name}"
 
 
 def result_numbers(trials_dir: Path) -> list[int]:

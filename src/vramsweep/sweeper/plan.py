@@ -17,6 +17,7 @@ from typing import Any
 
 from vramsweep.config.compose import ConfigError, compose
 from vramsweep.config.urls import mask_url
+from vramsweep.production.fingerprint import data_fingerprints
 from vramsweep.record.metrics import PRUNABLE_METRICS
 from vramsweep.sweeper.design import DesignPoint, build_design, design_choices
 from vramsweep.sweeper.gpus import Layout, Profile, plan_layout
@@ -94,6 +95,8 @@ class Plan:
     wandb: bool = False  # trials log to W&B: keep the sweep-summary run current as trials finish
     #: worker slots and GPU seats (:func:`.gpus.plan_layout`); ``None`` until :func:`plan_sweep` sets it
     layout: Layout | None = None
+    #: the base config's data files: ``{key: {path, sha256}}`` (a re-run on changed data is refused)
+    data_files: dict[str, Any] = field(default_factory=dict)
 
     def __getattr__(self, key: str) -> Any:
         """A ``hydra.sweeper.*`` key from ``conf``, or a ``sweep:`` key from ``sweep``."""
@@ -175,8 +178,12 @@ class Plan:
 
 
 #: Fixed overrides that do not change what a trial measures (not part of a sweep's identity).
-NOT_IDENTITY = ("results_dir", "sweep.name", "sweep.confirm")
+NOT_IDENTITY = ("results_dir", "sweep.name", "sweep.confirm", "train.resume_on_changed_data")
 IDENTITY = "vramsweep:identity"
+#: study attributes: the data files' sha256 as the study started (docs/RUNS.md "Changed data"), and the
+#: changes ``train.resume_on_changed_data=true`` let a re-run continue on
+DATA_ATTR = "vramsweep:data"
+DATA_CHANGES_ATTR = "vramsweep:data_changes"
 
 
 def sweep_identity(plan: Plan) -> dict[str, Any]:
@@ -391,6 +398,7 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
         n_total=int(n_total),
         base_seed=base_seed,
         wandb=wandb,
+        data_files=data_fingerprints(base),
     )
     return name_sweep(planned)
 

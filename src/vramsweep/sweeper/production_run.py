@@ -28,7 +28,9 @@ from omegaconf import OmegaConf
 
 from vramsweep.config.compose import ConfigError, compose
 from vramsweep.config.errors import error_line
+from vramsweep.production.fingerprint import check_data
 from vramsweep.production.layout import LOSS_LOG
+from vramsweep.production.owner import Claim, check_contents, claim, complete_line
 
 #: How many times a run that reaches its time limit is requeued when ``hydra.launcher.max_num_timeout`` is
 #: not given (hydra-submitit-launcher's own default, 0, would end a production run at its first limit).
@@ -116,7 +118,17 @@ class ProductionJob:
         cfg = compose(self.overrides, rules="all")  # this machine's rules: the node's, not the login host's
         run_dir = Path(self.result_path).parent
         check_same_config(run_dir, OmegaConf.to_container(cfg, resolve=True))
-        res = run_trial(cfg, result_path=Path(self.result_path), overrides=self.overrides)
+        check_data(cfg, run_dir)  # changed data is refused (train.resume_on_changed_data=true allows it)
+        own = claim(run_dir, str(cfg.train.resume))  # one owner; a finished run is complete: nothing to do
+        if own.complete:
+            print(f"vramsweep: {complete_line(own)}", flush=True)
+            return {"status": "ok", "reason": None, "result": self.result_path}
+        if own.note:
+            print(f"vramsweep: {own.note}", flush=True)
+        try:
+            res = run_trial(cfg, result_path=Path(self.result_path), overrides=self.overrides)
+        finally:
+            own.release()
         sig = ((res.get("meta") or {}).get("checkpoints") or {}).get("signal")
         why = f" ({res['reason']})" if res.get("reason") else ""
         print(f"vramsweep: run {res['status']}{why}", flush=True)
@@ -157,11 +169,17 @@ def submit_run(overrides: list[str]) -> int:
         # the folder as `train` would pick it here (a new one unless the user resumes); the node's own rules
         # (hardware) run in the job
         user = run_overrides(overrides)
-        result = default_result_path(compose(user, rules="config"), user).resolve()
+        cfg = compose(user, rules="config")
+        result = default_result_path(cfg, user).resolve()
+        # a finished or stopped run is not overwritten; resume=auto on a finished one: nothing to submit
+        done = check_contents(result.parent, str(cfg.train.resume))
         compose(mine, rules="config")
         params = launcher_params(overrides, result.parent)
     except ConfigError as exc:
         return _err(str(exc))
+    if done is not None:
+        print(complete_line(Claim(result.parent, complete=True, result=done)))
+        return 0
     try:
         result.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -54,6 +54,8 @@ LOST = "vramsweep:lost"  # the trial's worker died (or Ctrl-C stopped it): its p
 #: On a lost trial whose launcher job was lost (cancelled, preempted, node lost, not submitted): every run
 #: retries it again (up to ``retry_stale`` times within the run); the value says how it was lost.
 JOB_LOST = "vramsweep:job_lost"
+#: study attr: the lost trials whose recorded launcher job a re-run made sure is gone (each asked once)
+JOB_STOPPED = "vramsweep:job_stopped"
 
 _thread_lock = threading.RLock()
 _engines: dict[str, Any] = {}

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
+from vramsweep.production.fingerprint import changed_data, describe
 from vramsweep.record.result import atomic_write_json, write_result
 from vramsweep.record.status import Status
 from vramsweep.sweeper.design import design_choices
@@ -27,7 +28,7 @@ from vramsweep.sweeper.folder import check_evidence, check_owner, folder_lock, r
 from vramsweep.sweeper.launch import JOB
 from vramsweep.sweeper.orphans import stop_orphan
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY, DASHBOARD_CONSTRAINTS_KEY, Outcome, user_attrs
-from vramsweep.sweeper.plan import IDENTITY, NOT_IDENTITY, Plan, identity_diff
+from vramsweep.sweeper.plan import DATA_ATTR, DATA_CHANGES_ATTR, IDENTITY, NOT_IDENTITY, Plan, identity_diff
 from vramsweep.sweeper.samplers import make_pruner, make_sampler
 from vramsweep.sweeper.space import (
     merge_overrides,
@@ -41,6 +42,7 @@ from vramsweep.sweeper.storage import (
     FINGERPRINT,
     HEARTBEAT,
     JOB_LOST,
+    JOB_STOPPED,
     LOST,
     OWNER,
     RETRIES,
@@ -125,9 +127,8 @@ class StudyBook:
         point = self.plan.points[k]
         return {"fixed_params": dict(point.params)}, {"design": point.design}
 
-    def stored_identity(self) -> dict[str, Any] | None:
-        """The identity stored with this sweep's study, without creating storage or study (``None``: new)."""
-
+    def stored_attrs(self) -> dict[str, Any] | None:
+        """The study's user attributes, without creating storage or study (``None``: new)."""
         path = sqlite_path(self.plan.storage)
         if path is not None and not path.is_file():
             return None
@@ -137,7 +138,32 @@ class StudyBook:
                 study_id = storage.get_study_id_from_name(self.plan.study_name)
             except KeyError:
                 return None
-            attrs = storage.get_study_user_attrs(study_id)
+            return storage.get_study_user_attrs(study_id)
+
+    def check_data(self) -> None:
+        """A study resumed on data files whose sha256 changed since it started: a ConfigError (exit 2) naming
+        the file and both hashes, unless ``train.resume_on_changed_data=true`` is among the fixed overrides
+        (the change is then recorded in the study's ``vramsweep:data_changes``)."""
+        attrs = self.stored_attrs() or {}
+        if DATA_ATTR not in attrs:
+            return
+        self.data_changes = changed_data(attrs[DATA_ATTR], self.plan.data_files)
+        if not self.data_changes or "train.resume_on_changed_data=true" in self.plan.fixed:
+            return
+        raise ConfigError(
+            f"sweep '{self.plan.name}': the data changed since the study started: "
+            f"{describe(self.data_changes[0])}; the resumed trials would not be comparable with the finished "
+            "ones. Restore the file, or give this sweep a new name (sweep.name=<new>), or add "
+            "train.resume_on_changed_data=true to continue on the new data (recorded in the study)",
+            key="train.resume_on_changed_data",
+        )
+
+    def stored_identity(self) -> dict[str, Any] | None:
+        """The identity stored with this sweep's study, without creating storage or study (``None``: new)."""
+
+        attrs = self.stored_attrs()
+        if attrs is None:
+            return None
         ident = attrs.get(IDENTITY)
         if ident is None and FINGERPRINT in attrs:  # a study from before identities: compare what it kept
             fp = attrs[FINGERPRINT]
@@ -187,6 +213,7 @@ class StudyBook:
         check_owner(self.plan)
         on_disk = result_numbers(self.trials_dir)  # listed before the study is read (folder.py)
         self.check_identity()  # a different sweep under this name
+        self.check_data()  # the data files' sha256 as the study started
         if on_disk:
             check_evidence(self.plan, on_disk, self.known_numbers())
 
@@ -238,6 +265,12 @@ class StudyBook:
             pruner=optuna.pruners.NopPruner(),
         )
         with storage_lock(s.storage, s.study_name):
+            attrs = self.study.user_attrs
+            if DATA_ATTR not in attrs or getattr(self, "data_changes", None):
+                self.study.set_user_attr(DATA_ATTR, self.plan.data_files)
+                if getattr(self, "data_changes", None):  # train.resume_on_changed_data=true: recorded
+                    log = list(attrs.get(DATA_CHANGES_ATTR) or [])
+                    self.study.set_user_attr(DATA_CHANGES_ATTR, log + self.data_changes)
             if IDENTITY not in self.study.user_attrs:
                 self.study.set_user_attr(IDENTITY, self.plan.identity)
                 self.study.set_user_attr("vramsweep:sweep_id", self.plan.sweep_id)
@@ -246,6 +279,7 @@ class StudyBook:
                     {"name": s.name, "design": s.design, "objectives": [o.metric for o in s.objectives]},
                 )
             self.reconcile()
+            self.stop_lost_jobs()  # every job the study recorded for a lost point, before it is retried
             self.requeue_lost_slots()
             self.edge = start_at_the_edge(self)  # sweep.edge_start: a new study only (then read back)
             added = top_up(self.study, self.plan.n_total, self._slot_attrs)
@@ -321,6 +355,39 @@ class StudyBook:
         """Keep a trial's launcher job in the study (a re-run stops it before retrying: :mod:`.orphans`)."""
         self.storage.set_trial_system_attr(spec.trial_id, JOB, record)
 
+    def stop_lost_jobs(self) -> None:
+        """Stop the launcher jobs of closed trials whose job was lost or cancelled (Ctrl-C, SIGTERM, a
+        controller that did not answer): a job still PENDING or RUNNING would run its point a second time
+        beside the retry. Each is asked once (then marked); one that cannot be stopped (the controller is
+        down) is a ConfigError: nothing runs until it can be. Call under the storage lock."""
+        from optuna.trial import TrialState
+
+        stuck = []
+        stopped = set(self.study.user_attrs.get(JOB_STOPPED) or [])  # a finished trial takes no attrs
+        for t in self.admin.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
+            rec = t.system_attrs.get(JOB)
+            if rec is None or not t.system_attrs.get(JOB_LOST) or t.number in stopped:
+                continue
+            running, why = stop_orphan(rec)
+            if why is not None:
+                stuck.append(f"trial {t.number:04d}'s job {rec.get('id')} ({why})")
+                continue
+            stopped.add(t.number)
+            self.study.set_user_attr(JOB_STOPPED, sorted(stopped))
+            if running:
+                self.say(
+                    f"vramsweep: trial {t.number:04d}'s launcher job {rec.get('id')} was still queued or "
+                    "running: stopped before its point is retried"
+                )
+        if stuck:
+            raise ConfigError(
+                f"the launcher jobs of {len(stuck)} lost trial(s) could not be stopped: "
+                f"{'; '.join(stuck[:3])}; retrying their points now would run them twice. Nothing was run: "
+                "re-run the same command "
+                "when the controller answers (or cancel the jobs by hand)",
+                key="hydra/launcher",
+            )
+
     def _adopt_job(self, t: Any) -> bool:
         """A stale trial's launcher job that may still run is stopped (and waited for) before the trial is
         reaped, so its point never runs twice; ``False`` when it could not be stopped (the trial stays)."""
@@ -351,6 +418,8 @@ class StudyBook:
         for tmp in self.trials_dir.glob(f".{t.number:04d}.json.*.tmp"):
             with contextlib.suppress(OSError):
                 tmp.unlink()
+        if data is not None and (data.get("meta") or {}).get("lost_job"):
+            data = None  # the interrupted sweeper's own placeholder (its job was not stopped): not a result
         if data is not None:
             outcome = Outcome.from_dict(data["meta"]["optuna"])
             self.tell(self.admin, trial, data, outcome)

@@ -1,0 +1,110 @@
+"""Data fingerprints of a production run (docs/RUNS.md "Changed data"): every checkpoint records the sha256 of
+the data files; a resume on changed data exits 2 naming the file and both hashes, nothing written; the opt-in
+``train.resume_on_changed_data=true`` continues and records the change; a hash pinned beside the path is
+checked; the resume's config check reads the checkpoint's own config (deleting ``config.yaml`` skips nothing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from _run_folders import folder_hash
+from conftest import FAST
+from vramsweep.cli import main
+from vramsweep.data.chatset import generate_chats
+from vramsweep.production.checkpoint import latest_checkpoint
+
+pytestmark = pytest.mark.usefixtures("embedded_model_dir")
+
+
+def _write(path: Path, chats: list[dict]) -> str:
+    path.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _args(run: Path, data: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        *(o for o in FAST if not o.startswith("data.num_")),  # the records are the file's
+        "data=jsonl",
+        f"data.path={data}",
+        f"results_dir={run.parent}",
+        f"train.output_dir={run}",
+        "train.save_every=2",
+        *extra,
+    ]
+
+
+@pytest.fixture
+def stopped(tmp_path, monkeypatch) -> tuple[Path, Path, str]:
+    """A run on a JSONL file stopped after step 2 (its checkpoint), then the file edited in place."""
+    data = tmp_path / "chats.jsonl"
+    old = _write(data, generate_chats(12, 7))
+    run = tmp_path / "run"
+    monkeypatch.setenv("VRAMSWEEP_FAULT", "error@3")
+    assert main(_args(run, data)) == 1
+    monkeypatch.delenv("VRAMSWEEP_FAULT")
+    ckpt = latest_checkpoint(run)
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["data"] == {"data.path": {"path": str(data.resolve()), "sha256": old}}
+    result = json.loads((run / "result.json").read_text())
+    assert result["meta"]["data_sources"]["data.path"]["sha256"] == old
+    return run, data, old
+
+
+def test_resume_on_changed_data_exits_2_naming_the_file_and_both_hashes(stopped, capsys):
+    """Before: steps 1-2 on the old records and 3-4 on the new, status ok, one adapter."""
+    run, data, old = stopped
+    new = _write(data, generate_chats(12, 8))
+    before = folder_hash(run)
+    capsys.readouterr()
+    assert main(_args(run, data, "train.resume=auto")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("vramsweep train: error:"), err
+    assert f"data.path={data.resolve()}" in err[0] and old[:16] in err[0] and new[:16] in err[0]
+    assert "train.resume_on_changed_data=true" in err[0]
+    assert folder_hash(run) == before
+
+    # the explicit opt-in continues on the new data and says so in the result
+    assert main(_args(run, data, "train.resume=auto", "train.resume_on_changed_data=true")) == 0
+    res = json.loads((run / "result.json").read_text())
+    assert res["meta"]["resumed_from"]["next_step"] == 2
+    [change] = res["meta"]["data_changed_on_resume"]
+    assert change == {"key": "data.path", "path": str(data.resolve()), "was": old, "now": new, "at_step": 2}
+    assert res["meta"]["data_sources"]["data.path"]["sha256"] == new
+    state = json.loads((latest_checkpoint(run) / "state.json").read_text())
+    assert state["data"]["data.path"]["sha256"] == new and state["data_changes"] == [change]
+
+
+def test_resume_on_the_same_data_continues(stopped):
+    run, data, _ = stopped
+    assert main(_args(run, data, "train.resume=auto")) == 0
+    res = json.loads((run / "result.json").read_text())
+    assert res["status"] == "ok" and "data_changed_on_resume" not in res["meta"]
+
+
+def test_the_config_check_does_not_depend_on_config_yaml(stopped, capsys):
+    """Before: deleting config.yaml skipped the resume's config check."""
+    run, data, _ = stopped
+    (run / "config.yaml").unlink()
+    before = folder_hash(run)
+    capsys.readouterr()
+    assert main(_args(run, data, "train.resume=auto", "train.lr=0.01")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "train.lr" in err and "state.json" in err, err
+    assert folder_hash(run) == before
+
+
+def test_a_pinned_hash_is_checked_before_anything_is_written(tmp_path, capsys):
+    data = tmp_path / "chats.jsonl"
+    sha = _write(data, generate_chats(12, 7))
+    run = tmp_path / "run"
+    _write(data, generate_chats(12, 9))  # the file changed since the sweep that pinned it
+    assert main(_args(run, data, f"data.path_sha256={sha}")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.path_sha256" in err[0] and sha[:16] in err[0], err
+    assert not run.exists()
