@@ -111,6 +111,9 @@ class Resume:
             for n, t in self.tensors.items():
                 params[n].copy_(t)
         optimizer.load_state_dict(self.torch_state["optimizer"])
+        master = getattr(optimizer, "fp32_master", None)  # adapter.dtype=compute: fp32 masters
+        if master is not None:
+            master.restore(optimizer)
         scheduler.load_state_dict(self.torch_state["scheduler"])
 
     def restore_rng(self) -> None:
