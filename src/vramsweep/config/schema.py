@@ -249,6 +249,7 @@ class TrainConfig:
     eval_batches: int = 4
     measure_warmup_steps: int = 2  # excluded from tokens/s
     threads: int = 0  # torch CPU threads; 0 = torch default
+    deterministic: bool = False  # CUDA: deterministic kernels + cuBLAS workspace (vramsweep.determinism)
     # Production run (docs/RUNS.md): length over the data, outputs, checkpoints, resume.
     epochs: float = 0.0  # > 0: run length in passes over the training examples (replaces steps)
     save_adapter: str = "auto"  # auto (a train run saves, a sweep trial does not) | always | never
