@@ -144,3 +144,45 @@ def test_resume_puts_saved_fp32_masters_into_the_masters_the_optimizer_steps(opt
         p.grad = torch.ones_like(p)
         o.step()
     assert torch.equal(m2, m) and torch.equal(fresh.w, w)
+
+
+def test_resume_puts_paged_optimizer_state_back_into_unified_memory(monkeypatch):
+    """bitsandbytes' load_state_dict leaves a paged optimizer's state as ordinary tensors, which its next
+    step moves to the device: a resumed paged run held its state in device memory. Resume.apply re-pages
+    it (CUDA path, dispatched here on CPU: a stand-in for unified memory and for the CUDA test)."""
+    import bitsandbytes.functional as F
+
+    from vramsweep.knobs import optim
+    from vramsweep.production.checkpoint import Resume
+
+    made = []
+
+    def get_paged(*shape, dtype=torch.float32, device=None):
+        buf = torch.zeros(shape, dtype=dtype)
+        buf.is_paged = True
+        made.append(buf)
+        return buf
+
+    w, opt = _steps(["optimizer=paged_adamw_8bit"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    saved = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+    fresh = torch.nn.Module()
+    fresh.w = torch.nn.Parameter(torch.ones(32, 32, dtype=torch.bfloat16))
+    cfg = compose(
+        ["adapter.dtype=compute", f"train.lr={LR}", "train.schedule=constant", "optimizer=paged_adamw_8bit"]
+    )
+    opt2, _ = build_optimizer(cfg, [fresh.w])
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0)
+    monkeypatch.setattr(F, "get_paged", get_paged)
+    monkeypatch.setattr(optim, "_pages_on_device", lambda p: True)  # as for a CUDA param of >= 1e5 elements
+    Resume(None, 40, {}, {"w": w.detach().clone()}, saved).apply(fresh, opt2, sched2)
+    (_, m), (_, m2) = opt.fp32_master.pairs[0], opt2.fp32_master.pairs[0]
+    st, st2 = opt.state[m], opt2.state[m2]
+    assert len(made) == 2 and st2["state1"] is made[0] and st2["state2"] is made[1]
+    assert [id(b) for b in opt2.page_mng.paged_tensors[-2:]] == [id(b) for b in made]
+    assert torch.equal(st2["state1"], st["state1"]) and torch.equal(st2["state2"], st["state2"])
+    assert st2["state1"].dtype == torch.uint8
+    monkeypatch.setattr(optim, "_pages_on_device", lambda p: False)  # CPU (or a small tensor): left alone
+    opt3, _ = build_optimizer(cfg, [torch.nn.Parameter(torch.ones(32, 32, dtype=torch.bfloat16))])
+    opt3.load_state_dict(saved["optimizer"])
+    assert optim.repage_loaded_state(opt3) == 0 and len(made) == 2
