@@ -133,43 +133,6 @@ def build_optimizer(cfg: DictConfig, params: list[torch.nn.Parameter]) -> tuple[
     return opt, notes
 
 
-def _pages_on_device(p: torch.Tensor) -> bool:
-    """Whether bitsandbytes pages ``p``'s state (``Optimizer8bit.get_state_buffer``: a CUDA param of at
-    least 1e5 elements)."""
-    return p.device.type == "cuda" and p.numel() >= 1e5
-
-
-def repage_loaded_state(opt: torch.optim.Optimizer) -> int:
-    """After ``opt.load_state_dict`` (a resumed run) of a paged bitsandbytes optimizer: put the state
-    buffers it pages (``state1``/``state2``) back into CUDA unified memory; returns how many it moved.
-
-    bitsandbytes 0.50 ``Optimizer8bit.load_state_dict`` keeps the loaded state as ordinary tensors (the
-    checkpoint is read onto the CPU) and its next step's ``to_gpu`` moves every non-paged state tensor to
-    the device: a resumed paged run then held its optimizer state in device memory, under PyTorch's
-    allocator and cap, where the uninterrupted run had it paged. The copy is exact (same dtype and bytes);
-    the buffers are registered with the optimizer's page manager as ``get_state_buffer`` does."""
-    if not getattr(opt, "is_paged", False):
-        return 0
-    import bitsandbytes.functional as F
-
-    moved = 0
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state.get(p)
-            if not st or not _pages_on_device(p):
-                continue
-            for key in ("state1", "state2"):
-                v = st.get(key)
-                if v is None or getattr(v, "is_paged", False):
-                    continue
-                buf = F.get_paged(*v.shape, dtype=v.dtype, device=p.device)
-                buf.copy_(v)
-                opt.page_mng.paged_tensors.append(buf)
-                st[key] = buf
-                moved += 1
-    return moved
-
-
 def wants_fp32_master(cfg: DictConfig) -> bool:
     """LoRA adapters in a 16-bit compute dtype (``adapter.dtype=compute``) with ``adapter.fp32_master``."""
     a = cfg.adapter

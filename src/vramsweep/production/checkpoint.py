@@ -103,8 +103,6 @@ class Resume:
         """Put the checkpoint's weights, optimizer and scheduler state into the freshly built ones."""
         import torch
 
-        from vramsweep.knobs.optim import repage_loaded_state
-
         params = dict(model.named_parameters())
         missing = sorted(set(self.tensors) - set(params))
         if missing:
@@ -113,7 +111,6 @@ class Resume:
             for n, t in self.tensors.items():
                 params[n].copy_(t)
         optimizer.load_state_dict(self.torch_state["optimizer"])
-        repage_loaded_state(optimizer)  # paged bitsandbytes state back into unified memory (CUDA)
         master = getattr(optimizer, "fp32_master", None)  # adapter.dtype=compute: fp32 masters
         if master is not None:
             master.restore(optimizer)
