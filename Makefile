@@ -89,8 +89,9 @@ test-py312: ## torch-free tests on Python 3.12 (venv .venv-py312 without torch; 
 	! $(VENV312)/bin/python -c 'import torch' 2>/dev/null; \
 	$(VENV312)/bin/pytest -q -m 'torchfree and not slow and not gpu'
 
-bench: $(STAMP) ## overhead + sweep-efficiency benchmarks (prints measured ratios)
+bench: $(STAMP) ## overhead, thread-count and sweep-efficiency benchmarks (prints measured ratios with spreads)
 	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/threads.py
 	$(BIN)/python bench/sweep_efficiency.py
 
 unsloth: $(STAMP) ## optional: unsloth 2026.10.9 without its CUDA-pulling pins (imports and trains on CPU too)

@@ -4,12 +4,13 @@ TRL 1.15's SFTTrainer patches a Triton fused LM head that cannot run on CPU; the
 a plain-torch function with the same outputs (log-probs, entropy, top-1 accuracy from the full logits).
 
 All three train the same config (default: embedded tiny Qwen3, bf16, LoRA r16 all-linear, sdpa,
-micro-batch 2, context 512) on the same pre-built batches, alternating in fresh subprocesses
-(``--rounds`` times), so machine load hits all of them alike. Printed: tokens/s per engine per round,
-the median ratios vs the minimal loop, and the tracked peak memory ratio (ours vs minimal loop, same
-tracker, same warm-up steps).
+micro-batch 2, context 512) on the same pre-built batches, each in a fresh subprocess with its torch
+threads pinned (``--threads``, default 1: the same count in every arm, whatever the machine's load), the
+engines' order rotated every round (``bench/_arms.py``) so a drift in load hits each alike. Printed:
+tokens/s per engine per round, each ratio vs the minimal loop as the median of the per-round ratios with
+their min-max, and the tracked peak memory ratio (ours vs minimal loop, same tracker, same warm-up steps).
 
-Run:  python bench/overhead.py [--steps 20] [--rounds 2] [overrides ...]
+Run:  python bench/overhead.py [--steps 20] [--rounds 4] [--threads 1] [overrides ...]
 Goal: ours >= 0.95x the minimal loop's tokens/s and <= 1.02x its peak memory.
 """
 
@@ -18,10 +19,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import sys
 import time
 
+from _arms import child_env, order, paired_ratios, pin_torch, spread
 from _child import emit, run_child
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -38,7 +39,9 @@ def _cfg(overrides):
 def run_ours(overrides, steps):
     from vramsweep.trial import run_trial
 
-    cfg = _cfg([*overrides, f"train.steps={steps}", "logger=none"])
+    threads = os.environ.get("OMP_NUM_THREADS")
+    pinned = [f"train.threads={threads}"] if threads else []
+    cfg = _cfg([*overrides, f"train.steps={steps}", "logger=none", *pinned])
     res = run_trial(cfg)
     assert res["status"] == "ok", res["reason"]
     m = res["metrics"]
@@ -187,43 +190,54 @@ ENGINES = {"ours": run_ours, "minimal": run_minimal, "trl": run_trl}
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads in every arm (default 1)")
     ap.add_argument("--engines", default="ours,minimal,trl")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     if a.child:
+        pin_torch(a.threads)
         emit(ENGINES[a.child](a.overrides, a.steps))
         return 0
     engines = a.engines.split(",")
-    res: dict[str, list[dict]] = {e: [] for e in engines}
+    res: dict[str, list[dict | None]] = {e: [None] * a.rounds for e in engines}
     for rnd in range(a.rounds):
-        for e in engines:
-            r, p = run_child([sys.executable, __file__, "--child", e, "--steps", str(a.steps), *a.overrides])
+        for e in order(engines, rnd):
+            argv = [
+                sys.executable,
+                __file__,
+                "--child",
+                e,
+                "--steps",
+                str(a.steps),
+                "--threads",
+                str(a.threads),
+            ]
+            r, p = run_child([*argv, *a.overrides], env=child_env(a.threads))
             if p.returncode or r is None:
                 print(f"[round {rnd}] {e}: FAILED\n{p.stderr[-2000:]}")
                 continue
-            res[e].append(r)
+            res[e][rnd] = r
             print(
                 f"[round {rnd}] {e:8s} {r['tokens_per_s']:8.1f} tokens/s  peak {r['peak'] / 2**20 if r['peak'] else float('nan'):7.1f} MiB",
                 flush=True,
             )
-    import torch
-
     print(
-        f"\nconfig: defaults {' '.join(a.overrides)}; steps {a.steps}; device cpu, torch threads {torch.get_num_threads()}"
+        f"\nconfig: defaults {' '.join(a.overrides)}; steps {a.steps}; device cpu, torch threads {a.threads} "
+        f"in every arm (pinned), arm order rotated per round; load average {os.getloadavg()[0]:.2f} at the end"
     )
-    base = res.get("minimal")
-    if base:
-        b_tps = statistics.median(r["tokens_per_s"] for r in base)
-        b_peak = statistics.median(r["peak"] for r in base)
+    if "minimal" in res:
+
+        def col(e: str, key: str) -> list:
+            return [r[key] if r else None for r in res[e]]
+
         for e in engines:
-            if e == "minimal" or not res[e]:
+            if e == "minimal":
                 continue
-            ratio = statistics.median(r["tokens_per_s"] for r in res[e]) / b_tps
-            line = f"{e}/minimal tokens/s ratio: {ratio:.3f}"
-            if res[e][0]["peak"]:
-                line += f"   peak memory ratio: {statistics.median(r['peak'] for r in res[e]) / b_peak:.3f}"
+            line = f"{e}/minimal tokens/s: {spread(paired_ratios(col(e, 'tokens_per_s'), col('minimal', 'tokens_per_s')))}"
+            if any(r and r["peak"] for r in res[e]):
+                line += f"   peak memory: {spread(paired_ratios(col(e, 'peak'), col('minimal', 'peak')))}"
             print(line)
     return 0
 

@@ -35,10 +35,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+#: The host's waits for the device in ``meta.step_phases_s`` (vramsweep.measure.steps)
+_WAITS = ("sync_wait", "loss_sync", "backward_sync", "optimizer_sync", "h2d_sync")
+
+
 def host_device_split(phases: dict | None) -> dict | None:
     """Host vs device per step from ``meta.step_phases_s``: ``host_s`` = the host's own work (issuing
     h2d/forward/backward/optimizer + the loop's ``other``), ``wait_s`` = the host waiting for the device
-    (``sync_wait`` at the loss read + ``loss_sync``, the wait at Liger's in-forward ``.item()``),
+    (``sync_wait`` at the loss read + ``loss_sync``, the wait at Liger's in-forward ``.item()``, +
+    ``backward_sync``, ``optimizer_sync``, ``h2d_sync``: Liger's backward ``torch.equal``, bitsandbytes'
+    per-parameter ``torch.cuda.synchronize``),
     ``host_share`` = host_s / step; on CUDA ``device_s`` = the GPU's seconds per step from CUDA events
     (``device_s.step``, first to last event of a step) and ``device_phases`` its split by phase (None on CPU).
     A host share near 1 with device seconds well under the step = a host-bound step (Python/launch
@@ -50,7 +56,7 @@ def host_device_split(phases: dict | None) -> dict | None:
     device = phases.get("device_s") or None
     return {
         "host_s": host,
-        "wait_s": float(phases.get("sync_wait") or 0.0) + float(phases.get("loss_sync") or 0.0),
+        "wait_s": sum(float(phases.get(k) or 0.0) for k in _WAITS),
         "step_s": step,
         "host_share": host / step,
         "device_s": float(device["step"]) if device else None,

@@ -25,9 +25,16 @@ SQLite study, our outcome rules).
   of these overrides (the tiny model); the fake trial's memory is its own surrogate, so the estimator
   is as wrong here as it is about any landscape it did not measure.
 
-Printed: the ratio search / grid per seed and arm, the medians, and how many configs are within
-``--tol`` of the best (the more there are, the easier luck finds one). Goals: TPE <= 0.2 and <= half of
-random; the edge arm <= half of random's median and below TPE's.
+Landscapes (``--landscapes``, fake trials; ``tests/fakes.py`` ``LANDSCAPES``): ``rank_helps`` (a higher
+rank lowers the loss: the best feasible config is the highest-memory one, where the edge start begins),
+``rank_hurts`` (the best is not the highest-memory one) and ``unrelated`` (memory and quality unrelated).
+Each landscape runs its own grid and every arm over ``--seeds`` seeds (default 10).
+
+Printed: the ratio search / grid per seed and arm, per landscape the median ratio with its min-max over the
+seeds, and how many configs are within ``--tol`` of the best (the more there are, the easier luck finds
+one). Goals: TPE <= 0.2 and <= half of random; the edge arm <= half of random's median and below TPE's.
+The pre-flight arm is the screen at slot time without the edge start's first points; the edge arm adds
+the screen before the first trial and the start (the two are not yet separable settings).
 
 Trial-seconds come from each trial's ``meta.wall_s``. Two trial functions:
 
@@ -38,7 +45,8 @@ Trial-seconds come from each trial's ``meta.wall_s``. Two trial functions:
 * ``--trial real``: the real tiny-model trial (``vramsweep.trial``) with very few steps (``--steps``,
   default 10) on CPU and its measured wall time: ~48 x 20-60 s for the grid alone on 2 cores.
 
-Run:  python bench/sweep_efficiency.py [--trial fake|real] [--seeds 5] [--tol 0.005] [--arms tpe,random,preflight,edge]
+Run:  python bench/sweep_efficiency.py [--trial fake|real] [--seeds 10] [--tol 0.005] [--arms tpe,random,preflight,edge]
+        [--landscapes rank_helps,rank_hurts,unrelated]
 """
 
 from __future__ import annotations
@@ -107,7 +115,12 @@ def _run(args: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trial", choices=["fake", "real"], default="fake")
-    ap.add_argument("--seeds", type=int, default=5, help="search-arm repetitions (TPE seeds)")
+    ap.add_argument("--seeds", type=int, default=10, help="search-arm repetitions (TPE seeds)")
+    ap.add_argument(
+        "--landscapes",
+        default="rank_helps,rank_hurts,unrelated",
+        help="fake landscapes (tests/fakes.py LANDSCAPES); real trials have one",
+    )
     ap.add_argument(
         "--tol", type=float, default=0.005, help="relative tolerance: 'within noise' of the grid best"
     )
@@ -157,41 +170,67 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if budget:
         common.append(f"hardware.budget_gib={budget}")
-    os.environ["VRAMSWEEP_FAKE"] = json.dumps(env_fake)
-
+    shapes = args.landscapes.split(",") if args.trial == "fake" else ["real"]
+    summary = {}
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(args.workdir or tmp).resolve()
-        # ---- grid arm
-        _run(
-            [
-                *common,
-                f"results_dir={root}",
-                "hydra.sweeper.sampler=grid",
-                "hydra.sweeper.pruner=none",
-                "hydra.sweeper.study_name=grid",
-            ]
-        )
-        grid = _trials(root, "grid")
-        assert len(grid) == N_POINTS, len(grid)
-        grid_cost = args.grid_cost = sum(_cost(r) for r in grid)
-        feasible = [(v, r) for r in grid if (v := _feasible_value(r)) is not None]
-        best_v, best_r = min(feasible, key=lambda x: x[0])
-        target = best_v + abs(best_v) * args.tol
-        near = sum(v <= target for v, _ in feasible)
-        print(
-            f"grid: {N_POINTS} trials, {grid_cost:.1f} trial-s; {len(feasible)} feasible; best eval_loss "
-            f"{best_v:.4f} ({' '.join(best_r['overrides'][-4:])}); {near} config(s) within {args.tol:.1%}"
-        )
-
-        # ---- search arms: our defaults (TPE), and random search with the same pruning as the baseline
-        arms = {a: ARMS[a] for a in args.arms.split(",")}
-        rows: dict[str, list[dict]] = {}
-        for arm, sampler in arms.items():
-            rows[arm] = []
-            for seed in range(args.seeds):
-                rows[arm].append(_search_arm(root, common, arm, sampler, seed, target, args))
-    _report(args, rows, near, budget, grid_cost, best_v)
+        for shape in shapes:
+            if args.trial == "fake":
+                os.environ["VRAMSWEEP_FAKE"] = json.dumps({**env_fake, "landscape": shape})
+            root = Path(args.workdir or tmp).resolve() / shape
+            print(f"=== landscape {shape}", flush=True)
+            summary[shape] = _landscape(args, common, root, budget)
+    _print_summary(summary, args)
     return 0
+
+
+def _print_summary(summary: dict[str, dict], args) -> None:
+    """Per landscape and arm: the median ratio to the grid with its min-max over the seeds."""
+    from _arms import spread
+
+    print(
+        f"\nsummary ({args.trial} trials, {args.seeds} seeds; ratio = trial-seconds to a config within "
+        f"{args.tol:.1%} of the grid's best / the grid's trial-seconds; median [min-max]):"
+    )
+    for shape, s in summary.items():
+        print(f"  {shape} ({s['near']} configs within tolerance):")
+        for arm, rs in s["rows"].items():
+            ratios = [r["ratio"] for r in rs]
+            print(f"    {ARM_NAMES[arm]:15s} {spread(ratios, 'seed')}")
+
+
+def _landscape(args, common: list[str], root: Path, budget: float) -> dict:
+    """One landscape: the grid, then every search arm over the seeds; written to ``args.out``."""
+    # ---- grid arm
+    _run(
+        [
+            *common,
+            f"results_dir={root}",
+            "hydra.sweeper.sampler=grid",
+            "hydra.sweeper.pruner=none",
+            "hydra.sweeper.study_name=grid",
+        ]
+    )
+    grid = _trials(root, "grid")
+    assert len(grid) == N_POINTS, len(grid)
+    grid_cost = args.grid_cost = sum(_cost(r) for r in grid)
+    feasible = [(v, r) for r in grid if (v := _feasible_value(r)) is not None]
+    best_v, best_r = min(feasible, key=lambda x: x[0])
+    target = best_v + abs(best_v) * args.tol
+    near = sum(v <= target for v, _ in feasible)
+    print(
+        f"grid: {N_POINTS} trials, {grid_cost:.1f} trial-s; {len(feasible)} feasible; best eval_loss "
+        f"{best_v:.4f} ({' '.join(best_r['overrides'][-4:])}); {near} config(s) within {args.tol:.1%}"
+    )
+
+    # ---- search arms: our defaults (TPE), and random search with the same pruning as the baseline
+    arms = {a: ARMS[a] for a in args.arms.split(",")}
+    rows: dict[str, list[dict]] = {}
+    for arm, sampler in arms.items():
+        rows[arm] = []
+        for seed in range(args.seeds):
+            rows[arm].append(_search_arm(root, common, arm, sampler, seed, target, args))
+    _report(args, rows, near, budget, grid_cost, best_v, root.name)
+    return {"rows": rows, "near": near}
 
 
 def _search_arm(
@@ -246,7 +285,7 @@ def _search_arm(
 
 
 def _report(
-    args, rows: dict[str, list[dict]], near: int, budget: float, grid_cost: float, best_v: float
+    args, rows: dict[str, list[dict]], near: int, budget: float, grid_cost: float, best_v: float, shape: str
 ) -> None:
     med = {arm: statistics.median(r["ratio"] for r in rs) for arm, rs in rows.items()}
     # a uniformly random order without repeats reaches one of `near` good configs among N after
@@ -263,11 +302,13 @@ def _report(
             "today's TPE's (goal: <= 0.5x random's, < 1x TPE's)"
         )
     out = Path(args.out)
+    out = out.with_name(f"{out.stem}_{shape}{out.suffix}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
             {
                 "trial": args.trial,
+                "landscape": shape,
                 "space": SPACE,
                 "n_points": N_POINTS,
                 "budget_gib": budget,

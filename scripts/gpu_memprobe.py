@@ -36,6 +36,9 @@ def probe_row(result: dict, tokens: int | None, alloc_stats: dict | None, wall_s
         "num_alloc_retries": None if alloc_stats is None else alloc_stats.get("num_alloc_retries"),
         "pool_bytes": (meta.get("host_memory") or {}).get("pool_bytes"),
         "estimate_bytes": est.get("peak_memory_bytes"),
+        "estimate_required_bytes": est.get("required_bytes"),  # what must fit under the cap (the OOM line)
+        # what the build installed (offload, mlp_tiles, attention_heads, ...): the stack that really ran
+        "knobs": sorted((meta.get("build") or {}).get("knobs") or {}),
         "tokens_per_s": m.get("tokens_per_s"),
         "wall_s": round(wall_s, 2),
         "reason": reason[0][:200] if reason else "",

@@ -129,6 +129,14 @@ UNPROVEN = ("kernels=unsloth", "checkpointing=offload", "tiling=")
 #: adapters: 45,056 (the estimate said 41,134), then 49,152 or 40,960 (opt-in: --only ...,memprobe_fp32).
 PROBE_COMPUTE_TOKENS = (57344, 61440, 53248)
 PROBE_FP32_TOKENS = (45056, 49152, 40960)
+#: Issue 53: the seed's stack with attention in 4 head groups (tiling.attention_heads=4) and paged 8-bit
+#: AdamW, compute adapters with fp32 masters, ascending, stopping at the first OOM; the estimate beside each
+#: point (predicted max 79,382 with paged 8-bit + groups; the vocabulary slice needs a corpus, and the
+#: probe's random-init architecture has none: not in the probe). Opt-in: --only memprobe_grouped.
+PROBE_GROUPED_TOKENS = (57344, 65536, 73728)
+PROBE_GROUPED = ["optimizer=paged_adamw_8bit", "tiling.attention_heads=4"]
+#: The dry run's tiny model has 2 kv heads: 2 groups.
+DRY_PROBE_GROUPED = ["optimizer=paged_adamw_8bit", "tiling.attention_heads=2"]
 PROBE_BASE = [o for o in LONG_BASELINE if not o.startswith(("adapter.dtype", "context.max_tokens"))]
 #: Qwen3-8B's own positions (config.json: max_position_embeddings); a longer probe adds Qwen's documented
 #: YaRN (factor 4 over original_max_position_embeddings=32,768). Without it every probe past 40,960 tokens was
@@ -167,7 +175,7 @@ SNAPSHOT_MARGIN = 1.25
 #: Phases run only when named in --only: with 2026-12-04's measured costs the issue's whole list is ~850 s, so
 #: the default plan (one call, <= 540 s) is the verification and the compute-adapter boundary, and a second
 #: call (`--only memprobe_fp32,snapshot,step_time`) takes these.
-OPT_IN = ("memprobe_fp32", "snapshot", "step_time")
+OPT_IN = ("memprobe_fp32", "memprobe_grouped", "packing_bf16", "snapshot", "step_time")
 
 
 def step_s(tokens: int) -> float:
@@ -207,6 +215,7 @@ def plan(
     only: tuple[str, ...] | None = None,
     compute_tokens: tuple[int, ...] = PROBE_COMPUTE_TOKENS,
     fp32_tokens: tuple[int, ...] = PROBE_FP32_TOKENS,
+    grouped_tokens: tuple[int, ...] = PROBE_GROUPED_TOKENS,
 ) -> list[Phase]:
     """The smoke's phases, in run order, and their caps (``scale`` = budget / :data:`DEFAULT_BUDGET_S`). Each
     phase is stopped at its cap; a point it did not reach is "not run"; a failed phase never stops the next."""
@@ -222,9 +231,13 @@ def plan(
               "(21.7 s on a warm H200, > 27 s cold)"),
         Phase("batching", BATCH_S, "scripts/gpu_batch_check.py: token-weighted accumulation + packing == one batch "
               "(23.8 s to its verdict on a cold H200)"),
+        Phase("packing_bf16", BATCH_S, "scripts/gpu_batch_check.py --dtype bf16: packed == unpacked and 2 head "
+              "groups == one call in bf16 (tolerance 2e-2), the packed step's attention kernel names (batching's cap)"),
         Phase("memprobe", compute, f"Qwen3-8B, 15 GiB cap, compute adapters at {_lengths(compute_tokens)} in that order, "
               f"none past an OOM or below a fit; {slot}"),
         Phase("memprobe_fp32", fp32, f"the same, fp32 adapters at {_lengths(fp32_tokens)}"),
+        Phase("memprobe_grouped", probe_cap_s(grouped_tokens), "the same + paged 8-bit AdamW + attention in 4 head "
+              f"groups, compute adapters at {_lengths(grouped_tokens)}, ascending, stopping at the first OOM"),
         Phase("trial", trial_cost_s(max(compute_tokens), TRIAL_STEPS), f"a real trial ({TRIAL_STEPS} steps) at the "
               f"longest length that fitted (sized at {max(compute_tokens):,}; also takes the plan's slack)"),
         Phase("snapshot", SNAPSHOT_MARGIN * trial_cost_s(max(compute_tokens), PROBE_STEPS),
@@ -862,10 +875,13 @@ class Smoke:
         print(f"gpu_smoke: [{phase}] cap {cap_s:.0f} s: {' '.join(cmd[1:3])}", flush=True)
         return run_logged(cmd, cap_s, self.log)
 
-    def overrides(self, tokens: int, dtype: str, steps: int) -> list[str]:
-        """A memory-probe / real-trial point: the long-context stack on Qwen3-8B under the 15 GiB cap."""
+    def overrides(self, tokens: int, dtype: str, steps: int, phase: str = "memprobe") -> list[str]:
+        """A memory-probe / real-trial point: the long-context stack on Qwen3-8B under the 15 GiB cap
+        (``memprobe_grouped``: + paged 8-bit AdamW and attention in head groups)."""
         model = DRY_PROBE if self.dry else ["model=qwen3_8b", "hardware=rtx4080_16gb"]
         base = [*PROBE_BASE, *DRY_KERNELS] if self.dry else PROBE_BASE
+        if phase == "memprobe_grouped":
+            base = [*base, *(DRY_PROBE_GROUPED if self.dry else PROBE_GROUPED)]
         rope = PROBE_ROPE if not self.dry and tokens > QWEN3_8B_POSITIONS else []
         return [*model, *base, *rope, f"adapter.dtype={dtype}", f"context.max_tokens={tokens}",
                 f"train.steps={steps}", "train.warmup_steps=0", f"train.measure_warmup_steps={steps - 1}",
@@ -926,7 +942,7 @@ def probe_point(sm: Smoke, phase: str, tokens: int, dtype: str, steps: int, cap_
     base = {"phase": phase, "tokens": tokens, "adapter": dtype}
     if cap_s < 5.0:
         return {**base, "status": NOT_RUN, "reason": "no time left in the phase's cap"}
-    cmd = [sm.python, str(ROOT / "scripts" / "gpu_memprobe.py"), *sm.overrides(tokens, dtype, steps)]
+    cmd = [sm.python, str(ROOT / "scripts" / "gpu_memprobe.py"), *sm.overrides(tokens, dtype, steps, phase)]
     rc, to, text = sm.run(phase, cmd, cap_s)
     row = next((json.loads(x[6:]) for x in reversed(text.splitlines()) if x.startswith("PROBE ")), None)
     if row is None:
@@ -1038,8 +1054,8 @@ def phase_step_time(sm: Smoke) -> None:
         )
 
 
-ALL_PHASES = ("bundle", "env", "fork", "exact", "batching", "memprobe", "memprobe_fp32", "trial", "snapshot",
-              "step_time", "report")  # fmt: skip
+ALL_PHASES = ("bundle", "env", "fork", "exact", "batching", "packing_bf16", "memprobe", "memprobe_fp32",
+              "memprobe_grouped", "trial", "snapshot", "step_time", "report")  # fmt: skip
 
 
 def _tokens(text: str | None) -> tuple[int, ...]:
@@ -1117,8 +1133,10 @@ def main(argv: list[str] | None = None) -> int:
         ["--tokens", "64", "--tile", "16"] if sm.dry else [],
     )
     run("batching", phase_check, "batching", "gpu_batch_check.py", [])
+    run("packing_bf16", phase_check, "packing_bf16", "gpu_batch_check.py", ["--dtype", "bf16"])
     run("memprobe", phase_memprobe, "memprobe", tokens["compute_tokens"], "compute")
     run("memprobe_fp32", phase_memprobe, "memprobe_fp32", tokens["fp32_tokens"], "fp32")
+    run("memprobe_grouped", phase_memprobe, "memprobe_grouped", PROBE_GROUPED_TOKENS, "compute")
     run("trial", phase_trial)
     run("snapshot", phase_snapshot)
     run("step_time", phase_step_time)

@@ -204,6 +204,9 @@ CONFIG_BAD = [
     (["hardware=rtx4080_16gb"], "hardware", "cpu"),
     (["optimizer.kwargs.betas=[0.9,1.5]"], "optimizer.kwargs.betas", "[0, 1)"),
     (["vocab=sliced", "model=qwen3_8b"], "vocab", "full"),
+    (["vocab=sliced", "vocab.rows=1000"], "vocab.rows", "only sizes an estimate"),
+    (["vocab.rows=1000"], "vocab.rows", "vocab=sliced"),
+    (["tiling.attention_heads=3"], "tiling.attention_heads", "num_kv_heads"),
     (["data=jsonl", "data.path=/nonexistent.jsonl"], "data.path", ".jsonl"),
     (["train.dtype=true"], "train.dtype", "bf16"),
 ]

@@ -27,6 +27,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# train.dtype=auto is bf16 on a CPU with native bf16, else fp32: the suite's figures assume bf16 everywhere.
+os.environ.setdefault("VRAMSWEEP_CPU_BF16", "native")
 # The suite composes from the packaged conf only (a developer's own conf dir must not change results).
 os.environ.pop("VRAMSWEEP_CONFIG_DIR", None)
 # A suite started in the background by a non-interactive shell inherits SIGINT ignored (POSIX), and Python

@@ -20,6 +20,10 @@ Faults and timing come from the ``VRAMSWEEP_FAKE`` environment variable (JSON), 
 * ``sleep_s``: real seconds per trial (spread over the steps); ``marker_dir``: the trial touches
   ``<dir>/start-<n>`` when it starts and ``<dir>/end-<n>`` when it returns.
 * ``step_s``: *simulated* seconds per step at the reference config (reported as ``meta.wall_s``).
+* ``landscape``: how quality relates to memory (:data:`LANDSCAPES`): ``rank_helps`` (the default: a higher
+  rank lowers the loss, so the best feasible config is the highest-memory one), ``rank_hurts`` (a higher rank
+  raises it: the best is not the highest-memory one), ``unrelated`` (loss from the learning rate and a
+  per-config draw only: memory and quality unrelated).
 """
 
 from __future__ import annotations
@@ -100,8 +104,24 @@ def _noise(knobs: dict[str, str], scale: float) -> float:
     return (h - 0.5) * 2 * scale
 
 
+#: The fake's quality landscapes (``VRAMSWEEP_FAKE={"landscape": ...}``): rank's and precision's loss terms.
+LANDSCAPES = ("rank_helps", "rank_hurts", "unrelated")
+
+
+def _quality_terms(shape: str, r: float, bits: int) -> float:
+    """The loss terms of rank and precision on landscape ``shape``."""
+    if shape == "rank_hurts":
+        return 0.02 * math.log2(max(r, 1)) + (0.03 if bits < 8 else 0.0)
+    if shape == "unrelated":
+        return 0.0
+    if shape != "rank_helps":
+        raise ValueError(f"landscape={shape!r} (allowed: {', '.join(LANDSCAPES)})")
+    return 0.25 / math.sqrt(r) + (0.03 if bits < 8 else 0.0)
+
+
 def landscape(knobs: dict[str, str]) -> dict[str, float]:
     """Deterministic metrics of a config (the fake's ground truth)."""
+    shape = str(_env().get("landscape", "rank_helps"))
     quant = _group(knobs, "quant")
     bits = BITS.get(quant, 16)
     r = _num(knobs, "adapter.r")
@@ -122,14 +142,8 @@ def landscape(knobs: dict[str, str]) -> dict[str, float]:
     peak = params_b + grads_b + opt_b + act_b + logits_b
     # loss: best lr ~ 1e-3 (log-quadratic), rank helps a little, 4-bit costs a little, adafactor worse
     lr_term = 0.35 * (math.log10(max(lr, 1e-8)) + 3.0) ** 2
-    loss = (
-        2.0
-        + lr_term
-        + 0.25 / math.sqrt(r)
-        + (0.03 if bits < 8 else 0.0)
-        + (0.05 if opt == "adafactor" else 0.0)
-    )
-    loss += _noise(knobs, 0.004)
+    loss = 2.0 + lr_term + _quality_terms(shape, r, bits) + (0.05 if opt == "adafactor" else 0.0)
+    loss += _noise(knobs, 0.05 if shape == "unrelated" else 0.004)
     if adapter == "rslora":
         loss -= 0.02 * math.log2(max(r, 1) / 8 + 1)
     tok_s = 700.0 * (16 / bits if bits >= 8 else 0.65) * (0.75 if ckpt else 1.0) / (1 + r / 512)
@@ -256,6 +270,7 @@ def fake_trial(
         "wall_s": (sim * truth["step_time_s"] / 1.46 * ran) if sim else None,
         "steps_run": ran,
         "fake": True,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # the GPU the sweeper gave it
     }
     _touch(env, "end", trial)
     return res

@@ -1,4 +1,4 @@
-"""``vramsweep`` command line: train | estimate | report | pick.
+"""``vramsweep`` command line: train | estimate | data | report | pick (and generate, export, env).
 
 Overrides are ordinary Hydra overrides (``quant=nf4 adapter.r=64``). Bad input exits 2 with a message
 naming the override and the allowed values, and writes nothing.
@@ -77,7 +77,7 @@ def _err(msg: str, verb: str = "train") -> int:
     return 2
 
 
-VERBS = ("train", "estimate", "report", "pick", "generate", "export", "env")
+VERBS = ("train", "estimate", "data", "report", "pick", "generate", "export", "env")
 
 
 def _close(word: str, options: list[str]) -> str:
@@ -327,6 +327,16 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return run_estimate(list(args.overrides), as_json=args.json, max_context=args.max_context)
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    """``vramsweep data``: the records as the trial sees them (:mod:`vramsweep.dataview`)."""
+    try:  # torch (the examples' tensors) and the tokenizer stay off the CLI's import
+        from vramsweep.dataview import run_data
+    except ImportError as exc:
+        return _err(f"data is not available: {exc}", "data")
+
+    return run_data(list(args.overrides), records=args.records, as_json=args.json)
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     try:
         from vramsweep.report import run_report
@@ -373,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="{" + ",".join(VERBS) + "}")
     _add_train_parser(sub, groups)
     _add_estimate_parser(sub)
+    _add_data_parser(sub)
     _add_report_parser(sub)
     _add_pick_parser(sub)
     add_parsers(sub)
@@ -452,6 +463,38 @@ def _add_estimate_parser(sub) -> None:
     e.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=qwen3_8b quant=nf4_dq")
     e.set_defaults(func=cmd_estimate)
     _add_config_dir(e, "your experiments and extra options")
+
+
+def _records(text: str) -> int | None:
+    if text == "all":
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"--records={text} (allowed: a number >= 0, or all)")
+    return int(text)
+
+
+def _add_data_parser(sub) -> None:
+    """``vramsweep data``: records as the trial sees them, trained tokens marked, counts."""
+    d = sub.add_parser(
+        "data",
+        help="show the records as the trial sees them: trained tokens marked, counts, lengths",
+        epilog=verb_epilog("data"),
+    )
+    d.add_argument(
+        "--records",
+        type=_records,
+        default=3,
+        metavar="N",
+        help="training examples shown: a number, or all (default: 3)",
+    )
+    d.add_argument(
+        "--json",
+        action="store_true",
+        help="JSON Lines: one object per example, then a summary (default: marked text)",
+    )
+    d.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. data=file data.path=chats.jsonl")
+    d.set_defaults(func=cmd_data)
+    _add_config_dir(d, "your experiments and extra options")
 
 
 def _add_report_parser(sub) -> None:
@@ -557,12 +600,12 @@ def _main(argv: list[str] | None = None) -> int:
         raise
     if not getattr(args, "command", None):
         return _err(f"no verb given (allowed: {', '.join(VERBS)}; usage: vramsweep --help)", "")
-    if args.command in ("train", "estimate"):
+    if args.command in ("train", "estimate", "data"):
         try:
             check_internal_options(list(args.overrides))
         except ValueError as exc:
             return _err(str(exc), args.command)
-    if args.command in ("train", "estimate"):  # (pick creates its --config-dir when it writes)
+    if args.command in ("train", "estimate", "data"):  # (pick creates its --config-dir when it writes)
         # exported, so trial processes and workers compose from the same search path whatever their folder
         try:
             if args.config_dir is not None:

@@ -11,6 +11,7 @@ VERBS = (
     ("vramsweep report <sweep dir>", "ablation tables, Pareto front, plots", "docs/READING_A_SWEEP.md"),
     ("vramsweep pick <sweep dir> --budget-gib 16", "pinned config that fits", "docs/READING_A_SWEEP.md"),
     ("vramsweep estimate [overrides]", "predicted peak memory, no weights", "docs/ESTIMATOR.md"),
+    ("vramsweep data [overrides] [--json]", "records as trained: trained tokens marked", "docs/DATA.md"),
     (
         "vramsweep train +experiment=<picked> train.epochs=1",
         "production run: adapter, resume",
@@ -25,6 +26,7 @@ VERBS = (
 VERB_DOCS = {
     "train": "docs/CLI.md (one trial: docs/TRIAL.md; sweeps with -m: docs/SWEEPS.md; knobs: docs/KNOBS.md)",
     "estimate": "docs/ESTIMATOR.md",
+    "data": "docs/DATA.md",
     "report": "docs/READING_A_SWEEP.md",
     "pick": "docs/READING_A_SWEEP.md",
     "generate": "docs/RUNS.md",

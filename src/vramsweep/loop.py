@@ -116,7 +116,12 @@ def loss_kwargs(batch: dict, device: Any, non_blocking: bool = False) -> dict[st
     at each example: the model masks attention across examples and the positions restart), else none."""
     if not batch.get("packed", False):
         return {}
-    return {"position_ids": batch["position_ids"].to(device, non_blocking=non_blocking)}
+    pos = batch["position_ids"].to(device, non_blocking=non_blocking)
+    if batch.get("segment_bounds") is not None:  # collate's host-side segments: no host read in the forward
+        from vramsweep.knobs.packed_attention import remember
+
+        remember(pos, batch["segment_bounds"])
+    return {"position_ids": pos}
 
 
 def token_weights(micro: Sequence[dict]) -> list[float]:

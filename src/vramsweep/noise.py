@@ -3,8 +3,8 @@
 bitsandbytes logs ``Failed to load CPU gemm_4bit_forward from kernels-community ... pip install kernels``
 on every import on CPUs with AVX512-BF16 when the optional ``kernels`` package (which would download a
 kernel from the Hub) is absent; nothing in vramsweep needs it and installing it does not change any
-measurement. The record is dropped when stderr is a terminal and kept otherwise: trial logs
-(``trials/NNNN.log``), CI logs and redirected output still have it.
+measurement. It is a :data:`HARMLESS` entry with ``show=False``: never printed (at a terminal or in a
+redirected log), one line in the run's ``warnings.log`` where there is one.
 
 Known-harmless warnings a user may still want to know about (:data:`HARMLESS`: bitsandbytes' LLM.int8
 cast line, the paged-optimizer CPU fallback) go through :data:`DIGEST`: the first of each is shown
@@ -32,24 +32,6 @@ from pathlib import Path
 #: Warnings that are noise at a terminal: Liger 0.8.5 with Triton 3.6 warns on import that its Ascend (NPU)
 #: RoPE backend "cannot import name 'tanh'" — a backend for another accelerator, never used on CUDA.
 NOISE_WARNINGS = (r"Backend impl 'liger_kernel\.ops\.backends\._ascend\.rope'",)
-#: (logger name, message start) of records that are noise at a terminal.
-NOISE = (("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),)
-
-
-class _TerminalNoiseFilter(logging.Filter):
-    def __init__(self, prefix: str):
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            msg = str(record.msg)
-        except Exception:
-            return True
-        if not msg.startswith(self.prefix):
-            return True
-        isatty = getattr(sys.stderr, "isatty", None)
-        return not (isatty and isatty())
 
 
 def quiet_terminal_warnings() -> bool:
@@ -65,10 +47,6 @@ def quiet_terminal_warnings() -> bool:
 
 def install() -> None:
     """Attach the filters (idempotent; the loggers need not exist yet)."""
-    for name, prefix in NOISE:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _TerminalNoiseFilter) for f in logger.filters):
-            logger.addFilter(_TerminalNoiseFilter(prefix))
     install_digest()
 
 
@@ -85,6 +63,7 @@ class Harmless:
         line: the one line a terminal shows the first time.
         why: why it is harmless (``tests/training/test_noise.py`` lists each with this text).
         logger: the logger that emits it, for a ``logging`` record; ``None`` for a Python warning.
+        show: False: never printed, one line in the run's ``warnings.log`` (not actionable anywhere).
     """
 
     key: str
@@ -92,9 +71,19 @@ class Harmless:
     line: str
     why: str
     logger: str | None = None
+    show: bool = True
 
 
 HARMLESS: tuple[Harmless, ...] = (
+    Harmless(
+        key="bnb-cpu-gemm-kernels",
+        logger="bitsandbytes.backends.cpu.ops",
+        pattern=r"^Failed to load CPU gemm_4bit_forward from kernels-community",
+        line="bitsandbytes: the optional `kernels` package (a Hub-downloaded CPU 4-bit kernel) is absent",
+        why="an optional CPU kernel for 4-bit inference that `kernels` would download from the Hub; "
+        "vramsweep runs offline and never installs it; without it bitsandbytes runs its built-in CPU path",
+        show=False,
+    ),
     Harmless(
         key="bnb-int8-fp16-cast",
         logger="bitsandbytes.autograd._functions",
@@ -153,17 +142,21 @@ class WarningDigest:
     def _write_log(self, h: Harmless, full: str) -> None:
         if self.log_path is None:
             return
+        text = f"[{h.key}] harmless: {h.why}\n{full.rstrip()}\n\n"
+        if not h.show:  # one line: the library's own words
+            text = f"[{h.key}] not shown: {' '.join(full.split())}\n"
         try:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with self.log_path.open("a", encoding="utf-8") as f:
-                f.write(f"[{h.key}] harmless: {h.why}\n{full.rstrip()}\n\n")
+                f.write(text)
         except OSError:
             pass
 
     def summary(self) -> str | None:
         """``vramsweep: harmless library warnings not repeated: bnb-int8-fp16-cast x896, ...`` (None when no
         warning repeated)."""
-        rep = {k: n for k, n in self.counts.items() if n > 1}
+        hidden = {h.key for h in HARMLESS if not h.show}
+        rep = {k: n for k, n in self.counts.items() if n > 1 and k not in hidden}
         if not rep:
             return None
         return "vramsweep: harmless library warnings not repeated: " + ", ".join(
@@ -194,7 +187,7 @@ class _DigestFilter(logging.Filter):
         h = WarningDigest.match(text, self.logger)
         if h is None:
             return True
-        if not DIGEST.seen(h, f"{record.levelname} {record.name}: {text}"):
+        if not DIGEST.seen(h, f"{record.levelname} {record.name}: {text}") or not h.show:
             return False
         if _at_terminal():
             record.msg, record.args = DIGEST.terminal_line(h), None
@@ -209,7 +202,7 @@ def _showwarning(message, category, filename, lineno, file=None, line=None):  # 
     if h is None:
         return _show_original(message, category, filename, lineno, file, line)
     full = warnings.formatwarning(message, category, filename, lineno, line)
-    if not DIGEST.seen(h, full):
+    if not DIGEST.seen(h, full) or not h.show:
         return None
     out = file if file is not None else sys.stderr
     try:

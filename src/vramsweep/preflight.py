@@ -35,7 +35,7 @@ from typing import Any
 
 from vramsweep.config.compose import ConfigError, list_options
 from vramsweep.config.model_folder import check_model_folder
-from vramsweep.config.paths import check_path_names
+from vramsweep.config.paths import check_path_names, misplaced_hint
 from vramsweep.config.rules import FAULT_KINDS, FAULT_RE, check_fault_env  # noqa: F401 - re-exported
 from vramsweep.config.schema import DataConfig
 from vramsweep.config.weights import arch_path
@@ -170,7 +170,7 @@ def check_option(group: str, name: str, *, hint: str = "") -> None:
     opts = list_options(group)
     if name not in opts:
         raise ConfigError(
-            f"unknown {group} '{name}'" + (f" ({hint})" if hint else ""),
+            f"unknown {group} '{name}'" + (f" ({hint})" if hint else "") + misplaced_hint(group, name),
             key=group,
             allowed=opts or ["(none yet)"],
         )

@@ -1,8 +1,9 @@
 """One trial: build -> data -> train N optimizer steps -> measure -> record.
 
 The engine is a minimal PEFT loop (forward, backward, clip, optimizer step, scheduler) rather than
-TRL's SFTTrainer, which reached only ~0.5x its tokens/s on our CPUs (it also computes token accuracy
-and entropy from the full logits every step); see ``bench/overhead.py``. Libraries still do what they
+TRL's SFTTrainer: not for speed (``bench/overhead.py``, 2026-12-01, CPU: ours / minimal loop 1.009, TRL 1.15
+SFTTrainer / minimal 1.084 tokens/s) but for what a trainer hides: tracked warm-up steps, the longest
+batch first, per-step pruning hooks and failures turned into statuses. Libraries still do what they
 do well: optimizers by name (torch/bitsandbytes/transformers), schedules (``transformers.get_scheduler``),
 gradient checkpointing (``gradient_checkpointing_enable``), adapters (PEFT) and tracking (W&B).
 
@@ -30,7 +31,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from vramsweep import determinism
 from vramsweep.config.compose import ConfigError, check_rules, compose
+from vramsweep.config.fit import cpu_bf16
 from vramsweep.config.rules import refused_point, validate
+from vramsweep.data.evalset import eval_set
 from vramsweep.data.packing import pack_examples, packing_stats
 from vramsweep.data.prep import collate_batch, eval_batches, micro_batches, trial_data
 from vramsweep.estimate import estimate
@@ -45,8 +48,10 @@ from vramsweep.measure.cpu import close_tracker, model_state_tensors, optimizer_
 from vramsweep.measure.cuda import CudaMemoryMonitor
 from vramsweep.measure.eval import evaluate
 from vramsweep.measure.flops import device_peak, trial_mfu
+from vramsweep.measure.initial_eval import for_trial as shared_initial_eval
 from vramsweep.measure.quality import QualityMeter
-from vramsweep.measure.steps import StepClock, install_sync_point
+from vramsweep.measure.steps import StepClock, count_cuda_synchronize, install_sync_point
+from vramsweep.measure.threads import apply as apply_threads
 from vramsweep.preflight import check_host_memory
 from vramsweep.production.checkpoint import (
     Checkpointer,
@@ -383,6 +388,7 @@ def prepare(cfg: DictConfig, result: dict) -> Prepared:
     source = model_source(cfg)  # (weights dir, tokenizer): the tokenizer is loaded once per trial
     tokenizer = source[1]
     data = trial_data(cfg, tokenizer)
+    result["meta"]["eval_set"] = eval_set(data.eval, int(t.eval_batches), data.stats)  # before any remap
     n_rows = len(_rows(cfg, data.train)[0])  # examples, or packed rows (data.packing): what an epoch covers
     if (steps := apply_epochs(cfg, n_rows)) is not None:  # train.epochs: the run's length
         result["meta"]["steps_from_epochs"] = {"epochs": float(t.epochs), "steps": steps}
@@ -443,15 +449,19 @@ class _Grads(Callback):
 def liger_sync_point(cfg: DictConfig, model, clock: StepClock):
     """With Liger's fused linear cross-entropy, which calls ``.item()`` as its forward starts (liger-kernel
     0.8.5: a host sync each micro-batch), mark that point on ``clock`` after each decoder forward, so the
-    host's wait there is counted as ``loss_sync`` (a wait for the device) instead of forward work. Returns
-    the hook's handle, or None."""
+    host's wait there is counted as ``loss_sync`` (a wait for the device) instead of forward work; and
+    one as each backward starts (its backward's ``torch.equal`` on the incoming gradient: ``backward_sync``).
+    Returns the hook's handle, or None."""
     k = cfg.kernels
     if not (bool(k.get("liger", False)) and bool(k.get("liger_fused_linear_cross_entropy", False))):
         return None
     lm = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     get_decoder = getattr(lm, "get_decoder", None)
     decoder = get_decoder() if callable(get_decoder) else None
-    return install_sync_point(clock, decoder) if decoder is not None else None
+    if decoder is None:
+        return None
+    clock.backward_sync_point = True
+    return install_sync_point(clock, decoder)
 
 
 def _record_throughput(cfg: DictConfig, result: dict, built, timing: Timing) -> None:
@@ -530,7 +540,8 @@ def _train_steps(
         return evaluate(model, prep.evals, device, causal_lm=causal_lm_of, meter=meter)
 
     resume = _resume_point(cfg, run, result)
-    eval_s = _initial_eval(m, run_eval, resume, cuda_mon)
+    # one initial eval per sweep and base model (vramsweep.measure.initial_eval)
+    eval_s = _initial_eval(m, run_eval, resume, cuda_mon, shared_initial_eval(cfg, prep.evals, result), meta)
     start = resume.next_step if resume is not None else 0
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -555,6 +566,7 @@ def _train_steps(
     evals = _PeriodicEval(cfg, run_eval, timing, progress, logger, reporter, m.get(M.INTERMEDIATE_EVAL) or ())
     train_loss = _TrainLoss(timing)
     owners, trained, ckpt = (train_loss, evals, peak), (model, optimizer, scheduler), None
+    restore_sync = count_cuda_synchronize(timing.clock)  # bitsandbytes' per-parameter syncs: optimizer_sync
     try:
         outputs, ckpt = _run_outputs(cfg, run, resume, train_loss, evals, trained, logger, result, owners)
         step_loss = faults.wrap(loss_fn(cfg, model))  # the model's own, or chunked (tiling.loss_chunk_tokens)
@@ -566,6 +578,7 @@ def _train_steps(
         fit(loop, [tracking, timing, faults, grads, progress, *wandb_rows, train_loss, evals, *outputs])
         tracking.close()  # every step was a tracked one: keep the tracked peak anyway
     finally:
+        restore_sync()
         progress.close()
         if ckpt is not None:
             ckpt.close()
@@ -616,23 +629,38 @@ def _keep_figures(result: dict, owners: tuple[_Figures, ...]) -> None:
 
 
 def _seed_and_threads(t: DictConfig) -> None:
-    """``train.threads`` (when > 0) and ``train.seed`` for Python's and torch's generators."""
+    """``train.seed`` for Python's and torch's generators (``train.threads`` was applied at trial start,
+    :func:`vramsweep.measure.threads.apply`)."""
     import torch
 
-    if int(t.threads) > 0:
-        torch.set_num_threads(int(t.threads))
     random.seed(int(t.seed))
     torch.manual_seed(int(t.seed))
 
 
-def _initial_eval(m: dict, run_eval, resume: Resume | None, cuda_mon) -> float:
-    """The eval before the first step (or, resuming, the run's metrics so far); its seconds."""
+def _initial_eval(m: dict, run_eval, resume: Resume | None, cuda_mon, shared=(None, ""), meta=None) -> float:
+    """The eval before the first step (or, resuming, the run's metrics so far); its seconds. ``shared``:
+    the sweep's store of initial evals (:mod:`vramsweep.measure.initial_eval`) and why there is none; what
+    happened goes to ``meta["initial_eval"]``."""
     if cuda_mon is not None:
         cuda_mon.phase("initial_eval")  # the build's peak stays in meta.cuda.phases.setup
     t_eval = time.perf_counter()
+    store, why_not = shared
     if resume is None:
-        first = run_eval()
-        m[M.INITIAL_EVAL_LOSS], m[M.INITIAL_TASK_SCORE] = first.loss, first.task_score
+        stored = store.load() if store is not None else None
+        if stored is not None:
+            m[M.INITIAL_EVAL_LOSS], m[M.INITIAL_TASK_SCORE] = stored["loss"], stored.get("task_score")
+        else:
+            first = run_eval()
+            m[M.INITIAL_EVAL_LOSS], m[M.INITIAL_TASK_SCORE] = first.loss, first.task_score
+            if store is not None:
+                store.store(first.loss, first.task_score, time.perf_counter() - t_eval)
+        if meta is not None:
+            meta["initial_eval"] = {
+                "shared": stored is not None,
+                "key": None if store is None else store.key,
+                "computed_by_trial": stored.get("trial") if stored is not None else None,
+                "not_shared_because": why_not or None,
+            }
     else:  # the metrics so far (initial eval, peak of the first steps, intermediate evals) are the run's
         m.update(resume.state["metrics"])
     return time.perf_counter() - t_eval
@@ -744,7 +772,11 @@ def run_trial(
         sweep=sweep, trial=trial, overrides=list(overrides), config=OmegaConf.to_container(cfg, resolve=True)
     )
     det = determinism.apply(cfg)  # first: cuBLAS sizes its workspace at the process's first CUDA use
+    threads = apply_threads(cfg.train.get("threads", "auto"))  # before the meta: it records the count used
     result["meta"] = collect_meta(cfg, _peak_key)
+    result["meta"]["threads"] = threads.to_json()
+    if cfg.hardware.device == "cpu":  # what train.dtype=auto read; bf16 without it is emulated
+        result["meta"]["cpu_bf16"] = cpu_bf16()
     result["meta"]["deterministic"] = det.meta
     result["meta"]["started"] = started.isoformat()
     if design is not None:

@@ -46,11 +46,17 @@ def probe():
 
 def test_long_context_knobs_are_registered():
     names = {h.name for h in registry.registered()}
-    assert {"offload", "mlp_tiles", "loss_chunks"} <= names
+    assert {"offload", "mlp_tiles", "loss_chunks", "attention_heads"} <= names
     cfg = compose(["checkpointing=offload", "tiling=on"])
     knobs = {h.name for h in registry.registered() if h.notes_in == "knobs"}
-    assert knobs == {"offload", "mlp_tiles", "loss_chunks"}
+    assert knobs == {"offload", "mlp_tiles", "loss_chunks", "attention_heads"}
     assert {h.name for h in registry.active(cfg)} & knobs == {"offload", "mlp_tiles", "loss_chunks"}
+    grouped = compose(["tiling=on", "tiling.attention_heads=2"])
+    assert {h.name for h in registry.active(grouped)} & knobs == {
+        "mlp_tiles",
+        "loss_chunks",
+        "attention_heads",
+    }
     assert {h.name for h in registry.active(compose([]))} & knobs == set()
 
 

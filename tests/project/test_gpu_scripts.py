@@ -318,10 +318,14 @@ def test_probe_row_records_the_allocators_figures():
             "cuda_max_allocated_bytes": 13 * 2**30,
             "tokens_per_s": 900.0,
         },
-        "meta": {"host_memory": {"pool_bytes": 9 * 2**30}},
-        "estimate": {"peak_memory_bytes": 13.5 * 2**30},
+        "meta": {
+            "host_memory": {"pool_bytes": 9 * 2**30},
+            "build": {"knobs": {"offload": {}, "attention_heads": {}}},
+        },
+        "estimate": {"peak_memory_bytes": 13.5 * 2**30, "required_bytes": 13 * 2**30},
     }
     row = probe.probe_row(result, 65536, {"num_alloc_retries": 3}, 41.0)
+    assert row["knobs"] == ["attention_heads", "offload"] and row["estimate_required_bytes"] == 13 * 2**30
     assert row["peak_reserved_bytes"] == 14 * 2**30 and row["peak_allocated_bytes"] == 13 * 2**30
     assert row["num_alloc_retries"] == 3 and row["pool_bytes"] == 9 * 2**30
     assert row["estimate_bytes"] == 13.5 * 2**30 and row["tokens"] == 65536
@@ -386,6 +390,29 @@ def test_batch_check_catches_the_mean_of_means(monkeypatch, embedded_model_dir, 
     monkeypatch.setattr(loop, "token_weights", lambda micro: [1.0 / len(micro)] * len(micro))
     assert check.main(["--device", "cpu"]) == 1
     assert "verdict: FAIL" in capsys.readouterr().out
+
+
+def test_batch_check_in_bf16_passes_and_fails_when_groups_cross_kv_heads(
+    monkeypatch, embedded_model_dir, capsys
+):
+    """``--dtype bf16``: packed == unpacked and grouped == one call within 2e-2 on CPU; a grouping that mixes
+    the kv heads' query heads (here: the groups' query heads reversed) fails it."""
+    from vramsweep.longctx import attention as grouped
+
+    check = _load("gpu_batch_check")
+    assert check.main(["--device", "cpu", "--dtype", "bf16"]) == 0
+    assert '"bf16 packed, 2 head groups == packed"' in capsys.readouterr().out
+    real = grouped.grouped_call
+
+    def crossed(fn, groups, module, q, k, v, mask, **kw):
+        return (
+            real(fn, groups, module, q.flip(1), k, v, mask, **kw)
+            if groups > 1
+            else fn(module, q, k, v, mask, **kw)
+        )
+
+    monkeypatch.setattr(grouped, "grouped_call", crossed)
+    assert check.main(["--device", "cpu", "--dtype", "bf16"]) == 1
 
 
 def test_env_probe_reads_versions_without_importing(smoke, tmp_path, monkeypatch):
@@ -696,3 +723,31 @@ def test_memsnapshot_replays_the_trace_to_its_peak_and_names_the_owners():
         ("act@vramsweep/loop.py:7", 50, 1),
     ]
     assert "| `weights@vramsweep/build.py:7` |" in snap.render(s, ["a=b"])
+
+
+def test_grouped_attention_probe_is_ascending_on_the_full_stack_and_fits_one_call(smoke, tmp_path):
+    """Issue 53's device phase: 57,344 / 65,536 / 73,728 ascending (all three at most, stopping at the first
+    OOM) on the long-context stack + paged 8-bit AdamW + 4 head groups with YaRN; every point composes
+    under the rules; the phase (with env and report) fits one 540 s call."""
+    from vramsweep.config import compose
+
+    assert smoke.PROBE_GROUPED_TOKENS == (57344, 65536, 73728) and "memprobe_grouped" in smoke.OPT_IN
+    phases = smoke.plan(only=("env", "memprobe_grouped", "report"))
+    caps = {p.name: p.cap_s for p in phases}
+    assert caps["memprobe_grouped"] == pytest.approx(
+        sum(smoke.trial_cost_s(n, 1) for n in smoke.PROBE_GROUPED_TOKENS)
+    )
+    assert sum(caps.values()) <= 540
+    sm = _sm(smoke, tmp_path)
+    for n in smoke.PROBE_GROUPED_TOKENS:
+        ovs = sm.overrides(n, "compute", 1, "memprobe_grouped")
+        assert {"tiling.attention_heads=4", "optimizer=paged_adamw_8bit", "rope=yarn"} <= set(ovs)
+        assert "checkpointing=offload" in ovs and "kernels=liger" in ovs and "quant=nf4_dq" in ovs
+        compose(ovs, rules="config")
+    assert "tiling.attention_heads=4" not in sm.overrides(57344, "compute", 1)  # the plain memprobe: none
+    third = smoke.plan(only=("env", "packing_bf16", "memprobe_grouped", "report"))
+    assert [p.name for p in third] == ["bundle", "env", "packing_bf16", "memprobe_grouped", "report"]
+    assert sum(p.cap_s for p in third) <= 540
+    skip = smoke.probe_order_skip
+    assert skip(65536, [{"tokens": 57344, "status": "oom"}]).startswith("stopped at the first OOM")
+    assert skip(73728, [{"tokens": 57344, "status": "ok"}, {"tokens": 65536, "status": "ok"}]) is None

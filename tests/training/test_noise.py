@@ -54,6 +54,11 @@ from pathlib import Path  # noqa: E402
 #: each filtered warning: a real message it must match, one it must not, and why it is harmless
 #: (the `why` text lives beside the pattern in vramsweep.noise.HARMLESS)
 SAMPLES = {
+    "bnb-cpu-gemm-kernels": (
+        "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'. Please make "
+        "sure you already `pip install kernels` and the kernels >= 0.11.1",
+        "Failed to load CPU gemv_4bit",
+    ),
     "bnb-int8-fp16-cast": (
         "MatMul8bitLt: inputs will be cast from torch.bfloat16 to float16 during quantization",
         "MatMul8bitLt: something else went wrong",
@@ -220,3 +225,47 @@ def test_a_quantised_trial_on_a_terminal_prints_each_harmless_warning_once(tmp_p
         run = Path(re.search(r"^result: (.+)/result\.json$", out, re.M).group(1))
         log = (tmp_path / run / "warnings.log").read_text()
         assert all(text in log for text in logged), log[-2000:]
+
+
+BNB_KERNELS = SAMPLES["bnb-cpu-gemm-kernels"][0]
+
+
+@pytest.mark.torchfree
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "redirected"])
+def test_bnb_kernels_line_never_printed_one_line_in_the_run_log(monkeypatch, tmp_path, terminal):
+    """bitsandbytes' "pip install kernels" line is dropped at a terminal and off one (a redirected command,
+    a trial log, CI); the run's warnings.log keeps it as one line; lines around it pass."""
+    stream = _Tty() if terminal else io.StringIO()
+    digest = noise.WarningDigest()
+    monkeypatch.setattr(noise, "DIGEST", digest)
+    monkeypatch.setattr(sys, "stderr", stream)
+    digest.use_log(tmp_path / "warnings.log")
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    handler = logging.StreamHandler(stream)
+    logger.addHandler(handler)
+    logger.propagate = False
+    noise.install_digest()
+    try:
+        for _ in range(3):
+            logger.warning(
+                "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you "
+                "already `pip install kernels` and the kernels >= 0.11.1",
+                ModuleNotFoundError("No module named 'kernels'"),
+            )
+        logger.warning("Failed to load CPU gemv_4bit: a real problem")
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = True
+    assert stream.getvalue().splitlines() == ["Failed to load CPU gemv_4bit: a real problem"]
+    log = (tmp_path / "warnings.log").read_text().splitlines()
+    assert len(log) == 1 and "pip install kernels" in log[0], log
+    assert digest.summary() is None  # a line never shown is not counted at exit either
+
+
+def test_bnb_kernels_line_absent_from_a_redirected_command():
+    """A real import of bitsandbytes' CPU backend under vramsweep, stderr to a pipe: no kernels line."""
+    code = "import vramsweep, bitsandbytes.backends.cpu.ops"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "gemm_4bit_forward" not in out.stdout + out.stderr, out.stderr
+    assert BNB_KERNELS.split(":")[0] not in out.stderr

@@ -257,3 +257,113 @@ def test_liger_sync_point_marks_the_decoder_forward():
         model(torch.zeros(1, 3, dtype=torch.long))
     assert len(clock._step.syncs) == 1
     handle.remove()
+
+
+# ------------------------------------------------------- waits inside backward and the optimizer (issue 53)
+
+
+def _steps(gpu: FakeGPU, clock, *, host: float, device: float, n_params: int, liger: bool, steps: int = 6):
+    """Steps in fit's order without an in-forward sync: Liger's backward ``torch.equal`` (when ``liger``)
+    and an 8-bit optimizer that calls ``torch.cuda.synchronize()`` after each of ``n_params`` updates."""
+    import types
+
+    cuda = types.SimpleNamespace(synchronize=gpu.block)
+    restore = clock.count_synchronize(cuda)
+    clock.backward_sync_point = liger
+    clock.sync()
+    clock.start()
+    ends: list = []
+    for _ in range(steps):
+        clock.begin_step()
+        with clock.phase("h2d"):
+            gpu.work(0.01 * host, 0.01 * device)
+        with clock.phase("forward"):
+            gpu.work(0.35 * host, 0.4 * device)
+        with clock.phase("backward"):
+            if liger:
+                gpu.block()  # liger-kernel 0.8.5: torch.equal(grad_output, 1.0) as its backward starts
+            gpu.work(0.5 * host, 0.5 * device)
+        with clock.phase("optimizer"):
+            for _ in range(n_params):  # bitsandbytes Optimizer8bit.step: update, then sync_gpu(p)
+                gpu.work(0.14 * host / n_params, 0.09 * device / n_params)
+                cuda.synchronize()
+        clock.end_step()
+        with clock.phase("sync_wait"):
+            if ends:
+                gpu.host = max(gpu.host, ends[-1])
+        clock.collect()
+        ends.append(gpu.tail)
+    clock.sync()
+    restore()
+    assert cuda.synchronize == gpu.block  # the window's wrapper is gone
+    return clock.per_step(steps)
+
+
+def test_bnb_per_parameter_syncs_are_optimizer_waits_not_host_work():
+    """Device-bound step (1.0 s of GPU work, 0.1 s of issuing), bitsandbytes' 8-bit optimizer syncing after
+    each of 12 parameters: the host waits for the whole step's backlog inside the optimizer. Before: that
+    wait was optimizer host time, sync_wait ~0 and host_bound true; now it is optimizer_sync, counted 12
+    calls a step, and host_bound is false."""
+    gpu = FakeGPU()
+    ph = _steps(gpu, _clock(gpu), host=0.1, device=1.0, n_params=12, liger=False)
+    assert ph["sync_calls"] == {"optimizer": 12.0}
+    assert ph["host_bound"] is False
+    assert ph["sync_wait"] < 0.01 and ph["optimizer_sync"] > 0.8
+    assert ph["optimizer"] == pytest.approx(0.014, abs=1e-6)  # the host's issuing only
+    assert ph["device_s"]["optimizer"] == pytest.approx(0.09, abs=1e-6)
+    parts = ("h2d", "forward", "backward", "optimizer", "sync_wait", "other", "h2d_sync", "loss_sync")
+    total = sum(ph[k] for k in parts) + ph["backward_sync"] + ph["optimizer_sync"]
+    assert total == pytest.approx(ph["step"], abs=1e-5)
+
+
+def test_liger_backward_sync_is_attributed():
+    """Liger's backward ``torch.equal`` waits for the forward's backlog: backward_sync, not backward work."""
+    gpu = FakeGPU()
+    ph = _steps(gpu, _clock(gpu), host=0.1, device=1.0, n_params=1, liger=True)
+    assert ph["backward_sync"] > 0.3 and ph["backward"] == pytest.approx(0.05, abs=1e-6)
+    assert ph["host_bound"] is False
+
+
+def test_host_bound_only_when_the_host_did_not_wait():
+    """Host-bound (1.0 s of issuing, 0.1 s of GPU work): every synchronize finds the device idle."""
+    gpu = FakeGPU()
+    ph = _steps(gpu, _clock(gpu), host=1.0, device=0.1, n_params=12, liger=True)
+    assert ph["host_bound"] is True
+    assert ph["optimizer_sync"] == pytest.approx(0.0, abs=1e-6) and ph["backward_sync"] == pytest.approx(0.0)
+    assert ph["sync_calls"] == {"optimizer": 12.0}
+
+
+def test_a_real_bitsandbytes_8bit_step_is_counted_per_parameter(monkeypatch):
+    """bitsandbytes 0.50's ``Optimizer8bit.step`` calls ``sync_gpu(p)`` after every parameter, which calls
+    ``torch.cuda.synchronize()`` for a CUDA tensor (no option turns it off). On CPU ``sync_gpu`` is made to
+    take the CUDA branch and ``torch.cuda.synchronize`` is a fake: the clock counts one call per parameter
+    with a gradient, inside the optimizer phase, through fit()."""
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes")
+    from bitsandbytes.optim import optimizer as bnb_optimizer
+
+    from vramsweep.loop import Loop, Timing, fit
+    from vramsweep.measure.steps import count_cuda_synchronize
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(bnb_optimizer, "sync_gpu", lambda t: torch.cuda.synchronize())
+    gpu = FakeGPU()
+    clock = _clock(gpu)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))  # 4 parameters
+    opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ids = torch.zeros(1, 64, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids), "no_padding": True,
+             "n_loss_tokens": 64, "n_tokens": 64, "n_targets": 64}  # fmt: skip
+    loop = Loop(model=model, optimizer=opt, scheduler=sched, batches=[batch] * 4,
+                loss_fn=lambda i, m, lab: model(i.float()).pow(2).mean(), device=torch.device("cpu"),
+                steps=4, grad_accum=1, clock=clock)  # fmt: skip
+    restore = count_cuda_synchronize(clock)
+    try:
+        fit(loop, [Timing(clock, timed_from=1)])
+    finally:
+        restore()
+    ph = clock.per_step(3)
+    assert ph["sync_calls"] == {"optimizer": 4.0}  # 4 parameters, each synced, on the 3 timed steps
+    assert len(calls) >= 4 * 4  # every step calls it; the warm-up step's calls are not counted

@@ -30,6 +30,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.config.errors import ConfigError, one_line
+from vramsweep.config.fit import fit_unset, say_fitted
 from vramsweep.config.paths import (  # noqa: F401 - re-exported: the search path is part of composing
     _EXPLICIT,
     _PACKAGED,
@@ -245,7 +246,9 @@ def compose(
             OmegaConf.resolve(cfg)
         except Exception as exc:
             raise ConfigError(f"cannot resolve config: {exc}") from exc
+        shrunk = fit_unset(cfg)  # train.dtype=auto, unset warm-ups fitted to train.steps (config.fit)
         check_rules(cfg, rules)  # with the same search path: a user's option files are options
+        say_fitted(cfg, shrunk)
     finally:
         _EXPLICIT.reset(token)
     return cfg

@@ -127,6 +127,46 @@ def list_options(group: str, conf_dir: str | os.PathLike[str] | None = None) -> 
     return sorted(names)
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the current folder when it is under it (as a user typed it), else absolute."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def misplaced_hint(group: str, name: str) -> str:
+    """For an unknown ``<group>=<name>``: where a file of that name sits that vramsweep does not read, and
+    where it belongs (``conf/sweeps/mine.yaml`` -> ``conf/sweep/mine.yaml``), as ``"; ..."``; else ``""``.
+
+    Looked for: a plural folder (``sweeps/``, ``experiments/``) or a ``.yml`` file, in the user's conf dir,
+    ``./conf`` and the current folder (the repository's own layout has ``sweeps/`` at the top)."""
+    try:
+        user = user_conf_dir()
+    except ConfigError:
+        user = None
+    cwd = Path.cwd()
+    right = (user or cwd / "conf").resolve() / group
+    seen: set[Path] = set()
+    for base in (user, cwd / "conf", cwd):
+        if base is None or base.resolve() in seen:
+            continue
+        seen.add(base.resolve())
+        for folder in (f"{group}s", group):
+            for ext in (".yaml", ".yml"):
+                path = base / folder / f"{name}{ext}"
+                if (
+                    path.is_file()
+                    and path.resolve().parent != _SWEEPS.resolve()
+                    and path.resolve() != (right / f"{name}.yaml")
+                ):
+                    return (
+                        f"; {_shown(path)} is not read: did you mean {_shown(right)}/{name}.yaml? "
+                        f"({group} files go in <conf dir>/{group}/, as .yaml)"
+                    )
+    return ""
+
+
 def schema_name(group: str) -> str:
     """The ConfigStore name of a group's schema (``quant`` -> ``base_quant``): not a selectable option."""
     return f"base_{group.rsplit('/', 1)[-1]}"

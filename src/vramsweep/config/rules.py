@@ -99,6 +99,19 @@ def _check_range(cfg, key, lo, hi, *, integer=False, lo_open=False, hi_open=Fals
         )
 
 
+def _check_threads(cfg) -> None:
+    """``train.threads``: ``auto`` or a count 0..1024 (0 = torch's default); vramsweep.measure.threads."""
+    v = str(cfg.train.get("threads", "auto")).strip()
+    if v.lower() == "auto":
+        return
+    if not re.fullmatch(r"\d+", v) or int(v) > 1024:
+        raise ConfigError(
+            f"train.threads={v!r} is not auto or a thread count",
+            key="train.threads",
+            allowed=["auto", "0 (torch's default)", "1..1024"],
+        )
+
+
 def _check_choice(cfg, key, allowed):
     v = _num(cfg, key)
     if v not in allowed:
@@ -168,6 +181,20 @@ def check_values(cfg: DictConfig) -> None:
     _check_choice(cfg, "adapter.dtype", ("fp32", "compute"))
     _check_range(cfg, "tiling.loss_chunk_tokens", 0, 10**7, integer=True)
     _check_range(cfg, "tiling.mlp_tile_tokens", 0, 10**7, integer=True)
+    _check_attention_heads(cfg)
+
+
+def _check_attention_heads(cfg: DictConfig) -> None:
+    """``tiling.attention_heads``: 0 (off) or a divisor of the model's kv heads (GQA-aligned groups)."""
+    _check_range(cfg, "tiling.attention_heads", 0, 4096, integer=True)
+    groups, kv = int(cfg.tiling.get("attention_heads", 0) or 0), cfg.model.get("num_kv_heads")
+    if groups > 1 and kv is not None and int(kv) % groups:
+        raise ConfigError(
+            f"tiling.attention_heads={groups} must divide model.num_kv_heads={kv} (each group: whole kv "
+            "heads and the query heads that share them)",
+            key="tiling.attention_heads",
+            allowed=[0, *[g for g in range(1, int(kv) + 1) if int(kv) % g == 0]],
+        )
 
 
 def _check_quant_adapter_values(cfg: DictConfig) -> None:
@@ -209,6 +236,42 @@ def _check_context_vocab_values(cfg: DictConfig) -> None:
     _check_range(cfg, "vocab.reserve", 0, 10**7, integer=True)
     if cfg.vocab.mode == "top_k":
         _check_range(cfg, "vocab.top_k", 1, 10**7, integer=True)
+    _check_vocab_rows(cfg)
+
+
+def _check_vocab_rows(cfg: DictConfig) -> None:
+    """``vocab.rows``: a sliced vocabulary's row count for estimates without a corpus (``vocab=sliced``,
+    ``vocab.mode=corpus``), at most the model's vocabulary."""
+    rows = cfg.vocab.get("rows", 0)
+    _check_range(cfg, "vocab.rows", 0, 10**7, integer=True)
+    if not int(rows):
+        return
+    if cfg.vocab.mode != "corpus":
+        raise ConfigError(
+            f"vocab.rows={rows} sizes a corpus slice before there is a corpus; it needs vocab=sliced "
+            f"(vocab.mode=corpus), got vocab.mode={cfg.vocab.mode}"
+            + (" (vocab.top_k already gives the rows)" if cfg.vocab.mode == "top_k" else ""),
+            key="vocab.rows",
+            allowed=["0", "vocab=sliced vocab.rows=<n>"],
+        )
+    full = cfg.model.get("vocab_size")
+    if full is not None and int(rows) > int(full):
+        raise ConfigError(
+            f"vocab.rows={rows} exceeds model.vocab_size={full}",
+            key="vocab.rows",
+            allowed=[f"1..{full}"],
+        )
+
+
+def _rules_trial_only(cfg: DictConfig) -> None:
+    """What only an estimate may ask for: ``vocab.rows`` (a trial keeps the rows its corpus uses)."""
+    if int(cfg.vocab.get("rows", 0) or 0):
+        raise ConfigError(
+            f"vocab.rows={cfg.vocab.rows} only sizes an estimate (vramsweep estimate) without a corpus; a "
+            "trial keeps the rows its training data uses: drop vocab.rows",
+            key="vocab.rows",
+            allowed=["0"],
+        )
 
 
 def _check_hardware_values(cfg: DictConfig) -> None:
@@ -239,7 +302,7 @@ def _check_train_values(cfg: DictConfig) -> None:
     _check_choice(cfg, "train.schedule", SCHEDULES)
     _check_range(cfg, "train.warmup_steps", 0, cfg.train.steps, integer=True)
     _check_range(cfg, "train.max_grad_norm", 0.0, 1e6)
-    _check_choice(cfg, "train.dtype", DTYPES)
+    _check_choice(cfg, "train.dtype", (*DTYPES, "auto"))  # auto is resolved at compose (config.fit)
     _check_range(cfg, "train.eval_every", 0, 10**7, integer=True)
     _check_range(cfg, "train.eval_batches", 1, 10**5, integer=True)
     _check_range(cfg, "train.measure_warmup_steps", 0, 10**7, integer=True)
@@ -250,7 +313,7 @@ def _check_train_values(cfg: DictConfig) -> None:
             key="train.measure_warmup_steps",
             allowed=[f"0..{cfg.train.steps - 1}"],
         )
-    _check_range(cfg, "train.threads", 0, 1024, integer=True)
+    _check_threads(cfg)
     for key in ("train.seed", "data.seed"):  # torch, numpy and random all take 0 .. 2**32 - 1
         if OmegaConf.select(cfg, key) is not None:
             _check_range(cfg, key, 0, 2**32 - 1, integer=True)
@@ -345,12 +408,14 @@ def _rules_combinations(cfg: DictConfig) -> None:
     if cfg.model.source == "embedded" and cfg.model.name != "tiny":
         pass  # other embedded sizes are allowed (custom dims)
     # context.max_tokens against the model's positions: _rules_rope (after model.path is checked)
-    if cfg.vocab.mode != "full" and cfg.model.source == "arch" and not cfg.model.get("path"):
+    arch = cfg.model.source == "arch" and not cfg.model.get("path")
+    if cfg.vocab.mode != "full" and arch and not int(cfg.vocab.get("rows", 0) or 0):
         raise ConfigError(
             "vocab=sliced needs a tokenizer and corpus: it works with the embedded model or model.path, not "
-            f"architecture-only model={cfg.model.name}",
+            f"architecture-only model={cfg.model.name}; to estimate a slice there, give its row count: "
+            "vramsweep estimate ... vocab=sliced vocab.rows=<n>",
             key="vocab",
-            allowed=["full"],
+            allowed=["full", "sliced with vocab.rows=<n> (estimate only)"],
         )
     _rules_model_path(cfg)
     _rules_data_paths(cfg)
@@ -376,11 +441,15 @@ def _rules_checkpointing(cfg: DictConfig) -> None:
 
 def _rules_tiling(cfg: DictConfig) -> None:
     """Tiling against the kernels: not with Unsloth, and the chunked loss not with Liger's fused loss."""
-    tiled = int(cfg.tiling.loss_chunk_tokens) > 0 or int(cfg.tiling.mlp_tile_tokens) > 0
+    tiled = (
+        int(cfg.tiling.loss_chunk_tokens) > 0
+        or int(cfg.tiling.mlp_tile_tokens) > 0
+        or int(cfg.tiling.get("attention_heads", 0) or 0) > 1
+    )
     if tiled and cfg.kernels.unsloth:
         raise ConfigError(
             f"tiling={cfg.tiling.name} cannot be combined with kernels=unsloth: Unsloth replaces "
-            "the MLP and the loss with its own kernels (its fused loss is already chunked)",
+            "the MLP, the loss and the attention with its own kernels (its fused loss is already chunked)",
             key="tiling",
             allowed=["off"],
         )
@@ -431,7 +500,14 @@ def _rules_model_path(cfg: DictConfig) -> None:
     """``model.source=path``: ``model.path`` is a local folder with a ``config.json``."""
     if cfg.model.source == "path":
         p = cfg.model.path
-        if not p or not os.path.isdir(str(p)):
+        if not p:
+            raise ConfigError(
+                f"model={cfg.model.name} needs model.path=<folder>: the local Hugging Face model folder to "
+                "fine-tune (config.json, weights, tokenizer; nothing is downloaded)",
+                key="model.path",
+                allowed=["<local HF folder with config.json>"],
+            )
+        if not os.path.isdir(str(p)):
             raise ConfigError(
                 f"model.path={p!r} is not a local folder (nothing is downloaded)",
                 key="model.path",
@@ -452,7 +528,14 @@ def _rules_data_paths(cfg: DictConfig) -> None:
             p = cfg.data[key]
             if key == "eval_path" and p is None:
                 continue
-            if not p or not (os.path.isfile(str(p)) or os.path.isdir(str(p))):
+            if not p and key == "path":
+                raise ConfigError(
+                    f"data={cfg.data.name} needs data.path=<file>: your records (.jsonl, .json, .parquet or "
+                    "a datasets folder; formats in docs/DATA.md)",
+                    key="data.path",
+                    allowed=["<path to .jsonl / .json / .parquet / folder>"],
+                )
+            if not (os.path.isfile(str(p)) or os.path.isdir(str(p))):
                 odd = bool(p) and os.path.exists(str(p))  # a FIFO or a device: reading it would block
                 raise ConfigError(
                     f"data.{key}={p!r} is not a readable data file or dataset folder"
@@ -845,4 +928,5 @@ def validate(cfg: DictConfig, *, machine: bool = True) -> None:
         rule(cfg)
     _rules_module_names(cfg)
     if machine:
+        _rules_trial_only(cfg)
         check_machine(cfg)

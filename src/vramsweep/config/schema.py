@@ -166,6 +166,9 @@ class TilingConfig:
     name: str = "off"
     loss_chunk_tokens: int = 0  # >0: chunked linear cross-entropy, no full logits (vramsweep.longctx.loss)
     mlp_tile_tokens: int = 0  # >0: sequence-tiled MLP, recomputed per tile (vramsweep.longctx.mlp)
+    attention_heads: int = (
+        0  # >1: attention in that many GQA-aligned head groups (vramsweep.longctx.attention)
+    )
 
 
 @dataclass
@@ -191,6 +194,7 @@ class VocabConfig:
     top_k: int = 0
     reserve: int = 0
     fallback: str = "error"  # error | unk: what to do with tokens outside the kept set
+    rows: int = 0  # >0: the rows a slice keeps, for `vramsweep estimate` without a corpus (0: the corpus's)
 
 
 @dataclass
@@ -241,14 +245,14 @@ class TrainConfig:
     grad_accum: int = 1
     lr: float = 3e-3
     schedule: str = "cosine"
-    warmup_steps: int = 2
+    warmup_steps: Optional[int] = None  # None: 2, at most half of steps (vramsweep.config.fit)
     max_grad_norm: float = 1.0
-    dtype: str = "bf16"  # fp32 | bf16 | fp16
+    dtype: str = "auto"  # auto (vramsweep.config.fit.auto_dtype) | fp32 | bf16 | fp16
     seed: int = 0
     eval_every: int = 0  # optimizer steps between intermediate evals (0 = only before/after)
     eval_batches: int = 4
-    measure_warmup_steps: int = 2  # excluded from tokens/s
-    threads: int = 0  # torch CPU threads; 0 = torch default
+    measure_warmup_steps: Optional[int] = None  # excluded from tokens/s; None: 2, at most steps - 1
+    threads: str = "auto"  # torch CPU threads: auto (vramsweep.measure.threads) | 0 (torch's default) | N
     deterministic: bool = False  # CUDA: deterministic kernels + cuBLAS workspace (vramsweep.determinism)
     # Production run (docs/RUNS.md): length over the data, outputs, checkpoints, resume.
     epochs: float = 0.0  # > 0: run length in passes over the training examples (replaces steps)

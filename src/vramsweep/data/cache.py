@@ -32,8 +32,9 @@ __all__ = [
 
 #: Bump when rendering, masking or truncation changes what a key's examples are, or when a pickled class
 #: moves (2: ``TrialData`` moved from ``vramsweep.data_prep`` to ``vramsweep.data.prep``; an entry of
-#: version 1 names the old module, so a new key keeps the two versions' entries apart in a shared cache).
-CACHE_VERSION = 2
+#: version 1 names the old module, so a new key keeps the two versions' entries apart in a shared cache;
+#: 3: spans end through the end-of-turn token after trailing whitespace, straddling tokens are trained).
+CACHE_VERSION = 3
 T = TypeVar("T")
 
 

@@ -94,6 +94,17 @@ def render_settings(cfg: DictConfig, tokenizer: Any, fmt: str) -> Any:
     )
 
 
+def eval_reference(s: Any, fmt: str) -> Any:
+    """The settings the held-out records are rendered and masked under: the trial's, with the format's
+    default ``train_on`` (so every trial of a sweep over ``data.train_on`` scores the same held-out tokens;
+    docs/DATA.md, "Held-out loss"; entries built before this rule are kept apart by ``CACHE_VERSION`` 3)."""
+    from dataclasses import replace
+
+    from vramsweep.data.render import default_train_on
+
+    return replace(s, train_on=default_train_on(fmt))
+
+
 def _record_examples(cfg: DictConfig, tokenizer: Any, ud: Any = None) -> tuple[list, list, dict]:
     """Examples of chat / prompt-completion / alpaca / text records (the user's or the shipped chat set)."""
     from vramsweep.data.render import build_item_examples
@@ -114,12 +125,17 @@ def _record_examples(cfg: DictConfig, tokenizer: Any, ud: Any = None) -> tuple[l
         train_items, eval_items, fmt = ud.train, ud.eval, ud.format
         info = {"eval_from": ud.eval_from, "source_sha256": ud.sha256}
     s = render_settings(cfg, tokenizer, fmt)
-    # one pass over both splits: one tokenizer call, and truncation=none names the longest of all records
-    both = build_item_examples([*train_items, *eval_items], tokenizer, s)
-    train, ev = both[: len(train_items)], both[len(train_items) :]
+    ref = eval_reference(s, fmt)
+    if ref == s:  # one pass over both splits: one tokenizer call, truncation=none names the longest of all
+        both = build_item_examples([*train_items, *eval_items], tokenizer, s)
+        train, ev = both[: len(train_items)], both[len(train_items) :]
+    else:
+        train = build_item_examples(train_items, tokenizer, s)
+        ev = build_item_examples(eval_items, tokenizer, ref)
     info |= {
         "format": fmt,
         "train_on": s.train_on,
+        "eval_train_on": ref.train_on,
         "chat_template": str(d.chat_template) if d.chat_template else "tokenizer",
         "enable_thinking": s.enable_thinking,
     }
@@ -157,7 +173,7 @@ def _build(cfg: DictConfig, tokenizer: Any) -> TrialData:
         )
         train = build_examples(train_docs, tokenizer, **kw)
         ev = build_examples(eval_docs, tokenizer, **kw)
-        info: dict = {"format": "documents", "train_on": "target section"}
+        info: dict = {"format": "documents", "train_on": "target section", "eval_train_on": "target section"}
         info["eval_from"] = ud.eval_from if ud is not None else "embedded (disjoint seed)"
         if ud is not None:
             info["source_sha256"] = ud.sha256
@@ -306,6 +322,10 @@ def collate_batch(examples: list, pad_id: int, width: int | None = None) -> dict
     # each micro-batch's weight in its optimizer step (vramsweep.loop.token_weights).
     b["n_loss_tokens"] = int((b["labels"][:, 1:] != -100).sum())
     b["packed"] = "position_ids" in b
+    if b["packed"]:  # the segments, from the host tensor: the forward never reads the positions back
+        from vramsweep.knobs.packed_attention import bounds_of
+
+        b["segment_bounds"] = bounds_of(b["position_ids"])
     b["no_padding"] = b["n_tokens"] == int(b["attention_mask"].numel())
     return b
 

@@ -169,6 +169,7 @@ class Knobs:
     adapter_bytes: int = 4  # adapter.dtype: fp32 (PEFT autocast, 4) or compute (= c)
     fp32_master: bool = False  # adapter.fp32_master with 16-bit adapters: the optimizer steps fp32 copies
     packed: bool = False  # data.packing: segment-wise attention, no 4-D mask (eager: no float causal mask)
+    attn_groups: int = 1  # tiling.attention_heads: attention in that many head groups (0/1: one call)
 
     def __post_init__(self) -> None:
         if not isinstance(self.opt, OptimizerState):  # the optimizer provider gives the declared mapping
@@ -545,14 +546,25 @@ def attention_backward_bytes_per_token(k: Knobs) -> float:
     the kv heads (``dk_expanded``/``dv_expanded``) plus the reduced ``dk``/``dv``; ``softmax_d`` (fp32 per
     head). Qwen3-8B (32 heads, 8 kv heads, head_dim 128, bf16): 45,184 B per token (2.8 GiB at 65,536
     tokens). Allocation sizes from the kernel source; not yet measured on a GPU (``extrapolated_terms``).
-    CPU (PyTorch's CPU flash kernel) and eager attention: 0 (eager's score gradients are in its terms)."""
+    CPU (PyTorch's CPU flash kernel) and eager attention: 0 (eager's score gradients are in its terms).
+
+    In G head groups (``tiling.attention_heads``, :mod:`vramsweep.longctx.attention`) the per-call block
+    (``dq_accum``, the expanded dk/dv, ``softmax_d``: heads x (2·head_dim + 1) x 4 B in bf16, 32,896 B for
+    Qwen3-8B) is 1/G; the groups' dq/dk/dv outputs all stay alive until the last group is done, and
+    ``split``'s backward then concatenates the query gradient (one more heads x head_dim x c block): the
+    workspace is ``outputs + max(block / G, heads x head_dim x c)`` (Qwen3-8B, G = 4: 20,512 B/token)."""
     if k.device != "cuda" or k.attention not in ("sdpa", "flash_attention_2"):
         return 0.0
     d, c = k.dims, k.c
     q = d.num_heads * d.head_dim
     kv = d.num_kv_heads * d.head_dim
     expanded = 2 * q * c if d.num_kv_heads != d.num_heads else 0
-    return float(q * (4 + c) + expanded + 2 * kv * c + 4 * d.num_heads)
+    block = q * 4 + expanded + 4 * d.num_heads  # the per-call fp32 block: 1/G in head groups
+    outputs = q * c + 2 * kv * c  # dq, dk, dv in the compute dtype
+    groups = max(1, int(k.attn_groups or 1))
+    if groups == 1:
+        return float(block + outputs)
+    return float(outputs + max(block / groups, q * c))
 
 
 @dataclass
@@ -1110,6 +1122,8 @@ def extrapolated_terms(k: Knobs, acts: ActivationTerms | None = None) -> list[st
         )
     if attention_backward_bytes_per_token(k) > 0:
         out.append("attention backward workspace (FlashAttention-2 mha_bwd allocations, from its source)")
+        if k.attn_groups > 1:
+            out.append(f"tiling.attention_heads={k.attn_groups}: the workspace of one head group + the split")
     if k.offload:
         out.append("checkpointing=offload: the prefetched input on the device and the pinned host pool")
     if k.mlp_tile > 0:
@@ -1118,6 +1132,10 @@ def extrapolated_terms(k: Knobs, acts: ActivationTerms | None = None) -> list[st
         out.append("tiling.loss_chunk_tokens: the chunked loss")
     if k.adapter_bytes != 4:
         out.append("adapter.dtype=compute (16-bit adapters, fp32 masters in the optimizer)")
+    if k.opt.paged:
+        out.append("paged optimizer state (bitsandbytes unified memory, outside the caching allocator)")
+    if k.vocab < k.dims.vocab_size:
+        out.append(f"vocabulary slice ({k.vocab:,} of {k.dims.vocab_size:,} rows)")
     return out
 
 

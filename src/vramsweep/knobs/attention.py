@@ -37,7 +37,9 @@ def causal_mask_mapping(model: Any) -> dict[str, None] | None:
     config = getattr(lm, "config", None)
     if config is None:
         return None
-    impl = getattr(config, "_attn_implementation", None)
+    from vramsweep.longctx.attention import base_name
+
+    impl = base_name(getattr(config, "_attn_implementation", None))  # head groups: the base's mask
     if impl not in FAST_PATH_IMPLEMENTATIONS:
         return None
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
@@ -69,14 +71,19 @@ def with_causal_fast_path(fn, model: Any, cfg: Any = None):
 
 def implementation(cfg: Any) -> str:
     """The ``attn_implementation`` the model is built with: ``attention.implementation``, or its
-    segment-wise variant (knobs/packed_attention.py) when ``data.packing`` packs rows under eager/sdpa."""
+    segment-wise variant (knobs/packed_attention.py) when ``data.packing`` packs rows under eager/sdpa, and
+    either wrapped in head groups (longctx/attention.py) when ``tiling.attention_heads`` > 1."""
 
     impl = str(cfg.attention.implementation)
     if packed(cfg) and impl in ("sdpa", "eager"):
         from vramsweep.knobs.packed_attention import PACKED_NAMES, register
 
         register()
-        return PACKED_NAMES[impl]
+        impl = PACKED_NAMES[impl]
+    if int(cfg.get("tiling", {}).get("attention_heads", 0) or 0) > 1:
+        from vramsweep.longctx.attention import register as register_grouped
+
+        impl = register_grouped(impl)
     return impl
 
 

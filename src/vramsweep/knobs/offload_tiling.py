@@ -1,7 +1,8 @@
-"""Long-context knobs (``checkpointing=offload``, ``tiling=loss|mlp|on``) registered with their build,
-loss and estimate hooks (:mod:`vramsweep.knobs.registry`; they run last, on the finished model, and
-``tiling`` has no other provider); the implementations live in
-:mod:`vramsweep.longctx`. Results name them ``meta.build.knobs.offload`` / ``mlp_tiles`` / ``loss_chunks``.
+"""Long-context knobs (``checkpointing=offload``, ``tiling=loss|mlp|on``, ``tiling.attention_heads``)
+registered with their build, loss and estimate hooks (:mod:`vramsweep.knobs.registry`; they run last, on
+the finished model, and ``tiling`` has no other provider); the implementations live in
+:mod:`vramsweep.longctx`. Results name them ``meta.build.knobs.offload`` / ``mlp_tiles`` /
+``loss_chunks`` / ``attention_heads`` (whose implementation the ``attention`` provider loads).
 Their estimate hooks read what the ``kernels`` provider (earlier in the pipeline) set in ``e.fields``:
 whether Unsloth runs, and whether the loss is already a fused, chunked cross-entropy.
 """
@@ -86,5 +87,33 @@ register(
         build=_loss_build,
         loss=_chunked_loss,
         estimate=lambda cfg, e: {"loss_chunk": 0 if _fused_ce(e) else int(cfg.tiling.loss_chunk_tokens)},
+    )
+)
+
+
+# --- tiling.attention_heads > 1: each layer's attention in GQA-aligned head groups (1/G of the backward's
+# fp32 workspace); the attention provider loads the grouped implementation, this sets the group count
+
+
+def _attention_groups(cfg: Any) -> int:
+    return int(cfg.get("tiling", {}).get("attention_heads", 0) or 0)
+
+
+def _heads_build(cfg: Any, b: Any) -> dict[str, Any]:
+    from vramsweep.longctx.attention import GROUPED_PREFIX, group_attention
+
+    impl = getattr(b.model.config, "_attn_implementation", None)
+    if not str(impl).startswith(GROUPED_PREFIX):  # the attention provider loads it; anything else is a bug
+        raise RuntimeError(f"tiling.attention_heads: the model runs {impl!r}, not a grouped implementation")
+    return {**group_attention(b.model, _attention_groups(cfg)), "implementation": impl}
+
+
+register(
+    KnobHooks(
+        name="attention_heads",
+        groups=("tiling",),
+        active=lambda cfg: _attention_groups(cfg) > 1,
+        build=_heads_build,
+        estimate=lambda cfg, e: {"attn_groups": _attention_groups(cfg)},
     )
 )

@@ -23,19 +23,37 @@ import torch
 #: attention.implementation -> the registered segment-wise implementation
 PACKED_NAMES = {"sdpa": "vramsweep_packed_sdpa", "eager": "vramsweep_packed_eager"}
 
-_last: list[Any] = [None, None]  # (position_ids tensor, its row segments): one host read per forward
+_last: list[Any] = [None, None]  # (position_ids tensor, its row segments): the bounds of the running forward
+#: How many times a forward had to read ``position_ids`` back to the host (a device sync on CUDA): 0 when the
+#: loop hands the bounds collate computed (:func:`remember`); tests read it.
+HOST_READS = [0]
 
 
-def segment_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """Per row, the ``[start, end)`` of each segment (a segment starts where the position is 0)."""
-    if _last[0] is position_ids:
-        return _last[1]
+def bounds_of(position_ids: Any) -> list[list[tuple[int, int]]]:
+    """Per row, the ``[start, end)`` of each segment (a segment starts where the position is 0), from a
+    host tensor or nested lists (collate's, before anything is on the device)."""
     rows = []
-    for row in position_ids.tolist():
+    for row in position_ids.tolist() if hasattr(position_ids, "tolist") else position_ids:
         starts = [i for i, p in enumerate(row) if p == 0] or [0]
         if starts[0] != 0:
             starts.insert(0, 0)
         rows.append(list(zip(starts, [*starts[1:], len(row)], strict=True)))
+    return rows
+
+
+def remember(position_ids: torch.Tensor, bounds: list[list[tuple[int, int]]]) -> None:
+    """Hand the segment bounds collate computed on the host for ``position_ids`` (the tensor the forward will
+    get): the forward then splits the rows without reading the positions back (no host sync)."""
+    _last[0], _last[1] = position_ids, bounds
+
+
+def segment_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the ``[start, end)`` of each segment: the bounds :func:`remember` was given for this tensor,
+    else read from it once per forward (a host read, counted in :data:`HOST_READS`)."""
+    if _last[0] is position_ids:
+        return _last[1]
+    HOST_READS[0] += 1
+    rows = bounds_of(position_ids)
     _last[0], _last[1] = position_ids, rows
     return rows
 

@@ -29,6 +29,13 @@ def _estimate(cfg: Any, e: Any) -> dict[str, Any]:
     v, full = cfg.vocab, e.dims.vocab_size
     if v.mode == "full":
         return {"vocab": full}
+    rows = int(v.get("rows", 0) or 0)
+    if rows > 0:
+        e.note(
+            f"vocab=sliced vocab.rows={rows}: V'={rows} embedding and lm_head rows (and logits columns) as "
+            "given, without a corpus; the special tokens the chat template needs are counted in it"
+        )
+        return {"vocab": min(full, rows)}
     if v.mode == "top_k" and int(v.top_k) > 0:
         kept = min(full, int(v.top_k) + int(v.reserve))
         e.note(f"vocab=sliced (top_k): V'={kept} = top_k + reserve (special tokens not added)")

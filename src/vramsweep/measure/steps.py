@@ -22,6 +22,20 @@ minus the host time. That wait is ``loss_sync``, taken out of ``forward`` (the h
 ``host_bound`` when the host waited for the device (``sync_wait`` + ``loss_sync``) under 10 % of the step:
 the device waited for the host (Python/launch overhead dominates, so step time hardly grows with tokens).
 On CPU every phase is compute and there are no events. Recorded per step in ``meta.step_phases_s``.
+
+Other host waits inside a phase are taken out of it the same way (issue 53), so that ``host_bound`` is
+true only when the host really did not wait:
+
+* ``backward_sync``: a sync point as the backward starts (:attr:`StepClock.backward_sync_point`; Liger's
+  fused loss backward calls ``torch.equal`` on the incoming gradient, liger-kernel 0.8.5: a second host
+  sync per micro-batch), taken out of ``backward``;
+* ``optimizer_sync`` (and the other phases' ``torch.cuda.synchronize`` calls): bitsandbytes' 8-bit and
+  paged optimizers call ``torch.cuda.synchronize()`` after every parameter (``Optimizer8bit.step`` ->
+  ``sync_gpu``; 504 calls a step for Qwen3-8B LoRA r16). :meth:`StepClock.count_synchronize` wraps the
+  module's ``synchronize`` for the timed window: the host seconds blocked in it (a wait for the device, by
+  definition) are taken out of the phase that called it and counted in ``sync_calls`` (calls per step by
+  phase). The optimizer's host time is then issuing + ``optimizer_sync``, and its device time is
+  ``device_s.optimizer``.
 """
 
 from __future__ import annotations
@@ -35,6 +49,13 @@ from typing import Any
 PHASES = ("h2d", "forward", "backward", "optimizer", "sync_wait")
 #: The phases that queue device work (timed with events on CUDA).
 DEVICE_PHASES = ("h2d", "forward", "backward", "optimizer")
+#: Where the host's waits inside a device phase are reported (taken out of that phase's host seconds).
+SYNC_KEYS = {
+    "h2d": "h2d_sync",
+    "forward": "loss_sync",
+    "backward": "backward_sync",
+    "optimizer": "optimizer_sync",
+}
 
 
 def _cuda_event() -> Any:
@@ -57,14 +78,14 @@ class _Step:
     def __init__(self, begin: Any):
         self.begin, self.end = begin, None
         self.phases: list[tuple[str, Any, Any]] = []
-        self.syncs: list[tuple[Any, float]] = []
+        self.syncs: list[tuple[Any, float, str]] = []  # (event, host time, phase)
 
     def events(self) -> list:
         return [
             self.begin,
             self.end,
             *(e for _, a, b in self.phases for e in (a, b)),
-            *(e for e, _ in self.syncs),
+            *(e for e, _, _ in self.syncs),
         ]
 
 
@@ -92,7 +113,11 @@ class StepClock:
         self._synchronize = synchronize if synchronize is not None else (_cuda_synchronize if cuda else None)
         self._now = timer
         self.total = dict.fromkeys(PHASES, 0.0)
-        self.loss_sync = 0.0  # host seconds blocked at sync points (attributed from events)
+        self.waits = dict.fromkeys(DEVICE_PHASES, 0.0)  # host seconds blocked at sync points, by phase
+        self.blocked = dict.fromkeys(DEVICE_PHASES, 0.0)  # host seconds inside counted synchronize calls
+        self.sync_calls = dict.fromkeys(DEVICE_PHASES, 0)  # counted synchronize calls, by phase
+        self.backward_sync_point = False  # a sync point as each backward starts (Liger's fused loss)
+        self._current: str | None = None  # the device phase running now (for the synchronize counter)
         self.device = dict.fromkeys((*DEVICE_PHASES, "step"), 0.0)
         self.device_steps = 0  # steps whose events were read
         self.t0: float | None = None
@@ -140,10 +165,38 @@ class StepClock:
             self._issued.append(self._step)
             self._step = None
 
+    @property
+    def loss_sync(self) -> float:
+        """Host seconds blocked at the forward's sync points (Liger's in-forward ``.item()``)."""
+        return self.waits["forward"]
+
     def sync_point(self) -> None:
-        """Just before a host sync inside a phase (Liger's loss): an event and the host time."""
+        """Just before a host sync inside a phase (Liger's loss): an event, the host time and the phase."""
         if self._step is not None:
-            self._step.syncs.append((self._record(), self._now()))
+            self._step.syncs.append((self._record(), self._now(), self._current or "forward"))
+
+    def count_synchronize(self, module: Any) -> Callable[[], None]:
+        """Wrap ``module.synchronize`` (``torch.cuda``) so that, inside a timed device phase, the host
+        seconds it blocks and the calls are counted for that phase; returns the function that restores it."""
+        real = module.synchronize
+
+        def synchronize(*args, **kwargs):
+            phase = self._current if self.running else None
+            if phase is None:
+                return real(*args, **kwargs)
+            t = self._now()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.blocked[phase] += self._now() - t
+                self.sync_calls[phase] += 1
+
+        module.synchronize = synchronize
+
+        def restore() -> None:
+            module.synchronize = real
+
+        return restore
 
     def collect(self) -> None:
         """Read the events of the issued steps that completed (``query()``: never waits), oldest first."""
@@ -155,8 +208,8 @@ class StepClock:
             self.device[name] += a.elapsed_time(b) / 1e3
         self.device["step"] += step.begin.elapsed_time(step.end) / 1e3
         anchor, t_anchor = self._anchor
-        for ev, t_host in step.syncs:
-            self.loss_sync += max(0.0, t_anchor + anchor.elapsed_time(ev) / 1e3 - t_host)
+        for ev, t_host, phase in step.syncs:
+            self.waits[phase] += max(0.0, t_anchor + anchor.elapsed_time(ev) / 1e3 - t_host)
         self.device_steps += 1
         self._pool.extend(step.events())
 
@@ -172,9 +225,13 @@ class StepClock:
         step = self._step if name in DEVICE_PHASES else None
         a = self._record() if step is not None else None
         t = self._now()
+        outer, self._current = self._current, (name if name in DEVICE_PHASES else None)
+        if name == "backward" and self.backward_sync_point:
+            self.sync_point()
         try:
             yield
         finally:
+            self._current = outer
             self.total[name] += self._now() - t
             if step is not None:
                 step.phases.append((name, a, self._record()))
@@ -188,13 +245,18 @@ class StepClock:
         wall = max(0.0, self._now() - self.t0 - exclude_s) / steps
         out: dict[str, Any] = {k: v / steps for k, v in self.total.items()}
         n = max(self.device_steps, 1)
-        out["loss_sync"] = min(out["forward"], self.loss_sync / n)
-        out["forward"] -= out["loss_sync"]
+        for phase, key in SYNC_KEYS.items():
+            # sync points are read per step with events; synchronize calls are timed on every timed step
+            wait = self.waits[phase] / n + self.blocked[phase] / steps
+            out[key] = min(out[phase], wait)
+            out[phase] -= out[key]
         out["other"] = max(0.0, wall - sum(out.values()))
         out["step"] = wall
-        waited = out["sync_wait"] + out["loss_sync"]
+        waited = out["sync_wait"] + sum(out[k] for k in SYNC_KEYS.values())
         out["host_bound"] = bool(self.cuda and wall > 0 and waited < 0.1 * wall)
         out = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()}
+        if any(self.sync_calls.values()):
+            out["sync_calls"] = {k: round(v / steps, 3) for k, v in self.sync_calls.items() if v}
         if self.device_steps:
             out["device_s"] = {k: round(v / self.device_steps, 6) for k, v in self.device.items()}
         return out
@@ -208,3 +270,14 @@ def install_sync_point(clock: StepClock, module: Any) -> Any:
         clock.sync_point()
 
     return module.register_forward_hook(hook)
+
+
+def count_cuda_synchronize(clock: StepClock) -> Callable[[], None]:
+    """On a CUDA clock, count ``torch.cuda.synchronize`` calls and their host wait per phase
+    (:meth:`StepClock.count_synchronize`; bitsandbytes' optimizers call it per parameter); returns the
+    function that restores it (a no-op elsewhere)."""
+    if not clock.cuda:
+        return lambda: None
+    import torch
+
+    return clock.count_synchronize(torch.cuda)

@@ -111,13 +111,55 @@ class Resume:
             for n, t in self.tensors.items():
                 params[n].copy_(t)
         optimizer.load_state_dict(self.torch_state["optimizer"])
+        self.repaged = repage_optimizer_state(optimizer)
         master = getattr(optimizer, "fp32_master", None)  # adapter.dtype=compute: fp32 masters
         if master is not None:
             master.restore(optimizer)
         scheduler.load_state_dict(self.torch_state["scheduler"])
 
+    repaged: int = 0  # paged optimizer state tensors put back into paged memory by apply()
+
     def restore_rng(self) -> None:
         set_rng_states(self.torch_state["rng"])
+
+
+#: bitsandbytes' paged state: the per-parameter moment buffers ``init_state`` takes from ``get_state_buffer``
+PAGED_STATE_KEYS = ("state1", "state2")
+#: ``Optimizer8bit.get_state_buffer`` pages the buffers of parameters this large (bitsandbytes 0.50)
+BNB_PAGED_MIN_NUMEL = 100_000
+
+
+def _on_cuda(t: Any) -> bool:
+    return t.device.type == "cuda"
+
+
+def repage_optimizer_state(optimizer: Any) -> int:
+    """Put a paged bitsandbytes optimizer's loaded state back into paged (unified) memory.
+
+    bitsandbytes' ``Optimizer8bit.load_state_dict`` moves every state tensor to its parameter's device with
+    ``.to()``: after a resume, the moments of a paged optimizer are ordinary device memory, inside PyTorch's
+    allocator and its cap, and the resumed run's peak is not the original's. For each state buffer that
+    ``get_state_buffer`` would have paged (a CUDA parameter of >= 100,000 elements), this allocates a paged
+    buffer the same way (``get_state_buffer``: registered with bitsandbytes' page manager), copies the loaded
+    values in and replaces the tensor. Returns how many were re-paged (0 for other optimizers and on CPU,
+    where bitsandbytes pages nothing)."""
+    if not getattr(optimizer, "is_paged", False) or not hasattr(optimizer, "get_state_buffer"):
+        return 0
+    n = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key in PAGED_STATE_KEYS:
+                t = state.get(key)
+                if t is None or getattr(t, "is_paged", False) or not _on_cuda(p):
+                    continue
+                if p.numel() < BNB_PAGED_MIN_NUMEL or t.shape != p.shape:
+                    continue
+                buf = optimizer.get_state_buffer(p, dtype=t.dtype)
+                buf.copy_(t)
+                state[key] = buf
+                n += 1
+    return n
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:

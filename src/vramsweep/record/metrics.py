@@ -45,6 +45,7 @@ class Metric:
     doc: str = ""
     quality: bool = False  # measures the model, not the machine: seed repeats separate effects from noise
     timing: bool = False  # timed on the machine (disturbed by load: ``meta.timing_conditions``)
+    held_out: bool = False  # measured on the held-out set: compares only within one ``meta.eval_set``
     # How it is shown (every table, progress/CLI line, plot and W&B key takes these from here):
     label: str = ""  # short column header ("tokens/s", "peak GiB"); "" = the name
     title: str = ""  # its words in a sentence or CLI line ("peak memory"); "" = the label
@@ -125,6 +126,7 @@ METRICS: tuple[Metric, ...] = (
         loss=True,
         doc="eval loss before training",
         quality=True,
+        held_out=True,
         label="initial eval loss",
     ),
     Metric(
@@ -136,6 +138,7 @@ METRICS: tuple[Metric, ...] = (
         loss=True,
         doc="final eval loss",
         quality=True,
+        held_out=True,
         label="eval loss",
         wandb="eval/loss",
     ),
@@ -148,6 +151,7 @@ METRICS: tuple[Metric, ...] = (
         loss=True,
         doc="exp(eval_loss)",
         quality=True,
+        held_out=True,
         label="ppl",
         title="eval ppl",
         fmt=".2f",
@@ -160,6 +164,7 @@ METRICS: tuple[Metric, ...] = (
         objective=True,
         doc="task metric (higher is better)",
         quality=True,
+        held_out=True,
         label="task score",
         fmt=".3f",
     ),
@@ -171,6 +176,7 @@ METRICS: tuple[Metric, ...] = (
         core=False,
         doc="task_score before training",
         quality=True,
+        held_out=True,
         label="initial task score",
         fmt=".3f",
     ),
@@ -201,6 +207,7 @@ METRICS: tuple[Metric, ...] = (
         core=False,
         doc="fact-token accuracy",
         quality=True,
+        held_out=True,
     ),
     Metric(
         "fact_nll",
@@ -210,6 +217,7 @@ METRICS: tuple[Metric, ...] = (
         core=False,
         doc="mean NLL of fact tokens",
         quality=True,
+        held_out=True,
     ),
     Metric(
         "control_token_acc",
@@ -219,6 +227,7 @@ METRICS: tuple[Metric, ...] = (
         core=False,
         doc="control accuracy",
         quality=True,
+        held_out=True,
     ),
     Metric(
         "control_nll",
@@ -228,6 +237,7 @@ METRICS: tuple[Metric, ...] = (
         core=False,
         doc="mean NLL of control tokens",
         quality=True,
+        held_out=True,
     ),
     Metric("fact_tokens", "tokens", None, core=False, doc="fact-value tokens behind the fact metrics"),
     Metric(
@@ -252,6 +262,8 @@ PRUNABLE_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.prunable)
 LOSS_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.loss)
 #: Metrics of the model's quality (seed repeats by default in ablations; significance marks in reports).
 QUALITY_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.quality)
+#: Metrics measured on the held-out set (they compare only between trials of one eval-set fingerprint).
+HELD_OUT_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.held_out)
 #: Metrics timed on the machine (a report flags them when measured under load).
 TIMING_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.timing)
 #: Metrics where larger is better.
@@ -416,6 +428,7 @@ __all__ = [
     "wandb_key",
     "MAXIMIZE_METRICS",
     "QUALITY_METRICS",
+    "HELD_OUT_METRICS",
     "TIMING_METRICS",
     "is_quality_metric",
     "metric_direction",

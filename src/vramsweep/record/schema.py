@@ -191,6 +191,8 @@ class Meta(_Record):
         "duplicate_of": ("int", True),
         "result_path": ("text", True),
         "max_context_probe": ("dict", True),
+        "eval_set": ("dict", True),
+        "gpu_share": ("dict", True),
     }
     WHERE: ClassVar[str] = "meta"
 
@@ -206,6 +208,12 @@ class Meta(_Record):
     duplicate_of: int | None = None
     result_path: str | None = None
     max_context_probe: dict[str, Any] | None = None
+    #: what the held-out metrics are over (vramsweep.data.evalset): {fingerprint, examples, ...}
+    eval_set: dict[str, Any] | None = None
+    #: the trial's GPU seat: ``device``, ``trials_per_gpu``, ``alone`` (why it held the GPU alone),
+    #: ``shared`` (another trial ran on its GPU meanwhile: its throughput is not the card's own), ``with``
+    #: (those trials), ``exact`` (false: the trial's own conservative mark, the sweeper stopped first)
+    gpu_share: dict[str, Any] | None = None
 
     @classmethod
     def from_json(cls, data: Any) -> Meta:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vramsweep.record.result import TIMING_METRICS
+from vramsweep.report.evalset import held_out, split
 from vramsweep.report.load import REPEAT_KEYS, SweepData, TrialRecord, display_value, num
 from vramsweep.report.stats import ALPHA, anova_p
 
@@ -71,6 +72,24 @@ def _param(value: Any, dist: Any, numeric: bool) -> Any:
     return int(value) if isinstance(dist, IntDistribution) else float(value)
 
 
+def _trials_for(sweep: SweepData, metric: str, out: Importances) -> list[TrialRecord] | None:
+    """The ok trials with a value of ``metric``, less those whose throughput was measured under load (a
+    timing metric); None (noted) for a held-out metric over trials that scored different held-out tokens."""
+    trials: list[TrialRecord] = [t for t in sweep.trials if t.ok and t.metric(metric) is not None]
+    if metric in TIMING_METRICS:
+        loaded = [t.number for t in trials if t.timing_disturbed]
+        if loaded:
+            trials = [t for t in trials if not t.timing_disturbed]
+            out.notes.append(
+                f"{metric}: {len(loaded)} trial(s) measured under load left out "
+                f"({', '.join(f'{n:04d}' for n in loaded)})."
+            )
+    if held_out(metric) and (sp := split(sweep, trials)) is not None:
+        out.notes.append(f"{metric}: skipped, {sp.message()}.")
+        return None
+    return trials
+
+
 def compute_importances(sweep: SweepData) -> Importances:
     """Importances of the varying knobs for each objective over the ``ok`` trials that measured it."""
     import optuna
@@ -80,15 +99,9 @@ def compute_importances(sweep: SweepData) -> Importances:
     out = Importances()
     knobs = [k for k in sweep.varying_knobs() if k not in REPEAT_KEYS]  # seeds are noise, not knobs
     for metric, direction in sweep.objectives:
-        trials: list[TrialRecord] = [t for t in sweep.trials if t.ok and t.metric(metric) is not None]
-        if metric in TIMING_METRICS:
-            loaded = [t.number for t in trials if t.timing_disturbed]
-            if loaded:
-                trials = [t for t in trials if not t.timing_disturbed]
-                out.notes.append(
-                    f"{metric}: {len(loaded)} trial(s) measured under load left out "
-                    f"({', '.join(f'{n:04d}' for n in loaded)})."
-                )
+        trials = _trials_for(sweep, metric, out)
+        if trials is None:
+            continue
         if len(trials) < MIN_TRIALS:
             out.notes.append(
                 f"{metric}: skipped, {len(trials)} complete trial(s) with a value (need ≥ {MIN_TRIALS})."

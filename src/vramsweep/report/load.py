@@ -171,6 +171,9 @@ class TrialRecord:
     source: str = "json"  # json | storage
     path: str | None = None
     problem: str | None = None
+    #: the config re-run alone on a GPU by the sweep's confirm stage (``confirm/trials``), when its own
+    #: throughput was measured on a shared GPU (:attr:`gpu_shared`)
+    alone: TrialRecord | None = None
 
     @classmethod
     def from_result(
@@ -302,13 +305,14 @@ class TrialRecord:
         """Why this trial's throughput was measured under load (``meta.timing_conditions``), else None.
 
         Under load: the 1-minute load average at the trial's start exceeds the CPU count, or at its end
-        exceeds the CPU count plus the trial's own torch threads, or other processes used the GPU.
+        exceeds the CPU count plus the trial's own torch threads, or other processes used the GPU, or another
+        trial of the sweep shared its GPU (:attr:`gpu_shared`, first).
         The start figure includes the sweep's previous trial as it decays (up to about one trial's
         threads), so the rule flags load on top of the sweep itself.
         """
         tc = self.meta.get("timing_conditions")
         if not isinstance(tc, dict):
-            return None
+            return self.gpu_shared
         why = []
         cpus = num(tc.get("cpu_count"))
         threads = num(tc.get("torch_threads")) or 0.0
@@ -322,9 +326,27 @@ class TrialRecord:
                     + (f" + {own:g} own threads" if own else "")
                 )
         gpu = num(tc.get("other_gpu_processes"))
-        if gpu:
+        if gpu and not self.gpu_shared:  # the sweep's own trials beside it: said once, as shared
             why.append(f"{gpu:g} other GPU process(es)")
+        if self.gpu_shared:
+            why.insert(0, self.gpu_shared)
         return "; ".join(why) or None
+
+    @property
+    def gpu_shared(self) -> str | None:
+        """``shared ...`` when another trial of the sweep ran on this trial's GPU while it ran
+        (``meta.gpu_share``, ``hydra.sweeper.trials_per_gpu``): its tokens/s, MFU and step times are not the
+        card's own (memory figures are: the cap and the peaks are per process). Else None."""
+        gs = self.meta.get("gpu_share")
+        if not isinstance(gs, dict) or not gs.get("shared"):
+            return None
+        others = [int(n) for n in gs.get("with") or [] if isinstance(n, int | float)]
+        if gs.get("exact") and others:
+            return f"shared GPU {gs.get('device')} with trial(s) {', '.join(str(n) for n in others)}"
+        return (
+            f"shared GPU {gs.get('device')} with up to {gs.get('trials_per_gpu')} trials (who is not known: "
+            "the sweeper stopped before it could say)"
+        )
 
     # -- design and knobs ---------------------------------------------------------------------
     @property
@@ -805,6 +827,29 @@ def load_sweep(target: str, *, study: str | None = None) -> SweepData:
     return _load_folder(path, study)
 
 
+def _attach_confirmed(folder: Path, records: dict[int, TrialRecord], notes: list[str]) -> None:
+    """The confirm stage's results (``<folder>/confirm/trials``, ``meta.design = {kind: confirm, of: N}``):
+    each ok one becomes :attr:`TrialRecord.alone` of trial N (its throughput alone on a GPU)."""
+    if not (folder / "confirm" / "trials").is_dir():
+        return
+    confirm_notes: list[str] = []
+    attached = []
+    for rec in _load_result_files(folder / "confirm", confirm_notes).values():
+        design = rec.meta.get("design") if isinstance(rec.meta.get("design"), dict) else {}
+        of = design.get("of")
+        if design.get("kind") != "confirm" or not isinstance(of, int) or of not in records or not rec.ok:
+            continue
+        if rec.gpu_shared:  # never: the stage runs one trial per GPU; a shared figure confirms nothing
+            continue
+        records[of].alone = rec
+        attached.append(of)
+    if attached:
+        notes.append(
+            f"Throughput re-measured alone on a GPU (sweep.confirm) for trial(s) "
+            f"{', '.join(str(n) for n in sorted(attached))}: pick ranks on the alone figure."
+        )
+
+
 def _load_settings(folder: Path, notes: list[str]) -> dict[str, Any]:
     p = folder / "sweep.json"
     if not p.is_file():
@@ -871,6 +916,7 @@ def _load_folder(folder: Path, study: str | None) -> SweepData:
         raise ReportError(f"--study {study!r} given but {folder} has no study database")
     _set_aside_lost_jobs(records, notes)
     _note_schema_problems(records, notes)
+    _attach_confirmed(folder, records, notes)
     name = str(settings.get("name") or folder.name)
     return SweepData(
         name=name,

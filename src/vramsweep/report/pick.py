@@ -50,6 +50,7 @@ from vramsweep.record.metrics import MetricName, column, format_value, scaled, t
 from vramsweep.record.metrics import label as metric_label
 from vramsweep.record.result import atomic_write_text
 from vramsweep.record.units import GIB
+from vramsweep.report import evalset
 from vramsweep.report.load import ReportError, SweepData, TrialRecord, load_sweep, safe_url
 from vramsweep.report.stats import NOISE, UNKNOWN, compare
 from vramsweep.report.tables import LOAD_MARK, Column, Table, fmt, gib, metric_cells, metric_column
@@ -135,8 +136,9 @@ class Candidate:
         if name == _PEAK:
             vals = [t.peak_bytes for t in self.trials]
             return None if any(v is None for v in vals) else max(vals)  # type: ignore[type-var]
-        if name == _TPS:
+        if name == _TPS:  # unloaded figures, and the confirm stage's alone figure of a shared one
             vals = [t.tokens_per_s for t in self.trials if not t.timing_disturbed]
+            vals += [t.alone.tokens_per_s for t in self.trials if t.timing_disturbed and t.alone is not None]
         else:
             vals = [t.metric(name) for t in self.trials]
         vals = [v for v in vals if v is not None]
@@ -145,7 +147,7 @@ class Candidate:
     @property
     def speed_loaded(self) -> bool:
         """Every repeat's throughput was measured under load (and so is left out of the ranking)."""
-        return all(t.timing_disturbed for t in self.trials) and any(
+        return all(t.timing_disturbed and t.alone is None for t in self.trials) and any(
             t.tokens_per_s is not None for t in self.trials
         )
 
@@ -215,8 +217,11 @@ def quality_tiers(sweep: SweepData, trials: list[TrialRecord]) -> dict[int, Qual
     return out
 
 
-def rank_key(trial: TrialRecord, prefer: str, tiers: dict[int, QualityTier] | None = None) -> tuple:
-    """Sort key: smaller is better (see the module docstring for the order).
+def rank_key(
+    trial: TrialRecord, prefer: str, tiers: dict[int, QualityTier] | None = None, *, use_loss: bool = True
+) -> tuple:
+    """Sort key: smaller is better (see the module docstring for the order); ``use_loss=False`` leaves the
+    eval loss out (``--prefer speed`` over trials that scored different held-out tokens).
 
     With ``tiers`` (:func:`quality_tiers`), ``quality`` ranks on each config's mean eval loss, and every
     config not separated from the best config beyond noise (``best``/``equal``) on the best config's mean:
@@ -224,7 +229,7 @@ def rank_key(trial: TrialRecord, prefer: str, tiers: dict[int, QualityTier] | No
     repeats (single trials per config) this is the plain order by eval loss.
     """
     inf = math.inf
-    loss = trial.eval_loss if trial.eval_loss is not None else inf
+    loss = trial.eval_loss if trial.eval_loss is not None and use_loss else inf
     tps = -trial.tokens_per_s if trial.tokens_per_s is not None else inf
     peak = trial.peak_bytes if trial.peak_bytes is not None else inf
     if prefer == "speed":
@@ -820,8 +825,16 @@ def run_pick(
             f"(model={model} without model.path), so their eval losses rank nothing; use --prefer speed, "
             "or sweep with model.path=<Hugging Face folder>"
         )
-    tiers = quality_tiers(sweep, [t for c in ok for t in c.trials])
-    ranked = sorted(ok, key=lambda t: rank_key(t, prefer, tiers))
+    sp = evalset.split(sweep, [t for c in ok for t in c.trials if t.eval_loss is not None])
+    if sp is not None and prefer == "quality":
+        return _err(
+            f"--prefer quality: {sp.message()}, so their eval losses do not rank; sweep with that key fixed "
+            "(docs/DATA.md, Held-out loss), or use --prefer speed; nothing written"
+        )
+    if sp is not None:
+        print(f"note: eval loss breaks no tie: {sp.message()}", file=sys.stderr)
+    tiers = quality_tiers(sweep, [t for c in ok for t in c.trials]) if sp is None else {}
+    ranked = sorted(ok, key=lambda t: rank_key(t, prefer, tiers, use_loss=sp is None))
     if not ranked:
         return _nothing_fits(sweep, budget_gib, headroom_gib, limit, min_tokens_per_s)
     command = _command(target, budget_gib, min_tokens_per_s, prefer, headroom_gib, name)

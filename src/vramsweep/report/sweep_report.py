@@ -18,7 +18,7 @@ from vramsweep.report.build import build_report, importance_table  # noqa: F401 
 from vramsweep.report.importance import Importances
 from vramsweep.report.load import ReportError, SweepData, load_sweep, safe_url
 from vramsweep.report.plots import make_plots
-from vramsweep.report.tables import Report, Table, csv_text, pareto_front
+from vramsweep.report.tables import Report, Table, csv_text, pareto_front, ranked_objectives
 from vramsweep.report.terminal import terminal_view, wrap
 
 MAX_PRINT_ROWS = 50
@@ -172,7 +172,9 @@ def _print_summary(report: Report, sweep: SweepData, md_path: Path) -> None:
     say(f"## {main.title}")
     print(_terminal_table(main, [m for m, _ in sweep.objectives]))
     best = report.tables["best"]
-    front = pareto_front([t for t in sweep.trials if sweep.feasible(t)], sweep.objectives)
+    feasible = [t for t in sweep.trials if sweep.feasible(t)]
+    objectives, unranked = ranked_objectives(sweep, feasible)  # held-out metrics over one eval set only
+    front = pareto_front(feasible, objectives)
     print()
     for r in best.rows:
         if r["trial"] is not None:
@@ -180,7 +182,9 @@ def _print_summary(report: Report, sweep: SweepData, md_path: Path) -> None:
                 f"best {r['objective']} ({r['direction']}): trial {r['trial']:04d} = "
                 f"{best.columns[3].cell(r)}  [{r['knobs']}]; {r['noise']}"
             )
-    objs = ", ".join(f"{m} {'min' if d == 'minimize' else 'max'}" for m, d in sweep.objectives)
+        elif r["objective"] in unranked:
+            say(f"best {r['objective']}: {r['noise']}")
+    objs = ", ".join(f"{m} {'min' if d == 'minimize' else 'max'}" for m, d in objectives)
     say(f"Pareto front (feasible; {objs}): " + (", ".join(f"trial {t.number:04d}" for t in front) or "empty"))
     n_fail = len(report.tables["failures"].rows)
     if n_fail:

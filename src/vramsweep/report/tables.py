@@ -34,6 +34,7 @@ from vramsweep.record.metrics import (
     value_format,
 )
 from vramsweep.record.metrics import label as metric_label
+from vramsweep.report.evalset import EvalSplit, held_out, same_eval_set, split
 from vramsweep.report.load import (
     REPEAT_KEYS,
     SweepData,
@@ -168,12 +169,14 @@ def csv_text(tables: Iterable[Table]) -> str:
 # ---------------------------------------------------------------------------------------------
 #: Significance marks on Δ cells (see :mod:`vramsweep.report.stats` for the tests).
 MARKS = {SIGNIFICANT: "*", NOISE: "~", UNKNOWN: "?"}
+#: A held-out metric's Δ cell between trials that scored different held-out tokens (report/evalset.py).
+NOT_COMPARABLE = "n/c"
 #: Mark of a throughput delta measured under load (replaces the significance mark: not a finding).
 LOAD_MARK = "!"
 MARK_LEGEND = (
     "Δ ± standard error of the difference, then a mark: `*` exceeds the seed-to-seed noise (t-test, "
     "p < 0.05), `~` within noise, `?` noise unknown (a single run on both sides), "
-    f"`{LOAD_MARK}` throughput measured under load (not a finding)."
+    f"`{LOAD_MARK}` throughput measured under load or on a GPU shared with another trial (not a finding)."
 )
 
 
@@ -515,6 +518,7 @@ def trials_table(sweep: SweepData) -> Table:
                 "feasible": sweep.feasible(t),
                 "reason": t.reason,
                 "timing_disturbed": t.timing_disturbed,
+                "gpu_share": _gpu_share_text(t),
                 "overrides": list(t.overrides),
             }
         )
@@ -533,6 +537,8 @@ def trials_table(sweep: SweepData) -> Table:
         ),
         Column("fits", lambda r: r["fits"], False),
     ]
+    if any(r["gpu_share"] for r in rows):  # trials_per_gpu: whose throughput was measured beside another
+        cols.append(Column("GPU", lambda r: r["gpu_share"] or "", False))
     budget = sweep.budget_gib
     intro = (
         f"Budget {budget:g} GiB: fits = status ok and peak ≤ budget."
@@ -549,10 +555,16 @@ def _compare_into(
     (keys ``d_<pfx><key>``, ``d_<pfx><key>_pct``, ``se_<pfx><key>``, ``p_<pfx><key>``, ``sig_<pfx><key>``)."""
     loaded = _loaded(point.trials) + (_loaded(ref.trials) if ref is not None else [])
     r[f"loaded_{pfx}".rstrip("_")] = "; ".join(f"trial {n}: {why}" for n, why in loaded) or None
+    oks = [t for t in point.trials if t.ok] + ([t for t in ref.trials if t.ok] if ref is not None else [])
+    other_eval_set = ref is not None and not same_eval_set(oks, [])
     for spec in specs:
         a = ok_values(point.trials, spec.value)
         b = ok_values(ref.trials, spec.value) if ref is not None else []
-        c: Comparison | None = compare(a, b)
+        # held-out metrics over different held-out tokens: no Δ, the cell says n/c (report/evalset.py)
+        nc = other_eval_set and held_out(spec.metric) and bool(a) and bool(b)
+        if nc:
+            r[f"nc_{pfx}{spec.key}"] = True
+        c: Comparison | None = None if nc else compare(a, b)
         pct = f"d_{pfx}{spec.pct_key[2:]}"
         ref_mean = statistics.fmean(b) if b else None
         r[f"d_{pfx}{spec.key}"] = c.delta if c else None
@@ -564,6 +576,14 @@ def _compare_into(
         r[f"p_{pfx}{spec.key}"] = c.p if c else None
         r[f"sig_{pfx}{spec.key}"] = c.verdict if c else None
         r[f"test_{pfx}{spec.key}"] = c.test if c else None
+
+
+def _gpu_share_text(t: TrialRecord) -> str | None:
+    """The trials table's GPU cell: ``shared`` (throughput not the card's own) or ``alone``."""
+    gs = t.meta.get("gpu_share")
+    if not isinstance(gs, dict):
+        return None
+    return f"{gs.get('device')} shared" if t.gpu_shared else f"{gs.get('device')} alone"
 
 
 def _loaded(trials: list[TrialRecord]) -> list[tuple[int, str]]:
@@ -591,6 +611,8 @@ def _delta_cell(
         marked = pct == (spec.delta_header is None)
 
     def cell(r: dict[str, Any]) -> str:
+        if r.get(f"nc_{pfx}{spec.key}"):
+            return NOT_COMPARABLE
         d = r.get(f"d_{key}")
         if d is None:
             return ""
@@ -657,6 +679,18 @@ def _noise_notes(rows: list[dict[str, Any]], specs: list[MetricSpec], pfx: str) 
     return notes
 
 
+def _eval_set_notes(sweep: SweepData, rows: list[dict[str, Any]], points: list[PointTrials]) -> list[str]:
+    """Why held-out Δ cells say n/c: the compared trials scored different held-out tokens, and the knob."""
+    if not any(k.startswith("nc_") and v for r in rows for k, v in r.items()):
+        return []
+    sp = split(sweep, [t for p in points for t in p.trials if t.ok])
+    why = sp.message() if sp is not None else "the trials scored different held-out tokens"
+    return [
+        f"{NOT_COMPARABLE}: held-out metrics not compared (eval loss, ppl, task score, fact/control): {why}. "
+        "Fix that key across the sweep to compare them (docs/DATA.md, Held-out loss)."
+    ]
+
+
 def _load_notes(points: list[PointTrials]) -> list[str]:
     """Which trials measured their throughput under load (``meta.timing_conditions``), and why."""
     loaded = sorted({n: why for p in points for n, why in _loaded(p.trials)}.items())
@@ -706,6 +740,7 @@ def ablation_table(sweep: SweepData) -> Table | None:
     elif not base_row["n_ok"]:
         notes.append("Every baseline trial failed: Δ columns are empty.")
     notes += _noise_notes(rows, specs, "") if ref is not None else []
+    notes += _eval_set_notes(sweep, rows, [baseline, *factors])
     notes += _load_notes([baseline, *factors])
     return Table("ablation", "One-factor ablation", cols, rows, intro=intro, notes=notes)
 
@@ -747,7 +782,7 @@ def stacking_table(sweep: SweepData) -> Table | None:
         "Optimisations added one at a time, in order; each row is the cumulative config after that step. "
         "Δ prev compares with the step before (empty when either is unmeasured). " + MARK_LEGEND
     )
-    notes = _noise_notes(rows, specs, "prev_") + _load_notes(points)
+    notes = _noise_notes(rows, specs, "prev_") + _eval_set_notes(sweep, rows, points) + _load_notes(points)
     return Table("stacking", "Stacking", cols, rows, intro=intro, notes=notes)
 
 
@@ -926,14 +961,28 @@ def best_config(
     return best, info
 
 
+def ranked_objectives(
+    sweep: SweepData, trials: list[TrialRecord]
+) -> tuple[list[tuple[str, str]], dict[str, EvalSplit]]:
+    """The objectives ``trials`` can be ranked on, and the held-out ones they cannot: metric -> the
+    :class:`~vramsweep.report.evalset.EvalSplit` of trials that scored different held-out tokens."""
+    unranked: dict[str, EvalSplit] = {}
+    for metric, _ in sweep.objectives:
+        if held_out(metric) and (sp := split(sweep, [t for t in trials if t.metric(metric) is not None])):
+            unranked[metric] = sp
+    return [(m, d) for m, d in sweep.objectives if m not in unranked], unranked
+
+
 def best_table(sweep: SweepData) -> Table:
     """Best feasible config per objective (by its mean over seed repeats; its best trial shown), whether it
     is separated from the other configs beyond noise, and the feasible Pareto front."""
     knobs = sweep.varying_knobs()
     feasible = [t for t in sweep.trials if sweep.feasible(t)]
     rows = []
+    front_objectives, unranked = ranked_objectives(sweep, feasible)
     for metric, direction in sweep.objectives:
-        found = best_config(sweep, feasible, metric, direction)
+        sp = unranked.get(metric)
+        found = None if sp is not None else best_config(sweep, feasible, metric, direction)
         if found is None:
             rows.append(
                 {
@@ -942,7 +991,7 @@ def best_table(sweep: SweepData) -> Table:
                     "trial": None,
                     "value": None,
                     "knobs": "",
-                    "noise": "",
+                    "noise": f"not ranked: {sp.message()}" if sp is not None else "",
                 }
             )
             continue
@@ -957,8 +1006,10 @@ def best_table(sweep: SweepData) -> Table:
                 **info,
             }
         )
-    front = pareto_front(feasible, sweep.objectives)
-    objs = ", ".join(f"{m} {'↓' if d == 'minimize' else '↑'}" for m, d in sweep.objectives)
+    front = pareto_front(feasible, front_objectives)
+    objs = ", ".join(f"{m} {'↓' if d == 'minimize' else '↑'}" for m, d in front_objectives)
+    if unranked:
+        objs += f" ({', '.join(unranked)} left out: the trials scored different held-out tokens)"
     intro = (
         f"Feasible trials only ({len(feasible)} of {len(sweep.trials)}). Best = the config with "
         "the best mean over its seed repeats (its best trial shown); vs other configs: which it "
@@ -999,6 +1050,41 @@ class Report:
         raise KeyError("no tables")
 
 
+def confirm_table(sweep: SweepData) -> Table | None:
+    """Shared vs alone: the throughput of each config the confirm stage re-ran alone on a GPU (``None`` when
+    none was)."""
+    rows = []
+    for t in sweep.trials:
+        if t.alone is None:
+            continue
+        shared, alone = t.tokens_per_s, t.alone.tokens_per_s
+        rows.append(
+            {
+                "trial": t.number,
+                "confirm_trial": t.alone.number,
+                "tokens_per_s_shared": shared,
+                "tokens_per_s_alone": alone,
+                "shared_over_alone_pct": (shared / alone - 1.0) * 100.0 if shared and alone else None,
+                "shared_with": t.gpu_shared,
+                "overrides": list(t.overrides),
+            }
+        )
+    if not rows:
+        return None
+    cols = [
+        Column("trial", lambda r: str(r["trial"])),
+        Column("tok/s shared", lambda r: fmt(r["tokens_per_s_shared"], ",.0f")),
+        Column("tok/s alone", lambda r: fmt(r["tokens_per_s_alone"], ",.0f")),
+        Column("shared vs alone %", lambda r: fmt(r["shared_over_alone_pct"], "+.1f")),
+        Column("confirm trial", lambda r: str(r["confirm_trial"])),
+    ]
+    intro = (
+        "sweep.confirm: the configs pick chooses between, re-run each alone on a GPU after measuring their "
+        "throughput beside other trials; pick ranks on the alone figure."
+    )
+    return Table("confirm", "Throughput: shared GPU vs alone", cols, rows, intro=intro)
+
+
 def build_tables(sweep: SweepData) -> Report:
     """All tables for ``sweep`` (which must have at least one trial)."""
     tables: dict[str, Table] = {}
@@ -1010,6 +1096,8 @@ def build_tables(sweep: SweepData) -> Report:
     if st is not None:
         tables["stacking"] = st
     tables["trials"] = trials_table(sweep)
+    if (confirm := confirm_table(sweep)) is not None:
+        tables["confirm"] = confirm
     tables["failures"] = failures_table(sweep)
     est = estimate_tables(sweep)
     notes = list(sweep.notes)

@@ -35,7 +35,9 @@ from vramsweep.config.errors import error_line
 from vramsweep.preflight import check_fault_env, check_named_options, preflight_sweep
 from vramsweep.record.diskfull import disk_full_reason
 from vramsweep.report.wandb_summary import SummaryUpdater
+from vramsweep.sweeper.confirm import may_confirm, run_confirm
 from vramsweep.sweeper.fastpath import finished_study
+from vramsweep.sweeper.gpus import GpuSeats
 from vramsweep.sweeper.isolation import effective_preload, make_runner
 from vramsweep.sweeper.launch import LauncherRunner
 from vramsweep.sweeper.maxctx import run_max_context
@@ -137,7 +139,7 @@ class Sweep:
         wandb_summary = None
         if self.plan.wandb:
             wandb_summary = SummaryUpdater(s.sweep_dir, on_warning=self.progress.say)
-        pool = WorkerPool(self.book, self.runner, state, self.progress, wandb_summary)
+        pool = WorkerPool(self.book, self.runner, state, self.progress, wandb_summary, seats=self.seats())
         stop_beat = threading.Event()
         t0 = time.perf_counter()
         threading.Thread(
@@ -148,6 +150,7 @@ class Sweep:
             self.progress.say(self.describe())
             self.runner.start()
             started = True
+            pool.prime()
             self.progress.start()
             self._run_workers(pool, max(1, s.n_jobs))
         finally:
@@ -160,6 +163,13 @@ class Sweep:
         self.summary(time.perf_counter() - t0)
         checkpoint_wal(s.storage)
         return 1 if state.abort.is_set() else 0
+
+    def seats(self) -> GpuSeats | None:
+        """The GPUs' seats of this run (``None``: CPU, or trials run as launcher jobs elsewhere)."""
+        layout = self.plan.layout
+        if layout is None or not layout.gpus or isinstance(self.runner, LauncherRunner):
+            return None
+        return GpuSeats(layout.gpus, layout.per_gpu)
 
     def _run_workers(self, pool: WorkerPool, n_threads: int) -> None:
         """``n_threads`` workers until every slot is done; Ctrl-C stops them (running trials re-enqueued)."""
@@ -229,9 +239,10 @@ class Sweep:
             what += f" ({s.design_reason})"
         objs = ", ".join(f"{o.direction} {o.metric}" for o in s.objectives)
         budget = f"; budget {s.budget_gib:g} GiB" if s.budget_gib else ""
+        workers = s.layout.line if s.layout is not None else f"{s.n_jobs} worker(s)"
         return (
             f"vramsweep: '{s.name}': {what}, {plural(self.plan.n_total, 'trial')}, {objs}{budget}; "
-            f"{pruning}; {s.n_jobs} worker(s), each trial in a {how}"
+            f"{pruning}; {workers}, each trial in a {how}"
         )
 
     def summary(self, wall_s: float) -> None:
@@ -340,7 +351,8 @@ def run_sweep(
             return 2
         return run_max_context(sweeper_cfg, task_cfg, arguments, runner=runner)
     done = finished_study(sweeper_cfg, task_cfg, arguments)
-    if done is not None:  # nothing to run: the summary, without composing every point or importing torch
+    # nothing to run (and no confirm stage to finish): the summary, without composing every point or torch
+    if done is not None and not may_confirm(done[0]):
         return Sweep.report_complete(*done, runner=runner, launcher_factory=launcher_factory)
     try:
         check_fault_env()
@@ -352,7 +364,8 @@ def run_sweep(
         print(error_line("train", str(exc)), file=sys.stderr)
         return 2
     try:
-        return Sweep(plan, runner=runner, launcher_factory=launcher_factory).run()
+        code = Sweep(plan, runner=runner, launcher_factory=launcher_factory).run()
+        return run_confirm(plan, runner=runner) if code == 0 else code
     except ConfigError as exc:
         print(error_line("train", str(exc)), file=sys.stderr)
         return 2

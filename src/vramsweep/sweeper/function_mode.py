@@ -118,7 +118,8 @@ def plan_function_sweep(settings: dict[str, Any], arguments: list[str]) -> Funct
     pinned = {override_key(o) for o in cli_fixed}  # `y=0` on the command line pins a param, as upstream
     dims, fixed_params = parse_params({k: v for k, v in params.items() if k not in pinned})
     directions = _directions(settings.get("direction"))
-    n_jobs = int(settings.get("n_jobs") or 1)
+    # auto: the launcher's own parallelism decides; batches of 1
+    n_jobs = 1 if settings.get("n_jobs") in (None, "auto") else int(settings["n_jobs"])
     sampler = _sampler(settings.get("sampler"), settings.get("seed"), dims, n_jobs, len(directions))
     grid_size = None
     if isinstance(sampler, tuple):

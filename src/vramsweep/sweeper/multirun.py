@@ -16,6 +16,7 @@ from vramsweep.config.compose import (
     translate_hydra_error,
 )
 from vramsweep.config.errors import error_line
+from vramsweep.config.paths import misplaced_hint
 from vramsweep.config.schema import register_configs
 from vramsweep.sweeper.trialproc import execute, load_spec
 
@@ -87,6 +88,7 @@ def check_option_names(args: list[str]) -> None:
                     else " (none yet: `vramsweep pick` writes experiment/<name>.yaml into your conf "
                     "dir, ./conf)"
                 )
+                hint += misplaced_hint(group, n)
                 raise ConfigError(f"unknown {group} '{n}'{hint}", key=group, allowed=known or None)
 
 

@@ -19,6 +19,7 @@ from vramsweep.config.compose import ConfigError, compose
 from vramsweep.config.urls import mask_url
 from vramsweep.record.metrics import PRUNABLE_METRICS
 from vramsweep.sweeper.design import DesignPoint, build_design, design_choices
+from vramsweep.sweeper.gpus import Layout, Profile, plan_layout
 from vramsweep.sweeper.multirun import check_option_names, translate_args
 from vramsweep.sweeper.samplers import make_pruner, make_sampler
 from vramsweep.sweeper.settings import (
@@ -91,6 +92,8 @@ class Plan:
     identity: dict[str, Any] = field(default_factory=dict)
     sweep_id: str = ""
     wandb: bool = False  # trials log to W&B: keep the sweep-summary run current as trials finish
+    #: worker slots and GPU seats (:func:`.gpus.plan_layout`); ``None`` until :func:`plan_sweep` sets it
+    layout: Layout | None = None
 
     def __getattr__(self, key: str) -> Any:
         """A ``hydra.sweeper.*`` key from ``conf``, or a ``sweep:`` key from ``sweep``."""
@@ -172,7 +175,7 @@ class Plan:
 
 
 #: Fixed overrides that do not change what a trial measures (not part of a sweep's identity).
-NOT_IDENTITY = ("results_dir", "sweep.name")
+NOT_IDENTITY = ("results_dir", "sweep.name", "sweep.confirm")
 IDENTITY = "vramsweep:identity"
 
 
@@ -369,11 +372,17 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
             "vramsweep: pruning is on but train.eval_every=0 (no intermediate evals): set train.eval_every",
             file=sys.stderr,
         )
-    if plan.isolation == "inprocess" and plan.conf.n_jobs > 1:
+    if plan.isolation == "inprocess" and plan.conf.n_jobs not in ("auto", 1):
         print("vramsweep: isolation=inprocess runs one trial at a time: n_jobs set to 1", file=sys.stderr)
     wandb = str((task_cfg.get("logger") or {}).get("name")) == "wandb" or "logger=wandb" in fixed
+    hw = Profile.of(base.hardware, swept=hardware_swept(dims, design))
+    layout = plan_layout(plan.conf, plan.isolation, hw)
+    for note in layout.notes:
+        print(f"vramsweep: {note}", file=sys.stderr)
     planned = replace(
         plan,
+        n_jobs=layout.n_jobs,
+        layout=layout,
         # the composed base config's budget (the sweep file's fixed params may set it)
         budget_gib=float(base.hardware.budget_gib or 0.0),
         fixed=fixed,
@@ -384,6 +393,12 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
         wandb=wandb,
     )
     return name_sweep(planned)
+
+
+def hardware_swept(dims: list[Param], design: list[DesignPoint] | None) -> bool:
+    """Whether the sweep varies the hardware profile (then each trial's cap may differ)."""
+    keys = [d.key for d in dims] + [override_key(o) for p in design or [] for o in p.overrides]
+    return any(k == "hardware" or k.startswith("hardware.") for k in keys)
 
 
 def identity_diff(old: dict[str, Any], new: dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,8 @@ MAX_N_TRIALS = 10_000
 #: Shortest ``hydra.sweeper.timeout_s``: starting a trial process alone takes about a second, so a shorter
 #: limit kills every trial.
 MIN_TIMEOUT_S = 1.0
+#: Most trials one GPU may hold at once (``hydra.sweeper.trials_per_gpu``).
+MAX_PER_GPU = 64
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class Rule:
     choices: tuple[str, ...] = ()
     hint: str = ""
     check: Callable[[Any], None] | None = None
+    auto: str = ""  # ``auto`` is allowed too; what it means
 
 
 def setting(rule: Rule, default: Any = None, *, factory: Callable[[], Any] | None = None) -> Any:
@@ -99,7 +102,8 @@ class SweeperConf:
     Attributes:
         n_trials: study total; a re-run continues and runs exactly the remainder. ``null`` = every
             point of a grid/ablation/stacking design, 20 for a search.
-        n_jobs: local worker slots on this machine (each trial still runs in its own process).
+        n_jobs: local worker slots on this machine (each trial still runs in its own process); ``auto``:
+            one per visible GPU seat (``trials_per_gpu`` each), 1 on CPU (:mod:`.gpus`).
         storage: Optuna storage URL; ``null`` = ``sqlite:///<sweep dir>/study.db``. Use
             ``postgresql://user@host/db`` for many workers or machines.
         study_name: ``null`` = the sweep's name (a sweep file's ``sweep.name``, ``sweep.name=<x>``, or for an
@@ -137,7 +141,13 @@ class SweeperConf:
         dedup: search design only: a point the sampler proposes again is not re-run; the earlier
             trial's outcome is copied (``duplicate_of``) at zero cost.
         sweep_dir: ``null`` = ``<results_dir>/sweeps/<name>``.
-        cuda_devices: optional list; worker slot i gets ``CUDA_VISIBLE_DEVICES=cuda_devices[i % len]``.
+        cuda_devices: the GPUs trials run on (``null``: every visible one); each trial gets
+            ``CUDA_VISIBLE_DEVICES=<its GPU>``.
+        trials_per_gpu: trials one GPU holds at once, each in its own process under its own cap; ``auto``:
+            ``⌊(card − gpu_reserve_gib) ÷ (cap + CUDA context)⌋`` where the hardware profile caps below the
+            card, else 1. Throughput measured beside another trial is marked shared.
+        gpu_reserve_gib: memory of each card left out of the ``trials_per_gpu=auto`` arithmetic.
+        share_below: a trial whose memory estimate reaches this fraction of its cap runs alone on its GPU.
         progress: print one line per finished trial plus a total progress bar.
         custom_search_space: function mode only (any Hydra app): ``module.function(cfg, trial)`` that
             suggests more params, as in hydra-optuna-sweeper.
@@ -146,7 +156,7 @@ class SweeperConf:
     n_trials: int | None = setting(
         Rule("int", 0, MAX_N_TRIALS, nullable=True, hint="every point of a design, 20 for a search"), None
     )
-    n_jobs: int = setting(Rule("int", 1, MAX_N_JOBS), 1)
+    n_jobs: Any = setting(Rule("int", 1, MAX_N_JOBS, auto="one per GPU seat, 1 on CPU"), "auto")
     storage: str | None = setting(Rule("str", nullable=True, hint="sqlite:///<sweep dir>/study.db"), None)
     study_name: str | None = setting(Rule("str", nullable=True, hint="the sweep's name"), None)
     sampler: Any = setting(Rule("spec", nullable=True, choices=SAMPLERS), None)
@@ -173,6 +183,11 @@ class SweeperConf:
     cuda_devices: list[str] | None = setting(
         Rule("strs", nullable=True, hint="every visible device", check=lambda v: _check_cuda_devices(v)), None
     )
+    trials_per_gpu: Any = setting(
+        Rule("int", 1, MAX_PER_GPU, auto="as many capped trials as the card holds"), "auto"
+    )
+    gpu_reserve_gib: float = setting(Rule("float", 0.0, 1024.0), 1.0)
+    share_below: float = setting(Rule("float", 0.0, 1.0, lo_open=True), 0.9)
     progress: bool = setting(Rule("bool"), True)
     custom_search_space: str | None = setting(Rule("str", nullable=True, check=lambda v: _check_css(v)), None)
 
@@ -206,6 +221,8 @@ def _range_text(rule: Rule) -> str:
 
 
 def _kind_text(rule: Rule) -> str:
+    if rule.auto:
+        return f"auto ({rule.auto}) or " + _kind_text(replace(rule, auto=""))
     if rule.kind in ("int", "float"):
         return _range_text(rule)
     base = {
@@ -235,6 +252,8 @@ def check_setting(key: str, value: Any) -> None:
         if rule.nullable:
             return
         raise _bad_setting(full, value, rule, "cannot be null")
+    if rule.auto and value == "auto":
+        return
     check = _KIND_CHECKS.get(rule.kind)
     if check is not None:
         check(full, value, rule)
@@ -460,7 +479,7 @@ class Objective:
 
 
 #: ``sweep:`` keys a :class:`~vramsweep.sweeper.plan.Plan` reads through from its :class:`SweepConfig`.
-SWEEP_KEYS = ("baseline", "factors", "stack", "preflight")
+SWEEP_KEYS = ("baseline", "factors", "stack", "preflight", "confirm")
 
 
 def _spec_name(spec: Any) -> str:
@@ -641,6 +660,9 @@ class SweepConfig:
     configs: list[Any] = field(default_factory=list)
     fixed: list[str] = field(default_factory=list)
     max_context: dict[str, Any] = field(default_factory=dict)
+    #: the confirm stage (sweeper/confirm.py): ``null``/``auto`` the configs pick chooses between, ``n`` the
+    #: first n, ``0`` off; runs only when trials shared a GPU
+    confirm: Any = None
 
     @classmethod
     def from_dict(cls, node: dict[str, Any] | None) -> SweepConfig:
@@ -679,7 +701,21 @@ class SweepConfig:
             configs=list(node.get("configs") or []),
             fixed=[str(x) for x in _as_list(node.get("fixed"), "sweep.fixed")],
             max_context=dict(node.get("max_context") or {}),
+            confirm=_confirm_value(node.get("confirm")),
         )
+
+
+def _confirm_value(value: Any) -> int | str | None:
+    """``sweep.confirm``: null or ``auto``, or a count >= 0 (0: off)."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1000:
+        return value
+    raise ConfigError(
+        f"sweep.confirm={value!r} must be auto, null or a number of configs in 0..1000",
+        key="sweep.confirm",
+        allowed=["auto", "null", "0 (off)", "1..1000"],
+    )
 
 
 def _optional_bool(value: Any, key: str) -> bool | None:
@@ -737,7 +773,7 @@ def _normalised(conf: SweeperConf) -> SweeperConf:
     out = {}
     for f in fields(conf):
         value, norm = getattr(conf, f.name), _NORMALISE.get(f.metadata["rule"].kind)
-        keep = value is None or norm is None or f.name in ("n_trials", "seed")
+        keep = value is None or norm is None or f.name in ("n_trials", "seed") or value == "auto"
         out[f.name] = value if keep else norm(value)
     out["preload"] = out["preload"] or []
     return SweeperConf(**out)
@@ -887,7 +923,7 @@ def resolve_settings(
         objectives=objectives,
         repeats=sweep.repeats if sweep.repeats is not None else default_repeats(design, objectives),
         # isolation=inprocess runs one trial at a time
-        n_jobs=1 if conf.isolation == "inprocess" else int(conf.n_jobs),
+        n_jobs=1 if conf.isolation == "inprocess" or conf.n_jobs == "auto" else int(conf.n_jobs),
         storage=_storage_url(conf, sweep_dir),
         study_name=str(conf.study_name or name),
         sampler=sampler,

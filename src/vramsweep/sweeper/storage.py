@@ -30,7 +30,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -274,8 +274,12 @@ def top_up(study: Any, n_total: int, slot_attrs: Any) -> int:
     return added
 
 
-def pop_slot(study: Any, n_total: int) -> int | None:
-    """Atomically take the lowest WAITING slot below ``n_total``; its trial id, or ``None``."""
+def pop_slot(study: Any, n_total: int, claim: Callable[[int], None] | None = None) -> int | None:
+    """Atomically take the lowest WAITING slot below ``n_total``; its trial id, or ``None``.
+
+    ``claim(trial_id)`` runs *before* the trial turns RUNNING (it stamps the owner and heartbeat): a sweeper
+    killed between the two writes leaves a WAITING trial with an owner (harmless: the next pop stamps its
+    own), never a RUNNING trial without one (which no re-run could tell from a live one for ``grace_s``)."""
     from optuna.exceptions import UpdateFinishedTrialError
     from optuna.trial import TrialState
 
@@ -286,6 +290,8 @@ def pop_slot(study: Any, n_total: int) -> int | None:
         if slot is None or int(slot) >= n_total:
             continue
         try:
+            if claim is not None:
+                claim(t._trial_id)
             if storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
                 return t._trial_id
         except UpdateFinishedTrialError:

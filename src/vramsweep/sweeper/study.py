@@ -221,6 +221,8 @@ class StudyBook:
                 "design_points": len(self.plan.points) if self.plan.points is not None else None,
                 "sweep_id": self.plan.sweep_id,
                 "identity": self.plan.identity,
+                # worker slots and GPU seats of the run that wrote this file (gpus.Layout)
+                "workers": s.layout.public() if s.layout is not None else None,
             },
         )
         if self.plan.points is None:
@@ -517,13 +519,18 @@ class StudyBook:
             return int(t.user_attrs.get("duplicate_of", t.number)), data
         return None
 
+    def _claim(self, trial_id: int) -> None:
+        """Stamp this process as the owner of ``trial_id`` (before :func:`pop_slot` makes it RUNNING)."""
+        self.storage.set_trial_system_attr(trial_id, OWNER, self.identity)
+        self.storage.set_trial_system_attr(trial_id, HEARTBEAT, time.time())
+
     def next_job(self) -> Job | None:
         """Pop a slot and fill in its config; ``None`` when no slot is waiting."""
         import optuna
 
         with self.ask_lock:
             with storage_lock(self.plan.storage, self.plan.study_name):
-                trial_id = pop_slot(self.study, self.plan.n_total)
+                trial_id = pop_slot(self.study, self.plan.n_total, claim=self._claim)
             if trial_id is None:
                 return None
             self.running.add(trial_id)

@@ -36,6 +36,7 @@ from vramsweep.record.hostmem import MARKER_ENV, marker_path
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.result import atomic_write_json, new_result, read_json_file, write_result
 from vramsweep.record.status import Status
+from vramsweep.record.threads_env import CONCURRENT_ENV
 from vramsweep.record.units import GIB
 from vramsweep.sweeper.outcome import Outcome, classify, normalise_result, result_from_exception
 from vramsweep.sweeper.samplers import make_pruner
@@ -68,18 +69,35 @@ class TrialSpec:
     parent_ctime: float | None = None
     env: dict[str, str] = field(default_factory=dict)
     cwd: str = "."
+    #: the GPU seat (:class:`.gpus.GpuSeats`): ``{"device", "per_gpu", "alone"}``; empty without one
+    gpu: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def for_job(cls, job: Any, plan: Any, *, worker: int = 0, parent_ctime: float | None = None) -> TrialSpec:
+    def for_job(
+        cls,
+        job: Any,
+        plan: Any,
+        *,
+        worker: int = 0,
+        parent_ctime: float | None = None,
+        gpu: dict[str, Any] | None = None,
+    ) -> TrialSpec:
         """The spec of a sweep's trial ``job`` (:class:`.study.Job`) in ``plan`` (:class:`.plan.Plan`):
         result JSON and log under ``<sweep dir>/trials`` (no log file in process), the sweep's
         objectives, pruner and checks, this process as the parent (``parent_ctime``: its start time),
-        and this environment plus ``VRAMSWEEP_SWEEP_DIR`` (trial W&B runs go to ``<sweep dir>/wandb``)
-        and, when ``cuda_devices`` is set, worker ``worker``'s ``CUDA_VISIBLE_DEVICES``."""
+        and this environment plus ``VRAMSWEEP_SWEEP_DIR`` (trial W&B runs go to ``<sweep dir>/wandb``),
+        ``VRAMSWEEP_CONCURRENT_TRIALS`` (``plan.n_jobs``: ``train.threads=auto`` takes a share) and
+        ``CUDA_VISIBLE_DEVICES``: the GPU of its seat (``gpu``), else (launcher jobs) worker ``worker``'s
+        entry of ``cuda_devices``."""
         trials = plan.sweep_dir / "trials"
         env = dict(os.environ)
         env["VRAMSWEEP_SWEEP_DIR"] = str(plan.sweep_dir)
-        if plan.cuda_devices:
+        env[CONCURRENT_ENV] = str(max(1, int(plan.n_jobs)))  # train.threads=auto takes its share of the cores
+        if gpu:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu["device"])
+            if plan.layout is not None and plan.layout.source in ("NVML", "torch (asked in a child process)"):
+                env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the indices are NVML's (PCI bus order)
+        elif plan.cuda_devices:
             env["CUDA_VISIBLE_DEVICES"] = plan.cuda_devices[worker % len(plan.cuda_devices)]
         return cls(
             number=job.number,
@@ -103,6 +121,7 @@ class TrialSpec:
             parent_ctime=parent_ctime,
             env=env,
             cwd=os.getcwd(),
+            gpu=dict(gpu or {}),
         )
 
 
@@ -207,9 +226,27 @@ def finalize(
         meta.setdefault("pruned_at_step", pruned_at)
     if spec.log_path and os.path.exists(spec.log_path):
         meta["log_path"] = os.path.basename(spec.log_path)
+    if spec.gpu and not isinstance(meta.get("gpu_share"), dict):
+        meta["gpu_share"] = provisional_share(spec.gpu)
     outcome = classify(result, spec.objectives, budget_gib=spec.budget_gib)
     meta["optuna"] = outcome.to_dict() | {"trial_number": spec.number, "study": spec.study_name}
     return result, outcome
+
+
+def provisional_share(gpu: dict[str, Any]) -> dict[str, Any]:
+    """``meta.gpu_share`` as the trial process writes it: ``shared`` is true wherever another trial *could*
+    have run beside it (its GPU holds more than one, and it did not hold it alone), ``exact`` false. The
+    sweeper rewrites it with who actually shared (:func:`.workers.mark_share`); a result whose sweeper died
+    first keeps this conservative mark."""
+    per_gpu, alone = int(gpu.get("per_gpu") or 1), gpu.get("alone")
+    return {
+        "device": str(gpu.get("device")),
+        "trials_per_gpu": per_gpu,
+        "alone": alone,
+        "shared": per_gpu > 1 and not alone,
+        "with": None,
+        "exact": False,
+    }
 
 
 def preflight_result(spec: TrialSpec, cfg: Any) -> dict[str, Any] | None:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vramsweep.record.diskfull import NO_SPACE
+from vramsweep.sweeper import gpus
+from vramsweep.sweeper.gpus import GpuSeats, needs_gpu_alone, needs_probe
 from vramsweep.sweeper.progress import Progress, trial_line
 from vramsweep.sweeper.study import Job, StudyBook
 from vramsweep.sweeper.trialproc import RunReport, TrialSpec
@@ -39,7 +42,13 @@ class WorkerPool:
     """The workers of one sweeper process: ``run_worker(i)`` in each of ``n_jobs`` threads."""
 
     def __init__(
-        self, book: StudyBook, runner: Any, state: RunState, progress: Progress, wandb_summary: Any = None
+        self,
+        book: StudyBook,
+        runner: Any,
+        state: RunState,
+        progress: Progress,
+        wandb_summary: Any = None,
+        seats: GpuSeats | None = None,
     ):
         self.book = book
         self.plan = book.plan
@@ -48,6 +57,8 @@ class WorkerPool:
         self.progress = progress
         self.wandb_summary = wandb_summary  # report.wandb_summary.SummaryUpdater when trials log to W&B
         self._job_losses: dict[int, int] = {}  # slot -> launcher jobs lost in this run (retry_stale bound)
+        self.seats = seats  # the GPUs' seats (None: CPU, or a launcher's nodes)
+        self._alone: dict[tuple[str, ...], str | None] = {}  # overrides -> why the trial runs alone
 
     def run_worker(self, idx: int) -> None:
         """One worker slot: pop, run, tell, until no slot is left (or the sweep aborts)."""
@@ -61,9 +72,15 @@ class WorkerPool:
             if job.duplicate_of is not None:
                 book.record_duplicate(job)
                 continue
-            spec = TrialSpec.for_job(job, self.plan, worker=idx, parent_ctime=book.identity.get("ctime"))
+            gpu = self._take_gpu(job)
+            if gpu is False:  # the sweep stopped while the trial waited for a GPU
+                self._requeue_unstarted(job)
+                return
+            spec = TrialSpec.for_job(
+                job, self.plan, worker=idx, parent_ctime=book.identity.get("ctime"), gpu=gpu or None
+            )
             self._show_running()
-            report = self.runner.run(spec, tick_s=1.0, timeout_s=self.plan.timeout_s)
+            report = self._run_on(spec, gpu or None)
             if state.interrupted:
                 if job.number in getattr(self.runner, "uncancelled", ()):
                     # its job may still run: the trial stays RUNNING, a re-run stops the job first
@@ -76,6 +93,88 @@ class WorkerPool:
                 self._record_lost_job(job, report, lost)
                 continue
             self._record(job, report)
+
+    def _take_gpu(self, job: Job) -> dict[str, Any] | bool | None:
+        """A seat for ``job`` (``{"device", "per_gpu", "alone"}``), ``None`` without GPUs, ``False`` when the
+        sweep stopped while it waited. A trial that must run alone (:func:`.gpus.needs_gpu_alone`) waits
+        for an empty GPU."""
+        if self.seats is None:
+            return None
+        alone = self.alone_reason(job) if self.seats.per_gpu > 1 else "one trial per GPU"
+        device = self.seats.take(job.number, alone is not None and self.seats.per_gpu > 1, self.state.abort)
+        if device is None:
+            return False
+        return {"device": device, "per_gpu": self.seats.per_gpu, "alone": alone}
+
+    def alone_reason(self, job: Job) -> str | None:
+        """Why ``job`` must have its GPU alone (``None``: it may share): from its memory estimate, composed
+        here (torch-free) once per point."""
+        return self._alone_for(job.overrides)
+
+    def _alone_for(self, overrides: list[str]) -> str | None:
+        key = tuple(overrides)
+        if key not in self._alone:
+            self._alone[key] = _alone_reason(list(overrides), self.plan.share_below)
+        return self._alone[key]
+
+    def prime(self) -> None:
+        """Estimate a fixed design's first wave (the ``n_jobs`` lowest waiting slots) before the workers
+        start, so its trials start together instead of one compose apart."""
+        if self.seats is None or self.seats.per_gpu <= 1 or self.plan.points is None:
+            return
+        from optuna.trial import TrialState
+
+        from vramsweep.sweeper.space import merge_overrides
+        from vramsweep.sweeper.storage import SLOT
+
+        waiting = self.book.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        ordered = sorted(waiting, key=lambda t: t.number)
+        slots = [int(t.system_attrs[SLOT]) for t in ordered if SLOT in t.system_attrs]
+        for slot in [s for s in slots if s < len(self.plan.points)][: self.plan.n_jobs]:
+            self._alone_for(merge_overrides(self.plan.fixed, self.plan.points[slot].overrides))
+
+    def _run_on(self, spec: TrialSpec, gpu: dict[str, Any] | None) -> RunReport:
+        """Run ``spec``'s trial; on a GPU seat, give the seat back (blocked first when the GPU must pass a
+        probe, so no other trial takes it meanwhile), mark who shared it, probe it if needed."""
+        report = None
+        try:
+            report = self.runner.run(spec, tick_s=1.0, timeout_s=self.plan.timeout_s)
+        finally:
+            if gpu is not None and self.seats is not None:
+                probe = report is not None and not self.state.interrupted and needs_probe(report.result)
+                if probe:
+                    self.seats.block(gpu["device"], f"probing after trial {spec.number:04d}")
+                shared_with = self.seats.give_back(gpu["device"], spec.number)
+        if gpu is not None and report is not None:
+            mark_share(report, spec, shared_with)
+            if probe:
+                self._probe(gpu["device"], spec.number)
+        return report
+
+    def _probe(self, gpu: str, number: int) -> None:
+        """After a trial that died of anything but an OOM its GPU takes no trial until a probe allocation
+        (in a child process) succeeds; a GPU that fails it is not used again in this run, and the sweep
+        stops when no GPU is left."""
+        assert self.seats is not None
+        why = gpus.probe_gpu(gpu)
+        if why is None:
+            self.seats.unblock(gpu)
+            self.book.say(f"vramsweep: GPU {gpu} passed its probe after trial {number:04d} ended error")
+            return
+        self.seats.block(gpu, why)
+        self.book.say(
+            f"vramsweep: GPU {gpu} failed its probe after trial {number:04d} ended error ({why}): "
+            "not used again in this run"
+        )
+        if set(self.seats.blocked) >= set(self.seats.gpus):
+            self.state.stop(f"every GPU failed its probe ({'; '.join(self.seats.blocked.values())})")
+
+    def _requeue_unstarted(self, job: Job) -> None:
+        """The sweep stopped while ``job`` waited for a GPU: closed unstarted, its point back in its slot."""
+        book = self.book
+        book.close_lost(
+            job, lambda again: "not started (the sweep stopped); " + book.retry_note(job.retries, again)
+        )
 
     def heartbeat(self, stop: threading.Event) -> None:
         """Stamp the running trials every ``heartbeat_s`` until ``stop`` is set."""
@@ -166,6 +265,40 @@ class WorkerPool:
                 )
             else:
                 state.abort.wait(min(2.0**n, 10.0))  # a controller restarting: back off before the retry
+
+
+_COMPOSE = threading.Lock()  # Hydra's global state: one compose at a time in this process
+
+
+def _alone_reason(overrides: list[str], share_below: float) -> str | None:
+    """:func:`.gpus.needs_gpu_alone` of the trial composed from ``overrides`` (no estimate: alone)."""
+    from vramsweep.config.compose import compose, hydra_state
+    from vramsweep.estimate import estimate
+
+    try:
+        with _COMPOSE, hydra_state():
+            cfg = compose(list(overrides), rules="none")
+            est = estimate(cfg)
+    except Exception as exc:  # the trial itself reports a config that does not compose
+        return f"no memory estimate ({type(exc).__name__}: {str(exc)[:120]})"
+    return needs_gpu_alone(cfg, est, share_below)
+
+
+def mark_share(report: RunReport, spec: TrialSpec, shared_with: list[int] | None) -> None:
+    """Rewrite the trial's ``meta.gpu_share`` with who ran on its GPU while it ran (``exact``), in the
+    result JSON (atomic) and in ``report``. Its throughput (tokens/s, MFU, step times) is the card's own
+    only when ``shared`` is false."""
+    from vramsweep.record.result import write_result
+    from vramsweep.sweeper.trialproc import provisional_share
+
+    meta = report.result.setdefault("meta", {})
+    exact = {"shared": bool(shared_with), "with": list(shared_with or []), "exact": True}
+    meta["gpu_share"] = provisional_share(spec.gpu) | exact
+    if Path(spec.result_path).is_file():
+        try:
+            write_result(spec.result_path, report.result)
+        except OSError:
+            pass  # the JSON keeps the conservative mark (shared unless it held the GPU alone)
 
 
 def _clip(text: str, n: int) -> str:
