@@ -29,6 +29,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from vramsweep import determinism
 from vramsweep.config.compose import ConfigError, check_rules, compose
 from vramsweep.config.fit import cpu_bf16
 from vramsweep.config.rules import refused_point, validate
@@ -848,11 +849,13 @@ def run_trial(
     result = new_result(
         sweep=sweep, trial=trial, overrides=list(overrides), config=OmegaConf.to_container(cfg, resolve=True)
     )
+    det = determinism.apply(cfg)  # first: cuBLAS sizes its workspace at the process's first CUDA use
     threads = apply_threads(cfg.train.get("threads", "auto"))  # before the meta: it records the count used
     result["meta"] = collect_meta(cfg, _peak_key)
     result["meta"]["threads"] = threads.to_json()
     if cfg.hardware.device == "cpu":  # what train.dtype=auto read; bf16 without it is emulated
         result["meta"]["cpu_bf16"] = cpu_bf16()
+    result["meta"]["deterministic"] = det.meta
     result["meta"]["started"] = started.isoformat()
     if design is not None:
         result["meta"]["design"] = design
@@ -887,6 +890,8 @@ def run_trial(
         status, reason, unexpected = classify_exception(exc)
         if unexpected:  # a bug or a crash: where it happened
             result["meta"]["traceback"] = traceback.format_exc()[-4000:]
+    finally:
+        det.restore()
     # Recover memory outside the except block (a live traceback pins the tensors).
     return _finish(result, status, reason, logger, t0, result_path)
 

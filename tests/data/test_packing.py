@@ -187,3 +187,35 @@ def test_max_context_grows_the_packed_rows_and_the_rules_accept_it():
     assert estimate(cfg)["fits"]  # and the pre-flight agrees
     nxt = compose([*over, "data.packing=true", f"context.max_tokens={got + 1}"])
     assert not estimate(nxt)["fits"]
+
+
+@pytest.mark.parametrize("micro_batch", [2, 4])
+def test_packing_on_flash_attention_2_refuses_more_than_one_row_per_forward(micro_batch):
+    """transformers takes FA2's varlen path for packed rows only at batch 1; at micro_batch >= 2 the packed
+    examples would attend to each other (issue 49.4). Refused by the rules (no CUDA needed to decide), naming
+    the overrides; micro_batch=1, sdpa/eager, or no packing pass."""
+    base = ["data.packing=true", "attention=flash_attention_2", "hardware=h100_80gb"]
+    with pytest.raises(ConfigError) as err:
+        compose([*base, f"train.micro_batch={micro_batch}", "train.grad_accum=2"], rules="config")
+    msg = str(err.value)
+    assert err.value.key == "train.micro_batch" and "\n" not in msg
+    assert "train.micro_batch=1" in msg and f"train.grad_accum={2 * micro_batch}" in msg
+    assert "attention=sdpa" in msg
+    compose([*base, "train.micro_batch=1"], rules="config")
+    for ok in (["attention=sdpa"], ["data.packing=false"]):
+        compose([*base, f"train.micro_batch={micro_batch}", *ok], rules="config")
+
+
+def test_packing_on_flash_attention_2_with_micro_batch_2_exits_2_before_building(tmp_path, capsys):
+    from vramsweep.cli import main
+
+    over = [
+        "data.packing=true",
+        "attention=flash_attention_2",
+        "train.micro_batch=2",
+        f"results_dir={tmp_path}",
+    ]
+    assert main(["train", *over]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.micro_batch=1" in err[0], err
+    assert not any(tmp_path.iterdir())  # nothing written

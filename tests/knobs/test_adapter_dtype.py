@@ -117,3 +117,30 @@ def test_estimator_optimizer_bytes_match_fp32_master_state(optimizer, master):
     assert est["components_bytes"]["optimizer"] == tensor_bytes(optimizer_state_tensors(opt))
     real = _tracked_peak(cfg)["peak"]
     assert abs(est["peak_memory_bytes"] - real) <= 0.05 * real, (est["peak_memory_bytes"], real)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_8bit", "paged_adamw_8bit"])
+def test_resume_puts_saved_fp32_masters_into_the_masters_the_optimizer_steps(optimizer):
+    """A checkpoint of a compute-dtype adapter applied to a freshly built model + optimizer (Resume.apply):
+    the masters the optimizer steps hold the saved ones, no second fp32 copy is left in its state, and the
+    next step is bitwise the uninterrupted run's. Before (issue 49.2): the masters kept the fresh adapter's
+    values, the saved ones sat beside them as a loaded copy, and the next step wrote initial + update back."""
+    from vramsweep.production.checkpoint import Resume
+
+    over = [f"optimizer={optimizer}"]  # min_8bit_size 0: 8-bit state on a 32 x 32 weight
+    w, opt = _steps(over)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    saved = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+    fresh = torch.nn.Module()
+    fresh.w = torch.nn.Parameter(torch.ones(32, 32, dtype=torch.bfloat16))
+    cfg = compose(["adapter.dtype=compute", f"train.lr={LR}", "train.schedule=constant", *over])
+    opt2, _ = build_optimizer(cfg, [fresh.w])
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0)
+    Resume(None, 40, {}, {"w": w.detach().clone()}, saved).apply(fresh, opt2, sched2)
+    (_, m), (_, m2) = opt.fp32_master.pairs[0], opt2.fp32_master.pairs[0]
+    assert torch.equal(m2, m) and not torch.equal(m2, torch.ones_like(m2))
+    assert opt2.state[m2]["fp32_master"] is m2  # the stepped tensor itself: no extra fp32 adapter kept
+    for o, p in ((opt, w), (opt2, fresh.w)):
+        p.grad = torch.ones_like(p)
+        o.step()
+    assert torch.equal(m2, m) and torch.equal(fresh.w, w)

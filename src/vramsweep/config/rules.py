@@ -562,7 +562,25 @@ def _rules_packing(cfg: DictConfig) -> None:
             allowed=["false", "kernels=none", "kernels=liger"],
         )
     # no length cap: eager/sdpa packed rows run segment-wise attention (knobs/packed_attention.py), no
-    # T x T mask; FlashAttention-2 runs varlen
+    # T x T mask; FlashAttention-2 runs varlen, but only for one row per forward:
+    _rules_packing_flash(cfg)
+
+
+def _rules_packing_flash(cfg: DictConfig) -> None:
+    """transformers 5.x (``modeling_flash_attention_utils``) takes FA2's varlen path for packed rows
+    (``position_ids`` restarting) only when the batch holds one row; with more rows FA2 runs causal
+    attention over each whole row, so the packed examples attend to each other (emulated on CPU: loss off
+    by 3.4e-2 relative). Refused before anything is built, naming the overrides that fix it."""
+    mb = int(cfg.train.micro_batch)
+    if str(cfg.attention.implementation) == "flash_attention_2" and mb > 1:
+        raise ConfigError(
+            f"data.packing=true with attention=flash_attention_2 needs train.micro_batch=1, not {mb}: "
+            "transformers runs FlashAttention-2 per packed example only for one row per forward, so the "
+            f"examples of {mb} rows would attend to each other; set train.micro_batch=1 (and "
+            f"train.grad_accum={mb * int(cfg.train.grad_accum)} for the same step), or attention=sdpa",
+            key="train.micro_batch",
+            allowed=["1", "attention=sdpa", "attention=eager", "data.packing=false"],
+        )
 
 
 DATA_SOURCES = ("embedded", "embedded_chat", "file", "jsonl", "random")

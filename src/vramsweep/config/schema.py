@@ -262,6 +262,7 @@ class TrainConfig:
     eval_batches: int = 4
     measure_warmup_steps: Optional[int] = None  # excluded from tokens/s; None: 2, at most steps - 1
     threads: str = "auto"  # torch CPU threads: auto (vramsweep.measure.threads) | 0 (torch's default) | N
+    deterministic: bool = False  # CUDA: deterministic kernels + cuBLAS workspace (vramsweep.determinism)
     # Production run (docs/RUNS.md): length over the data, outputs, checkpoints, resume.
     epochs: float = 0.0  # > 0: run length in passes over the training examples (replaces steps)
     save_adapter: str = "auto"  # auto (a train run saves, a sweep trial does not) | always | never

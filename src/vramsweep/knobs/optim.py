@@ -192,6 +192,31 @@ class Fp32Master:
             "dtype": str(self.pairs[0][0].dtype).replace("torch.", ""),
         }
 
+    def restore(self, opt: torch.optim.Optimizer) -> int:
+        """After ``opt.load_state_dict`` (a resumed run): put each saved master back into the master the
+        optimizer steps, and drop the loaded copy; returns how many masters came from the checkpoint.
+
+        The optimizer is built on masters made from the fresh adapter, and ``load_state_dict`` casts the
+        saved state into *new* tensors: ``state[m]["fp32_master"]`` then held the checkpoint's master while
+        ``m`` still held the initial weights, so the first resumed step wrote ``initial + update`` back into
+        the model (the training before the checkpoint lost) and an extra fp32 copy of the adapter stayed on
+        the device. A master with no saved state (no step taken yet) is set from its 16-bit param."""
+        import torch
+
+        restored = 0
+        with torch.no_grad():
+            for p, m in self.pairs:
+                st = opt.state.get(m)
+                saved = st.pop("fp32_master", None) if st else None
+                if saved is not None and saved is not m:
+                    m.copy_(saved)
+                    restored += 1
+                else:
+                    m.copy_(p)
+                if st:
+                    st["fp32_master"] = m
+        return restored
+
     def _pre(self, opt, args, kwargs) -> None:
         import torch
 

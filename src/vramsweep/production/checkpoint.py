@@ -120,6 +120,9 @@ class Resume:
                 params[n].copy_(t)
         optimizer.load_state_dict(self.torch_state["optimizer"])
         self.repaged = repage_optimizer_state(optimizer)
+        master = getattr(optimizer, "fp32_master", None)  # adapter.dtype=compute: fp32 masters
+        if master is not None:
+            master.restore(optimizer)
         scheduler.load_state_dict(self.torch_state["scheduler"])
 
     repaged: int = 0  # paged optimizer state tensors put back into paged memory by apply()
