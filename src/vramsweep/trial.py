@@ -773,6 +773,7 @@ def _resume_point(cfg: DictConfig, run: RunFolder | None, result: dict) -> Resum
         result["meta"]["resumed_from"] = None
         return None
     path = resume.path
+    keep_run_threads(cfg, resume.state, result["meta"])
     changes = check_resume_data(path, cfg)  # changed data: refused unless train.resume_on_changed_data
     result["meta"]["resumed_from"] = {"checkpoint": str(path), "next_step": resume.next_step}
     _say(f"resumed from step {resume.next_step} of {int(cfg.train.steps)} (checkpoint {path})")
@@ -783,6 +784,24 @@ def _resume_point(cfg: DictConfig, run: RunFolder | None, result: dict) -> Resum
         now = [{**c, "at_step": resume.next_step} for c in changes]
         result["meta"]["data_changed_on_resume"] = earlier + now
     return resume
+
+
+def keep_run_threads(cfg: DictConfig, state: dict, meta: dict) -> int | None:
+    """A resumed run with ``train.threads=auto`` runs on the torch thread count its checkpoint recorded, not
+    on what the load at this start suggests: another count can change the order of float reductions, and a
+    resume on CPU is bitwise only on the same count (docs/RUNS.md). Returns the count set, None if nothing
+    changed (a fixed ``train.threads``, a checkpoint without the count, or the same count already)."""
+    import torch
+
+    n = state.get("threads")
+    if str(cfg.train.get("threads", "auto")) != "auto" or not n or torch.get_num_threads() == int(n):
+        return None
+    why = f"resumed: the run's own count ({int(n)}), not this start's choice ({torch.get_num_threads()})"
+    torch.set_num_threads(int(n))
+    meta["threads"] = {**(meta.get("threads") or {}), "threads": int(n), "why": why}
+    if isinstance(meta.get("timing_conditions"), dict):
+        meta["timing_conditions"]["torch_threads"] = int(n)
+    return int(n)
 
 
 def _say(line: str) -> None:
@@ -806,9 +825,25 @@ def _state_so_far(log: LossLog, metrics: Callable[[], dict], logger, result: dic
             "config": result["config"],
             "data": meta.get("data_sources"),
             "data_changes": meta.get("data_changed_on_resume") or [],
+            "threads": (meta.get("threads") or {}).get("threads"),  # a resume with threads=auto keeps it
         }
 
     return state
+
+
+def _start_meta(cfg: DictConfig, result: dict, started: datetime) -> Any:
+    """Deterministic kernels (first: cuBLAS sizes its workspace at the process's first CUDA use), the torch
+    threads (before the meta: it records the count used), then the meta; returns the determinism setting
+    (the trial restores it at its end)."""
+    det = determinism.apply(cfg)
+    threads = apply_threads(cfg.train.get("threads", "auto"))
+    result["meta"] = collect_meta(cfg, _peak_key)
+    result["meta"]["threads"] = threads.to_json()
+    if cfg.hardware.device == "cpu":  # what train.dtype=auto read; bf16 without it is emulated
+        result["meta"]["cpu_bf16"] = cpu_bf16()
+    result["meta"]["deterministic"] = det.meta
+    result["meta"]["started"] = started.isoformat()
+    return det
 
 
 def run_trial(
@@ -849,14 +884,7 @@ def run_trial(
     result = new_result(
         sweep=sweep, trial=trial, overrides=list(overrides), config=OmegaConf.to_container(cfg, resolve=True)
     )
-    det = determinism.apply(cfg)  # first: cuBLAS sizes its workspace at the process's first CUDA use
-    threads = apply_threads(cfg.train.get("threads", "auto"))  # before the meta: it records the count used
-    result["meta"] = collect_meta(cfg, _peak_key)
-    result["meta"]["threads"] = threads.to_json()
-    if cfg.hardware.device == "cpu":  # what train.dtype=auto read; bf16 without it is emulated
-        result["meta"]["cpu_bf16"] = cpu_bf16()
-    result["meta"]["deterministic"] = det.meta
-    result["meta"]["started"] = started.isoformat()
+    det = _start_meta(cfg, result, started)
     if design is not None:
         result["meta"]["design"] = design
     try:

@@ -103,6 +103,7 @@ def test_a_resumed_run_reopens_its_wandb_run(tmp_path, monkeypatch):
     first = cut["meta"]["wandb"]["run_id"]
     state = json.loads((latest_checkpoint(tmp_path / "run") / "state.json").read_text())
     assert state["wandb_run_id"] == first
+    assert state["threads"] == cut["meta"]["threads"]["threads"]  # the count a threads=auto resume keeps
     monkeypatch.delenv("VRAMSWEEP_FAULT")
     res = _run(tmp_path / "run", *wb, "train.resume=auto")
     assert res["status"] == "ok", res["reason"]

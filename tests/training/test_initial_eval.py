@@ -50,9 +50,13 @@ def test_another_held_out_set_changes_the_key():
     assert _key(batches=_batches(1)) != _key(batches=_batches(0))
 
 
-def test_4bit_on_cpu_is_never_shared():
-    assert "4-bit" in ie.not_shared(compose(["quant=nf4"], rules="config"))
+def test_4bit_on_cpu_is_shared_and_keyed_by_its_quantisation():
+    """The build keeps bitsandbytes' 4-bit layers in their trainable layout, so an eval forward changes nothing
+    that follows (tests/knobs/test_quant_grads.py) and a 4-bit base's initial eval is shared like any other,
+    under its own key."""
+    assert ie.not_shared(compose(["quant=nf4"], rules="config")) is None
     assert ie.not_shared(compose([], rules="config")) is None
+    assert _key("quant=nf4") != _key()
 
 
 def test_one_initial_eval_per_sweep_counted(tmp_path, monkeypatch):

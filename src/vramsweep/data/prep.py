@@ -13,7 +13,6 @@ from vramsweep.data.cache import cached, tokenizer_fingerprint
 from vramsweep.data.chatset import generate_chats
 from vramsweep.data.formats import normalize_records
 from vramsweep.data.load import load_user_data
-from vramsweep.data.packing import bounds_of
 from vramsweep.data.sources import Record, source_sha256
 from vramsweep.data.synthetic import generate_documents
 
@@ -366,6 +365,8 @@ def collate_batch(examples: list, pad_id: int, width: int | None = None) -> dict
     b["n_loss_tokens"] = int((b["labels"][:, 1:] != -100).sum())
     b["packed"] = "position_ids" in b
     if b["packed"]:  # the segments, from the host tensor: the forward never reads the positions back
+        from vramsweep.data.packing import bounds_of  # packing -> examples imports torch
+
         b["segment_bounds"] = bounds_of(b["position_ids"])
     b["no_padding"] = b["n_tokens"] == int(b["attention_mask"].numel())
     return b

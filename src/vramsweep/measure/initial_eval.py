@@ -8,10 +8,10 @@ path, device and held-out batches, whatever its optimizer, seed, checkpointing o
 trial of a sweep computes it and stores it in ``<sweep dir>/initial_eval/<key>.json``; the others read it
 (``meta.initial_eval.shared``). Trials running at once may both compute it before either stored it.
 
-Not shared: 4-bit quantisation on CPU (bitsandbytes converts a 4-bit layer to its CPU inference layout on
-the first eval-mode forward unless the build turns that off — every such trial runs its own eval, so seed
-repeats stay alike), an adapter initialised away from the identity, and a
-trial outside a sweep folder.
+Not shared: an adapter initialised away from the identity, and a trial outside a sweep folder. 4-bit
+bases on CPU are shared too: the build keeps bitsandbytes from repacking their weights on the first eval
+forward (``vramsweep.knobs.quant.keep_trainable_4bit_layout``), so skipping the eval changes nothing that
+follows (``tests/knobs/test_quant_grads.py``: the gradients with and without a prior eval are bitwise equal).
 
 :func:`key_parts` is the one place that says what the figure depends on; extend it (e.g. a different
 fingerprint of the held-out set) and the key follows.
@@ -53,8 +53,6 @@ def eval_set_fingerprint(batches: list[dict]) -> str:
 
 def not_shared(cfg: DictConfig) -> str | None:
     """Why this trial's initial eval is its own (None: it can be shared)."""
-    if int(cfg.quant.get("bits", 16)) == 4 and str(cfg.hardware.device) == "cpu":
-        return "4-bit quantisation on CPU: the eval forward changes bitsandbytes' layer layout"
     init = cfg.adapter.get("init_lora_weights", None)
     if str(cfg.adapter.get("method", "lora")) != "full" and init not in IDENTITY_INITS:
         return f"adapter.init_lora_weights={init}: the adapter does not start at the identity"

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.errors import ConfigError
+from vramsweep.record.status import Status
 
 LOCK_FILE = "run.lock"
 RESULT_FILE = "result.json"
@@ -106,7 +107,7 @@ def check_contents(run_dir: Path, resume: str) -> dict[str, Any] | None:
     """The finished run's result (``resume=auto``: complete), None (a run may start or resume here), or a
     :class:`RunFolderError` (``resume=never`` over a finished or stopped run)."""
     res = read_result(run_dir)
-    finished = res is not None and res.get("status") == "ok"
+    finished = res is not None and res.get("status") == Status.OK
     if finished and resume == "auto":
         return res
     if resume != "never":

@@ -31,6 +31,7 @@ from vramsweep.config.errors import error_line
 from vramsweep.production.fingerprint import check_data
 from vramsweep.production.layout import LOSS_LOG
 from vramsweep.production.owner import Claim, check_contents, claim, complete_line
+from vramsweep.record.status import Status
 
 #: How many times a run that reaches its time limit is requeued when ``hydra.launcher.max_num_timeout`` is
 #: not given (hydra-submitit-launcher's own default, 0, would end a production run at its first limit).
@@ -122,7 +123,7 @@ class ProductionJob:
         own = claim(run_dir, str(cfg.train.resume))  # one owner; a finished run is complete: nothing to do
         if own.complete:
             print(f"vramsweep: {complete_line(own)}", flush=True)
-            return {"status": "ok", "reason": None, "result": self.result_path}
+            return {"status": Status.OK.value, "reason": None, "result": self.result_path}
         if own.note:
             print(f"vramsweep: {own.note}", flush=True)
         try:
