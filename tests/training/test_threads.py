@@ -1,5 +1,6 @@
 """``train.threads``: ``auto`` (the default) takes the cores this process may use, its share among the
-sweep's concurrent trials, less the cores other processes keep busy; a trial records the count it used."""
+sweep's concurrent trials, less the cores other processes keep busy; a trial records the count it used.
+Not torch-free: ``vramsweep.measure`` imports torch, so the Python 3.12 job skips this file."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from vramsweep.measure import threads as th
 from vramsweep.record.threads_env import CONCURRENT_ENV
 
 
-@pytest.mark.torchfree
 @settings(max_examples=300, deadline=None)
 @given(
     usable=st.integers(1, 256),
@@ -36,7 +36,6 @@ def test_auto_is_at_least_one_and_never_more_than_its_share_or_torchs_default(
         assert th.decide(usable, concurrent, busy + 1.0, torch_default)[0] <= n
 
 
-@pytest.mark.torchfree
 @pytest.mark.parametrize(
     "usable, concurrent, busy, default, want",
     [
@@ -55,7 +54,6 @@ def test_auto_decisions(usable, concurrent, busy, default, want):
     assert th.decide(usable, concurrent, busy, default)[0] == want
 
 
-@pytest.mark.torchfree
 def test_fixed_settings_are_kept_and_zero_is_torchs_default():
     assert th.choose("3", torch_default=2).threads == 3
     assert th.choose(1, torch_default=2).threads == 1
@@ -63,7 +61,6 @@ def test_fixed_settings_are_kept_and_zero_is_torchs_default():
     assert zero.threads == 2 and zero.setting == "0"
 
 
-@pytest.mark.torchfree
 def test_auto_reads_the_affinity_and_the_sweeps_concurrency(monkeypatch):
     monkeypatch.setattr(th.os, "sched_getaffinity", lambda pid: {0}, raising=False)
     monkeypatch.setattr(th, "busy_other_cores", lambda s=0: 0.0)
@@ -74,7 +71,6 @@ def test_auto_reads_the_affinity_and_the_sweeps_concurrency(monkeypatch):
     assert got.threads == 2 and got.concurrent_trials == 4 and got.usable_cores == 8
 
 
-@pytest.mark.torchfree
 def test_a_competing_process_counts_as_busy():
     """A process spinning on a core of this one's mask shows up in the sample (other work on a shared
     machine only adds to it)."""
