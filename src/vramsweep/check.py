@@ -89,9 +89,14 @@ def proxy_config(cfg: DictConfig, packing: bool | None = None) -> tuple[DictConf
 
 
 def build_proxy(cfg: DictConfig) -> torch.nn.Module:
-    """The proxy model (seeded: the same config gives the same weights), LoRA ``B`` factors random."""
+    """The proxy model (seeded: the same config gives the same weights), LoRA ``B`` factors random, dropout
+    off (a random mask is another function on every pass: the checks compare passes of one function), in
+    training mode (gradient checkpointing and every training-only path run as in a trial)."""
     torch.manual_seed(0)
     model = build_model(cfg, source=(None, None)).model
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Dropout):
+            mod.p = 0.0
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, q in model.named_parameters():
@@ -110,8 +115,8 @@ class _KeepGrads(Callback):
 
 def step_grads(cfg: DictConfig, model, batches: list[dict], grad_accum: int) -> tuple[float, list]:
     """(loss, gradients) of one optimizer step of ``batches`` through the project's loop (lr 0: the model
-    does not change; eval mode: no dropout, so two splits see the same function)."""
-    model.eval()
+    does not change)."""
+    model.train()
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.SGD(params, lr=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -163,7 +168,6 @@ def check_accumulation(cfg: DictConfig, model, examples: list, tol: float) -> Li
 def _grads_of(model, batch: dict, params: list) -> list:
     model.zero_grad(set_to_none=True)
     model.train()
-    torch.manual_seed(2)  # the same dropout masks in both passes
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
     out.loss.backward()
     return [q.grad.detach().float().clone() for q in params]
