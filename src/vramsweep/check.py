@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from omegaconf import DictConfig, open_dict
@@ -45,6 +45,8 @@ PROXY_MAX_HIDDEN = 256
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-2}
 #: first training records the checks use
 N_RECORDS = 64
+#: tokens of each record the maths checks keep (its last ones: where the trained tokens are)
+PROXY_TOKENS = 512
 CPU = torch.device("cpu")
 
 
@@ -61,13 +63,35 @@ class Line:
         return f"{'PASS' if self.ok else 'FAIL'} {self.name}: {self.figure} (tolerance {self.tolerance})"
 
 
-def proxy_config(cfg: DictConfig, packing: bool | None = None) -> tuple[DictConfig, list[str]]:
+def proxy_examples(examples: list) -> tuple[list, int]:
+    """The records for the maths checks: each cut to its last :data:`PROXY_TOKENS` tokens (those with a
+    trained token left), the token ids renumbered 1..K in order of first use (0 stays the padding id), so
+    the proxy's vocabulary has K + 1 rows whatever the tokenizer's size; returns (examples, K + 1)."""
+    ids: dict[int, int] = {}
+
+    def num(t: int) -> int:
+        return ids.setdefault(t, len(ids) + 1)
+
+    out = []
+    for e in examples:
+        labels = e.labels[-PROXY_TOKENS:]
+        if all(t == IGNORE_INDEX for t in labels):
+            continue
+        new = [num(t) for t in e.input_ids[-PROXY_TOKENS:]]
+        out.append(replace(e, input_ids=new, labels=[t if t == IGNORE_INDEX else num(t) for t in labels]))
+    return out, len(ids) + 1
+
+
+def proxy_config(
+    cfg: DictConfig, packing: bool | None = None, vocab: int | None = None
+) -> tuple[DictConfig, list[str]]:
     """The proxy's config (module docstring) and what differs from the user's besides size and weights."""
     p, notes = copy.deepcopy(cfg), []
     with open_dict(p):
         m = p.model
         m.source, m.path, m.num_layers = "arch", None, min(PROXY_LAYERS, int(m.num_layers))
         if int(m.hidden_size) > PROXY_MAX_HIDDEN:  # narrowed, same head layout ratio (GQA kept)
+            notes.append(f"model.hidden_size={m.hidden_size} narrowed to 128 (intermediate 512, 4 heads)")
             gqa = int(m.num_kv_heads) < int(m.num_heads)
             m.hidden_size, m.intermediate_size, m.num_heads, m.head_dim = 128, 512, 4, 32
             m.num_kv_heads = 2 if gqa else 4
@@ -85,6 +109,8 @@ def proxy_config(cfg: DictConfig, packing: bool | None = None) -> tuple[DictConf
             p.vocab.mode = "full"
         if packing is not None:
             p.data.packing = packing
+        if vocab is not None:
+            m.vocab_size = vocab
     return p, notes
 
 
@@ -235,9 +261,13 @@ def check_stop_token(cfg: DictConfig, tokenizer, examples: list, fmt: str) -> Li
             else:
                 bad.append(e.where or e.doc_id)
     figure = f"{checked} trained spans of {len(examples)} records end with a trained stop token"
-    figure += f", {cut} cut at context.max_tokens" if cut else ""
+    figure += f", {cut} cut at context.max_tokens={width}" if cut else ""
     figure += f", {len(bad)} do not (first: {bad[0]})" if bad else ""
-    return Line("stop_token", not bad and checked > 0, figure, "0 missing")
+    if not checked and not bad:
+        figure += (
+            " (none ends inside the context: no stop token is trained; a longer context.max_tokens trains it)"
+        )
+    return Line("stop_token", not bad, figure, "0 missing")
 
 
 def compute_dtype(cfg: DictConfig) -> str:
@@ -259,12 +289,18 @@ def run_checks(cfg: DictConfig) -> tuple[list[Line], list[str]]:
     data = trial_data(cfg, tokenizer)
     examples = data.train[:N_RECORDS]
     tol = tolerance(cfg)
-    pcfg, notes = proxy_config(cfg)
+    small, vocab = proxy_examples(examples)
+    pcfg, notes = proxy_config(cfg, vocab=vocab)
+    cut = sum(1 for e in examples if len(e.input_ids) > PROXY_TOKENS)
+    notes.append(
+        f"token ids renumbered into {vocab} rows"
+        + (f"; {cut} records cut to their last {PROXY_TOKENS} tokens" if cut else "")
+    )
     model = build_proxy(pcfg)
-    lines = [check_accumulation(pcfg, model, examples, tol), check_eval_then_train(model, examples, tol)]
-    packed_cfg, _ = proxy_config(cfg, packing=True)
+    lines = [check_accumulation(pcfg, model, small, tol), check_eval_then_train(model, small, tol)]
+    packed_cfg, _ = proxy_config(cfg, packing=True, vocab=vocab)
     packed_model = model if bool(pcfg.data.packing) else build_proxy(packed_cfg)
-    lines.append(check_packing(packed_cfg, packed_model, examples, tol))
+    lines.append(check_packing(packed_cfg, packed_model, small, tol))
     if tokenizer is None or data.stats.get("random_tokens"):
         notes.append("stop_token skipped: random tokens have no turns")
     else:
@@ -274,11 +310,13 @@ def run_checks(cfg: DictConfig) -> tuple[list[Line], list[str]]:
 
 def run_check(overrides: list[str]) -> int:
     """``vramsweep check``: compose and pre-flight as ``train`` does, run the checks, print one line each."""
+    from vramsweep.config.rules import check_machine
     from vramsweep.preflight import check_named_options, preflight
 
     try:
         check_named_options(overrides)
-        cfg = compose(overrides, rules="all")
+        cfg = compose(overrides, rules="config")  # the machine's rules: on the proxy, which runs here
+        check_machine(proxy_config(cfg)[0])
         preflight(cfg, overrides=overrides)
     except ConfigError as exc:
         print(error_line("check", str(exc)), file=sys.stderr)

@@ -114,3 +114,23 @@ def test_the_accumulation_examples_spread_over_trained_token_counts():
     ex = [_ex([IGNORE_INDEX] * (10 - k) + [1] * k, [1] * 10) for k in range(1, 9)]
     picked = [check.n_trained(e) for e in check.spread_by_trained(ex, 4)]
     assert picked[0] == 1 and picked[-1] == 8 and len(set(picked)) == 4
+
+
+def test_a_gpu_config_runs_its_proxy_on_the_cpu_and_says_what_it_replaced(capsys):
+    """A GPU profile is checked here too: the machine's rules apply to the proxy (which runs on the CPU),
+    and each replacement is a note."""
+    code = main(["check", "hardware=rtx4080_16gb", "attention=flash_attention_2", "train.dtype=bf16"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "note: hardware.device=cuda runs on the CPU" in out
+    assert "note: attention=flash_attention_2 runs as sdpa" in out
+    assert out.count("\nPASS ") == 4
+
+
+def test_records_all_cut_at_the_context_pass_and_say_no_stop_token_is_trained():
+    cfg = check.compose(["context.max_tokens=64"])
+    line = check.check_stop_token(
+        cfg, _Tok(), [_ex([IGNORE_INDEX, 5, 6], [1, 5, 6], truncated=True)], "documents"
+    )
+    assert line.ok and "1 cut at context.max_tokens=64" in line.figure
+    assert "no stop token is trained" in line.figure
