@@ -1,18 +1,20 @@
 """``vramsweep check [overrides]``: the training maths proven on the user's config, on a proxy, in seconds.
 
 The config is composed and pre-flighted as ``vramsweep train`` does it (bad input: one line, exit 2, nothing
-written). The *proxy* is the same architecture family with the same knobs (quant, adapter, dtype,
-optimizer-independent), built by :func:`vramsweep.knobs.build_model` from ``model.source=arch`` with at most
-:data:`PROXY_LAYERS` layers (a model wider than :data:`PROXY_MAX_HIDDEN` is narrowed), random weights, on
-the CPU; its LoRA ``B`` factors get random values so every LoRA factor has a gradient. The examples are
-the first training records of the configured data, as the trial builds them. Checks, one line each:
+written; the machine's rules apply to the proxy, which runs here). The *proxy* is the same architecture
+family with the same knobs (quant, adapter, dtype, checkpointing, tiling, packing), built by
+:func:`vramsweep.knobs.build_model` from ``model.source=arch`` with at most :data:`PROXY_LAYERS` layers (a
+model wider than :data:`PROXY_MAX_HIDDEN` is narrowed), random weights, dropout off, on the CPU; its LoRA
+``B`` factors get random values so every LoRA factor has a gradient. The records are the first training
+records of the configured data, as the trial builds them; the maths checks cut each to its last
+:data:`PROXY_TOKENS` tokens and renumber the ids (:func:`proxy_examples`). Checks, one line each:
 
 * ``accumulation``: one optimizer step's gradients with ``micro_batch=k, grad_accum=n/k`` equal those of
   ``micro_batch=n, grad_accum=1`` (the loop's token weighting, :func:`vramsweep.loop.token_weights`);
 * ``eval_then_train``: LoRA gradients after an eval forward equal those without (4-bit bases: issue 49);
 * ``packing``: loss and gradients of the examples packed into one row equal those of the rows unpacked;
 * ``stop_token``: every trained span of the first records ends with a trained stop token (EOS or the
-  template's end-of-turn token), unless the example was cut at ``context.max_tokens``.
+  template's end-of-turn token), unless the example was cut at ``context.max_tokens`` (counted apart).
 
 Figures are relative differences (norm of the difference over the norm of the reference, over all trainable
 gradients). Exit 0 when every check passes, 1 on any FAIL.

