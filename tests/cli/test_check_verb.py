@@ -78,6 +78,19 @@ def test_bitsandbytes_cpu_repacking_fails_the_eval_then_train_check(capsys, monk
     assert lines["accumulation"][0] == "PASS"
 
 
+def test_attention_across_packed_examples_fails_the_packing_check(capsys, monkeypatch):
+    """Packed rows whose segments are ignored (every token attends to the whole row, as in plain
+    concatenation) give another loss than the records unpacked: FAIL with the figure."""
+    from vramsweep.knobs import packed_attention
+
+    monkeypatch.setattr(packed_attention, "segment_bounds", lambda pos: [[(0, pos.shape[1])]] * pos.shape[0])
+    code, lines, _ = _run(capsys, "train.dtype=fp32")
+    assert code == 1
+    verdict, figure, tol = lines["packing"]
+    assert verdict == "FAIL" and _figure(figure) > 1e-3 > float(tol)
+    assert lines["accumulation"][0] == "PASS"
+
+
 def test_a_bad_override_exits_2_and_writes_nothing(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code = main(["check", "quant=nf5", f"results_dir={tmp_path / 'results'}"])
