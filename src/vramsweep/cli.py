@@ -79,7 +79,9 @@ def _err(msg: str, verb: str = "train") -> int:
     return 2
 
 
-VERBS = ("train", "estimate", "data", "report", "pick", "generate", "export", "env")
+VERBS = ("train", "estimate", "data", "check", "report", "pick", "generate", "export", "env")
+#: the verbs that compose a config from overrides (and read ``--config-dir``)
+COMPOSING = ("train", "estimate", "data", "check")
 
 
 def _close(word: str, options: list[str]) -> str:
@@ -362,6 +364,15 @@ def cmd_data(args: argparse.Namespace) -> int:
     return run_data(list(args.overrides), records=args.records, as_json=args.json)
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """``vramsweep check``: the training maths proven on the config's proxy (:mod:`vramsweep.check`)."""
+    try:  # torch and transformers stay off the CLI's import
+        from vramsweep.check import run_check
+    except ImportError as exc:
+        return _err(f"check is not available: {exc}", "check")
+    return run_check(list(args.overrides))
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     try:
         from vramsweep.report import run_report
@@ -409,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub, groups)
     _add_estimate_parser(sub)
     _add_data_parser(sub)
+    _add_check_parser(sub)
     _add_report_parser(sub)
     _add_pick_parser(sub)
     add_parsers(sub)
@@ -522,6 +534,18 @@ def _add_data_parser(sub) -> None:
     _add_config_dir(d, "your experiments and extra options")
 
 
+def _add_check_parser(sub) -> None:
+    """``vramsweep check``: accumulation, eval-then-train, packing and stop-token checks on a proxy."""
+    c = sub.add_parser(
+        "check",
+        help="prove the training maths on the config: a small random proxy on the CPU, PASS/FAIL lines",
+        epilog=verb_epilog("check"),
+    )
+    c.add_argument("overrides", nargs="*", help="Hydra overrides, as for train, e.g. quant=nf4 adapter=dora")
+    c.set_defaults(func=cmd_check)
+    _add_config_dir(c, "your experiments and extra options")
+
+
 def _add_report_parser(sub) -> None:
     """``vramsweep report``: a sweep's tables, Pareto front and importances."""
     r = sub.add_parser(
@@ -625,12 +649,12 @@ def _main(argv: list[str] | None = None) -> int:
         raise
     if not getattr(args, "command", None):
         return _err(f"no verb given (allowed: {', '.join(VERBS)}; usage: vramsweep --help)", "")
-    if args.command in ("train", "estimate", "data"):
+    if args.command in COMPOSING:
         try:
             check_internal_options(list(args.overrides))
         except ValueError as exc:
             return _err(str(exc), args.command)
-    if args.command in ("train", "estimate", "data"):  # (pick creates its --config-dir when it writes)
+    if args.command in COMPOSING:  # (pick creates its --config-dir when it writes)
         # exported, so trial processes and workers compose from the same search path whatever their folder
         try:
             if args.config_dir is not None:

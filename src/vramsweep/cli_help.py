@@ -12,6 +12,7 @@ VERBS = (
     ("vramsweep pick <sweep dir> --budget-gib 16", "pinned config that fits", "docs/READING_A_SWEEP.md"),
     ("vramsweep estimate [overrides]", "predicted peak memory, no weights", "docs/ESTIMATOR.md"),
     ("vramsweep data [overrides] [--json]", "records as trained: trained tokens marked", "docs/DATA.md"),
+    ("vramsweep check [overrides]", "PASS/FAIL: the training maths on a proxy", "docs/CLI.md"),
     (
         "vramsweep train +experiment=<picked> train.epochs=1",
         "production run: adapter, resume",
@@ -27,6 +28,7 @@ VERB_DOCS = {
     "train": "docs/CLI.md (one trial: docs/TRIAL.md; sweeps with -m: docs/SWEEPS.md; knobs: docs/KNOBS.md)",
     "estimate": "docs/ESTIMATOR.md",
     "data": "docs/DATA.md",
+    "check": "docs/CLI.md",
     "report": "docs/READING_A_SWEEP.md",
     "pick": "docs/READING_A_SWEEP.md",
     "generate": "docs/RUNS.md",
