@@ -63,7 +63,9 @@ def test_resume_on_changed_data_exits_2_naming_the_file_and_both_hashes(stopped,
     before = folder_hash(run)
     capsys.readouterr()
     assert main(_args(run, data, "train.resume=auto")) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = [
+        ln for ln in capsys.readouterr().err.strip().splitlines() if not ln.startswith("data: ")
+    ]  # summary
     assert len(err) == 1 and err[0].startswith("vramsweep train: error:"), err
     assert f"data.path={data.resolve()}" in err[0] and old[:16] in err[0] and new[:16] in err[0]
     assert "train.resume_on_changed_data=true" in err[0]
@@ -105,6 +107,8 @@ def test_a_pinned_hash_is_checked_before_anything_is_written(tmp_path, capsys):
     run = tmp_path / "run"
     _write(data, generate_chats(12, 9))  # the file changed since the sweep that pinned it
     assert main(_args(run, data, f"data.path_sha256={sha}")) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = [
+        ln for ln in capsys.readouterr().err.strip().splitlines() if not ln.startswith("data: ")
+    ]  # summary
     assert len(err) == 1 and "data.path_sha256" in err[0] and sha[:16] in err[0], err
     assert not run.exists()

@@ -59,6 +59,12 @@ def _plain_logits(run_dir, *, nf4: bool = False) -> torch.Tensor:
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
         )
     base = AutoModelForCausalLM.from_pretrained(manifest["base"]["path"], **kw)
+    if nf4:  # the kernels training used: on an AVX512-BF16 CPU bitsandbytes would otherwise repack the 4-bit
+        # weights for inference (bf16 absmax), which changes the logits (docs/RUNS.md, "Use the model"); on
+        # CUDA the attribute is never read
+        for mod in base.modules():
+            if hasattr(mod, "support_avx512bf16_for_cpu"):
+                mod.support_avx512bf16_for_cpu = False
     model = PeftModel.from_pretrained(base, str(run_dir / "adapter")).eval()
     tok = AutoTokenizer.from_pretrained(str(run_dir / "tokenizer"))
     with torch.no_grad():

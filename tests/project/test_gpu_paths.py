@@ -728,8 +728,10 @@ def test_gpu_smoke_dry_run(tmp_path):
         "fork",
         "exact",
         "batching",
+        "packing_bf16",
         "memprobe",
         "memprobe_fp32",
+        "memprobe_grouped",
         "trial",
         "snapshot",
         "step_time",
@@ -742,6 +744,8 @@ def test_gpu_smoke_dry_run(tmp_path):
         ("memprobe", 224, "compute"),  # 57,344 / 256
         ("memprobe", 240, "compute"),  # 61,440 / 256: tried after 224 fitted
         ("memprobe_fp32", 176, "fp32"),
+        ("memprobe_grouped", 224, "compute"),  # 57,344 / 256, ascending: 65,536 after it fitted (the dry
+        ("memprobe_grouped", 256, "compute"),  # run's scaled cap leaves out 73,728)
         ("trial", 240, "compute"),  # the longest that fitted (no cap on CPU: all of them)
     ]
     assert all(r["status"] == "ok" and r["peak_reserved_bytes"] and r["estimate_bytes"] for r in rows)

@@ -327,7 +327,7 @@ def test_sweep_summary_says_1_trial_and_no_pruning_warning_by_default(tmp_path, 
     assert "pruning is on but train.eval_every=0" in capsys.readouterr().err  # chosen: actionable
 
 
-def test_bitsandbytes_kernels_noise_is_dropped_at_a_terminal_only(monkeypatch):
+def test_bitsandbytes_kernels_noise_is_dropped_on_and_off_a_terminal(monkeypatch):
     import io
     import logging
 
@@ -350,9 +350,9 @@ def test_bitsandbytes_kernels_noise_is_dropped_at_a_terminal_only(monkeypatch):
         log.warning(msg, "x")
         log.warning("another warning")
         assert seen == ["another warning"]
-        monkeypatch.setattr(sys, "stderr", io.StringIO())  # a log file: keep it
-        log.warning(msg, "x")
-        assert len(seen) == 2 and "gemm_4bit_forward" in seen[1]
+        monkeypatch.setattr(sys, "stderr", io.StringIO())  # a log file: dropped too (not actionable; a
+        log.warning(msg, "x")  # production run keeps it as one line in its warnings.log: test_noise.py)
+        assert seen == ["another warning"]
     finally:
         log.removeHandler(h)
 

@@ -63,6 +63,10 @@ def load_run_model(run: str | Path, *, quantised: bool = True) -> tuple[Any, Any
         cfg = compose([f"quant={man['quant']['name']}"], rules="none")
         kw["quantization_config"] = bnb_config(cfg)
     base = AutoModelForCausalLM.from_pretrained(base_path, **kw)
+    if "quantization_config" in kw:  # the trained model's kernels: no lossy CPU repacking of 4-bit weights
+        from vramsweep.knobs.quant import keep_trainable_4bit_layout
+
+        keep_trainable_4bit_layout(base)
     from peft import PeftModel
 
     return PeftModel.from_pretrained(base, str(run / ADAPTER_DIR)).eval(), tok, man
