@@ -31,15 +31,18 @@ from omegaconf import DictConfig, open_dict
 
 from vramsweep.config import ConfigError, compose
 from vramsweep.config.errors import error_line
+from vramsweep.config.rules import check_machine
 from vramsweep.data.examples import IGNORE_INDEX
 from vramsweep.data.packing import pack_examples
-from vramsweep.data.prep import collate_batch, micro_batches, trial_data
+from vramsweep.data.prep import collate_batch, micro_batches, render_settings, trial_data
+from vramsweep.data.render import end_of_turn_markers
 from vramsweep.knobs import build_model
 from vramsweep.knobs.build import model_source
 from vramsweep.knobs.registry import loss_fn
 from vramsweep.loop import Callback, Loop, fit
 from vramsweep.measure.eval import evaluate
 from vramsweep.measure.threads import apply as apply_threads
+from vramsweep.preflight import check_named_options, preflight
 
 PROXY_LAYERS = 2
 PROXY_MAX_HIDDEN = 256
@@ -226,8 +229,6 @@ def check_packing(cfg: DictConfig, model, examples: list, tol: float) -> Line:
 
 
 def _stop_ids(tokenizer, cfg: DictConfig, fmt: str) -> set[int]:
-    from vramsweep.data.prep import render_settings
-    from vramsweep.data.render import end_of_turn_markers
 
     ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
     if fmt in ("messages", "sharegpt", "chat"):
@@ -312,8 +313,6 @@ def run_checks(cfg: DictConfig) -> tuple[list[Line], list[str]]:
 
 def run_check(overrides: list[str]) -> int:
     """``vramsweep check``: compose and pre-flight as ``train`` does, run the checks, print one line each."""
-    from vramsweep.config.rules import check_machine
-    from vramsweep.preflight import check_named_options, preflight
 
     try:
         check_named_options(overrides)

@@ -20,6 +20,7 @@ from typing import Any
 from vramsweep.config import compose
 from vramsweep.config.errors import error_line
 from vramsweep.data.prep import trial_data
+from vramsweep.knobs.quant import keep_trainable_4bit_layout
 from vramsweep.production.layout import ADAPTER_DIR, MODEL_DIR, TOKENIZER_DIR, read_manifest
 
 
@@ -64,8 +65,6 @@ def load_run_model(run: str | Path, *, quantised: bool = True) -> tuple[Any, Any
         kw["quantization_config"] = bnb_config(cfg)
     base = AutoModelForCausalLM.from_pretrained(base_path, **kw)
     if "quantization_config" in kw:  # the trained model's kernels: no lossy CPU repacking of 4-bit weights
-        from vramsweep.knobs.quant import keep_trainable_4bit_layout
-
         keep_trainable_4bit_layout(base)
     from peft import PeftModel
 
