@@ -32,7 +32,7 @@ from omegaconf import DictConfig, open_dict
 from vramsweep.config import ConfigError, compose
 from vramsweep.config.errors import error_line
 from vramsweep.config.rules import check_machine
-from vramsweep.data.examples import IGNORE_INDEX
+from vramsweep.data.examples import IGNORE_INDEX, trained_spans
 from vramsweep.data.packing import pack_examples
 from vramsweep.data.prep import collate_batch, micro_batches, render_settings, trial_data
 from vramsweep.data.render import end_of_turn_markers
@@ -236,18 +236,6 @@ def _stop_ids(tokenizer, cfg: DictConfig, fmt: str) -> set[int]:
         s = render_settings(cfg, tokenizer, fmt)
         ids |= {vocab[t] for t in end_of_turn_markers(tokenizer, s) if t in vocab}
     return ids
-
-
-def trained_spans(labels: list[int]) -> list[tuple[int, int]]:
-    """``[start, end)`` of each run of trained labels."""
-    spans, start = [], None
-    for i, t in enumerate([*labels, IGNORE_INDEX]):
-        if t != IGNORE_INDEX and start is None:
-            start = i
-        elif t == IGNORE_INDEX and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
 
 
 def check_stop_token(cfg: DictConfig, tokenizer, examples: list, fmt: str) -> Line:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -27,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vramsweep.config import ConfigError, compose
 from vramsweep.config.errors import error_line
-from vramsweep.data.examples import IGNORE_INDEX
+from vramsweep.data.examples import IGNORE_INDEX, trained_spans
 from vramsweep.data.prep import _build, trial_data
 from vramsweep.data.truncation import ContextOverflowError
 from vramsweep.knobs.build import model_source
@@ -39,24 +38,11 @@ OPEN, CLOSE = "[[", "]]"
 COLOUR_ON, COLOUR_OFF = "\x1b[1;32m", "\x1b[0m"
 
 
-def spans(labels: Sequence[int]) -> list[tuple[int, int]]:
-    """The ``[start, end)`` token runs whose labels are trained (not ``-100``)."""
-    out: list[tuple[int, int]] = []
-    start = None
-    for i, t in enumerate([*labels, IGNORE_INDEX]):
-        if t != IGNORE_INDEX and start is None:
-            start = i
-        elif t == IGNORE_INDEX and start is not None:
-            out.append((start, i))
-            start = None
-    return out
-
-
 def marked(example: Any, tok: Any, colour: bool) -> str:
     """The example's text, each trained run decoded and wrapped in colour or ``[[``…``]]``."""
     ids, parts, pos = example.input_ids, [], 0
     on, off = (COLOUR_ON, COLOUR_OFF) if colour else (OPEN, CLOSE)
-    for a, b in spans(example.labels):
+    for a, b in trained_spans(example.labels):
         parts.append(tok.decode(ids[pos:a]))
         parts.append(on + tok.decode(ids[a:b]) + off)
         pos = b
@@ -113,7 +99,7 @@ def record(split: Split, i: int, e: Any, tok: Any) -> dict[str, Any]:
         "truncated": full > len(e.input_ids),
         "untruncated_tokens": full,
         "boundary_merged": _merged(e),
-        "trained": [tok.decode(e.input_ids[a:b]) for a, b in spans(e.labels)],
+        "trained": [tok.decode(e.input_ids[a:b]) for a, b in trained_spans(e.labels)],
     }
 
 

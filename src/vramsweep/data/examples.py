@@ -269,3 +269,16 @@ def span_exact_match(
             raise ValueError(f"span {(s, e)} is outside 1..{len(ids)}")
         out.append(all(pred[t - 1] == ids[t] for t in range(s, e)))
     return out
+
+
+def trained_spans(labels: Sequence[int]) -> list[tuple[int, int]]:
+    """The ``[start, end)`` token runs whose labels are trained (not :data:`IGNORE_INDEX`)."""
+    out: list[tuple[int, int]] = []
+    start = None
+    for i, t in enumerate([*labels, IGNORE_INDEX]):
+        if t != IGNORE_INDEX and start is None:
+            start = i
+        elif t == IGNORE_INDEX and start is not None:
+            out.append((start, i))
+            start = None
+    return out
