@@ -43,12 +43,19 @@ def test_export_merge_is_a_plain_model_with_the_adapters_logits(run, tmp_path, c
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "merged"))
     # QLoRA merges into the bf16 base: compare with base(bf16) + adapter (fp32) unmerged. The merge rounds
     # W + s*BA to bf16 once per weight (a relative 2^-9), which compounds over the 4 layers: stated
-    # tolerance max |dlogit| <= 0.25 (measured 0.17 on logits of magnitude ~7), mean <= 0.02, same argmax.
+    # tolerance max |dlogit| <= 0.25 (measured 0.17 on logits of magnitude ~7), mean <= 0.02, same argmax
+    # at every clear position.
     unmerged, _, _ = load_run_model(folder, quantised=False)
     got, want = _logits(merged, tok), _logits(unmerged, tok)
     diff = (got - want).abs()
     assert diff.max().item() <= 0.25 and diff.mean().item() <= 0.02, (diff.max(), diff.mean())
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    # Same argmax wherever the reference's top two logits are further apart than twice the stated tolerance: a
+    # near tie may flip under the merge's bf16 rounding (position 3's top two logits tie exactly here; CI's CPU
+    # picked the other one), a clear winner may not. Most positions are clear, so the check cannot pass vacuously.
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * 0.25
+    assert clear.float().mean().item() >= 0.5, clear
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
     info = json.loads((tmp_path / "merged" / "vramsweep_export.json").read_text())
     assert info["merged"] is True
     check = info.get("merged_vs_trained")
