@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from vramsweep.config.compose import compose
-from vramsweep.trial import keep_run_threads
+from vramsweep.production.run import keep_run_threads
 
 
 def _meta(threads: int) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from vramsweep.config.paths import NAME_MAX
-from vramsweep.trial import RUN_NAME_BYTES, default_result_path, run_name
+from vramsweep.production.run import RUN_NAME_BYTES, default_result_path, run_name
 
 
 @pytest.mark.parametrize(
