@@ -56,7 +56,7 @@ from vramsweep.record.units import GIB
 MIN_FREE_BYTES = 64 * 2**20
 #: Added per trial of a sweep (a result JSON is ~10 KiB, a trial log up to ~100 KiB; generous).
 PER_TRIAL_BYTES = 1 * 2**20
-#: ``VRAMSWEEP_FAULT`` forms (see ``vramsweep.trial._fault``): ``<kind>@<step>``.
+#: ``VRAMSWEEP_FAULT`` forms (see ``vramsweep.training.callbacks.fault``): ``<kind>@<step>``.
 
 
 def _existing_ancestor(path: Path) -> Path:

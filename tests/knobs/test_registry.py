@@ -48,7 +48,7 @@ def test_long_context_knobs_are_registered():
     names = {h.name for h in registry.registered()}
     assert {"offload", "mlp_tiles", "loss_chunks", "attention_heads"} <= names
     cfg = compose(["checkpointing=offload", "tiling=on"])
-    knobs = {h.name for h in registry.registered() if h.notes_in == "knobs"}
+    knobs = {h.name for h in registry.registered() if h.notes_in == "knobs" and h.build is not None}
     assert knobs == {"offload", "mlp_tiles", "loss_chunks", "attention_heads"}
     assert {h.name for h in registry.active(cfg)} & knobs == {"offload", "mlp_tiles", "loss_chunks"}
     grouped = compose(["tiling=on", "tiling.attention_heads=2"])
@@ -100,7 +100,6 @@ def test_two_knobs_replacing_the_loss_are_refused(probe):
 
 #: Groups with no provider of their own, and why (``tiling``'s knobs and ``rope`` have one).
 NO_PROVIDER = {
-    "data": "the trial's documents (vramsweep.data.prep), read before the build",
     "logger": "where rows go (W&B or nowhere): the trial's callback, not the model",
     "sweep": "which trials run (the sweeper), not what one trial builds",
 }
@@ -123,7 +122,7 @@ def test_every_config_group_has_a_provider_or_is_listed():
     assert not set(by_group) - groups, "providers name groups that do not exist"
     assert not groups - set(by_group) - set(NO_PROVIDER), "a config group with no provider, unlisted"
     assert not set(by_group) & set(NO_PROVIDER)
-    runs = ("patch", "load", "build", "loss", "wrap_loss")
+    runs = ("patch", "load", "build", "loss", "wrap_loss", "data", "measure")
     for g, hooks in by_group.items():
         changes = any(getattr(h, stage) is not None for h in hooks for stage in runs)
         assert changes == (g not in VALUES_ONLY), g  # a group that only sets values says so in VALUES_ONLY

@@ -239,7 +239,7 @@ def test_liger_sync_point_marks_the_decoder_forward():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from vramsweep.config import compose
-    from vramsweep.trial import liger_sync_point
+    from vramsweep.knobs.kernels import liger_sync_point
 
     conf = transformers.Qwen3Config(
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

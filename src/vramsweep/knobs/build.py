@@ -68,9 +68,14 @@ def logical_numel(p: torch.Tensor) -> int:
 
 
 def build_model(
-    cfg: DictConfig, *, keep_ids: list[int] | None = None, source: tuple[Path | None, Any] | None = None
+    cfg: DictConfig,
+    *,
+    keep_ids: list[int] | None = None,
+    source: tuple[Path | None, Any] | None = None,
+    corpus: list | None = None,
 ) -> Built:
-    """Build the model for one trial. ``keep_ids``: vocabulary rows to keep when ``vocab`` slices;
+    """Build the model for one trial. ``keep_ids``: vocabulary rows to keep when ``vocab`` slices (else
+    chosen from ``corpus``, the examples the model will see: every train and eval example as built);
     ``source``: :func:`model_source`'s (weights dir, tokenizer) when the caller has it already (the
     tokenizer is then loaded once per trial)."""
     device = torch.device("cuda" if cfg.hardware.device == "cuda" else "cpu")
@@ -82,6 +87,7 @@ def build_model(
         path=path,
         tokenizer=tokenizer,
         keep_ids=keep_ids,
+        corpus=corpus,
         notes={"device": str(device), "dtype": cfg.train.dtype},
     )
     registry.run_build(cfg, b)  # patch -> load -> build, each active provider's hooks in order

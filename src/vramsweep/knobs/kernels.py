@@ -387,12 +387,38 @@ def _estimate(cfg: DictConfig, e: Any) -> dict[str, Any]:
     }
 
 
+def liger_sync_point(cfg: DictConfig, model, clock: Any):
+    """With Liger's fused linear cross-entropy, which calls ``.item()`` as its forward starts (liger-kernel
+    0.8.5: a host sync each micro-batch), mark that point on ``clock`` after each decoder forward, so the
+    host's wait there is counted as ``loss_sync`` (a wait for the device) instead of forward work; and
+    one as each backward starts (its backward's ``torch.equal`` on the incoming gradient: ``backward_sync``).
+    Returns the hook's handle, or None."""
+    k = cfg.kernels
+    if not (bool(k.get("liger", False)) and bool(k.get("liger_fused_linear_cross_entropy", False))):
+        return None
+    lm = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    get_decoder = getattr(lm, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    if decoder is None:
+        return None
+    from vramsweep.measure.steps import install_sync_point  # the measure package imports torch
+
+    clock.backward_sync_point = True
+    return install_sync_point(clock, decoder)
+
+
+def _measure(cfg: DictConfig, m: Any) -> None:
+    if m.phase == "train_start":  # Liger's host syncs: counted as loss_sync/backward_sync, not forward work
+        liger_sync_point(cfg, m.model, m.clock)
+
+
 register(
     KnobHooks(
         name="kernels",
         patch=_patch,
         load=_load,
         build=_build,
+        measure=_measure,
         estimate=_estimate,
         groups=("kernels",),
         notes_in="build",

@@ -29,12 +29,25 @@ def _offload_build(cfg: Any, b: Any) -> dict[str, Any]:
     return enable_offload(b.model, b.device)
 
 
+def _offload_measure(cfg: Any, m: Any) -> None:
+    offload = getattr(m.model, "_vramsweep_offload", None)
+    if m.phase == "train_end" and offload is not None:  # the host side of the memory (longctx/offload.py)
+        m.meta["host_memory"] = {
+            "pool_bytes": offload.pool_bytes,
+            "peak_offloaded_bytes": offload.peak_host_bytes,
+            "pinned": offload.cuda,
+            "definition": "pool_bytes: the exact-size host pool for the layer inputs (page-locked with "
+            "cudaHostRegister on CUDA); peak_offloaded_bytes: the most layer-input bytes held at once",
+        }
+
+
 register(
     KnobHooks(
         name="offload",
         groups=("checkpointing",),
         active=lambda cfg: cfg.checkpointing.name == "offload",  # the option is the knob
         build=_offload_build,
+        measure=_offload_measure,
         # Unsloth offloads its own checkpoints (counted by the estimator's unsloth term)
         estimate=lambda cfg, e: {"offload": not e.fields["unsloth"]},
     )
@@ -51,12 +64,18 @@ def _mlp_build(cfg: Any, b: Any) -> dict[str, Any]:
     return {"tile_tokens": tile, "layers": tile_mlps(b.model, tile)}
 
 
+def _mlp_measure(cfg: Any, m: Any) -> None:
+    if m.phase == "train_end":  # MFU's recompute term: the share of timed tokens whose sequence was tiled
+        m.mfu["tiled_share"] = m.timing.share_longer_than(int(cfg.tiling.mlp_tile_tokens))
+
+
 register(
     KnobHooks(
         name="mlp_tiles",
         groups=("tiling",),
         active=lambda cfg: int(cfg.get("tiling", {}).get("mlp_tile_tokens", 0) or 0) > 0,
         build=_mlp_build,
+        measure=_mlp_measure,
         estimate=lambda cfg, e: {"mlp_tile": int(cfg.tiling.mlp_tile_tokens)},
     )
 )

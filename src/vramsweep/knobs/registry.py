@@ -19,6 +19,11 @@ A knob's option file (``conf/<group>/<option>.yaml``) sets config values; the co
 * ``loss(cfg, model) -> fn(input_ids, attention_mask, labels)``: the training loss instead of the
   model's own (at most one active provider may set it); ``wrap_loss(cfg, model, fn) -> fn`` then wraps
   whichever loss runs (attention's causal fast path);
+* ``data(cfg, d) -> notes``: after the build, on the trial's examples (:class:`Batching`): what the loop
+  reads (vocab slicing's remapped ids, then packing's rows); the notes land in ``meta.data[<name>]``;
+* ``measure(cfg, m)``: what a knob adds to the measurement (:class:`Measuring`), at ``train_start`` (the
+  step clock: Liger's sync points) and ``train_end`` (before the throughput is recorded: offload's host
+  memory, the tiled MLP's share for MFU);
 * ``estimate(cfg, e) -> {field: value}``: fields of the estimator's
   :class:`vramsweep.estimate.analytic.Knobs`, in the same order; ``e.fields`` holds what earlier
   providers set, ``e.note(text)`` adds an assumption to the estimate.
@@ -27,10 +32,11 @@ A knob's option file (``conf/<group>/<option>.yaml``) sets config values; the co
 ``"build"`` merged into ``meta.build`` itself (the group providers keep their historical keys:
 ``kernels``, ``rope``, ``quantised_layers``, ``vocab``, ``adapter``, ...).
 
-:func:`vramsweep.knobs.build.build_model`, the training loop and
-:func:`vramsweep.estimate.knobs_from_cfg` run :func:`run_build`, :func:`loss_fn` and
-:func:`estimate_fields`; none of them has a branch for a particular group. This module imports nothing
-heavy (the estimator uses it without torch): the providers import their implementations inside the hooks.
+:func:`vramsweep.knobs.build.build_model`, the trial (:mod:`vramsweep.trial`), the training loop and
+:func:`vramsweep.estimate.knobs_from_cfg` run :func:`run_build`, :func:`run_data`, :func:`run_measure`,
+:func:`loss_fn` and :func:`estimate_fields`; none of them has a branch for a particular group.
+This module imports nothing heavy (the estimator uses it without torch): the providers import their
+implementations inside the hooks.
 """
 
 from __future__ import annotations
@@ -56,10 +62,11 @@ PROVIDERS: tuple[str, ...] = (
     "vramsweep.knobs.optim",
     "vramsweep.knobs.model",  # loads with what the earlier load hooks set (last of the load stage)
     "vramsweep.knobs.offload_tiling",  # knobs that work on the finished model (after the adapter)
+    "vramsweep.knobs.packing",  # data.packing: the data stage only (rows of vocab's remapped examples)
 )
 
-#: The build's stages, in the order they run (``loss``/``wrap_loss`` run in the loop, ``estimate`` in
-#: the estimator, each in provider order).
+#: The build's stages, in the order they run (``data`` after the build, ``loss``/``wrap_loss`` in the
+#: loop, ``measure`` around training, ``estimate`` in the estimator, each in provider order).
 STAGES: tuple[str, ...] = ("patch", "load", "build")
 
 Hook = Callable[..., Any]
@@ -75,6 +82,8 @@ class KnobHooks:
     patch: Hook | None = None  # (cfg, b: Build) -> notes, before loading
     load: Hook | None = None  # (cfg, b: Build) -> notes: load kwargs, or the loaded model
     wrap_loss: Hook | None = None  # (cfg, model, fn) -> fn, around whichever loss runs
+    data: Hook | None = None  # (cfg, d: Batching) -> notes (meta.data[name]), after the build
+    measure: Hook | None = None  # (cfg, m: Measuring) -> None, at train_start and train_end
     groups: tuple[str, ...] = ()  # the config groups it implements (conf/<group>/)
     notes_in: str = "knobs"  # "knobs": meta.build.knobs[name]; "build": merged into meta.build
 
@@ -89,11 +98,37 @@ class Build:
     path: Any = None  # weights folder (None: source=arch, built from the config)
     tokenizer: Any = None
     keep_ids: list[int] | None = None  # vocabulary rows to keep (vocab slicing)
+    corpus: list | None = None  # the examples the model will see (vocab slicing chooses keep_ids from them)
     model: Any = None
     id_map: Any = None  # vocab slicing's IdMap
     load_kwargs: dict[str, Any] = field(default_factory=dict)  # from_pretrained keywords
     notes: dict[str, Any] = field(default_factory=dict)
     done: bool = False  # a loader built the whole trial model: the stages after it are skipped
+
+
+@dataclass
+class Batching:
+    """What the data hooks see after the build: the trial's examples as the loop will read them."""
+
+    train: list  # the training examples (packing turns them into rows)
+    eval: list  # the eval examples (never packed)
+    pad_id: int
+    tokenizer: Any = None  # the base tokenizer (names ids in errors)
+    id_map: Any = None  # vocab slicing's IdMap, from the build (None: the full vocabulary)
+    width: int | None = None  # packed rows' width (None: each batch padded to its longest row)
+
+
+@dataclass
+class Measuring:
+    """What the measure hooks see: the trained model and the step clock at ``train_start``; at
+    ``train_end`` also the step timing, the result's meta and ``mfu`` (keywords for the MFU figure)."""
+
+    phase: str  # "train_start" | "train_end"
+    model: Any
+    clock: Any = None  # vramsweep.measure.steps.StepClock
+    timing: Any = None  # vramsweep.loop.Timing (train_end)
+    meta: dict[str, Any] = field(default_factory=dict)
+    mfu: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -166,6 +201,24 @@ def run_build(cfg: Any, b: Build) -> Build:
     if not b.done:
         b.notes.setdefault("knobs", {})  # meta.build.knobs: present (maybe empty) for every built model
     return b
+
+
+def run_data(cfg: Any, d: Batching) -> dict[str, Any]:
+    """Run every active provider's ``data`` hook on ``d`` in order; returns their notes by provider name
+    (for ``meta.data``)."""
+    notes: dict[str, Any] = {}
+    for h in active(cfg):
+        if h.data is not None and (out := h.data(cfg, d)) is not None:
+            notes[h.name] = out
+    return notes
+
+
+def run_measure(cfg: Any, m: Measuring) -> Measuring:
+    """Run every active provider's ``measure`` hook for ``m.phase``, in order."""
+    for h in active(cfg):
+        if h.measure is not None:
+            h.measure(cfg, m)
+    return m
 
 
 def loss_fn(cfg: Any, model: Any) -> Callable[..., Any]:

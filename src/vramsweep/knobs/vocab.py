@@ -1,9 +1,11 @@
 """``vocab``: the vocabulary-slicing provider (:mod:`vramsweep.knobs.registry`); the implementation is
 :mod:`vramsweep.knobs.vocab_slice` (which imports torch, so the provider lives here for the estimator).
 
-Build (``vocab.mode != full``): the embedding and lm_head keep only ``keep_ids`` (chosen from the training
-corpus by the trial), the tokenizer is wrapped to emit the new ids and ``b.id_map`` maps old <-> new
-(``meta.build.vocab``: rows before and after). Estimate: the rows the memory terms count.
+Build (``vocab.mode != full``): the embedding and lm_head keep only ``keep_ids`` (chosen from the trial's
+examples, ``b.corpus``: every train and eval example as built, after truncation), the tokenizer is wrapped
+to emit the new ids and ``b.id_map`` maps old <-> new (``meta.build.vocab``: rows before and after).
+Data: the examples re-expressed in the kept ids (``vocab.fallback`` for ids outside them) and the pad id
+with them. Estimate: the rows the memory terms count.
 """
 
 from __future__ import annotations
@@ -16,13 +18,27 @@ from vramsweep.knobs.registry import KnobHooks, register
 def _build(cfg: Any, b: Any) -> dict[str, Any]:
     if cfg.vocab.mode == "full":
         return {}
-    from vramsweep.knobs.vocab_slice import slice_model_and_tokenizer
+    from vramsweep.knobs.vocab_slice import kept_ids, slice_model_and_tokenizer
 
+    if b.keep_ids is None and b.corpus is not None:
+        v, seen = cfg.vocab, [e.input_ids for e in b.corpus]
+        b.keep_ids = kept_ids(b.tokenizer, seen, mode=str(v.mode), top_k=int(v.top_k), reserve=int(v.reserve))
     if b.keep_ids is None:
         raise ValueError("vocab slicing needs keep_ids from the training corpus")
     old_v = b.model.get_input_embeddings().weight.shape[0]
     b.model, b.tokenizer, b.id_map = slice_model_and_tokenizer(b.model, b.tokenizer, b.keep_ids)
     return {"vocab": {"original": int(old_v), "kept": int(b.model.get_input_embeddings().weight.shape[0])}}
+
+
+def _data(cfg: Any, d: Any) -> None:
+    if d.id_map is None:  # the build kept the full vocabulary
+        return
+    from vramsweep.knobs.vocab_slice import remap_examples
+
+    fallback, names = str(cfg.vocab.fallback), d.tokenizer.convert_ids_to_tokens
+    d.train = remap_examples(d.train, d.id_map, fallback=fallback, id_to_token=names)
+    d.eval = remap_examples(d.eval, d.id_map, fallback=fallback, id_to_token=names)
+    d.pad_id = int(d.id_map.encode([d.pad_id])[0])
 
 
 def _estimate(cfg: Any, e: Any) -> dict[str, Any]:
@@ -51,6 +67,7 @@ register(
     KnobHooks(
         name="vocab",
         build=_build,
+        data=_data,
         estimate=_estimate,
         groups=("vocab",),
         notes_in="build",

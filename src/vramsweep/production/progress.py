@@ -4,8 +4,8 @@ and at the first and the last step (docs/RUNS.md "Length")::
 
     vramsweep train: step 12/48  loss 2.3456  tokens/s 1,234  peak 12.3 MiB  ETA 3m12s
 
-On a terminal the progress bar says the same (``vramsweep.trial._TrialProgress``); ``VRAMSWEEP_PROGRESS=0``
-silences both.
+On a terminal the progress bar says the same (``vramsweep.training.callbacks.TrialProgress``);
+``VRAMSWEEP_PROGRESS=0`` silences both.
 """
 
 from __future__ import annotations
