@@ -395,31 +395,52 @@ def run_checks(cfg: DictConfig) -> tuple[list[Line], list[str]]:
     return lines, notes
 
 
-def run_check(overrides: list[str]) -> int:
-    """``vramsweep check``: compose and pre-flight as ``train`` does, run the checks, print one line each."""
+def checked_config(overrides: list[str]) -> DictConfig:
+    """``overrides`` composed and pre-flighted as ``vramsweep train`` does it (the machine's rules on the
+    proxy, which runs here); :class:`ConfigError` on bad input, before anything is built or written."""
+    check_named_options(overrides)
+    cfg = compose(overrides, rules="config")
+    check_machine(proxy_config(cfg)[0])
+    preflight(cfg, overrides=overrides)
+    return cfg
 
-    try:
-        check_named_options(overrides)
-        cfg = compose(overrides, rules="config")  # the machine's rules: on the proxy, which runs here
-        check_machine(proxy_config(cfg)[0])
-        preflight(cfg, overrides=overrides)
-    except ConfigError as exc:
-        print(error_line("check", str(exc)), file=sys.stderr)
-        return 2
+
+def headline(cfg: DictConfig) -> str:
     m = cfg.model
-    print(
-        f"check: proxy of {m.name} ({m.family}, {min(PROXY_LAYERS, int(m.num_layers))} layers, random "
+    return (
+        f"proxy of {m.name} ({m.family}, {min(PROXY_LAYERS, int(m.num_layers))} layers, random "
         f"weights, cpu), quant={cfg.quant.name}, adapter={cfg.adapter.name}, dtype={cfg.train.dtype} "
-        f"(computes in {compute_dtype(cfg)})",
-        flush=True,
+        f"(computes in {compute_dtype(cfg)})"
     )
+
+
+def checks_on(cfg: DictConfig) -> tuple[list[Line], list[str]]:
+    """:func:`run_checks` on ``train.threads`` torch threads, as a trial (no oversubscribed cores); the
+    caller's thread count restored after."""
     before = torch.get_num_threads()
-    threads = apply_threads(cfg.train.get("threads", "auto"))  # as a trial: no oversubscribed cores
+    threads = apply_threads(cfg.train.get("threads", "auto"))
     try:
         lines, notes = run_checks(cfg)
     finally:
         torch.set_num_threads(before)
     notes.insert(0, f"{threads.threads} torch threads ({threads.why})")
+    if cfg.hardware.device != "cpu" and not bool(cfg.train.get("deterministic", False)):
+        notes.append(
+            "resume on the card is bitwise only with train.deterministic=true (docs/RUNS.md); the proxy's "
+            "is checked on the CPU"
+        )
+    return lines, notes
+
+
+def run_check(overrides: list[str]) -> int:
+    """``vramsweep check``: compose and pre-flight as ``train`` does, run the checks, print one line each."""
+    try:
+        cfg = checked_config(overrides)
+    except ConfigError as exc:
+        print(error_line("check", str(exc)), file=sys.stderr)
+        return 2
+    print(f"check: {headline(cfg)}", flush=True)
+    lines, notes = checks_on(cfg)
     for note in notes:
         print(f"note: {note}")
     for line in lines:
