@@ -303,12 +303,14 @@ def check_resume(cfg: DictConfig, examples: list) -> Line:
     """:data:`RESUME_STEPS` steps uninterrupted against stopped after :data:`RESUME_AT` and resumed."""
     k = min(2, max(1, int(cfg.train.micro_batch)))
     with open_dict(cfg):
-        cfg.train.steps, cfg.train.warmup_steps = RESUME_STEPS, min(1, int(cfg.train.warmup_steps))
+        cfg.train.steps, cfg.train.warmup_steps = RESUME_STEPS, min(1, int(cfg.train.warmup_steps or 0))
     groups = micro_batches(examples, k, _accum(cfg), RESUME_STEPS, int(cfg.train.seed))
     batches = [collate_batch(b, 0) for b in groups]
     with tempfile.TemporaryDirectory(prefix="vramsweep-check-") as tmp:
         whole_losses, whole = resume_run(cfg, batches, f"{tmp}/whole", None, False)
         cut_losses, _ = resume_run(cfg, batches, f"{tmp}/cut", RESUME_AT, False)
+        if latest_checkpoint(Path(tmp) / "cut") is None:
+            return Line("resume", False, f"no complete checkpoint after step {RESUME_AT}", "bitwise")
         res_losses, res = resume_run(cfg, batches, f"{tmp}/cut", None, True)
     losses = [cut_losses.get(s) if s < RESUME_AT else res_losses.get(s) for s in range(RESUME_STEPS)]
     want = [whole_losses.get(s) for s in range(RESUME_STEPS)]

@@ -213,6 +213,7 @@ def test_a_gpu_config_runs_its_proxy_on_the_cpu_and_says_what_it_replaced(capsys
     assert code == 0, out
     assert "note: hardware.device=cuda runs on the CPU" in out
     assert "note: attention=flash_attention_2 runs as sdpa" in out
+    assert "note: resume on the card is bitwise only with train.deterministic=true" in out
     assert out.count("\nPASS ") == 5
 
 
