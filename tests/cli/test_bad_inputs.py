@@ -297,6 +297,13 @@ CASES: list[tuple[str, str, list[str], dict[str, str], str]] = [
         "sweep.check='maybe' must be true or false (allowed: true, false)",
     ),
     (
+        "m-sweep-check-max-context",
+        "train",
+        ["-m", "sweep=max_context_tiny", "+sweep.check=true", *FAKE],
+        {},
+        "sweep.check=true does not apply to design max_context",
+    ),
+    (
         "m-bad-sampler",
         "train",
         ["-m", "quant=none,nf4", "hydra.sweeper.sampler=simulated_annealing", *FAKE],

@@ -22,6 +22,17 @@ def baseline_overrides(plan: Any) -> list[str]:
     return merge_overrides(plan.fixed, plan.baseline)
 
 
+def check_precheck_design(sweep: Any) -> None:
+    """``sweep.check=true`` on a ``max_context`` design (no baseline: its trials probe memory): refused."""
+    if sweep.check and sweep.design == "max_context":
+        raise ConfigError(
+            "sweep.check=true does not apply to design max_context (it has no baseline; its trials probe "
+            "memory): run vramsweep check on one of its configs instead",
+            key="sweep.check",
+            allowed=["false"],
+        )
+
+
 def run_precheck(plan: Any, say: Callable[[str], None] = print) -> Any:
     """The plan, with ``check_result`` when ``sweep.check`` is on; :class:`ConfigError` on a FAIL."""
     if not plan.check:
