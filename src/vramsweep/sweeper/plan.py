@@ -160,8 +160,6 @@ class Plan:
             "stack": list(self.stack),
             "repeats": self.repeats,
             "preflight": self.preflight,
-            "check": self.check,
-            "check_result": self.check_result,
             "edge_start": self.edge_start,
             "budget_gib": self.budget_gib,
             "storage": mask_url(self.storage),
@@ -178,6 +176,8 @@ class Plan:
             "max_failure_rate": self.max_failure_rate,
             "timeout_s": self.timeout_s,
             "sweep_dir": str(self.sweep_dir),
+            # sweep.check=true only (the settings of a sweep without it are recorded as before)
+            **({"check": True, "check_result": self.check_result} if self.check else {}),
         }
 
 
