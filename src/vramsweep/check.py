@@ -13,18 +13,27 @@ records of the configured data, as the trial builds them; the maths checks cut e
   ``micro_batch=n, grad_accum=1`` (the loop's token weighting, :func:`vramsweep.loop.token_weights`);
 * ``eval_then_train``: LoRA gradients after an eval forward equal those without (4-bit bases: issue 49);
 * ``packing``: loss and gradients of the examples packed into one row equal those of the rows unpacked;
+* ``resume``: :data:`RESUME_STEPS` optimizer steps uninterrupted (an eval first, as a trial) against a run
+  stopped after step :data:`RESUME_AT` and resumed in a fresh build, through the production path
+  (:class:`vramsweep.production.checkpoint.Checkpointer` stops it as on SIGTERM, ``load_checkpoint`` and
+  ``Resume.apply``/``restore_rng`` resume it; the optimizer, scheduler and fp32 masters of
+  ``adapter.dtype=compute`` are the trial's); adapter tensors and per-step losses must be **bitwise** equal
+  (the proxy runs on the CPU; on CUDA a run's resume is bitwise only with ``train.deterministic=true``);
 * ``stop_token``: every trained span of the first records ends with a trained stop token (EOS or the
   template's end-of-turn token), unless the example was cut at ``context.max_tokens`` (counted apart).
 
 Figures are relative differences (norm of the difference over the norm of the reference, over all trainable
-gradients). Exit 0 when every check passes, 1 on any FAIL.
+gradients); the resume line's are the largest absolute differences (0 when bitwise). Exit 0 when every
+check passes, 1 on any FAIL.
 """
 
 from __future__ import annotations
 
 import copy
 import sys
+import tempfile
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, open_dict
@@ -38,11 +47,13 @@ from vramsweep.data.prep import collate_batch, micro_batches, render_settings, t
 from vramsweep.data.render import end_of_turn_markers
 from vramsweep.knobs import build_model
 from vramsweep.knobs.build import model_source
+from vramsweep.knobs.optim import build_optimizer, build_scheduler
 from vramsweep.knobs.registry import loss_fn
 from vramsweep.loop import Callback, Loop, fit
 from vramsweep.measure.eval import evaluate
 from vramsweep.measure.threads import apply as apply_threads
 from vramsweep.preflight import check_named_options, preflight
+from vramsweep.production.checkpoint import Checkpointer, Preempted, latest_checkpoint, load_checkpoint
 
 PROXY_LAYERS = 2
 PROXY_MAX_HIDDEN = 256
@@ -53,6 +64,8 @@ N_RECORDS = 64
 #: tokens of each record the maths checks keep (its last ones: where the trained tokens are)
 PROXY_TOKENS = 512
 CPU = torch.device("cpu")
+#: optimizer steps of the resume check, and the step after which its interrupted run checkpoints and stops
+RESUME_STEPS, RESUME_AT = 4, 2
 
 
 @dataclass
@@ -119,14 +132,15 @@ def proxy_config(
     return p, notes
 
 
-def build_proxy(cfg: DictConfig) -> torch.nn.Module:
+def build_proxy(cfg: DictConfig, dropout: bool = False) -> torch.nn.Module:
     """The proxy model (seeded: the same config gives the same weights), LoRA ``B`` factors random, dropout
-    off (a random mask is another function on every pass: the checks compare passes of one function), in
+    off unless ``dropout`` (a random mask is another function on every pass: the gradient checks compare
+    passes of one function; the resume check keeps the config's dropout, whose RNG a resume restores), in
     training mode (gradient checkpointing and every training-only path run as in a trial)."""
     torch.manual_seed(0)
     model = build_model(cfg, source=(None, None)).model
     for mod in model.modules():
-        if isinstance(mod, torch.nn.Dropout):
+        if isinstance(mod, torch.nn.Dropout) and not dropout:
             mod.p = 0.0
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -228,6 +242,89 @@ def check_packing(cfg: DictConfig, model, examples: list, tol: float) -> Line:
     return Line("packing", max(d, dl) <= tol, figure, f"{tol:.0e}")
 
 
+class _Losses(Callback):
+    def __init__(self):
+        self.by_step: dict[int, float] = {}
+
+    def on_loss(self, step: int, loss: float) -> None:
+        self.by_step[step] = loss
+
+
+class _StopAfter(Callback):
+    """Raise the checkpointer's stop flag in step ``at - 1`` (as its SIGTERM handler does): it checkpoints
+    after that step and stops the run with :class:`Preempted`."""
+
+    def __init__(self, ckpt: Checkpointer, at: int):
+        self.ckpt, self.at = ckpt, at
+
+    def on_step_end(self, step: int) -> None:
+        if step == self.at - 1:
+            self.ckpt.signalled = "SIGTERM"
+
+
+def resume_run(cfg: DictConfig, batches: list[dict], run_dir: str, stop_at: int | None, resume: bool):
+    """One proxy run as a production trial runs it: build, an initial eval unless resuming, the trial's
+    optimizer and scheduler, ``Resume.apply`` of the newest checkpoint in ``run_dir``, seeded RNG (or the
+    checkpoint's), :func:`fit` with the production checkpointer. Returns (losses by step, trainable
+    tensors); ``stop_at``: stop after that many steps, checkpointed."""
+    model = build_proxy(cfg, dropout=True)
+    if not resume:
+        evaluate(model, batches[:1], CPU)
+    model.train()
+    params = [q for q in model.parameters() if q.requires_grad]
+    optimizer, _ = build_optimizer(cfg, params)
+    scheduler = build_scheduler(cfg, optimizer)
+    point = load_checkpoint(latest_checkpoint(Path(run_dir))) if resume else None
+    if point is not None:
+        point.apply(model, optimizer, scheduler)
+    losses = _Losses()
+    ckpt = Checkpointer(Path(run_dir), 0, 1, model, optimizer, scheduler, lambda: {}, RESUME_STEPS)
+    loop = Loop(model=model, optimizer=optimizer, scheduler=scheduler, batches=batches,
+                loss_fn=loss_fn(cfg, model), device=CPU, steps=RESUME_STEPS, grad_accum=_accum(cfg),
+                max_grad_norm=float(cfg.train.max_grad_norm), params=params,
+                start_step=point.next_step if point is not None else 0)  # fmt: skip
+    torch.manual_seed(int(cfg.train.seed))
+    if point is not None:
+        point.restore_rng()
+    try:
+        fit(loop, [*([_StopAfter(ckpt, stop_at)] if stop_at else []), losses, ckpt])
+    except Preempted:
+        pass
+    finally:
+        ckpt.close()
+    return losses.by_step, {n: q.detach().clone() for n, q in model.named_parameters() if q.requires_grad}
+
+
+def _accum(cfg: DictConfig) -> int:
+    return min(2, max(1, int(cfg.train.grad_accum)))
+
+
+def check_resume(cfg: DictConfig, examples: list) -> Line:
+    """:data:`RESUME_STEPS` steps uninterrupted against stopped after :data:`RESUME_AT` and resumed."""
+    k = min(2, max(1, int(cfg.train.micro_batch)))
+    with open_dict(cfg):
+        cfg.train.steps, cfg.train.warmup_steps = RESUME_STEPS, min(1, int(cfg.train.warmup_steps or 0))
+    groups = micro_batches(examples, k, _accum(cfg), RESUME_STEPS, int(cfg.train.seed))
+    batches = [collate_batch(b, 0) for b in groups]
+    with tempfile.TemporaryDirectory(prefix="vramsweep-check-") as tmp:
+        whole_losses, whole = resume_run(cfg, batches, f"{tmp}/whole", None, False)
+        cut_losses, _ = resume_run(cfg, batches, f"{tmp}/cut", RESUME_AT, False)
+        if latest_checkpoint(Path(tmp) / "cut") is None:
+            return Line("resume", False, f"no complete checkpoint after step {RESUME_AT}", "bitwise")
+        res_losses, res = resume_run(cfg, batches, f"{tmp}/cut", None, True)
+    losses = [cut_losses.get(s) if s < RESUME_AT else res_losses.get(s) for s in range(RESUME_STEPS)]
+    want = [whole_losses.get(s) for s in range(RESUME_STEPS)]
+    d_loss = max((abs(a - b) if a is not None and b is not None else float("inf"))
+                 for a, b in zip(losses, want, strict=True))  # fmt: skip
+    off = [n for n in whole if not torch.equal(whole[n], res[n])]
+    d = max((float((whole[n].float() - res[n].float()).abs().max()) for n in off), default=0.0)
+    figure = (
+        f"{RESUME_STEPS} steps vs stopped after {RESUME_AT} and resumed: {len(off)}/{len(whole)} adapter "
+        f"tensors differ (max |diff| {d:.1e}), losses max |diff| {d_loss:.1e}"
+    )
+    return Line("resume", not off and d_loss == 0.0, figure, "bitwise")
+
+
 def _stop_ids(tokenizer, cfg: DictConfig, fmt: str) -> set[int]:
 
     ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
@@ -292,6 +389,7 @@ def run_checks(cfg: DictConfig) -> tuple[list[Line], list[str]]:
     packed_cfg, _ = proxy_config(cfg, packing=True, vocab=vocab)
     packed_model = model if bool(pcfg.data.packing) else build_proxy(packed_cfg)
     lines.append(check_packing(packed_cfg, packed_model, small, tol))
+    lines.append(check_resume(proxy_config(cfg, packing=False, vocab=vocab)[0], small))
     if tokenizer is None or data.stats.get("random_tokens"):
         notes.append("stop_token skipped: random tokens have no turns")
     else:
@@ -299,31 +397,52 @@ def run_checks(cfg: DictConfig) -> tuple[list[Line], list[str]]:
     return lines, notes
 
 
-def run_check(overrides: list[str]) -> int:
-    """``vramsweep check``: compose and pre-flight as ``train`` does, run the checks, print one line each."""
+def checked_config(overrides: list[str]) -> DictConfig:
+    """``overrides`` composed and pre-flighted as ``vramsweep train`` does it (the machine's rules on the
+    proxy, which runs here); :class:`ConfigError` on bad input, before anything is built or written."""
+    check_named_options(overrides)
+    cfg = compose(overrides, rules="config")
+    check_machine(proxy_config(cfg)[0])
+    preflight(cfg, overrides=overrides)
+    return cfg
 
-    try:
-        check_named_options(overrides)
-        cfg = compose(overrides, rules="config")  # the machine's rules: on the proxy, which runs here
-        check_machine(proxy_config(cfg)[0])
-        preflight(cfg, overrides=overrides)
-    except ConfigError as exc:
-        print(error_line("check", str(exc)), file=sys.stderr)
-        return 2
+
+def headline(cfg: DictConfig) -> str:
     m = cfg.model
-    print(
-        f"check: proxy of {m.name} ({m.family}, {min(PROXY_LAYERS, int(m.num_layers))} layers, random "
+    return (
+        f"proxy of {m.name} ({m.family}, {min(PROXY_LAYERS, int(m.num_layers))} layers, random "
         f"weights, cpu), quant={cfg.quant.name}, adapter={cfg.adapter.name}, dtype={cfg.train.dtype} "
-        f"(computes in {compute_dtype(cfg)})",
-        flush=True,
+        f"(computes in {compute_dtype(cfg)})"
     )
+
+
+def checks_on(cfg: DictConfig) -> tuple[list[Line], list[str]]:
+    """:func:`run_checks` on ``train.threads`` torch threads, as a trial (no oversubscribed cores); the
+    caller's thread count restored after."""
     before = torch.get_num_threads()
-    threads = apply_threads(cfg.train.get("threads", "auto"))  # as a trial: no oversubscribed cores
+    threads = apply_threads(cfg.train.get("threads", "auto"))
     try:
         lines, notes = run_checks(cfg)
     finally:
         torch.set_num_threads(before)
     notes.insert(0, f"{threads.threads} torch threads ({threads.why})")
+    if cfg.hardware.device != "cpu" and not bool(cfg.train.get("deterministic", False)):
+        notes.append(
+            "resume on the card is bitwise only with train.deterministic=true (docs/RUNS.md); the proxy's "
+            "is checked on the CPU"
+        )
+    return lines, notes
+
+
+def run_check(overrides: list[str]) -> int:
+    """``vramsweep check``: compose and pre-flight as ``train`` does, run the checks, print one line each."""
+    try:
+        cfg = checked_config(overrides)
+    except ConfigError as exc:
+        print(error_line("check", str(exc)), file=sys.stderr)
+        return 2
+    print(f"check: {headline(cfg)}", flush=True)
+    lines, notes = checks_on(cfg)
     for note in notes:
         print(f"note: {note}")
     for line in lines:

@@ -535,7 +535,7 @@ def _add_data_parser(sub) -> None:
 
 
 def _add_check_parser(sub) -> None:
-    """``vramsweep check``: accumulation, eval-then-train, packing and stop-token checks on a proxy."""
+    """``vramsweep check``: accumulation, eval-then-train, packing, resume, stop-token checks on a proxy."""
     c = sub.add_parser(
         "check",
         help="prove the training maths on the config: a small random proxy on the CPU, PASS/FAIL lines",

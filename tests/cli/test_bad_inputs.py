@@ -290,6 +290,20 @@ CASES: list[tuple[str, str, list[str], dict[str, str], str]] = [
     ("m-unknown-key", "train", ["-m", "adapter.rank=8,16", *FAKE], {}, "adapter.rank"),
     ("m-bad-value", "train", ["-m", "adapter.r=choice(8,abc)", *FAKE], {}, "adapter.r"),
     (
+        "m-sweep-check-not-bool",
+        "train",
+        ["-m", "+sweep.check=maybe", "adapter.r=8,16", *FAKE],
+        {},
+        "sweep.check='maybe' must be true or false (allowed: true, false)",
+    ),
+    (
+        "m-sweep-check-max-context",
+        "train",
+        ["-m", "sweep=max_context_tiny", "+sweep.check=true", *FAKE],
+        {},
+        "sweep.check=true does not apply to design max_context",
+    ),
+    (
         "m-bad-sampler",
         "train",
         ["-m", "quant=none,nf4", "hydra.sweeper.sampler=simulated_annealing", *FAKE],

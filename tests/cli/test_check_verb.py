@@ -2,8 +2,9 @@
 that covers it, with its figure, and exits 1; a bad override exits 2 and writes nothing.
 
 The broken variants are the bugs the checks exist for: per-micro-batch mean losses instead of token-weighted
-accumulation, bitsandbytes' CPU repacking of 4-bit weights left on (issue 49, item 1), a trained span
-without its stop token."""
+accumulation, bitsandbytes' CPU repacking of 4-bit weights left on (issue 49, item 1), a resume that does not
+restore the optimizer state, the fp32 masters (issue 49, item 2) or the RNG, a trained span without its stop
+token."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from vramsweep import check, loop
 from vramsweep.cli import main
@@ -39,7 +41,7 @@ def _figure(text: str) -> float:
 def test_the_default_config_passes_every_check(capsys):
     code, lines, _ = _run(capsys)
     assert code == 0, lines
-    assert set(lines) == {"accumulation", "eval_then_train", "packing", "stop_token"}
+    assert set(lines) == {"accumulation", "eval_then_train", "packing", "resume", "stop_token"}
     assert all(verdict == "PASS" for verdict, _, _ in lines.values())
     for name in ("accumulation", "eval_then_train", "packing"):  # bf16 on a CPU with bf16, else fp32
         assert _figure(lines[name][1]) <= float(lines[name][2])
@@ -58,7 +60,7 @@ def test_per_micro_batch_means_fail_the_accumulation_check(capsys, monkeypatch):
     assert verdict == "FAIL" and "micro_batch=2 x grad_accum=2 vs 4 x 1" in figure
     assert _figure(figure) > 1e-2 > float(tol) == 1e-5
     assert {n: v for n, (v, _, _) in lines.items() if n != "accumulation"} == dict.fromkeys(
-        ("eval_then_train", "packing", "stop_token"), "PASS"
+        ("eval_then_train", "packing", "resume", "stop_token"), "PASS"
     )
 
 
@@ -89,6 +91,79 @@ def test_attention_across_packed_examples_fails_the_packing_check(capsys, monkey
     verdict, figure, tol = lines["packing"]
     assert verdict == "FAIL" and _figure(figure) > 1e-3 > float(tol)
     assert lines["accumulation"][0] == "PASS"
+
+
+RESUMED = re.compile(r"(\d+)/(\d+) adapter tensors differ \(max \|diff\| (\S+)\), losses max \|diff\| (\S+)$")
+
+
+def _resume_figures(figure: str) -> tuple[int, float, float]:
+    m = RESUMED.search(figure)
+    assert m, figure
+    return int(m.group(1)), float(m.group(3)), float(m.group(4))
+
+
+def test_a_resume_without_the_optimizer_state_fails_the_resume_check(capsys, monkeypatch):
+    """A resume that loads the adapter and the scheduler but not the optimizer's moments (fresh AdamW
+    state after the checkpoint): FAIL with the figure, exit 1; the other checks still pass."""
+    from vramsweep.production import checkpoint
+
+    def weights_only(self, model, optimizer, scheduler):
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for n, t in self.tensors.items():
+                params[n].copy_(t)
+        scheduler.load_state_dict(self.torch_state["scheduler"])
+
+    monkeypatch.setattr(checkpoint.Resume, "apply", weights_only)
+    code, lines, _ = _run(capsys)
+    assert code == 1
+    verdict, figure, tol = lines["resume"]
+    n_off, d_adapter, d_loss = _resume_figures(figure)
+    assert verdict == "FAIL" and tol == "bitwise" and "4 steps vs stopped after 2 and resumed" in figure
+    assert n_off > 0 and d_adapter > 1e-4 and d_loss > 1e-3
+    assert all(v == "PASS" for n, (v, _, _) in lines.items() if n != "resume")
+
+
+def _resume_line(*overrides: str) -> check.Line:
+    """The resume check alone on the config's proxy (as ``run_checks`` builds it)."""
+    cfg = check.compose(list(overrides))
+    examples = check.trial_data(cfg, check.model_source(cfg)[1]).train[: check.N_RECORDS]
+    small, vocab = check.proxy_examples(examples)
+    return check.check_resume(check.proxy_config(cfg, packing=False, vocab=vocab)[0], small)
+
+
+#: QLoRA's stack with bf16 adapters over fp32 masters (the long-context stack), 8-bit AdamW, dropout
+QLORA_COMPUTE = ("quant=nf4", "adapter.dtype=compute", "train.dtype=bf16", "optimizer=adamw_8bit",
+                 "adapter.dropout=0.1")  # fmt: skip
+
+
+def test_the_resume_check_passes_bitwise_on_qlora_with_compute_adapters():
+    line = _resume_line(*QLORA_COMPUTE)
+    assert line.ok, line
+    assert _resume_figures(line.figure) == (0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        pytest.param("masters", id="fp32-masters-not-restored"),  # issue 49, item 2
+        pytest.param("rng", id="rng-not-restored", marks=pytest.mark.slow),
+    ],
+)
+def test_a_resume_that_loses_the_masters_or_the_rng_fails_the_resume_check(monkeypatch, broken):
+    """The masters the optimizer steps rebuilt from the fresh adapter (issue 49's bug: the training before
+    the checkpoint lost), or the dropout masks drawn from a fresh RNG: FAIL with the figure."""
+    from vramsweep.knobs import optim
+    from vramsweep.production import checkpoint
+
+    if broken == "masters":
+        monkeypatch.setattr(optim.Fp32Master, "restore", lambda self, opt: 0)
+    else:
+        monkeypatch.setattr(checkpoint.Resume, "restore_rng", lambda self: None)
+    line = _resume_line(*QLORA_COMPUTE)
+    n_off, d_adapter, d_loss = _resume_figures(line.figure)
+    assert not line.ok and str(line).startswith("FAIL resume: ")
+    assert n_off > 0 and d_adapter > 0 and d_loss > 0
 
 
 def test_a_bad_override_exits_2_and_writes_nothing(capsys, tmp_path, monkeypatch):
@@ -138,7 +213,8 @@ def test_a_gpu_config_runs_its_proxy_on_the_cpu_and_says_what_it_replaced(capsys
     assert code == 0, out
     assert "note: hardware.device=cuda runs on the CPU" in out
     assert "note: attention=flash_attention_2 runs as sdpa" in out
-    assert out.count("\nPASS ") == 4
+    assert "note: resume on the card is bitwise only with train.deterministic=true" in out
+    assert out.count("\nPASS ") == 5
 
 
 def test_records_all_cut_at_the_context_pass_and_say_no_stop_token_is_trained():
@@ -158,7 +234,7 @@ SWEEPS = sorted(p.stem for p in SWEEP_DIR.glob("*.yaml"))
 @pytest.mark.parametrize("sweep", SWEEPS)
 def test_every_shipped_sweeps_baseline_passes(capsys, sweep):
     """``vramsweep check sweep=<name> <baseline>`` for every shipped sweep (GPU profiles on the CPU proxy):
-    all 18 passed on 2026-12-06, 2-15 s each on a loaded 2-core CPU."""
+    all 18 passed on 2026-12-06 with the resume line, 22-123 s each on a 2-core CPU at load average 15-18."""
     import yaml
 
     spec = yaml.safe_load((SWEEP_DIR / f"{sweep}.yaml").read_text())

@@ -55,6 +55,7 @@ from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
     sweep_identity,
     total_trials,
 )
+from vramsweep.sweeper.precheck import check_precheck_design, run_precheck
 from vramsweep.sweeper.progress import Progress, fmt_override, plural, status_label
 from vramsweep.sweeper.settings import SweepConfig
 from vramsweep.sweeper.storage import COPY_OF, JOB_LOST, RETRY_OF, SCREENED, requeue_lost, sqlite_path
@@ -337,9 +338,8 @@ def run_sweep(
     warnings.filterwarnings("ignore", category=ExperimentalWarning)
 
     try:
-        SweepConfig.from_dict(
-            task_cfg.get("sweep")
-        )  # `sweep:` as a list or a string: one line, not a traceback
+        sweep = SweepConfig.from_dict(task_cfg.get("sweep"))  # `sweep:` as a list or a string: one line
+        check_precheck_design(sweep)
     except ConfigError as exc:
         print(error_line("train", str(exc)), file=sys.stderr)
         return 2
@@ -361,6 +361,7 @@ def run_sweep(
         plan = plan_sweep(sweeper_cfg, task_cfg, arguments)
         # before the study, any folder or any trial
         preflight_sweep(plan, task_cfg, arguments, check_storage=check_storage)
+        plan = run_precheck(plan)  # sweep.check=true: vramsweep check on the baseline (a FAIL: exit 2)
     except ConfigError as exc:
         print(error_line("train", str(exc)), file=sys.stderr)
         return 2

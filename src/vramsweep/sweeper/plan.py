@@ -97,6 +97,8 @@ class Plan:
     layout: Layout | None = None
     #: the base config's data files: ``{key: {path, sha256}}`` (a re-run on changed data is refused)
     data_files: dict[str, Any] = field(default_factory=dict)
+    #: ``sweep.check=true``: the baseline's ``vramsweep check`` lines (:mod:`.precheck`); else ``None``
+    check_result: dict[str, Any] | None = None
 
     def __getattr__(self, key: str) -> Any:
         """A ``hydra.sweeper.*`` key from ``conf``, or a ``sweep:`` key from ``sweep``."""
@@ -174,11 +176,13 @@ class Plan:
             "max_failure_rate": self.max_failure_rate,
             "timeout_s": self.timeout_s,
             "sweep_dir": str(self.sweep_dir),
+            # sweep.check=true only (the settings of a sweep without it are recorded as before)
+            **({"check": True, "check_result": self.check_result} if self.check else {}),
         }
 
 
 #: Fixed overrides that do not change what a trial measures (not part of a sweep's identity).
-NOT_IDENTITY = ("results_dir", "sweep.name", "sweep.confirm", "train.resume_on_changed_data")
+NOT_IDENTITY = ("results_dir", "sweep.name", "sweep.confirm", "sweep.check", "train.resume_on_changed_data")
 IDENTITY = "vramsweep:identity"
 #: study attributes: the data files' sha256 as the study started (docs/RUNS.md "Changed data"), and the
 #: changes ``train.resume_on_changed_data=true`` let a re-run continue on

@@ -479,7 +479,7 @@ class Objective:
 
 
 #: ``sweep:`` keys a :class:`~vramsweep.sweeper.plan.Plan` reads through from its :class:`SweepConfig`.
-SWEEP_KEYS = ("baseline", "factors", "stack", "preflight", "confirm")
+SWEEP_KEYS = ("baseline", "factors", "stack", "preflight", "confirm", "check")
 
 
 def _spec_name(spec: Any) -> str:
@@ -663,6 +663,8 @@ class SweepConfig:
     #: the confirm stage (sweeper/confirm.py): ``null``/``auto`` the configs pick chooses between, ``n`` the
     #: first n, ``0`` off; runs only when trials shared a GPU
     confirm: Any = None
+    #: ``vramsweep check`` on the baseline before any trial (sweeper/precheck.py); a FAIL: exit 2
+    check: bool = False
 
     @classmethod
     def from_dict(cls, node: dict[str, Any] | None) -> SweepConfig:
@@ -702,6 +704,7 @@ class SweepConfig:
             fixed=[str(x) for x in _as_list(node.get("fixed"), "sweep.fixed")],
             max_context=dict(node.get("max_context") or {}),
             confirm=_confirm_value(node.get("confirm")),
+            check=_bool_value(node.get("check", False), "sweep.check"),
         )
 
 
@@ -716,6 +719,12 @@ def _confirm_value(value: Any) -> int | str | None:
         key="sweep.confirm",
         allowed=["auto", "null", "0 (off)", "1..1000"],
     )
+
+
+def _bool_value(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(f"{key}={value!r} must be true or false", key=key, allowed=["true", "false"])
 
 
 def _optional_bool(value: Any, key: str) -> bool | None:
