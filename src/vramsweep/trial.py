@@ -60,7 +60,12 @@ from vramsweep.production.checkpoint import (
     load_newest,
     saved_wandb_id,
 )
-from vramsweep.production.fingerprint import check_pinned, check_resume_data, data_fingerprints
+from vramsweep.production.fingerprint import (
+    check_pinned,
+    check_resume_data,
+    data_fingerprints,
+    unverified_line,
+)
 from vramsweep.production.length import apply_epochs
 from vramsweep.production.outputs import LossLog, RunFolder, run_folder_for, save_outputs, write_config
 from vramsweep.production.progress import ProgressLines
@@ -777,6 +782,8 @@ def _resume_point(cfg: DictConfig, run: RunFolder | None, result: dict) -> Resum
     changes = check_resume_data(path, cfg)  # changed data: refused unless train.resume_on_changed_data
     result["meta"]["resumed_from"] = {"checkpoint": str(path), "next_step": resume.next_step}
     _say(f"resumed from step {resume.next_step} of {int(cfg.train.steps)} (checkpoint {path})")
+    if (note := unverified_line(path, changes)) is not None:  # a checkpoint from before data hashes
+        _say(note)
     if broken:
         result["meta"]["resumed_from"]["skipped"] = [{"checkpoint": str(p), "why": w} for p, w in broken]
     earlier = list(resume.state.get("data_changes") or [])
