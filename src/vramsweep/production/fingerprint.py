@@ -122,6 +122,24 @@ def unverified_line(ckpt: Path, changes: list[dict[str, Any]]) -> str | None:
     )
 
 
+#: the data files a trial result names (``trial_hashes``)
+KEYS = ("data.path", "data.eval_path")
+
+
+def trial_hashes(meta: dict[str, Any] | None) -> dict[str, str]:
+    """``{"data.path": sha256, "data.eval_path": sha256}`` as the trial recorded them ({}: embedded data)."""
+    meta = meta or {}
+    sources = meta.get("data_sources")
+    if isinstance(sources, dict) and sources:
+        return {k: str(v.get("sha256")) for k, v in sources.items() if isinstance(v, dict) and k in KEYS}
+    old = (meta.get("data") or {}).get("source_sha256") if isinstance(meta.get("data"), dict) else None
+    if isinstance(old, str):
+        return {"data.path": old}
+    if isinstance(old, dict):
+        return {f"data.{k}": str(v) for k, v in old.items() if f"data.{k}" in KEYS}
+    return {}
+
+
 PIN_KEYS = {"data.path": "path_sha256", "data.eval_path": "eval_path_sha256"}
 
 
