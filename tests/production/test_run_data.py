@@ -164,3 +164,30 @@ def test_a_checkpoint_from_before_it_kept_the_config_needs_config_yaml(stopped, 
     err = capsys.readouterr().err.strip()
     assert "cannot check the config" in err and "restore config.yaml" in err, err
     assert folder_hash(run) == before
+
+
+def test_config_yaml_holds_the_data_files_absolute_and_is_read_from_another_folder(tmp_path, monkeypatch):
+    """``config.yaml`` holds ``data.path`` absolute and resolved, as typed in a comment (as ``run.json`` holds
+    the base folder): the held-out records ``export --merge`` measures on are found from any folder, and a
+    resume that types the same relative path is the same config."""
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from vramsweep.production.use import held_out_ids
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    data = project / "chats.jsonl"
+    _write(data, generate_chats(12, 7))
+    run = tmp_path / "run"
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("VRAMSWEEP_FAULT", "error@1")
+    assert main(_args(run, Path("chats.jsonl"))) == 1  # stopped before its first checkpoint
+    monkeypatch.delenv("VRAMSWEEP_FAULT")
+    text = (run / "config.yaml").read_text()
+    assert f"# data.path: {data.resolve()} (absolute, resolved; typed 'chats.jsonl')" in text, text
+    assert OmegaConf.load(run / "config.yaml").data.path == str(data.resolve())
+    assert main(_args(run, Path("chats.jsonl"), "train.resume=auto")) == 0  # not a changed config
+    monkeypatch.chdir(elsewhere)
+    assert held_out_ids(run, AutoTokenizer.from_pretrained(str(run / "tokenizer")))

@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from vramsweep.config.compose import ConfigError
 from vramsweep.loop import Callback
+from vramsweep.production.outputs import travelling_config
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -284,8 +285,9 @@ def check_same_config(run_dir: Path, config: Any) -> None:
                 allowed=["never (with a new train.output_dir)", "auto (with the run's config.yaml)"],
             )
         return
-    saved = _flat(saved_cfg)
-    now = _flat(OmegaConf.to_container(OmegaConf.create(config), resolve=True))
+    now_cfg = OmegaConf.to_container(OmegaConf.create(config), resolve=True)
+    saved = _flat(travelling_config(saved_cfg)[0])  # data files compared resolved (config.yaml's are)
+    now = _flat(travelling_config(now_cfg)[0])
     diff = sorted(
         k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in RESUME_FREE_KEYS
     )
