@@ -112,3 +112,82 @@ def test_a_pinned_hash_is_checked_before_anything_is_written(tmp_path, capsys):
     ]  # summary
     assert len(err) == 1 and "data.path_sha256" in err[0] and sha[:16] in err[0], err
     assert not run.exists()
+
+
+def _as_before_fingerprints(run: Path, *keys: str) -> None:
+    """Every checkpoint's ``state.json`` without ``keys``: as written before vramsweep recorded them."""
+    for state_file in run.glob("checkpoints/*/state.json"):
+        state = json.loads(state_file.read_text())
+        for key in keys:
+            state.pop(key, None)
+        state_file.write_text(json.dumps(state))
+
+
+def test_a_checkpoint_from_before_data_hashes_resumes_saying_so_and_records_them_now(stopped, capsys):
+    """A checkpoint without data hashes has nothing to compare: the resume continues on the file, says in one
+    line that it cannot verify it, and records the file's hash (the result and the later checkpoints), so a
+    later resume checks it."""
+    run, data, old = stopped
+    _as_before_fingerprints(run, "data")
+    capsys.readouterr()
+    assert main(_args(run, data, "train.resume=auto")) == 0
+    err = capsys.readouterr().err
+    said = [ln for ln in err.splitlines() if "before vramsweep recorded data hashes" in ln]
+    assert len(said) == 1, err
+    assert (
+        f"data.path={data.resolve()} (sha256 {old[:16]})" in said[0] and "recording its hash now" in said[0]
+    )
+    res = json.loads((run / "result.json").read_text())
+    assert res["status"] == "ok"
+    [entry] = res["meta"]["data_changed_on_resume"]
+    assert entry == {
+        "key": "data.path",
+        "path": str(data.resolve()),
+        "was": None,
+        "now": old,
+        "unverified": True,
+        "at_step": 2,
+    }
+    state = json.loads((latest_checkpoint(run) / "state.json").read_text())
+    assert state["data"]["data.path"]["sha256"] == old and state["data_changes"] == [entry]
+
+
+def test_a_checkpoint_from_before_it_kept_the_config_needs_config_yaml(stopped, capsys):
+    """Without the config in the checkpoint and without ``config.yaml`` nothing says which config the run
+    had: the resume is refused (exit 2, nothing written) instead of skipping the check."""
+    run, data, _ = stopped
+    _as_before_fingerprints(run, "config")
+    (run / "config.yaml").unlink()
+    before = folder_hash(run)
+    capsys.readouterr()
+    assert main(_args(run, data, "train.resume=auto")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot check the config" in err and "restore config.yaml" in err, err
+    assert folder_hash(run) == before
+
+
+def test_config_yaml_holds_the_data_files_absolute_and_is_read_from_another_folder(tmp_path, monkeypatch):
+    """``config.yaml`` holds ``data.path`` absolute and resolved, as typed in a comment (as ``run.json`` holds
+    the base folder): the held-out records ``export --merge`` measures on are found from any folder, and a
+    resume that types the same relative path is the same config."""
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from vramsweep.production.use import held_out_ids
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    data = project / "chats.jsonl"
+    _write(data, generate_chats(12, 7))
+    run = tmp_path / "run"
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("VRAMSWEEP_FAULT", "error@1")
+    assert main(_args(run, Path("chats.jsonl"))) == 1  # stopped before its first checkpoint
+    monkeypatch.delenv("VRAMSWEEP_FAULT")
+    text = (run / "config.yaml").read_text()
+    assert f"# data.path: {data.resolve()} (absolute, resolved; typed 'chats.jsonl')" in text, text
+    assert OmegaConf.load(run / "config.yaml").data.path == str(data.resolve())
+    assert main(_args(run, Path("chats.jsonl"), "train.resume=auto")) == 0  # not a changed config
+    monkeypatch.chdir(elsewhere)
+    assert held_out_ids(run, AutoTokenizer.from_pretrained(str(run / "tokenizer")))

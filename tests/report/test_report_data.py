@@ -60,7 +60,10 @@ def test_pick_warns_when_the_winners_file_changed_and_pins_the_sweeps_hash(tmp_p
     assert run_pick(str(folder), budget_gib=2, name="p", conf_dir=str(conf)) == 0
     err = " ".join(capsys.readouterr().err.split())  # the terminal wraps lines
     assert f"data.path={data} changed since the sweep" in err and "bbbbbbbbbbbb" in err
-    assert OmegaConf.load(conf / "experiment" / "p.yaml").data.path_sha256 == "b" * 64
+    pinned = conf / "experiment" / "p.yaml"
+    assert OmegaConf.load(pinned).data.path_sha256 == "b" * 64
+    assert OmegaConf.load(pinned).data.path == str(data)  # absolute: composes the same from any folder
+    assert f"# data.path: {data} (absolute, resolved; the sweep typed 'chats.jsonl')" in pinned.read_text()
     data.unlink()
     assert run_pick(str(folder), budget_gib=2, name="q", conf_dir=str(conf)) == 0
     assert f"data.path={data} is missing" in " ".join(capsys.readouterr().err.split())

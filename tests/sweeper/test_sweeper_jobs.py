@@ -157,3 +157,90 @@ def test_a_sweep_that_prints_aborted_exits_non_zero(tmp_path, monkeypatch, capsy
     plan = plan_from_args([f"results_dir={tmp_path}", *ARGS])
     assert Sweep(plan, runner=_Runner(False, plan.sweep_dir, [])).run() == 1
     assert "ABORTED: the launcher's controller stopped answering" in capsys.readouterr().out
+
+
+class _SlowCancelJobs(_Jobs):
+    """Jobs that wait until cancelled; cancelling them fails (the controller is down) and takes a while, as
+    ``scancel`` does against a stopped ``slurmctld``: the workers see the cancellation begin long before
+    it is known which jobs could not be cancelled."""
+
+    def __init__(self, runner, log: list):
+        super().__init__(runner, False, log)
+        self.stop = __import__("threading").Event()
+        self.numbers: dict[str, int] = {}
+
+    def run(self, req):
+        job_id = f"{700 + req.spec.number}"
+        self.numbers[job_id] = req.spec.number
+        self.runner.on_submit(req.spec, {"kind": "slurm", "id": job_id})
+        self.log.append(("run", req.spec.number))
+        req.job_id = job_id
+        self.stop.wait()
+        req.error = f"job {job_id} cancelled (interrupted)"
+        req.lost = {"kind": "interrupted", "state": "CANCELLED", "job_id": job_id}
+
+    def cancel_all(self, why="Ctrl-C"):
+        import time
+
+        self.stop.set()
+        time.sleep(1.0)  # scancel timing out against a stopped controller
+        return set(self.numbers.values())
+
+
+class _SlowCancelRunner(_Runner):
+    def start(self):
+        self.jobs = _SlowCancelJobs(self, self.log)
+
+
+def test_jobs_that_could_not_be_cancelled_are_stopped_by_the_rerun_however_slow_the_cancel(
+    tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C with the controller down: cancelling the jobs fails only after a while, the workers must wait
+    for that answer. They used to re-enqueue the points at once (the failed cancels not known yet), so
+    the re-run retried them while the uncancelled jobs stayed queued: 6 jobs for 3 points."""
+    import _thread
+    import threading
+    import time
+
+    monkeypatch.setenv("VRAMSWEEP_FAKE", "{}")
+    plan = plan_from_args([f"results_dir={tmp_path}", *ARGS, "hydra.sweeper.n_jobs=3"])
+    log: list = []
+    runner = _SlowCancelRunner(False, plan.sweep_dir, log)
+
+    def ctrl_c():
+        while len([e for e in log if e[0] == "run"]) < 3:
+            time.sleep(0.02)
+        _thread.interrupt_main()
+
+    threading.Thread(target=ctrl_c, daemon=True).start()
+    assert Sweep(plan, runner=runner).run() == 1
+    assert "ABORTED: interrupted (Ctrl-C); 3 trials left running" in capsys.readouterr().out
+    study = optuna.load_study(study_name="jobs", storage=f"sqlite:///{plan.sweep_dir / 'study.db'}")
+    left = [t for t in study.trials if t.state == TrialState.RUNNING]
+    assert len(left) == 3, study.trials  # their jobs may still run: left for the re-run to stop
+    from vramsweep.sweeper.storage import HEARTBEAT, OWNER
+
+    for t in left:  # the interrupted sweeper's process ended (this test ran it in-process)
+        study._storage.set_trial_system_attr(t._trial_id, OWNER, {"host": "gone", "pid": 1, "ctime": 0.0})
+        study._storage.set_trial_system_attr(t._trial_id, HEARTBEAT, 0.0)
+
+    stopped: list = []
+
+    def stop(rec):
+        stopped.append(rec["id"])
+        log.append(("stop", rec["id"]))
+        return True, None
+
+    monkeypatch.setattr("vramsweep.sweeper.study.stop_orphan", stop)
+    log.clear()
+    plan = plan_from_args(
+        [f"results_dir={tmp_path}", *ARGS, "hydra.sweeper.n_jobs=3", "hydra.sweeper.retry_stale=1"]
+    )
+    assert Sweep(plan, runner=_Runner(False, plan.sweep_dir, log)).run() == 0
+    assert sorted(stopped) == ["700", "701", "702"], log  # every uncancelled job stopped ...
+    first_run = next(i for i, e in enumerate(log) if e[0] == "run")
+    assert all(e[0] == "stop" for e in log[:first_run]) and len(log[:first_run]) == 3, log  # ... first
+    assert len([e for e in log if e[0] == "run"]) == 3, log  # then each point once
+    study = optuna.load_study(study_name="jobs", storage=f"sqlite:///{plan.sweep_dir / 'study.db'}")
+    done = [t.params["adapter.r"] for t in study.trials if t.state == TrialState.COMPLETE]
+    assert sorted(done) == [4, 8, 16]

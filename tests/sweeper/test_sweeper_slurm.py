@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -93,6 +94,18 @@ def _sacct(ids: list[str]) -> dict[str, str]:
     return dict(line.split("|")[:2] for line in p.stdout.split() if "|" in line)
 
 
+def _sacct_times(ids: list[str]) -> dict[str, tuple[str, str]]:
+    """JobID -> (Start, End) as ISO text (comparable as strings; ``None``/``Unknown`` for a job that never
+    started)."""
+    p = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-o", "JobID,Start,End", "-j", ",".join(ids)],
+        capture_output=True,
+        text=True,
+    )
+    assert p.returncode == 0, p.stderr
+    return {f[0]: (f[1], f[2]) for line in p.stdout.split() if len(f := line.split("|")) == 3}
+
+
 def _cancel_the_hung_job(tmp_path: Path, proc: subprocess.Popen) -> str:
     flag = _wait_for("job of the hung trial", lambda: next((tmp_path / "m").glob("once-*"), None), 180, proc)
     job_id = flag.read_text().split()[1]
@@ -100,8 +113,9 @@ def _cancel_the_hung_job(tmp_path: Path, proc: subprocess.Popen) -> str:
     return job_id
 
 
-def _check_exact(tmp_path: Path, name: str, points: list[int]) -> list:
-    """Every point ``ok`` exactly once, with its result JSON; the only other trials are lost jobs."""
+def _check_exact(tmp_path: Path, name: str, points: list[int], lost: bool = True) -> list:
+    """Every point ``ok`` exactly once, with its result JSON; the only other trials are failed ones (lost
+    jobs, unless ``lost=False``: trials an interrupted sweeper left running, closed by the re-run)."""
     trials = _study(tmp_path, name).trials
     done = [t for t in trials if t.state == TrialState.COMPLETE]
     assert sorted(t.params["adapter.r"] for t in done) == points, trials
@@ -109,9 +123,9 @@ def _check_exact(tmp_path: Path, name: str, points: list[int]) -> list:
     for t in done:
         assert res[t.number]["status"] == "ok" and res[t.number]["metrics"]["eval_loss"] == t.values[0]
     others = [t for t in trials if t.state != TrialState.COMPLETE]
-    assert all(t.state == TrialState.FAIL and t.system_attrs.get("vramsweep:job_lost") for t in others), (
-        others
-    )
+    assert all(
+        t.state == TrialState.FAIL and (t.system_attrs.get("vramsweep:job_lost") or not lost) for t in others
+    ), others
     return others
 
 
@@ -176,6 +190,81 @@ def test_a_sweep_on_slurm_survives_scancel_and_a_controller_down(slurm, tmp_path
     assert p.returncode == 0, p.stdout + p.stderr
     _check_exact(tmp_path, name, [4, 8])
     print(f"controller down: error after {down_s:.1f} s; re-run when up: {time.monotonic() - t0:.1f} s")
+
+
+def _node_cpus() -> int:
+    p = subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True, timeout=30)
+    return int(p.stdout.split()[0])
+
+
+def _queued(ids: list[str]) -> list[str]:
+    p = subprocess.run(
+        ["squeue", "-h", "-o", "%i", "-t", "PD,R,CG,CF,S", "-j", ",".join(ids)],
+        capture_output=True,
+        text=True,
+    )
+    return [j for j in p.stdout.split() if j in ids]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_sweep_with_the_controller_down_exits_non_zero_and_the_rerun_runs_each_point_once(
+    slurm, tmp_path, sig
+):
+    """Three points as sbatch jobs that each take the whole node (one RUNNING, two PENDING); slurmctld is
+    stopped mid-sweep and the sweeper interrupted (Ctrl-C or SIGTERM): it cannot cancel the jobs, says so,
+    prints ABORTED and exits non-zero. With the controller back, the same command stops every job the
+    study recorded (the PENDING ones too) before it retries the points, takes no placeholder of its own
+    for a result, and runs each point once: no old job left queued, three COMPLETED retries."""
+    name = "interrupted"
+    cmd = _sweep(
+        tmp_path,
+        name,
+        "adapter.r=4,8,12",
+        None,
+        "hydra.sweeper.n_jobs=3",
+        "hydra.sweeper.retry_stale=1",
+        f"hydra.launcher.cpus_per_task={_node_cpus()}",
+    )
+    slow = dict(
+        _env(tmp_path, None), VRAMSWEEP_FAKE=json.dumps({"sleep_s": 900, "marker_dir": str(tmp_path / "m")})
+    )
+    proc = subprocess.Popen(
+        cmd, env=slow, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path
+    )
+    _wait_for("one job running", lambda: next((tmp_path / "m").glob("start-*"), None), 180, proc)
+    _wait_for("three jobs submitted", lambda: len(_job_ids(tmp_path, name)) == 3, 60, proc)
+    old = _job_ids(tmp_path, name)
+    assert len(_queued(old)) == 3, old  # one RUNNING, two PENDING
+    assert slurm_cluster("ctld-stop").returncode == 0
+    try:
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        up = slurm_cluster("ctld-start")
+    assert up.returncode == 0, up.stderr
+    assert proc.returncode != 0, out
+    assert "ABORTED" in out and "could not cancel launcher job(s)" in out, out
+    assert "Traceback" not in out, out
+
+    t0 = time.monotonic()
+    p = subprocess.run(
+        cmd, env=_env(tmp_path, None), capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    assert "Traceback" not in out, out
+    assert len(_check_exact(tmp_path, name, [4, 8, 12], lost=False)) == 3  # the interrupted trials
+    _wait_for("the interrupted jobs gone from the queue", lambda: not _queued(old), 60)
+    ids = _job_ids(tmp_path, name)
+    assert len(ids) == 6, ids  # the three interrupted jobs and one retry per point
+    states = _wait_for("accounting records of the jobs", lambda: (s := _sacct(ids)) and len(s) == 6 and s, 60)
+    assert all(states[j].startswith("CANCELLED") for j in old), states
+    assert sorted(states[j] for j in ids if j not in old) == ["COMPLETED"] * 3, states
+    times = _sacct_times(ids)  # every interrupted job had ended before the first retry started
+    assert max(times[j][1] for j in old) <= min(times[j][0] for j in ids if j not in old), times
+    starts = sorted(p.name for p in (tmp_path / "m").glob("start-*"))
+    assert len(starts) == 4, starts  # the one interrupted while running, then each point once
+    print(f"\ninterrupted ({sig.name}) with the controller down; re-run: {time.monotonic() - t0:.1f} s")
 
 
 def test_without_accounting_a_cancelled_job_is_lost_within_bounded_time(slurm, tmp_path):

@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from vramsweep.config.compose import ConfigError
 from vramsweep.loop import Callback
+from vramsweep.production.outputs import travelling_config
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -274,9 +275,19 @@ def check_same_config(run_dir: Path, config: Any) -> None:
     naming the keys that differ; the launch-only keys :data:`RESUME_FREE_KEYS` may differ)."""
     saved_path, saved_cfg = _saved_config(Path(run_dir))
     if saved_cfg is None:
+        ckpt = latest_checkpoint(Path(run_dir))
+        if ckpt is not None:  # a checkpoint from before they kept the config, config.yaml gone
+            raise ConfigError(
+                f"train.resume=auto: cannot check the config of {run_dir}: checkpoint {ckpt} was written "
+                f"before checkpoints kept their config and {saved_path} is gone; restore config.yaml (the "
+                "run's composed config) to resume, or give a new train.output_dir",
+                key="train.resume",
+                allowed=["never (with a new train.output_dir)", "auto (with the run's config.yaml)"],
+            )
         return
-    saved = _flat(saved_cfg)
-    now = _flat(OmegaConf.to_container(OmegaConf.create(config), resolve=True))
+    now_cfg = OmegaConf.to_container(OmegaConf.create(config), resolve=True)
+    saved = _flat(travelling_config(saved_cfg)[0])  # data files compared resolved (config.yaml's are)
+    now = _flat(travelling_config(now_cfg)[0])
     diff = sorted(
         k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in RESUME_FREE_KEYS
     )

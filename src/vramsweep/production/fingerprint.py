@@ -4,7 +4,9 @@
 file, by absolute path. A production run records them in ``result.json`` (``meta.data_sources``) and in every
 checkpoint's ``state.json`` (``data``); :func:`changed_data` compares a checkpoint's with the files now, and
 :func:`check_resume_data` refuses a resume on changed data (exit 2 naming the file and both hashes) unless
-``train.resume_on_changed_data=true`` (then the change is recorded in ``meta.data_changed_on_resume``).
+``train.resume_on_changed_data=true`` (then the change is recorded in ``meta.data_changed_on_resume``). A
+checkpoint written before fingerprints has nothing to compare: the resume continues, says so in one line
+(:func:`unverified_line`) and records the files' hashes now (``unverified`` entries of the same list).
 :func:`check_pinned` checks the hashes ``vramsweep pick`` pinned beside the paths (``data.path_sha256``,
 ``data.eval_path_sha256``).
 """
@@ -87,8 +89,11 @@ def check_resume_data(ckpt: Path | None, cfg: Any) -> list[dict[str, Any]]:
     if ckpt is None:
         return []
     recorded = checkpoint_data(ckpt)
-    if recorded is None:  # a checkpoint written before fingerprints: nothing to compare
-        return []
+    if recorded is None:  # written before fingerprints: continued, said and recorded (unverified_line)
+        return [
+            {"key": k, "path": v["path"], "was": None, "now": v["sha256"], "unverified": True}
+            for k, v in data_fingerprints(cfg).items()
+        ]
     changes = changed_data(recorded, data_fingerprints(cfg))
     if not changes or bool(cfg.train.get("resume_on_changed_data", False)):
         return changes
@@ -100,6 +105,39 @@ def check_resume_data(ckpt: Path | None, cfg: Any) -> list[dict[str, Any]]:
         key=OPT_IN,
         allowed=["false (refuse)", "true (continue on the new data, recorded)"],
     )
+
+
+def unverified_line(ckpt: Path, changes: list[dict[str, Any]]) -> str | None:
+    """One line for a resume from a checkpoint written before data fingerprints (``changes`` from
+    :func:`check_resume_data` marked ``unverified``): nothing to check the files against, so the run
+    continues on them and records their hashes now; None when the checkpoint had fingerprints."""
+    files = [c for c in changes if c.get("unverified")]
+    if not files:
+        return None
+    shown = ", ".join(f"{c['key']}={c['path']} ({_short(c['now'])})" for c in files)
+    return (
+        f"checkpoint {ckpt} was written before vramsweep recorded data hashes: cannot verify that {shown} "
+        "holds the records the earlier steps trained on; continuing on it and recording its hash now "
+        "(meta.data_changed_on_resume, later checkpoints: a later resume checks it)"
+    )
+
+
+#: the data files a trial result names (``trial_hashes``)
+KEYS = ("data.path", "data.eval_path")
+
+
+def trial_hashes(meta: dict[str, Any] | None) -> dict[str, str]:
+    """``{"data.path": sha256, "data.eval_path": sha256}`` as the trial recorded them ({}: embedded data)."""
+    meta = meta or {}
+    sources = meta.get("data_sources")
+    if isinstance(sources, dict) and sources:
+        return {k: str(v.get("sha256")) for k, v in sources.items() if isinstance(v, dict) and k in KEYS}
+    old = (meta.get("data") or {}).get("source_sha256") if isinstance(meta.get("data"), dict) else None
+    if isinstance(old, str):
+        return {"data.path": old}
+    if isinstance(old, dict):
+        return {f"data.{k}": str(v) for k, v in old.items() if f"data.{k}" in KEYS}
+    return {}
 
 
 PIN_KEYS = {"data.path": "path_sha256", "data.eval_path": "eval_path_sha256"}

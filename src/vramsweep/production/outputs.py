@@ -62,10 +62,33 @@ def run_folder_for(cfg: DictConfig, result_path: Any, *, sweep_trial: bool) -> R
     return RunFolder(p.parent, mode != "never", True)
 
 
+#: the data keys ``config.yaml`` holds as absolute resolved paths (user sources), the typed one in a comment
+DATA_PATH_KEYS = ("path", "eval_path")
+
+
+def travelling_config(config: dict) -> tuple[dict, list[str]]:
+    """``config`` with the user data files (``data.path``, ``data.eval_path``) as absolute resolved paths, as
+    ``run.json`` holds the base folder, so the run folder is read the same from any folder; and the
+    comment lines that keep them as typed."""
+    data = dict(config.get("data") or {})
+    notes = []
+    if str(data.get("source")) in ("jsonl", "file"):
+        for key in DATA_PATH_KEYS:
+            typed = data.get(key)
+            if typed:
+                data[key] = str(Path(os.path.expanduser(str(typed))).resolve())
+                if data[key] != str(typed):
+                    notes.append(f"# data.{key}: {data[key]} (absolute, resolved; typed {str(typed)!r})")
+    return {**config, "data": data} if notes else config, notes
+
+
 def write_config(run: RunFolder, config: dict) -> None:
-    """``config.yaml``: the composed config of the run (before the epochs are turned into steps)."""
+    """``config.yaml``: the composed config of the run (before the epochs are turned into steps), its data
+    files absolute (:func:`travelling_config`)."""
     run.path.mkdir(parents=True, exist_ok=True)
-    _atomic_text(run.path / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(config)))
+    config, notes = travelling_config(config)
+    text = "".join(n + "\n" for n in notes) + OmegaConf.to_yaml(OmegaConf.create(config))
+    _atomic_text(run.path / CONFIG_FILE, text)
 
 
 def _atomic_text(path: Path, text: str) -> None:

@@ -25,7 +25,12 @@ from vramsweep.production.checkpoint import (
     load_newest,
     saved_wandb_id,
 )
-from vramsweep.production.fingerprint import check_pinned, check_resume_data, data_fingerprints
+from vramsweep.production.fingerprint import (
+    check_pinned,
+    check_resume_data,
+    data_fingerprints,
+    unverified_line,
+)
 from vramsweep.production.outputs import LossLog, RunFolder
 from vramsweep.production.progress import ProgressLines
 
@@ -169,6 +174,8 @@ def resume_point(cfg: DictConfig, run: RunFolder | None, result: dict) -> Resume
     changes = check_resume_data(path, cfg)  # changed data: refused unless train.resume_on_changed_data
     result["meta"]["resumed_from"] = {"checkpoint": str(path), "next_step": resume.next_step}
     say(f"resumed from step {resume.next_step} of {int(cfg.train.steps)} (checkpoint {path})")
+    if (note := unverified_line(path, changes)) is not None:  # a checkpoint from before data hashes
+        say(note)
     if broken:
         result["meta"]["resumed_from"]["skipped"] = [{"checkpoint": str(p), "why": w} for p, w in broken]
     earlier = list(resume.state.get("data_changes") or [])

@@ -12,23 +12,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vramsweep.production.fingerprint import file_sha256
+from vramsweep.production.fingerprint import KEYS, file_sha256, trial_hashes
 
-KEYS = ("data.path", "data.eval_path")
-
-
-def trial_hashes(meta: dict[str, Any] | None) -> dict[str, str]:
-    """``{"data.path": sha256, "data.eval_path": sha256}`` as the trial recorded them ({}: embedded data)."""
-    meta = meta or {}
-    sources = meta.get("data_sources")
-    if isinstance(sources, dict) and sources:
-        return {k: str(v.get("sha256")) for k, v in sources.items() if isinstance(v, dict) and k in KEYS}
-    old = (meta.get("data") or {}).get("source_sha256") if isinstance(meta.get("data"), dict) else None
-    if isinstance(old, str):
-        return {"data.path": old}
-    if isinstance(old, dict):
-        return {f"data.{k}": str(v) for k, v in old.items() if f"data.{k}" in KEYS}
-    return {}
+__all__ = ["KEYS", "data_pins", "mixed_data_note", "trial_hashes"]
 
 
 def mixed_data_note(trials: list[Any]) -> str | None:

@@ -331,6 +331,7 @@ class ExperimentSpec:
     pinned: dict[str, Any]
     skipped: list[str] = field(default_factory=list)
     checked_keys: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # header lines (the data paths as the sweep typed them)
 
 
 def _yaml_scalar(text: str) -> Any:
@@ -691,8 +692,11 @@ def _pin_data(sweep: SweepData, winner: TrialRecord, spec: ExperimentSpec) -> li
     from vramsweep.report.datacheck import data_pins, mixed_data_note
 
     pins, warnings = data_pins(winner)
+    typed = (winner.config or {}).get("data") or {}
     for key, value in pins.items():
         _set(spec.pinned, f"data.{key}", value)
+        if key in ("path", "eval_path") and typed.get(key) is not None:  # as run.json: typed kept beside
+            spec.notes.append(f"data.{key}: {value} (absolute, resolved; the sweep typed {typed[key]!r})")
     spec.checked_keys = [k for k in spec.checked_keys if k.removeprefix("data.") not in pins]
     if note := mixed_data_note(sweep.trials):
         warnings.append(note)
@@ -890,6 +894,7 @@ def _pin_winner(
         return _err(f"cannot pin trial {winner.number:04d}: {exc}")
     warnings = _pin_warnings(winner.rep, spec) + _pin_data(sweep, winner.rep, spec)
     header = _pinned_header(command, sweep, winner, prefer, len(ranked), limit, min_tokens_per_s, name, conf)
+    header += spec.notes
     exp_path = conf / "experiment" / f"{name}.yaml"
     existed = exp_path.exists()
     undo = _Undo(exp_path)

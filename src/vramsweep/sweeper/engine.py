@@ -211,6 +211,12 @@ class Sweep:
                 )
                 if isinstance(self.runner, LauncherRunner):
                     self.runner.kill_all(state.signal)
+                    if self.runner.uncancelled:
+                        state.abort_reason = (
+                            f"interrupted ({state.signal}); {plural(len(self.runner.uncancelled), 'trial')} "
+                            "left running (launcher jobs that could not be cancelled), the others "
+                            "re-enqueued: re-run the same command to stop those jobs and resume"
+                        )
                 else:
                     self.runner.kill_all()
                 while not all(e.is_set() for e in done):

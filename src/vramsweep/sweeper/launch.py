@@ -199,6 +199,9 @@ class LauncherRunner(Runner):
         self.on_submit: Any = None
         #: trial numbers whose job could not be cancelled (their trials stay RUNNING for a re-run to adopt)
         self.uncancelled: set[int] = set()
+        #: set once :meth:`kill_all` has asked for every cancel: until then ``uncancelled`` is not final
+        #: (``scancel`` against a stopped controller fails only after seconds, and the workers return at once)
+        self.cancel_settled = threading.Event()
 
     def start(self) -> None:
         self.launcher = self.factory()
@@ -225,8 +228,17 @@ class LauncherRunner(Runner):
 
     def kill_all(self, why: str = "Ctrl-C") -> None:
         """Ctrl-C or SIGTERM: cancel this sweep's jobs (pending or running) and stop waiting for them."""
-        if self.jobs is not None:
-            self.uncancelled |= self.jobs.cancel_all(why)
+        try:
+            if self.jobs is not None:
+                self.uncancelled |= self.jobs.cancel_all(why)
+        finally:
+            self.cancel_settled.set()
+
+    def left_running(self, number: int) -> bool:
+        """Whether trial ``number``'s job could not be cancelled (it may still run): asked after Ctrl-C or
+        SIGTERM, it waits until :meth:`kill_all` knows."""
+        self.cancel_settled.wait()
+        return number in self.uncancelled
 
     def run(
         self,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import sys
 import threading
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
-from vramsweep.production.fingerprint import changed_data, describe
+from vramsweep.production.fingerprint import changed_data, describe, trial_hashes
 from vramsweep.record.result import atomic_write_json, write_result
 from vramsweep.record.status import Status
 from vramsweep.sweeper.design import design_choices
@@ -144,10 +145,13 @@ class StudyBook:
         """A study resumed on data files whose sha256 changed since it started: a ConfigError (exit 2) naming
         the file and both hashes, unless ``train.resume_on_changed_data=true`` is among the fixed overrides
         (the change is then recorded in the study's ``vramsweep:data_changes``)."""
-        attrs = self.stored_attrs() or {}
-        if DATA_ATTR not in attrs:
-            return
-        self.data_changes = changed_data(attrs[DATA_ATTR], self.plan.data_files)
+        attrs = self.stored_attrs()
+        if not attrs:
+            return  # a new study
+        if DATA_ATTR in attrs:
+            self.data_changes = changed_data(attrs[DATA_ATTR], self.plan.data_files)
+        else:  # a study from before data hashes: its trials' results are the record (recorded now)
+            self.data_changes = self._changes_since_old_trials()
         if not self.data_changes or "train.resume_on_changed_data=true" in self.plan.fixed:
             return
         raise ConfigError(
@@ -157,6 +161,34 @@ class StudyBook:
             "train.resume_on_changed_data=true to continue on the new data (recorded in the study)",
             key="train.resume_on_changed_data",
         )
+
+    def _changes_since_old_trials(self) -> list[dict[str, Any]]:
+        """A study started before vramsweep recorded data hashes: the files compared with the hashes its
+        trials' result files recorded (``meta.data_sources`` or the older ``meta.data.source_sha256``).
+        None recorded: one line says the data cannot be verified; the study records the hashes now."""
+        now = self.plan.data_files
+        seen: dict[str, set[str]] = {}
+        for path in sorted(self.trials_dir.glob("*.json")):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                for key, h in trial_hashes(json.loads(path.read_text()).get("meta")).items():
+                    seen.setdefault(key, set()).add(h)
+        if not seen:
+            if now:
+                files = ", ".join(f"{k}={v['path']}" for k, v in now.items())
+                print(
+                    f"vramsweep: sweep '{self.plan.name}': its study was started before vramsweep recorded "
+                    f"data hashes and no trial result names one: cannot verify that {files} is the data "
+                    "its trials trained on; continuing, the study records the hash now (a later re-run "
+                    "checks it)",
+                    file=sys.stderr,
+                )
+            return []
+        recorded = {}
+        for key, hashes in seen.items():
+            cur = (now.get(key) or {}).get("sha256")
+            other = sorted(h for h in hashes if h != cur)
+            recorded[key] = {"path": (now.get(key) or {}).get("path"), "sha256": other[0] if other else cur}
+        return changed_data(recorded, {k: v for k, v in now.items() if k in recorded})
 
     def stored_identity(self) -> dict[str, Any] | None:
         """The identity stored with this sweep's study, without creating storage or study (``None``: new)."""

@@ -87,7 +87,8 @@ class WorkerPool:
             self._show_running()
             report = self._run_on(spec, gpu or None)
             if state.interrupted:
-                if job.number in getattr(self.runner, "uncancelled", ()):
+                left_running = getattr(self.runner, "left_running", None)
+                if left_running is not None and left_running(job.number):
                     # its job may still run: the trial stays RUNNING, a re-run stops the job first
                     book.leave_running(job)
                 else:
