@@ -17,6 +17,7 @@ from typing import Any
 
 from vramsweep.config.compose import ConfigError, compose
 from vramsweep.config.urls import mask_url
+from vramsweep.data.reference import reference_of
 from vramsweep.production.fingerprint import data_fingerprints
 from vramsweep.record.metrics import PRUNABLE_METRICS
 from vramsweep.sweeper.design import DesignPoint, build_design, design_choices
@@ -97,6 +98,9 @@ class Plan:
     layout: Layout | None = None
     #: the base config's data files: ``{key: {path, sha256}}`` (a re-run on changed data is refused)
     data_files: dict[str, Any] = field(default_factory=dict)
+    #: what every trial's held-out records are rendered under (:mod:`vramsweep.data.reference`): the
+    #: baseline's template, thinking switch and context length; trials read it from ``sweep.json``
+    eval_reference: dict[str, Any] = field(default_factory=dict)
 
     def __getattr__(self, key: str) -> Any:
         """A ``hydra.sweeper.*`` key from ``conf``, or a ``sweep:`` key from ``sweep``."""
@@ -174,6 +178,7 @@ class Plan:
             "max_failure_rate": self.max_failure_rate,
             "timeout_s": self.timeout_s,
             "sweep_dir": str(self.sweep_dir),
+            "eval_reference": dict(self.eval_reference) or None,
         }
 
 
@@ -399,6 +404,7 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
         base_seed=base_seed,
         wandb=wandb,
         data_files=data_fingerprints(base),
+        eval_reference=reference_of(base, plan.baseline if design is not None and plan.baseline else ()),
     )
     return name_sweep(planned)
 
