@@ -404,9 +404,22 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
         base_seed=base_seed,
         wandb=wandb,
         data_files=data_fingerprints(base),
-        eval_reference=reference_of(base, plan.baseline if design is not None and plan.baseline else ()),
+        eval_reference=eval_reference(base, plan, dims),
     )
     return name_sweep(planned)
+
+
+def eval_reference(base: Any, plan: Plan, dims: list[Param]) -> dict[str, Any]:
+    """The held-out records' reference (:mod:`vramsweep.data.reference`): an ablation's or a stacking's
+    baseline; for a grid or a search, the base config with the shortest ``context.max_tokens`` the space
+    holds (a context every trial can score at)."""
+    if plan.design in ("ablation", "stacking"):
+        return reference_of(base, plan.baseline)
+    ref = reference_of(base)
+    for d in dims:
+        if d.key == "context.max_tokens":
+            ref["context.max_tokens"] = int(min(d.values) if d.discrete and d.values else d.low)
+    return ref
 
 
 def hardware_swept(dims: list[Param], design: list[DesignPoint] | None) -> bool:
