@@ -629,11 +629,11 @@ def check_data(cfg: Any) -> None:
             key="context.max_tokens",
             allowed=[f">= {fixed + 1}", "a shorter data.instructions"],
         )
-    if str(cfg.context.truncation) != "none":
-        return
-    check_sections_fit(
-        [doc for doc in [*train, *held_out] if len(doc["sections"]) >= 2], tok, fixed, max_tokens
-    )
+    if str(cfg.context.truncation) == "none":
+        check_sections_fit(
+            [doc for doc in [*train, *held_out] if len(doc["sections"]) >= 2], tok, fixed, max_tokens
+        )
+    check_records(cfg, folder)  # the examples built once, through the cache the trials read
 
 
 def check_sections_fit(docs: list[dict], tok: Any, fixed: int, max_tokens: int) -> None:
@@ -683,11 +683,11 @@ _DATA_SUMMARY: list[str] = []
 
 
 def check_records(cfg: Any, folder: Path) -> None:
-    """Chat / prompt-completion / alpaca / text records: build the trial's examples with its tokenizer (the
-    tokenisation cache keeps them for the trial), so a template that fails to render a record, a record with
-    no trained token, a ``data.train_on`` that does not apply, a missing chat template and, with
-    ``context.truncation=none``, the longest record over ``context.max_tokens`` fail here, naming the
-    record."""
+    """Records of any format (sectioned documents too): build the trial's examples with its tokenizer (the
+    tokenisation cache keeps them for the trial, which then neither opens nor parses the file), so a
+    template that fails to render a record, a record with no trained token, a ``data.train_on`` that
+    does not apply, a missing chat template and, with ``context.truncation=none``, the longest record
+    over ``context.max_tokens`` fail here, naming the record."""
     from vramsweep.data.tokenizer import load_tokenizer
 
     try:
