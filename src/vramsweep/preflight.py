@@ -322,14 +322,28 @@ def preflight(
     check_cache(cfg)
     check_inputs(cfg)
     check_optimizer(cfg)
-    check_data(cfg)
-    if str(cfg.model.source) in ("path", "arch") and cfg.model.get("path"):
-        check_model_folder(str(cfg.model.path), data_source=str(cfg.data.source))  # weights, tokenizer
-    check_host_memory(cfg)
-    note_embedded_build(cfg.model)
-    if _DATA_SUMMARY:  # what check_records built, said once every check has passed
-        print(_DATA_SUMMARY.pop(), file=sys.stderr, flush=True)
-        _DATA_SUMMARY.clear()
+    try:
+        check_data(cfg)
+        if str(cfg.model.source) in ("path", "arch") and cfg.model.get("path"):
+            check_model_folder(str(cfg.model.path), data_source=str(cfg.data.source))  # weights, tokenizer
+        check_host_memory(cfg)
+        note_embedded_build(cfg.model)
+    finally:  # what the data step built, said even when a later check fails (before its error line)
+        say_data_summary()
+
+
+def say_data_summary() -> None:
+    """Print the data summary line of the pre-flight's build (the first, the base config's, when a sweep
+    built several data settings) on stderr, once."""
+    if _DATA_SUMMARY:
+        more = len(_DATA_SUMMARY) - 1
+        extra = (
+            f" (and {more} other data setting{'s' if more != 1 else ''} of the sweep's trials)"
+            if more
+            else ""
+        )
+        print(_DATA_SUMMARY[0] + extra, file=sys.stderr, flush=True)
+    _DATA_SUMMARY.clear()
 
 
 def note_embedded_build(mcfg: Any) -> None:
@@ -444,12 +458,24 @@ def preflight_sweep(
             check_jsonl(value, key=key, fmt=str(OmegaConf.select(cfg, "data.format") or "auto"))
         else:
             check_model_config(value, key=key)
-    check_sweep_data(plan, cfg)  # after the input files parse: what the data step would fail on
-    for key, value in sorted(seen):  # then the weights and tokenizer files of every model folder
-        if _INPUT_KEYS[key] == "model":
-            check_model_folder(value, key=key, data_source=str(OmegaConf.select(cfg, "data.source")))
-    if OmegaConf.select(cfg, "model") is not None:
-        note_embedded_build(cfg.model)
+    _check_sweep_data_and_models(plan, cfg, seen)
+
+
+def _check_sweep_data_and_models(plan: Any, cfg: Any, seen: set[tuple[str, str]]) -> None:
+    """What the sweep's data steps would fail on, then every model folder's weights and tokenizer; the data
+    summary line said before any later error's line."""
+    from omegaconf import OmegaConf
+
+    _DATA_SUMMARY.clear()
+    try:
+        check_sweep_data(plan, cfg)  # after the input files parse: what the data step would fail on
+        for key, value in sorted(seen):  # then the weights and tokenizer files of every model folder
+            if _INPUT_KEYS[key] == "model":
+                check_model_folder(value, key=key, data_source=str(OmegaConf.select(cfg, "data.source")))
+        if OmegaConf.select(cfg, "model") is not None:
+            note_embedded_build(cfg.model)
+    finally:
+        say_data_summary()
 
 
 # --- what the data step and the cache would fail on (issue 29.1, 29.6) ---------------------------------
@@ -678,7 +704,7 @@ def _record_error_key(msg: str) -> tuple[str, list[str] | None]:
     return "data.path", None
 
 
-#: the data summary line of the last :func:`check_records` (printed by :func:`preflight` at its end)
+#: the data summary lines of :func:`check_records` since the pre-flight began (:func:`say_data_summary`)
 _DATA_SUMMARY: list[str] = []
 
 
@@ -714,7 +740,7 @@ def check_records(cfg: Any, folder: Path) -> None:
         raise ConfigError(
             str(exc) if str(exc).startswith("data.") else f"{key}: {exc}", key=key, allowed=allowed
         ) from None
-    _DATA_SUMMARY[:] = [summary_line(built.stats)]
+    _DATA_SUMMARY.append(summary_line(built.stats))
 
 
 def _cache_bytes_needed(cfg: Any) -> int:
