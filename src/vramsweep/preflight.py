@@ -602,12 +602,13 @@ def _check_splits_give_examples(d: Any, train: list[dict], held_out: list[dict],
         )
 
 
-def check_data(cfg: Any) -> None:
+def check_data(cfg: Any, reference: dict | None = None) -> None:
     """What the data step (:func:`vramsweep.data.prep.build_trial_data`) would raise on, found before the
     model is built: too few documents for a held-out split, train or eval documents that give no example
     (a single section each), ``context.max_tokens`` that leaves no room for a target, and with
     ``context.truncation=none`` any example longer than ``context.max_tokens`` (tokenised and counted with
-    the trial's own tokenizer: section by section, as the data step does)."""
+    the trial's own tokenizer: section by section, as the data step does). The examples are built through
+    the cache, the held-out ones under ``reference`` (a sweep's eval reference, as its trials build them)."""
     if str(cfg.data.source) == "random":
         return
     folder = _trial_tokenizer_dir(cfg)
@@ -622,7 +623,7 @@ def check_data(cfg: Any) -> None:
         raise _data_path_error(exc) from None
     if fmt != "documents":
         if folder is not None:
-            check_records(cfg, folder)
+            check_records(cfg, folder, reference)
         return
     try:
         train, held_out = load_documents(cfg)
@@ -659,7 +660,7 @@ def check_data(cfg: Any) -> None:
         check_sections_fit(
             [doc for doc in [*train, *held_out] if len(doc["sections"]) >= 2], tok, fixed, max_tokens
         )
-    check_records(cfg, folder)  # the examples built once, through the cache the trials read
+    check_records(cfg, folder, reference)  # the examples built once, through the cache the trials read
 
 
 def check_sections_fit(docs: list[dict], tok: Any, fixed: int, max_tokens: int) -> None:
@@ -708,7 +709,7 @@ def _record_error_key(msg: str) -> tuple[str, list[str] | None]:
 _DATA_SUMMARY: list[str] = []
 
 
-def check_records(cfg: Any, folder: Path) -> None:
+def check_records(cfg: Any, folder: Path, reference: dict | None = None) -> None:
     """Records of any format (sectioned documents too): build the trial's examples with its tokenizer (the
     tokenisation cache keeps them for the trial, which then neither opens nor parses the file), so a
     template that fails to render a record, a record with no trained token, a ``data.train_on`` that
@@ -724,7 +725,7 @@ def check_records(cfg: Any, folder: Path) -> None:
             key="model.path" if str(cfg.model.source) == "path" else "model",
         ) from None
     try:
-        built = build_trial_data(cfg, tok)
+        built = build_trial_data(cfg, tok, reference)  # a sweep: the held-out records as its trials see them
     except ContextOverflowError as exc:
         if "data.too_long=error" in str(exc):
             raise ConfigError(
@@ -861,7 +862,7 @@ def check_sweep_data(plan: Any, cfg: Any) -> None:
         for key, value in over.items():
             OmegaConf.update(variant, key, value, merge=False)
         try:
-            check_data(variant)
+            check_data(variant, getattr(plan, "eval_reference", None) or None)
         except ConfigError as exc:
             if not over:
                 raise

@@ -19,9 +19,13 @@ from conftest import FAST
 from vramsweep.config import compose
 from vramsweep.data import sources
 from vramsweep.data.documents import write_jsonl
+from vramsweep.data.prep import trial_data
+from vramsweep.data.reference import SWEEP_DIR_ENV, reference_of
 from vramsweep.data.sources import read_source, source_sha256
 from vramsweep.data.synthetic import generate_documents
-from vramsweep.preflight import preflight
+from vramsweep.data.tokenizer import load_tokenizer
+from vramsweep.embedded import ASSET_DIR
+from vramsweep.preflight import check_data, preflight
 from vramsweep.trial import run_trial
 
 CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "Four."}]
@@ -105,3 +109,26 @@ def test_a_changed_file_is_read_again(tmp_path):
     assert read_source(p).records[0].obj == {"text": "six!"}
     p.write_text(json.dumps({"text": "ten!"}) + "\n")
     assert read_source(p).records[0].obj == {"text": "ten!"}
+
+
+@pytest.mark.usefixtures("embedded_model_dir")
+def test_a_sweeps_preflight_builds_what_its_trials_read(tmp_path, monkeypatch):
+    """A sweep's pre-flight builds each data setting under the sweep's eval reference, so a trial of the
+    sweep (its sweep.json read through VRAMSWEEP_SWEEP_DIR) whose own context differs from the baseline's
+    finds its examples in the cache and parses nothing."""
+    monkeypatch.setenv("VRAMSWEEP_CACHE", str(tmp_path / "cache"))
+    (train,), data = _chats(tmp_path)
+    _settled(train)
+    base = [*data, f"results_dir={tmp_path / 'res'}", "context.max_tokens=512"]
+    ref = reference_of(compose(base))
+    trial = compose([*base, "context.max_tokens=1024"])
+    check_data(trial, ref)  # what check_sweep_data runs for this data setting
+    folder = tmp_path / "sweep"
+    folder.mkdir()
+    (folder / "sweep.json").write_text(json.dumps({"eval_reference": ref}))
+    monkeypatch.setenv(SWEEP_DIR_ENV, str(folder))
+    monkeypatch.setattr(sources, "_read", lambda p: pytest.fail(f"the trial parsed {p}"))
+    tok = load_tokenizer(ASSET_DIR, embedded=True)
+    d = trial_data(trial, tok)
+    assert d.stats["cache"] == "hit" and d.stats["eval_reference"]["from"] == "sweep baseline"
+    assert d.stats["eval_reference"]["max_tokens"] == 512
