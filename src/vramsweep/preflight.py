@@ -322,14 +322,28 @@ def preflight(
     check_cache(cfg)
     check_inputs(cfg)
     check_optimizer(cfg)
-    check_data(cfg)
-    if str(cfg.model.source) in ("path", "arch") and cfg.model.get("path"):
-        check_model_folder(str(cfg.model.path), data_source=str(cfg.data.source))  # weights, tokenizer
-    check_host_memory(cfg)
-    note_embedded_build(cfg.model)
-    if _DATA_SUMMARY:  # what check_records built, said once every check has passed
-        print(_DATA_SUMMARY.pop(), file=sys.stderr, flush=True)
-        _DATA_SUMMARY.clear()
+    try:
+        check_data(cfg)
+        if str(cfg.model.source) in ("path", "arch") and cfg.model.get("path"):
+            check_model_folder(str(cfg.model.path), data_source=str(cfg.data.source))  # weights, tokenizer
+        check_host_memory(cfg)
+        note_embedded_build(cfg.model)
+    finally:  # what the data step built, said even when a later check fails (before its error line)
+        say_data_summary()
+
+
+def say_data_summary() -> None:
+    """Print the data summary line of the pre-flight's build (the first, the base config's, when a sweep
+    built several data settings) on stderr, once."""
+    if _DATA_SUMMARY:
+        more = len(_DATA_SUMMARY) - 1
+        extra = (
+            f" (and {more} other data setting{'s' if more != 1 else ''} of the sweep's trials)"
+            if more
+            else ""
+        )
+        print(_DATA_SUMMARY[0] + extra, file=sys.stderr, flush=True)
+    _DATA_SUMMARY.clear()
 
 
 def note_embedded_build(mcfg: Any) -> None:
@@ -444,12 +458,24 @@ def preflight_sweep(
             check_jsonl(value, key=key, fmt=str(OmegaConf.select(cfg, "data.format") or "auto"))
         else:
             check_model_config(value, key=key)
-    check_sweep_data(plan, cfg)  # after the input files parse: what the data step would fail on
-    for key, value in sorted(seen):  # then the weights and tokenizer files of every model folder
-        if _INPUT_KEYS[key] == "model":
-            check_model_folder(value, key=key, data_source=str(OmegaConf.select(cfg, "data.source")))
-    if OmegaConf.select(cfg, "model") is not None:
-        note_embedded_build(cfg.model)
+    _check_sweep_data_and_models(plan, cfg, seen)
+
+
+def _check_sweep_data_and_models(plan: Any, cfg: Any, seen: set[tuple[str, str]]) -> None:
+    """What the sweep's data steps would fail on, then every model folder's weights and tokenizer; the data
+    summary line said before any later error's line."""
+    from omegaconf import OmegaConf
+
+    _DATA_SUMMARY.clear()
+    try:
+        check_sweep_data(plan, cfg)  # after the input files parse: what the data step would fail on
+        for key, value in sorted(seen):  # then the weights and tokenizer files of every model folder
+            if _INPUT_KEYS[key] == "model":
+                check_model_folder(value, key=key, data_source=str(OmegaConf.select(cfg, "data.source")))
+        if OmegaConf.select(cfg, "model") is not None:
+            note_embedded_build(cfg.model)
+    finally:
+        say_data_summary()
 
 
 # --- what the data step and the cache would fail on (issue 29.1, 29.6) ---------------------------------
@@ -576,12 +602,13 @@ def _check_splits_give_examples(d: Any, train: list[dict], held_out: list[dict],
         )
 
 
-def check_data(cfg: Any) -> None:
+def check_data(cfg: Any, reference: dict | None = None) -> None:
     """What the data step (:func:`vramsweep.data.prep.build_trial_data`) would raise on, found before the
     model is built: too few documents for a held-out split, train or eval documents that give no example
     (a single section each), ``context.max_tokens`` that leaves no room for a target, and with
     ``context.truncation=none`` any example longer than ``context.max_tokens`` (tokenised and counted with
-    the trial's own tokenizer: section by section, as the data step does)."""
+    the trial's own tokenizer: section by section, as the data step does). The examples are built through
+    the cache, the held-out ones under ``reference`` (a sweep's eval reference, as its trials build them)."""
     if str(cfg.data.source) == "random":
         return
     folder = _trial_tokenizer_dir(cfg)
@@ -596,7 +623,7 @@ def check_data(cfg: Any) -> None:
         raise _data_path_error(exc) from None
     if fmt != "documents":
         if folder is not None:
-            check_records(cfg, folder)
+            check_records(cfg, folder, reference)
         return
     try:
         train, held_out = load_documents(cfg)
@@ -629,11 +656,11 @@ def check_data(cfg: Any) -> None:
             key="context.max_tokens",
             allowed=[f">= {fixed + 1}", "a shorter data.instructions"],
         )
-    if str(cfg.context.truncation) != "none":
-        return
-    check_sections_fit(
-        [doc for doc in [*train, *held_out] if len(doc["sections"]) >= 2], tok, fixed, max_tokens
-    )
+    if str(cfg.context.truncation) == "none":
+        check_sections_fit(
+            [doc for doc in [*train, *held_out] if len(doc["sections"]) >= 2], tok, fixed, max_tokens
+        )
+    check_records(cfg, folder, reference)  # the examples built once, through the cache the trials read
 
 
 def check_sections_fit(docs: list[dict], tok: Any, fixed: int, max_tokens: int) -> None:
@@ -678,16 +705,16 @@ def _record_error_key(msg: str) -> tuple[str, list[str] | None]:
     return "data.path", None
 
 
-#: the data summary line of the last :func:`check_records` (printed by :func:`preflight` at its end)
+#: the data summary lines of :func:`check_records` since the pre-flight began (:func:`say_data_summary`)
 _DATA_SUMMARY: list[str] = []
 
 
-def check_records(cfg: Any, folder: Path) -> None:
-    """Chat / prompt-completion / alpaca / text records: build the trial's examples with its tokenizer (the
-    tokenisation cache keeps them for the trial), so a template that fails to render a record, a record with
-    no trained token, a ``data.train_on`` that does not apply, a missing chat template and, with
-    ``context.truncation=none``, the longest record over ``context.max_tokens`` fail here, naming the
-    record."""
+def check_records(cfg: Any, folder: Path, reference: dict | None = None) -> None:
+    """Records of any format (sectioned documents too): build the trial's examples with its tokenizer (the
+    tokenisation cache keeps them for the trial, which then neither opens nor parses the file), so a
+    template that fails to render a record, a record with no trained token, a ``data.train_on`` that
+    does not apply, a missing chat template and, with ``context.truncation=none``, the longest record
+    over ``context.max_tokens`` fail here, naming the record."""
     from vramsweep.data.tokenizer import load_tokenizer
 
     try:
@@ -698,7 +725,7 @@ def check_records(cfg: Any, folder: Path) -> None:
             key="model.path" if str(cfg.model.source) == "path" else "model",
         ) from None
     try:
-        built = build_trial_data(cfg, tok)
+        built = build_trial_data(cfg, tok, reference)  # a sweep: the held-out records as its trials see them
     except ContextOverflowError as exc:
         if "data.too_long=error" in str(exc):
             raise ConfigError(
@@ -714,7 +741,7 @@ def check_records(cfg: Any, folder: Path) -> None:
         raise ConfigError(
             str(exc) if str(exc).startswith("data.") else f"{key}: {exc}", key=key, allowed=allowed
         ) from None
-    _DATA_SUMMARY[:] = [summary_line(built.stats)]
+    _DATA_SUMMARY.append(summary_line(built.stats))
 
 
 def _cache_bytes_needed(cfg: Any) -> int:
@@ -835,7 +862,7 @@ def check_sweep_data(plan: Any, cfg: Any) -> None:
         for key, value in over.items():
             OmegaConf.update(variant, key, value, merge=False)
         try:
-            check_data(variant)
+            check_data(variant, getattr(plan, "eval_reference", None) or None)
         except ConfigError as exc:
             if not over:
                 raise

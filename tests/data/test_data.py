@@ -227,7 +227,7 @@ def test_jsonl_duplicate_ids_and_empty_file(tmp_path):
         load_jsonl(path)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n", encoding="utf-8")
-    with pytest.raises(ValueError, match="no documents"):
+    with pytest.raises(ValueError, match=r"empty\.jsonl:1: no records \(only 1 blank line\(s\)\)"):
         load_jsonl(empty)
 
 

@@ -100,9 +100,9 @@ def _files(d: Path) -> dict[str, Path]:
 # (id, overrides with {file} placeholders, what the one line must contain: file:line and the problem)
 CASES = [
     ("unknown-format", ["data.path={unknown.jsonl}"],
-     "unknown.jsonl:2: unknown format: keys found ['bar', 'foo']; accepted formats: messages (a 'messages' list), "
+     "unknown.jsonl:2: unknown format: keys found ['bar', 'foo']; accepted formats: messages ('messages'), "
      "sharegpt ('conversations'), prompt_completion ('prompt' + 'completion'), alpaca ('instruction' + 'output'), "
-     "text ('text'), documents ('sections')"),
+     "documents ('sections'), text ('text')"),
     ("unknown-role", ["data.path={role.jsonl}"],
      "role.jsonl:2: messages[1]: unknown role 'narrator'; roles are system, user, assistant, tool"),
     ("unknown-role-sharegpt", ["data.path={sharegpt_role.jsonl}"],

@@ -11,6 +11,7 @@ from vramsweep.config import compose
 from vramsweep.data.evalset import eval_set, fingerprint
 from vramsweep.data.examples import IGNORE_INDEX
 from vramsweep.data.prep import trial_data
+from vramsweep.data.reference import SWEEP_DIR_ENV, reference_of, sweep_reference
 from vramsweep.data.tokenizer import load_tokenizer
 from vramsweep.embedded import ASSET_DIR
 
@@ -96,3 +97,94 @@ def test_fingerprint_follows_every_change_to_the_scored_tokens(tmp_path, tok):
     k = next(i for i, t in enumerate(e.labels) if t != IGNORE_INDEX)
     fewer = [*e.labels[:k], IGNORE_INDEX, *e.labels[k + 1 :]]
     assert fingerprint([type(e)(**{**e.__dict__, "labels": fewer})]) != fingerprint([e])
+
+
+def _in_sweep(tmp_path, monkeypatch, reference: dict) -> None:
+    """This process as a trial of a sweep whose sweep.json records ``reference`` (as the sweeper writes it)."""
+    folder = tmp_path / "sweep"
+    folder.mkdir(exist_ok=True)
+    (folder / "sweep.json").write_text(json.dumps({"name": "s", "eval_reference": reference}))
+    monkeypatch.setenv(SWEEP_DIR_ENV, str(folder))
+
+
+def test_every_trial_of_a_sweep_scores_the_baseline_reference(tmp_path, tok, monkeypatch):
+    """Trials that train with another template, thinking switch, data.train_on or a longer context score the
+    held-out records rendered under the sweep baseline's (read from sweep.json): one fingerprint, the same
+    scored tokens. Before, each trial rendered the held-out records under its own template and context, so
+    these trials scored different tokens and report/pick refused to rank them."""
+    many = [
+        {"messages": [*CHAT[:-1], {"role": "assistant", "content": f"It is {i} " * 30}]} for i in range(40)
+    ]
+    path = _file(tmp_path, many)
+    other = tmp_path / "other.jinja"
+    other.write_text("{{ 'Chat log\\n' }}" + tok.chat_template)
+    base = ["data=file", f"data.path={path}", "context.max_tokens=512"]
+    _in_sweep(tmp_path, monkeypatch, reference_of(compose(base)))
+    trials = {
+        "baseline": [],
+        "last_assistant": ["data.train_on=last_assistant"],
+        "template": [f"data.chat_template={other}"],
+        "thinking": ["data.enable_thinking=true"],
+        "longer": ["context.max_tokens=1024"],
+    }
+    data = {name: trial_data(compose([*base, *extra]), tok) for name, extra in trials.items()}
+    sets = {name: eval_set(d.eval, 2, d.stats) for name, d in data.items()}
+    assert {n: s["fingerprint"] for n, s in sets.items()} == dict.fromkeys(
+        trials, sets["baseline"]["fingerprint"]
+    )
+    assert {s["scored_tokens"] for s in sets.values()} == {sets["baseline"]["scored_tokens"]}
+    assert {d.stats["eval_reference"]["from"] for d in data.values()} == {"sweep baseline"}
+    assert all(s["comparable"] for s in sets.values())
+    assert sets["template"]["reference"]["chat_template"] == "tokenizer"
+    # the template knob still changes what is trained: its own training examples, the reference's held-out
+    own = trial_data(compose([*base, f"data.chat_template={other}"]), tok)
+    assert "Chat log" in tok.decode(own.train[0].input_ids) and "Chat log" not in tok.decode(
+        own.eval[0].input_ids
+    )
+
+
+def test_a_trial_too_short_for_the_reference_is_marked_not_comparable(tmp_path, tok, monkeypatch):
+    """A trial whose context.max_tokens is below the reference's longest held-out example cannot score it: its
+    held-out records are cut to its own context (another fingerprint) and its eval set says comparable:
+    false with why, which report and pick read."""
+    many = [
+        {"messages": [*CHAT[:-1], {"role": "assistant", "content": f"It is {i} " * 30}]} for i in range(40)
+    ]
+    path = _file(tmp_path, many)
+    base = ["data=file", f"data.path={path}", "context.max_tokens=512"]
+    _in_sweep(tmp_path, monkeypatch, reference_of(compose(base)))
+    ref = trial_data(compose(base), tok)
+    longest = max(len(e.input_ids) for e in ref.eval)
+    assert 64 < longest <= 512
+    short = trial_data(compose([*base, "context.max_tokens=64"]), tok)
+    es, ref_es = eval_set(short.eval, 2, short.stats), eval_set(ref.eval, 2, ref.stats)
+    assert es["fingerprint"] != ref_es["fingerprint"]
+    assert es.get("comparable") is False and ref_es["comparable"] is True
+    assert es["not_comparable"] == (
+        f"context.max_tokens=64 is shorter than the reference's held-out examples (up to {longest} tokens at "
+        "the sweep baseline's context.max_tokens=512)"
+    )
+    assert max(len(e.input_ids) for e in short.eval) <= 64
+    # a context that holds every reference example scores it, however much shorter than the baseline's
+    fits = trial_data(compose([*base, f"context.max_tokens={longest}"]), tok)
+    assert eval_set(fits.eval, 2, fits.stats)["fingerprint"] == ref_es["fingerprint"]
+
+
+def test_the_reference_is_the_baselines_values(tmp_path, monkeypatch):
+    """reference_of: the config's values of the reference keys, the baseline's overrides winning; a trial
+    reads the sweep's from sweep.json, nothing outside a sweep folder."""
+    cfg = compose(["data=grant_chat", "context.max_tokens=384"])
+    assert reference_of(cfg) == {
+        "data.chat_template": None,
+        "data.enable_thinking": False,
+        "context.max_tokens": 384,
+    }
+    assert reference_of(cfg, ["context.max_tokens=256", "data.enable_thinking=true", "quant=nf4"]) == {
+        "data.chat_template": None,
+        "data.enable_thinking": True,
+        "context.max_tokens": 256,
+    }
+    monkeypatch.delenv(SWEEP_DIR_ENV, raising=False)
+    assert sweep_reference() is None
+    _in_sweep(tmp_path, monkeypatch, reference_of(cfg))
+    assert sweep_reference() == reference_of(cfg)

@@ -401,3 +401,29 @@ def test_a_user_content_holding_the_opener_text_falls_back_to_prefix_rendering()
     ]
     e = example(tok, {"messages": msgs}, template=TEMPLATES["chatml"])
     assert texts(tok, e) == ["It opens a turn.\n<|im_end|>"]
+
+
+def test_the_preflight_prints_the_data_summary_line_before_a_later_error(tmp_path, monkeypatch, capsys):
+    """A check after the data step fails (here the host memory: this machine 'has' 1 MiB): the data summary
+    line is still on stderr, before the error propagates (the CLI prints the error line after it). Before,
+    the line was printed only once every check had passed, so the error hid what the data became."""
+    import json
+
+    from vramsweep import preflight as pf
+    from vramsweep.config import compose
+    from vramsweep.config.compose import ConfigError
+
+    monkeypatch.setenv("VRAMSWEEP_CACHE", str(tmp_path / "cache"))
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "Four."}]
+    p = tmp_path / "c.jsonl"
+    p.write_text("".join(json.dumps({"messages": chat}) + "\n" for _ in range(10)))
+    cfg = compose(["data=file", f"data.path={p}", f"results_dir={tmp_path / 'r'}"])
+    monkeypatch.setattr(pf, "available_host_bytes", lambda: 2**20)
+    capsys.readouterr()
+    with pytest.raises(ConfigError, match="RAM available on this machine"):
+        pf.preflight(cfg)
+    err = capsys.readouterr().err.splitlines()
+    assert [ln for ln in err if ln.startswith("data: ")] == [
+        ln for ln in err if ln.startswith("data: messages, train_on=assistant") and "train 9 records" in ln
+    ]
+    assert len([ln for ln in err if ln.startswith("data: ")]) == 1

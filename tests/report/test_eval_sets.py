@@ -3,6 +3,7 @@ of trials with one ``meta.eval_set`` fingerprint, and refuse (naming the knob) w
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,46 @@ def test_results_without_a_fingerprint_are_not_checked(tmp_path):
         for r in build_report(load_sweep(str(folder)), importances=False).tables["best"].rows
     }
     assert best["eval_loss"]["trial"] == 2
+
+
+def test_a_trial_that_could_not_score_the_reference_is_left_out_of_the_rankings(
+    tmp_path, monkeypatch, capsys
+):
+    """A sweep over data.train_on scores one reference held-out set (one fingerprint: compared and ranked);
+    a factor with a context too short for the reference (meta.eval_set.comparable: false) scored its own
+    held-out tokens: its eval-loss Δ is n/c with the trials and why named, it ranks nowhere on eval loss (its
+    lower loss is not best), and pick leaves it out with a note, ranking the others. Before, its other
+    fingerprint stopped every eval-loss ranking of the sweep."""
+    conf = _conf_copy(tmp_path, monkeypatch)
+    folder = _ablation(
+        tmp_path,
+        [(["data.train_on=last_assistant"], "a" * 16, 1.5), (["context.max_tokens=128"], "b" * 16, 1.0)],
+    )
+    why = (
+        "context.max_tokens=128 is shorter than the reference's held-out examples (up to 497 tokens at the "
+        "sweep baseline's context.max_tokens=512)"
+    )
+    for n in (4, 5):
+        p = folder / "trials" / f"{n:04d}.json"
+        r = json.loads(p.read_text())
+        r["meta"]["eval_set"] |= {"comparable": False, "not_comparable": why}
+        p.write_text(json.dumps(r))
+    report = build_report(load_sweep(str(folder)))
+    table = report.tables["ablation"]
+    rows = cells(table)
+    assert rows[1]["Δ eval loss"].startswith("-0.5000 ± ")  # train_on: one reference, compared
+    assert rows[2]["Δ eval loss"] == "n/c" and rows[2]["Δ mem GiB"].startswith("-4.0000")
+    note = next(n for n in table.notes if n.startswith("n/c"))
+    assert f"not comparable with the sweep's reference held-out examples: trial 4 ({why}); trial 5" in note
+    best = {r["objective"]: r for r in report.tables["best"].rows}
+    assert best["eval_loss"]["trial"] == 2 and "data.train_on=last_assistant" in best["eval_loss"]["knobs"]
+    assert "not comparable with the sweep's reference: trial 4" in report.tables["best"].intro
+    assert any(n.startswith("eval_loss: left out, not comparable") for n in report.importances.notes)
+    capsys.readouterr()
+    assert run_pick(str(folder), budget_gib=16, conf_dir=str(conf)) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("Picked trial 0002 of syn")
+    assert (
+        f"note: left out of the ranking, not comparable with the sweep's reference held-out examples: trial 4 ({why})"
+        in " ".join(out.err.split())
+    )

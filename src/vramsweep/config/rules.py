@@ -33,6 +33,7 @@ from vramsweep.config.schema import (
     SCHEDULES,
     TRUNCATIONS,
 )
+from vramsweep.data.formats import formats
 
 
 class UnsupportedError(ConfigError):
@@ -584,7 +585,6 @@ def _rules_packing_flash(cfg: DictConfig) -> None:
 
 
 DATA_SOURCES = ("embedded", "embedded_chat", "file", "jsonl", "random")
-DATA_FORMATS = ("auto", "messages", "sharegpt", "prompt_completion", "alpaca", "text", "documents")
 TRAIN_ON = ("auto", "assistant", "last_assistant", "completion", "all")
 TOO_LONG = ("truncate", "drop", "error")
 
@@ -593,7 +593,7 @@ def _rules_data(cfg: DictConfig) -> None:
     """``data.*``: choices, and the settings that apply only to some sources refused elsewhere."""
     d = cfg.data
     _check_choice(cfg, "data.source", DATA_SOURCES)
-    _check_choice(cfg, "data.format", DATA_FORMATS)
+    _check_choice(cfg, "data.format", ("auto", *formats()))  # the format table's names
     _check_choice(cfg, "data.train_on", TRAIN_ON)
     _check_choice(cfg, "data.too_long", TOO_LONG)
     generated = str(d.source) in ("embedded", "embedded_chat", "random")

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from vramsweep.data.sources import lone_surrogate
+from vramsweep.data.sources import read_source
 from vramsweep.record.result import atomic_write_text
 
 __all__ = [
@@ -149,19 +149,9 @@ def _normalize_fact(j: int, f: Any, norm_sections: list[dict[str, Any]]) -> dict
     return {**f, "repeated_in": sorted(set(rep))}
 
 
-def _guess_encoding(raw: bytes) -> str | None:
-    """A likely legacy encoding for a line that is not UTF-8 (named in the error), or ``None``."""
-    for enc in ("cp1252", "latin-1"):
-        try:
-            raw.decode(enc)
-            return "Windows-1252/Latin-1" if enc == "cp1252" else "Latin-1"
-        except UnicodeDecodeError:
-            continue
-    return None
-
-
 def load_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Read documents from a JSONL file (format in the module docstring).
+    """Read documents from a JSONL file (format in the module docstring), through the one reader
+    (:func:`vramsweep.data.sources.read_source`: its decoder and error style, the file read once).
 
     Raises:
         FileNotFoundError: when ``path`` does not exist.
@@ -171,50 +161,16 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     p = Path(path)
     docs: list[dict[str, Any]] = []
     seen: dict[str, int] = {}
-    blank = 0
-    with p.open("rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]  # a UTF-8 byte-order mark
-            elif lineno == 1 and raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
-                raise ValueError(
-                    f"{p}:1: the file is UTF-16 (byte-order mark {raw[:2].hex()}); save it as UTF-8"
-                )
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                guess = _guess_encoding(raw)
-                raise ValueError(
-                    f"{p}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
-                    + (f"; it looks like {guess}" if guess else "")
-                    + ": save the file as UTF-8"
-                ) from None
-            if not line.strip():
-                blank += 1
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
-            except RecursionError:
-                raise ValueError(
-                    f"{p}:{lineno}: invalid JSON: nested too deeply (over ~1,000 levels)"
-                ) from None
-            if problem := lone_surrogate(obj, line):
-                raise ValueError(f"{p}:{lineno}: {problem}")
-            try:
-                doc = normalize_document(obj, default_id=f"{p.stem}:{lineno}")
-            except ValueError as e:
-                raise ValueError(f"{p}:{lineno}: {e}") from None
-            if doc["id"] in seen:
-                raise ValueError(
-                    f"{p}:{lineno}: duplicate id {doc['id']!r} (first on line {seen[doc['id']]})"
-                )
-            seen[doc["id"]] = lineno
-            docs.append(doc)
-    if not docs:
-        what = f"only {blank} blank line(s)" if blank else "the file is empty"
-        raise ValueError(f"{p}:1: no documents ({what})")
+    for rec in read_source(p).records:
+        lineno = int(rec.where.rsplit(":", 1)[1])
+        try:
+            doc = normalize_document(rec.obj, default_id=f"{p.stem}:{lineno}")
+        except ValueError as e:
+            raise ValueError(f"{rec.where}: {e}") from None
+        if doc["id"] in seen:
+            raise ValueError(f"{rec.where}: duplicate id {doc['id']!r} (first on line {seen[doc['id']]})")
+        seen[doc["id"]] = lineno
+        docs.append(doc)
     return docs
 
 

@@ -1,11 +1,14 @@
 """What a trial's held-out loss is over: the eval-set fingerprint (``meta.eval_set`` of a result).
 
 Every trial of a sweep must score the same held-out tokens for its ``eval_loss`` to compare with another's.
-The held-out records are rendered and masked under the format's default ``data.train_on``, whatever the
-trial trains on (:func:`vramsweep.data.prep.eval_reference`), so a sweep over ``data.train_on`` scores one
-set. Knobs that still change the scored tokens (the template, ``data.enable_thinking``, truncation to
-``context.max_tokens``, the eval file, the tokenizer, ``train.eval_batches``) change the fingerprint, and
-``report``/``pick`` refuse to rank trials whose fingerprints differ (:mod:`vramsweep.report.evalset`).
+The held-out records are rendered and masked under one reference, whatever the trial trains on
+(:func:`vramsweep.data.prep.eval_reference`): the format's default ``data.train_on`` and, in a sweep, the
+baseline's chat template, ``data.enable_thinking`` and ``context.max_tokens``
+(:mod:`vramsweep.data.reference`), so a sweep over any of them scores one set. A trial whose context is too
+short for the reference's examples scores its own and is marked ``comparable: false`` (with
+``not_comparable``: why). Knobs that still change the scored tokens (``context.truncation``, the eval file,
+the tokenizer, ``train.eval_batches``) change the fingerprint, and ``report``/``pick`` refuse to rank trials
+whose fingerprints differ (:mod:`vramsweep.report.evalset`).
 
 The fingerprint is a hash of exactly what :func:`vramsweep.measure.eval.evaluate` scores: the token ids,
 the labels (``-100`` where nothing is scored) and the fact spans of each example of the fixed eval subset
@@ -56,4 +59,10 @@ def eval_set(examples: Sequence[Any], n_batches: int, stats: dict | None = None)
             out[name] = stats[key]
     if stats.get("random_tokens"):
         out["train_on"] = "all (random tokens)"
+    ref = stats.get("eval_reference")
+    if isinstance(ref, dict):  # what the records were rendered under; comparable: false names why
+        out["reference"] = {k: v for k, v in ref.items() if k not in ("comparable", "not_comparable")}
+        out["comparable"] = bool(ref.get("comparable", True))
+        if ref.get("not_comparable"):
+            out["not_comparable"] = str(ref["not_comparable"])
     return out

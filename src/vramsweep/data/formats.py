@@ -25,16 +25,26 @@ occurrence of a value inside a trained span is a fact span for the task score. E
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from vramsweep.data.documents import normalize_document
 from vramsweep.data.sources import Record
 
-__all__ = ["FORMATS", "ROLES", "Item", "detect_format", "normalize_records"]
+__all__ = [
+    "FORMAT_TABLE",
+    "FORMATS",
+    "ROLES",
+    "Format",
+    "Item",
+    "accepted",
+    "detect_format",
+    "format_row",
+    "formats",
+    "normalize_records",
+]
 
-FORMATS: tuple[str, ...] = ("messages", "sharegpt", "prompt_completion", "alpaca", "text", "documents")
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 _SHAREGPT_ROLES = {
     "human": "user",
@@ -46,19 +56,6 @@ _SHAREGPT_ROLES = {
     "tool": "tool",
     "function_call": "assistant",
 }
-#: The keys that identify each format (all must be present), in detection order.
-_KEYS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("messages", ("messages",)),
-    ("sharegpt", ("conversations",)),
-    ("prompt_completion", ("prompt", "completion")),
-    ("alpaca", ("instruction", "output")),
-    ("documents", ("sections",)),
-    ("text", ("text",)),
-)
-_ACCEPTED = (
-    "messages (a 'messages' list), sharegpt ('conversations'), prompt_completion ('prompt' + 'completion'), "
-    "alpaca ('instruction' + 'output'), text ('text'), documents ('sections')"
-)
 
 
 @dataclass
@@ -87,9 +84,9 @@ def detect_format(obj: Any) -> str | None:
     """The format whose keys ``obj`` has (first match in :data:`_KEYS`), or None."""
     if not isinstance(obj, dict):
         return None
-    for name, keys in _KEYS:
-        if all(k in obj for k in keys):
-            return name
+    for f in FORMAT_TABLE:
+        if all(k in obj for k in f.keys):
+            return f.name
     return None
 
 
@@ -181,61 +178,156 @@ def _need_prompt_first(msgs: list[dict[str, str]], what: str) -> None:
         )
 
 
+def _chat(key: str, sharegpt: bool) -> Callable[[dict, dict], Item]:
+    def normalise(obj: dict, base: dict) -> Item:
+        msgs = _messages(obj[key], key, sharegpt=sharegpt)
+        _need_assistant(msgs, key)
+        _need_prompt_first(msgs, key)
+        return Item(**base, kind="chat", messages=msgs, facts=_facts(obj))
+
+    return normalise
+
+
+def _prompt_completion(obj: dict, base: dict) -> Item:
+    p, c = obj["prompt"], obj["completion"]
+    facts = _facts(obj)
+    if isinstance(p, str) and isinstance(c, str):
+        return Item(
+            **base,
+            kind="plain",
+            prompt=_str(obj, "prompt", empty_ok=True),
+            completion=_str(obj, "completion"),
+            facts=facts,
+        )
+    if isinstance(p, list) and isinstance(c, list):
+        pm, cm = _messages(p, "prompt"), _messages(c, "completion")
+        _need_assistant(cm, "completion")
+        _need_prompt_first(pm, "prompt")
+        return Item(**base, kind="chat", messages=pm + cm, n_prompt=len(pm), facts=facts)
+    raise ValueError(
+        "'prompt' and 'completion' must both be strings or both be message lists, got "
+        f"{type(p).__name__} and {type(c).__name__}"
+    )
+
+
+def _alpaca(obj: dict, base: dict) -> Item:
+    facts = _facts(obj)
+    user = _str(obj, "instruction")
+    extra = obj.get("input") or ""
+    if not isinstance(extra, str):
+        raise ValueError(f"'input' must be a string, got {type(extra).__name__}")
+    if extra.strip():
+        user = f"{user}\n\n{extra}"
+    msgs: list[dict[str, str]] = []
+    if obj.get("system"):
+        msgs.append({"role": "system", "content": _str(obj, "system")})
+    for j, turn in enumerate(obj.get("history") or []):
+        if not (
+            isinstance(turn, list) and len(turn) == 2 and all(isinstance(t, str) and t.strip() for t in turn)
+        ):
+            raise ValueError(f"history[{j}] must be a [question, answer] pair of non-empty strings")
+        msgs += [{"role": "user", "content": turn[0]}, {"role": "assistant", "content": turn[1]}]
+    n_prompt = len(msgs) + 1
+    msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": _str(obj, "output")}]
+    return Item(**base, kind="chat", messages=msgs, n_prompt=n_prompt, facts=facts)
+
+
+def _text(obj: dict, base: dict) -> Item:
+    return Item(**base, kind="text", text=_str(obj, "text"), facts=_facts(obj))
+
+
+def _document(obj: dict, base: dict) -> Item:
+    return Item(**base, kind="document", doc=normalize_document(obj, default_id=base["id"]))
+
+
+@dataclass(frozen=True)
+class Format:
+    """One row of the format table: everything the pipeline knows about a record format.
+
+    ``keys``: the fields that identify it (all present; rows are tried in table order); ``normalise``:
+    ``(record, base) -> Item`` (``base``: ``where``, ``id``, ``format``), raising ``ValueError`` naming the
+    field; ``train_on``: the ``data.train_on`` values that apply, the first its default (``()``: the target
+    section of a document is trained); ``kinds``: the builders its items go to (``chat``: the chat template,
+    ``plain``: prompt + completion strings, ``text``: text + EOS, all :mod:`vramsweep.data.render`;
+    ``document``: sections, :mod:`vramsweep.data.examples`); ``example``: one record, for the docs."""
+
+    name: str
+    keys: tuple[str, ...]
+    normalise: Callable[[dict, dict], Item]
+    train_on: tuple[str, ...]
+    kinds: tuple[str, ...]
+    example: str
+
+
+_CHAT_TRAIN_ON = ("assistant", "last_assistant", "all")
+#: The format table, in detection order: adding a format is one row here (and its tests).
+FORMAT_TABLE: tuple[Format, ...] = (
+    Format(
+        "messages",
+        ("messages",),
+        _chat("messages", False),
+        _CHAT_TRAIN_ON,
+        ("chat",),
+        '{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4."}]}',
+    ),
+    Format(
+        "sharegpt",
+        ("conversations",),
+        _chat("conversations", True),
+        _CHAT_TRAIN_ON,
+        ("chat",),
+        '{"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4."}]}',
+    ),
+    Format(
+        "prompt_completion",
+        ("prompt", "completion"),
+        _prompt_completion,
+        ("completion", "all"),
+        ("plain", "chat"),
+        '{"prompt": "2+2=", "completion": "4"}',
+    ),
+    Format(
+        "alpaca",
+        ("instruction", "output"),
+        _alpaca,
+        ("completion", "all"),
+        ("chat",),
+        '{"instruction": "Add.", "input": "2+2", "output": "4"}',
+    ),
+    Format(
+        "documents",
+        ("sections",),
+        _document,
+        (),
+        ("document",),
+        '{"id": "d1", "sections": [{"heading": "Aim", "text": "..."}, {"text": "..."}]}',
+    ),
+    Format("text", ("text",), _text, ("all",), ("text",), '{"text": "Two and two make four."}'),
+)
+
+
+def format_row(name: str) -> Format:
+    """The table's row of format ``name`` (KeyError when there is none)."""
+    for f in FORMAT_TABLE:
+        if f.name == name:
+            return f
+    raise KeyError(name)
+
+
+def formats() -> tuple[str, ...]:
+    """The format names, in table order (``data.format`` takes these or ``auto``)."""
+    return tuple(f.name for f in FORMAT_TABLE)
+
+
+def accepted() -> str:
+    """``messages ('messages'), ..., prompt_completion ('prompt' + 'completion'), ...`` for errors."""
+    return ", ".join(f"{f.name} ({' + '.join(repr(k) for k in f.keys)})" for f in FORMAT_TABLE)
+
+
 def _item(rec: Record, fmt: str) -> Item:
     obj = rec.obj
     rid = obj.get("id") if isinstance(obj.get("id"), str) and obj.get("id") else rec.where
-    base = dict(where=rec.where, id=rid, format=fmt)
-    if fmt == "documents":
-        doc = normalize_document(obj, default_id=rid)
-        return Item(**base, kind="document", doc=doc)
-    facts = _facts(obj)
-    if fmt in ("messages", "sharegpt"):
-        key = "messages" if fmt == "messages" else "conversations"
-        msgs = _messages(obj[key], key, sharegpt=fmt == "sharegpt")
-        _need_assistant(msgs, key)
-        _need_prompt_first(msgs, key)
-        return Item(**base, kind="chat", messages=msgs, facts=facts)
-    if fmt == "prompt_completion":
-        p, c = obj["prompt"], obj["completion"]
-        if isinstance(p, str) and isinstance(c, str):
-            return Item(
-                **base,
-                kind="plain",
-                prompt=_str(obj, "prompt", empty_ok=True),
-                completion=_str(obj, "completion"),
-                facts=facts,
-            )
-        if isinstance(p, list) and isinstance(c, list):
-            pm, cm = _messages(p, "prompt"), _messages(c, "completion")
-            _need_assistant(cm, "completion")
-            _need_prompt_first(pm, "prompt")
-            return Item(**base, kind="chat", messages=pm + cm, n_prompt=len(pm), facts=facts)
-        raise ValueError(
-            "'prompt' and 'completion' must both be strings or both be message lists, got "
-            f"{type(p).__name__} and {type(c).__name__}"
-        )
-    if fmt == "alpaca":
-        user = _str(obj, "instruction")
-        extra = obj.get("input") or ""
-        if not isinstance(extra, str):
-            raise ValueError(f"'input' must be a string, got {type(extra).__name__}")
-        if extra.strip():
-            user = f"{user}\n\n{extra}"
-        msgs: list[dict[str, str]] = []
-        if obj.get("system"):
-            msgs.append({"role": "system", "content": _str(obj, "system")})
-        for j, turn in enumerate(obj.get("history") or []):
-            if not (
-                isinstance(turn, list)
-                and len(turn) == 2
-                and all(isinstance(t, str) and t.strip() for t in turn)
-            ):
-                raise ValueError(f"history[{j}] must be a [question, answer] pair of non-empty strings")
-            msgs += [{"role": "user", "content": turn[0]}, {"role": "assistant", "content": turn[1]}]
-        n_prompt = len(msgs) + 1
-        msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": _str(obj, "output")}]
-        return Item(**base, kind="chat", messages=msgs, n_prompt=n_prompt, facts=facts)
-    return Item(**base, kind="text", text=_str(obj, "text"), facts=facts)
+    return format_row(fmt).normalise(obj, dict(where=rec.where, id=rid, format=fmt))
 
 
 def normalize_records(records: Sequence[Record], fmt: str = "auto") -> list[Item]:
@@ -245,8 +337,8 @@ def normalize_records(records: Sequence[Record], fmt: str = "auto") -> list[Item
         ValueError: ``"<where>: <problem>"``: an unknown format (naming the keys found and the formats
             accepted), a record of another format than the first one, or a field problem.
     """
-    if fmt != "auto" and fmt not in FORMATS:
-        raise ValueError(f"data.format={fmt!r} is unknown; use auto or one of {', '.join(FORMATS)}")
+    if fmt != "auto" and fmt not in formats():
+        raise ValueError(f"data.format={fmt!r} is unknown; use auto or one of {', '.join(formats())}")
     out: list[Item] = []
     first: tuple[str, str] | None = None
     for rec in records:
@@ -254,7 +346,7 @@ def normalize_records(records: Sequence[Record], fmt: str = "auto") -> list[Item
             raise ValueError(f"{rec.where}: expected a JSON object, got {type(rec.obj).__name__}")
         found = detect_format(rec.obj)
         if fmt != "auto":
-            keys = dict(_KEYS)[fmt]
+            keys = format_row(fmt).keys
             missing = [k for k in keys if k not in rec.obj]
             if missing:
                 what = "column(s)" if ":row " in rec.where else "field(s)"
@@ -265,7 +357,7 @@ def normalize_records(records: Sequence[Record], fmt: str = "auto") -> list[Item
             found = fmt
         if found is None:
             raise ValueError(
-                f"{rec.where}: unknown format: keys found {sorted(rec.obj)}; accepted formats: {_ACCEPTED}"
+                f"{rec.where}: unknown format: keys found {sorted(rec.obj)}; accepted formats: {accepted()}"
             )
         if first is None:
             first = (found, rec.where)
@@ -279,3 +371,7 @@ def normalize_records(records: Sequence[Record], fmt: str = "auto") -> list[Item
         except ValueError as e:
             raise ValueError(f"{rec.where}: {e}") from None
     return out
+
+
+#: The format names (:func:`formats` at import; ``data.format`` takes these or ``auto``).
+FORMATS: tuple[str, ...] = formats()

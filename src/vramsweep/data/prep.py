@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from omegaconf import DictConfig
@@ -13,6 +14,7 @@ from vramsweep.data.cache import cached, tokenizer_fingerprint
 from vramsweep.data.chatset import generate_chats
 from vramsweep.data.formats import normalize_records
 from vramsweep.data.load import load_user_data
+from vramsweep.data.reference import not_comparable_reason, reference_of, sweep_reference
 from vramsweep.data.sources import Record, source_sha256
 from vramsweep.data.synthetic import generate_documents
 
@@ -95,15 +97,45 @@ def render_settings(cfg: DictConfig, tokenizer: Any, fmt: str) -> Any:
     )
 
 
-def eval_reference(s: Any, fmt: str) -> Any:
+def eval_reference(s: Any, fmt: str, reference: dict | None = None, tokenizer: Any = None) -> Any:
     """The settings the held-out records are rendered and masked under: the trial's, with the format's
-    default ``train_on`` (so every trial of a sweep over ``data.train_on`` scores the same held-out tokens;
-    docs/DATA.md, "Held-out loss"; entries built before this rule are kept apart by ``CACHE_VERSION`` 3)."""
+    default ``train_on`` and, in a sweep, the baseline's chat template, thinking switch and context length
+    (``reference``: :mod:`vramsweep.data.reference`), so every trial of a sweep scores the same held-out
+    tokens (docs/DATA.md, "Held-out loss")."""
     from dataclasses import replace
 
-    from vramsweep.data.render import default_train_on
+    from vramsweep.data.render import default_train_on, resolve_template
 
-    return replace(s, train_on=default_train_on(fmt))
+    out = replace(s, train_on=default_train_on(fmt))
+    if reference is None:
+        return out
+    return replace(
+        out,
+        template=resolve_template(reference["data.chat_template"], tokenizer),
+        enable_thinking=bool(reference["data.enable_thinking"]),
+        max_tokens=int(reference["context.max_tokens"]),
+    )
+
+
+def _reference_info(ref: Any, names: dict | None, why: str | None) -> dict:
+    """``stats["eval_reference"]``: what the held-out records were rendered under (``names``: the
+    reference's :data:`~vramsweep.data.reference.REFERENCE_KEYS` values, None for documents, which have no
+    template), and whether this trial could score the reference (``comparable``; ``not_comparable``: why
+    not)."""
+    out: dict[str, Any] = {"train_on": ref.train_on, "max_tokens": ref.max_tokens, "comparable": why is None}
+    if names is not None:
+        out["chat_template"] = names["data.chat_template"] or "tokenizer"
+        out["enable_thinking"] = bool(names["data.enable_thinking"])
+    if why is not None:
+        out["not_comparable"] = why
+    return out
+
+
+def _scoreable(ev: list, s_max: int, ref_max: int) -> str | None:
+    """Why a trial with context ``s_max`` cannot score held-out examples built at ``ref_max``."""
+    if ref_max <= s_max or not ev:
+        return None
+    return not_comparable_reason(max(len(e.input_ids) for e in ev), s_max, ref_max)
 
 
 def _build_slots(train_items: list, eval_items: list, tokenizer: Any, s: Any, ref: Any) -> dict[str, list]:
@@ -121,8 +153,14 @@ def _build_slots(train_items: list, eval_items: list, tokenizer: Any, s: Any, re
     }
 
 
-def _record_examples(cfg: DictConfig, tokenizer: Any, ud: Any = None) -> tuple[list, list, dict]:
-    """Examples of chat / prompt-completion / alpaca / text records (the user's or the shipped chat set)."""
+def _record_examples(
+    cfg: DictConfig, tokenizer: Any, ud: Any = None, reference: dict | None = None
+) -> tuple[list, list, dict]:
+    """Examples of chat / prompt-completion / alpaca / text records (the user's or the shipped chat set);
+    the held-out records under the eval reference (:func:`eval_reference`)."""
+    from dataclasses import replace
+
+    from vramsweep.data.render import build_item_slots
 
     d = cfg.data
     if d.source == "embedded_chat":
@@ -140,8 +178,12 @@ def _record_examples(cfg: DictConfig, tokenizer: Any, ud: Any = None) -> tuple[l
         train_items, eval_items, fmt = ud.train, ud.eval, ud.format
         info = {"eval_from": ud.eval_from, "source_sha256": ud.sha256}
     s = render_settings(cfg, tokenizer, fmt)
-    ref = eval_reference(s, fmt)
+    ref = eval_reference(s, fmt, reference, tokenizer)
     slots = _build_slots(train_items, eval_items, tokenizer, s, ref)
+    why = _scoreable([e for e in slots["eval"] if e is not None], s.max_tokens, ref.max_tokens)
+    if why is not None:  # this trial cannot score the reference: its own context, marked not comparable
+        ref = replace(ref, max_tokens=s.max_tokens)
+        slots["eval"] = build_item_slots(eval_items, tokenizer, ref)
     train, ev = ([e for e in v if e is not None] for v in slots.values())
     dropped = {k: sum(1 for e in v if e is None) for k, v in slots.items()}
     for split, n in (("train", len(train_items)), ("eval", len(eval_items))):
@@ -159,6 +201,7 @@ def _record_examples(cfg: DictConfig, tokenizer: Any, ud: Any = None) -> tuple[l
         "eval_train_on": ref.train_on,
         "chat_template": str(d.chat_template) if d.chat_template else "tokenizer",
         "enable_thinking": s.enable_thinking,
+        "eval_reference": _reference_info(ref, reference or reference_of(cfg), why),
     }
     return train, ev, info
 
@@ -174,32 +217,47 @@ def _length_distribution(examples: list) -> dict:
     return {"min": lengths[0], "p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": lengths[-1]}
 
 
-def _build(cfg: DictConfig, tokenizer: Any) -> TrialData:
-    from vramsweep.data.examples import TARGET_TOKENS, build_examples, examples_stats
+def _document_examples(cfg: DictConfig, tokenizer: Any, ud: Any, reference: dict | None) -> tuple:
+    """Examples of sectioned documents (the user's or the embedded reports); the held-out documents at the
+    reference's context length where this trial can score them (:func:`eval_reference`)."""
+    from vramsweep.data.examples import build_examples
+
+    if ud is not None:
+        train_docs, eval_docs = [it.doc for it in ud.train], [it.doc for it in ud.eval]
+    else:
+        train_docs, eval_docs = load_documents(cfg)
+    c = cfg.context
+    kw = dict(
+        max_tokens=int(c.max_tokens),
+        truncation=str(c.truncation),
+        decay=float(c.decay),
+        min_tokens_per_section=int(c.min_tokens_per_section),
+        instructions=str(cfg.data.instructions),
+    )
+    train = build_examples(train_docs, tokenizer, **kw)
+    ref_max = int(reference["context.max_tokens"]) if reference is not None else kw["max_tokens"]
+    ev = build_examples(eval_docs, tokenizer, **{**kw, "max_tokens": ref_max})
+    why = _scoreable(ev, kw["max_tokens"], ref_max)
+    if why is not None:
+        ev, ref_max = build_examples(eval_docs, tokenizer, **kw), kw["max_tokens"]
+    ref = SimpleNamespace(train_on="target section", max_tokens=ref_max)
+    info: dict = {"format": "documents", "train_on": "target section", "eval_train_on": "target section"}
+    info["eval_from"] = ud.eval_from if ud is not None else "embedded (disjoint seed)"
+    info["eval_reference"] = _reference_info(ref, None, why)
+    if ud is not None:
+        info["source_sha256"] = ud.sha256
+    return train, ev, info
+
+
+def _build(cfg: DictConfig, tokenizer: Any, reference: dict | None = None) -> TrialData:
+    from vramsweep.data.examples import TARGET_TOKENS, examples_stats
 
     ud = load_user(cfg) if cfg.data.source in USER_SOURCES else None  # read the file once
     fmt = ud.format if ud is not None else data_format(cfg)
     if fmt == "documents":
-        if ud is not None:
-            train_docs, eval_docs = [it.doc for it in ud.train], [it.doc for it in ud.eval]
-        else:
-            train_docs, eval_docs = load_documents(cfg)
-        c = cfg.context
-        kw = dict(
-            max_tokens=int(c.max_tokens),
-            truncation=str(c.truncation),
-            decay=float(c.decay),
-            min_tokens_per_section=int(c.min_tokens_per_section),
-            instructions=str(cfg.data.instructions),
-        )
-        train = build_examples(train_docs, tokenizer, **kw)
-        ev = build_examples(eval_docs, tokenizer, **kw)
-        info: dict = {"format": "documents", "train_on": "target section", "eval_train_on": "target section"}
-        info["eval_from"] = ud.eval_from if ud is not None else "embedded (disjoint seed)"
-        if ud is not None:
-            info["source_sha256"] = ud.sha256
+        train, ev, info = _document_examples(cfg, tokenizer, ud, reference)
     else:
-        train, ev, info = _record_examples(cfg, tokenizer, ud)
+        train, ev, info = _record_examples(cfg, tokenizer, ud, reference)
     if not train:
         raise ValueError("the training documents produced no examples (need documents with >= 2 sections)")
     if not ev:
@@ -234,36 +292,50 @@ def summary_line(stats: dict) -> str:
     return f"{head}: " + "; ".join(parts)
 
 
-def cache_parts(cfg: DictConfig, tokenizer: Any) -> dict:
-    """What the built examples depend on (:func:`vramsweep.data.cache.cached`'s key)."""
+def cache_parts(cfg: DictConfig, tokenizer: Any, reference: dict | None = None) -> dict:
+    """What the built examples depend on (:func:`vramsweep.data.cache.cached`'s key); ``reference`` only
+    where it differs from the trial's own settings."""
     from omegaconf import OmegaConf
 
     d = OmegaConf.to_container(cfg.data, resolve=True)
     parts = {"data": d, "context": OmegaConf.to_container(cfg.context, resolve=True)}
     if cfg.data.source in USER_SOURCES:
         parts["files"] = [source_sha256(str(p)) for p in (cfg.data.path, cfg.data.eval_path) if p]
-    if cfg.data.chat_template and os.path.isfile(os.path.expanduser(str(cfg.data.chat_template))):
-        parts["template_sha256"] = source_sha256(str(cfg.data.chat_template))
+    templates = [cfg.data.chat_template, (reference or {}).get("data.chat_template")]
+    for i, t in enumerate(dict.fromkeys(t for t in templates if t)):
+        if os.path.isfile(os.path.expanduser(str(t))):
+            parts["template_sha256" if i == 0 else "reference_template_sha256"] = source_sha256(str(t))
+    if reference is not None:
+        parts["eval_reference"] = reference
     parts["tokenizer"] = tokenizer_fingerprint(tokenizer)
     return parts
 
 
-def build_trial_data(cfg: DictConfig, tokenizer: Any) -> TrialData:
-    """Examples for training and held-out eval, truncated to ``context.max_tokens`` as configured; built once
-    per data + tokenizer + settings and then read from the tokenisation cache (:mod:`vramsweep.data.cache`).
+def build_trial_data(cfg: DictConfig, tokenizer: Any, reference: dict | None = None) -> TrialData:
+    """Examples for training and held-out eval, truncated to ``context.max_tokens`` as configured, the
+    held-out records under the eval reference (``reference``: a sweep baseline's
+    :data:`~vramsweep.data.reference.REFERENCE_KEYS`; None: this run's own); built once per data +
+    tokenizer + settings and then read from the tokenisation cache (:mod:`vramsweep.data.cache`).
     ``stats["cache"]`` says ``hit`` or ``miss``."""
-
-    data, status, key = cached(cache_parts(cfg, tokenizer), lambda: _build(cfg, tokenizer))
+    where = "sweep baseline" if reference is not None else "this run's settings"
+    if reference is not None and reference == reference_of(cfg):
+        reference = None  # the baseline's own settings: the same examples, the same cache entry
+    data, status, key = cached(
+        cache_parts(cfg, tokenizer, reference), lambda: _build(cfg, tokenizer, reference)
+    )
     data.stats = {**data.stats, "cache": status, "cache_key": key[:16]}
+    if isinstance(data.stats.get("eval_reference"), dict):
+        data.stats["eval_reference"] = {**data.stats["eval_reference"], "from": where}
     return data
 
 
-def trial_data(cfg: DictConfig, tokenizer: Any) -> TrialData:
+def trial_data(cfg: DictConfig, tokenizer: Any, reference: dict | None = None) -> TrialData:
     """Documents -> examples, or exact-length random tokens (``data=random``, or a model without
-    tokenizer)."""
+    tokenizer). The held-out records are rendered under ``reference``, by default the reference of the
+    sweep this process is a trial of (:func:`vramsweep.data.reference.sweep_reference`)."""
     if tokenizer is None or cfg.data.source == "random":
         return random_token_data(cfg)
-    return build_trial_data(cfg, tokenizer)
+    return build_trial_data(cfg, tokenizer, reference if reference is not None else sweep_reference())
 
 
 def random_token_data(cfg: DictConfig):

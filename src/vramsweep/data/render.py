@@ -45,7 +45,7 @@ from typing import Any
 
 from vramsweep.data.documents import value_pattern
 from vramsweep.data.examples import IGNORE_INDEX, Example
-from vramsweep.data.formats import Item
+from vramsweep.data.formats import Item, format_row
 from vramsweep.data.templates import BUILTIN_TEMPLATES, CHATML, EMBEDDED_CHAT_TEMPLATE
 from vramsweep.data.truncation import ContextOverflowError, kept_lengths, longest_first
 
@@ -63,25 +63,20 @@ __all__ = [
 ]
 
 TRAIN_ON: tuple[str, ...] = ("assistant", "last_assistant", "completion", "all")
-#: ``data.train_on`` values each format accepts (the first is its default).
-_TRAIN_ON_BY_FORMAT = {
-    "messages": ("assistant", "last_assistant", "all"),
-    "sharegpt": ("assistant", "last_assistant", "all"),
-    "prompt_completion": ("completion", "all"),
-    "alpaca": ("completion", "all"),
-    "text": ("all",),
-}
 
 
 def default_train_on(fmt: str) -> str:
     """``data.train_on=auto`` for a format: assistant turns for chats, the completion for prompt/completion
     and alpaca, everything for text."""
-    return _TRAIN_ON_BY_FORMAT[fmt][0]
+    return format_row(fmt).train_on[0]
 
 
 def train_on_choices(fmt: str) -> tuple[str, ...]:
     """The ``data.train_on`` values that apply to ``fmt`` (documents: none, the target section is trained)."""
-    return _TRAIN_ON_BY_FORMAT.get(fmt, ())
+    try:
+        return format_row(fmt).train_on  # the format table's column (:data:`~.formats.FORMAT_TABLE`)
+    except KeyError:
+        return ()
 
 
 def resolve_template(setting: str | None, tokenizer: Any) -> str | None:

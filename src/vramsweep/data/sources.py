@@ -7,6 +7,14 @@ A ``DatasetDict`` folder with a ``test`` (or ``validation``) split gives the hel
 
 Parquet and dataset folders are read with ``pyarrow`` / ``datasets``, the libraries that write them (the
 formats TRL, axolotl and LLaMA-Factory read); they are imported only for those sources.
+
+One reader, one decoder: every data file (records of any format, sectioned documents included:
+:func:`vramsweep.data.documents.load_jsonl` reads through :func:`read_source`) is opened once per process
+while it is unchanged: its bytes are read once, hashed (:func:`source_sha256`) and parsed from memory, and
+both are kept, keyed by the file's path, size, modification time and inode (:data:`_MEMO_FILES` files at
+most; a file modified in the last :data:`RACY_NS` is read again each time, since two writes that close
+can leave the same size and time). The pre-flight, the data step and the data fingerprints of the same
+process then open it no more.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import hashlib
 import json
 import os
 import re
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,26 +54,71 @@ class Source:
     columns: list[str] = field(default_factory=list)
 
 
-def source_sha256(path: str | os.PathLike[str]) -> str:
-    """sha256 of a file, or of a folder's files (names and bytes, sorted)."""
-    p = Path(path)
+#: How many files' parsed records :func:`read_source` keeps (the train and eval files of a sweep, and some).
+_MEMO_FILES = 4
+_READ: OrderedDict[tuple, Source] = OrderedDict()
+_SHA: dict[tuple, str] = {}
+
+
+#: A file modified less than this long ago is not kept (nanoseconds): file times tick in milliseconds, so
+#: two writes that close together could leave the same size and time (git's "racy" files).
+RACY_NS = 2_000_000_000
+
+
+def _stat_key(p: Path) -> tuple | None:
+    """What says a file (or a folder's files) is unchanged: resolved path, size, mtime (ns), inode; None
+    when it cannot be read or was modified in the last :data:`RACY_NS` (then it is read each time)."""
+    try:
+        files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
+        stats = [(str(q.relative_to(p)) if p.is_dir() else "", q.stat()) for q in files]
+    except OSError:
+        return None
+    if any(s.st_mtime_ns > time.time_ns() - RACY_NS for _, s in stats):
+        return None
+    return (str(p.resolve()), *((n, s.st_size, s.st_mtime_ns, s.st_ino, s.st_dev) for n, s in stats))
+
+
+def _sha_of_folder(p: Path) -> str:
     h = hashlib.sha256()
-    files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
-    for q in files:
-        if p.is_dir():
-            h.update(str(q.relative_to(p)).encode() + b"\0")
+    for q in sorted(q for q in p.rglob("*") if q.is_file()):
+        h.update(str(q.relative_to(p)).encode() + b"\0")
         with open(q, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
     return h.hexdigest()
 
 
+def source_sha256(path: str | os.PathLike[str]) -> str:
+    """sha256 of a file, or of a folder's files (names and bytes, sorted); from :func:`read_source`'s read
+    where it read the unchanged file already, else read once and kept."""
+    p = Path(path)
+    key = _stat_key(p)
+    if key is not None and key in _READ:
+        return _READ[key].sha256
+    if key is not None and key in _SHA:
+        return _SHA[key]
+    if p.is_dir():
+        sha = _sha_of_folder(p)
+    else:
+        with open(p, "rb") as fh:
+            h = hashlib.sha256()
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+            sha = h.hexdigest()
+    if key is not None:
+        _SHA[key] = sha
+    return sha
+
+
 def _guess_encoding(raw: bytes) -> str:
-    try:
-        raw.decode("cp1252")
-        return "; it looks like Windows-1252/Latin-1"
-    except UnicodeDecodeError:
-        return ""
+    """A likely legacy encoding of a line that is not UTF-8, as the error's clause ("" when none fits)."""
+    for enc, name in (("cp1252", "Windows-1252/Latin-1"), ("latin-1", "Latin-1")):
+        try:
+            raw.decode(enc)
+            return f"; it looks like {name}"
+        except UnicodeDecodeError:
+            continue
+    return ""
 
 
 def _decode(p: Path, raw: bytes, lineno: int) -> str:
@@ -98,30 +153,34 @@ def lone_surrogate(obj: Any, text: str) -> str | None:
     return None
 
 
-def _read_jsonl(p: Path) -> list[Record]:
+def _lines(data: bytes) -> list[bytes]:
+    """The file's lines as a file object yields them (split after each ``\n``; no empty last line)."""
+    parts = data.split(b"\n")
+    lines = [x + b"\n" for x in parts[:-1]]
+    return [*lines, parts[-1]] if parts[-1] else lines
+
+
+def _read_jsonl(p: Path, data: bytes) -> list[Record]:
     out: list[Record] = []
     blank = 0
-    with p.open("rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
-            elif lineno == 1 and raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
-                raise ValueError(
-                    f"{p}:1: the file is UTF-16 (byte-order mark {raw[:2].hex()}); save it as UTF-8"
-                )
-            line = _decode(p, raw, lineno)
-            if not line.strip():
-                blank += 1
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
-            except RecursionError:
-                raise ValueError(f"{p}:{lineno}: {_TOO_DEEP}") from None
-            if problem := lone_surrogate(obj, line):
-                raise ValueError(f"{p}:{lineno}: {problem}")
-            out.append(Record(f"{p}:{lineno}", obj))
+    for lineno, raw in enumerate(_lines(data), start=1):
+        if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
+        elif lineno == 1 and raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            raise ValueError(f"{p}:1: the file is UTF-16 (byte-order mark {raw[:2].hex()}); save it as UTF-8")
+        line = _decode(p, raw, lineno)
+        if not line.strip():
+            blank += 1
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+        except RecursionError:
+            raise ValueError(f"{p}:{lineno}: {_TOO_DEEP}") from None
+        if problem := lone_surrogate(obj, line):
+            raise ValueError(f"{p}:{lineno}: {problem}")
+        out.append(Record(f"{p}:{lineno}", obj))
     if not out:
         raise ValueError(
             f"{p}:1: no records ({f'only {blank} blank line(s)' if blank else 'the file is empty'})"
@@ -129,8 +188,7 @@ def _read_jsonl(p: Path) -> list[Record]:
     return out
 
 
-def _read_json(p: Path) -> list[Record]:
-    raw = p.read_bytes()
+def _read_json(p: Path, raw: bytes) -> list[Record]:
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
     text = ""
@@ -181,11 +239,12 @@ def _rows(table: Any, where: str) -> list[Record]:
     ]
 
 
-def _read_parquet(p: Path) -> tuple[list[Record], list[str]]:
+def _read_parquet(p: Path, raw: bytes) -> tuple[list[Record], list[str]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(p)
+        table = pq.read_table(pa.BufferReader(raw))
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a bad file
         raise ValueError(f"{p}:1: not a readable Parquet file ({type(exc).__name__}: {exc})") from None
     return _rows(table, str(p)), list(table.column_names)
@@ -212,7 +271,8 @@ def _read_folder(p: Path) -> tuple[list[Record], list[Record] | None, list[str]]
 
 
 def read_source(path: str | os.PathLike[str]) -> Source:
-    """Read every record of ``path`` (see the module docstring).
+    """Read every record of ``path`` (see the module docstring): the file's bytes once, hashed and parsed;
+    the same :class:`Source` again while the file is unchanged.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -222,22 +282,41 @@ def read_source(path: str | os.PathLike[str]) -> Source:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{p} does not exist")
+    key = _stat_key(p)
+    if key is not None and key in _READ:
+        _READ.move_to_end(key)
+        return _READ[key]
+    src = _read(p)
+    if key is not None:
+        _READ[key] = src
+        while len(_READ) > _MEMO_FILES:
+            _READ.popitem(last=False)
+    return src
+
+
+def _read(p: Path) -> Source:
     held: list[Record] | None = None
     cols: list[str] = []
     suffix = p.suffix.lower()
     if p.is_dir():
         records, held, cols = _read_folder(p)
-        kind = "datasets"
-    elif suffix == ".jsonl":
-        records, kind = _read_jsonl(p), "jsonl"
-    elif suffix == ".json":
-        records, kind = _read_json(p), "json"
-    elif suffix == ".parquet":
-        (records, cols), kind = _read_parquet(p), "parquet"
-    else:
+        return _checked(p, Source(records, _sha_of_folder(p), held, "datasets", cols))
+    if suffix not in (".jsonl", ".json", ".parquet"):
         raise ValueError(
             f"{p}:1: unknown data file type {suffix or '(no suffix)'!r}; use one of {', '.join(SOURCE_KINDS)}"
         )
-    if not records:
+    raw = p.read_bytes()  # the one open: hashed and parsed from these bytes
+    sha = hashlib.sha256(raw).hexdigest()
+    if suffix == ".jsonl":
+        records, kind = _read_jsonl(p, raw), "jsonl"
+    elif suffix == ".json":
+        records, kind = _read_json(p, raw), "json"
+    else:
+        (records, cols), kind = _read_parquet(p, raw), "parquet"
+    return _checked(p, Source(records=records, sha256=sha, held_out=held, kind=kind, columns=cols))
+
+
+def _checked(p: Path, src: Source) -> Source:
+    if not src.records:
         raise ValueError(f"{p}:1: no records (the file is empty)")
-    return Source(records=records, sha256=source_sha256(p), held_out=held, kind=kind, columns=cols)
+    return src

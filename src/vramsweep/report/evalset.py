@@ -6,6 +6,11 @@ fingerprints differ scored different tokens: their difference is not an effect o
 shows no Δ and no best for those metrics and ``pick`` refuses to rank on them, naming the config key that
 made the eval sets differ (:func:`split`). Trials without a fingerprint (older results, a user's trial
 function) are left out of the check.
+
+A trial that could not score the sweep's reference (``meta.eval_set.comparable: false``, e.g. a context
+shorter than the reference's held-out examples; :mod:`vramsweep.data.reference`) scored its own held-out
+examples: :func:`not_comparable` says why, :func:`comparable` leaves such trials out of every held-out
+ranking (``report``'s best and Pareto, ``pick``, importances), and a Δ against one is not computed.
 """
 
 from __future__ import annotations
@@ -26,6 +31,25 @@ def fingerprint(trial: TrialRecord) -> str | None:
     es = trial.meta.get("eval_set")
     fp = es.get("fingerprint") if isinstance(es, dict) else None
     return str(fp) if fp else None
+
+
+def not_comparable(trial: TrialRecord) -> str | None:
+    """Why the trial's held-out metrics are not over the sweep's reference (None: they are, or unknown)."""
+    es = trial.meta.get("eval_set")
+    if not isinstance(es, dict) or es.get("comparable", True) is not False:
+        return None
+    return str(es.get("not_comparable") or "it could not score the sweep's reference held-out examples")
+
+
+def comparable(trials: Iterable[TrialRecord]) -> list[TrialRecord]:
+    """``trials`` less those marked not comparable (:func:`not_comparable`)."""
+    return [t for t in trials if not_comparable(t) is None]
+
+
+def not_comparable_text(trials: Iterable[TrialRecord]) -> str:
+    """``trial 3 (context.max_tokens=256 is shorter ...); trial 4 (...)``: the not-comparable trials, why."""
+    found = [(t.number, why) for t in trials if (why := not_comparable(t)) is not None]
+    return "; ".join(f"trial {n} ({why})" for n, why in found)
 
 
 def held_out(metric: str) -> bool:
@@ -110,9 +134,10 @@ def differing_knobs(sweep: SweepData, groups: dict[str, list[TrialRecord]]) -> l
 
 
 def split(sweep: SweepData, trials: Iterable[TrialRecord]) -> EvalSplit | None:
-    """The eval-set groups of ``trials`` when they scored more than one set, else None."""
+    """The eval-set groups of ``trials`` when they scored more than one set, else None (trials marked not
+    comparable are left out: :func:`comparable`)."""
     groups: dict[str, list[TrialRecord]] = {}
-    for t in trials:
+    for t in comparable(trials):
         fp = fingerprint(t)
         if fp is not None:
             groups.setdefault(fp, []).append(t)
@@ -122,6 +147,10 @@ def split(sweep: SweepData, trials: Iterable[TrialRecord]) -> EvalSplit | None:
 
 
 def same_eval_set(a: Iterable[TrialRecord], b: Iterable[TrialRecord]) -> bool:
-    """Whether the fingerprinted trials of ``a`` and ``b`` all scored one eval set (True when unknown)."""
-    fps = {fp for t in [*a, *b] if (fp := fingerprint(t)) is not None}
+    """Whether the fingerprinted trials of ``a`` and ``b`` all scored one eval set (True when unknown; False
+    when one of them could not score the sweep's reference)."""
+    both = [*a, *b]
+    if any(not_comparable(t) is not None for t in both):
+        return False
+    fps = {fp for t in both if (fp := fingerprint(t)) is not None}
     return len(fps) < 2

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vramsweep.record.result import TIMING_METRICS
-from vramsweep.report.evalset import held_out, split
+from vramsweep.report.evalset import comparable, held_out, not_comparable_text, split
 from vramsweep.report.load import REPEAT_KEYS, SweepData, TrialRecord, display_value, num
 from vramsweep.report.stats import ALPHA, anova_p
 
@@ -84,6 +84,9 @@ def _trials_for(sweep: SweepData, metric: str, out: Importances) -> list[TrialRe
                 f"{metric}: {len(loaded)} trial(s) measured under load left out "
                 f"({', '.join(f'{n:04d}' for n in loaded)})."
             )
+    if held_out(metric) and (nc := not_comparable_text(trials)):
+        trials = comparable(trials)
+        out.notes.append(f"{metric}: left out, not comparable with the sweep's reference: {nc}.")
     if held_out(metric) and (sp := split(sweep, trials)) is not None:
         out.notes.append(f"{metric}: skipped, {sp.message()}.")
         return None

@@ -794,6 +794,20 @@ def _write_experiment(
         raise
 
 
+def _comparable_only(ok: list[Candidate]) -> list[Candidate]:
+    """The eligible configs less those with a trial that could not score the sweep's reference held-out
+    examples (its eval loss is over other tokens: it ranks nothing); said on stderr with why."""
+    left = [c for c in ok if any(evalset.not_comparable(t) for t in c.trials)]
+    if left:
+        why = evalset.not_comparable_text(t for c in left for t in c.trials)
+        print(
+            "note: left out of the ranking, not comparable with the sweep's reference held-out examples: "
+            f"{why}",
+            file=sys.stderr,
+        )
+    return [c for c in ok if c not in left]
+
+
 def run_pick(
     target: str,
     *,
@@ -835,7 +849,7 @@ def run_pick(
     except ReportError as exc:
         return _err(str(exc))
     limit = budget_gib - headroom_gib
-    ok = eligible(sweep, limit, min_tokens_per_s)
+    ok = _comparable_only(eligible(sweep, limit, min_tokens_per_s))
     if prefer == "quality" and (rand := [t for c in ok for t in c.trials if random_weights(t.config)]):
         model = ((rand[0].config or {}).get("model") or {}).get("name", "?")
         return _err(

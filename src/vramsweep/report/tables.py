@@ -34,7 +34,14 @@ from vramsweep.record.metrics import (
     value_format,
 )
 from vramsweep.record.metrics import label as metric_label
-from vramsweep.report.evalset import EvalSplit, held_out, same_eval_set, split
+from vramsweep.report.evalset import (
+    EvalSplit,
+    comparable,
+    held_out,
+    not_comparable_text,
+    same_eval_set,
+    split,
+)
 from vramsweep.report.load import (
     REPEAT_KEYS,
     SweepData,
@@ -683,8 +690,12 @@ def _eval_set_notes(sweep: SweepData, rows: list[dict[str, Any]], points: list[P
     """Why held-out Δ cells say n/c: the compared trials scored different held-out tokens, and the knob."""
     if not any(k.startswith("nc_") and v for r in rows for k, v in r.items()):
         return []
-    sp = split(sweep, [t for p in points for t in p.trials if t.ok])
-    why = sp.message() if sp is not None else "the trials scored different held-out tokens"
+    oks = [t for p in points for t in p.trials if t.ok]
+    sp = split(sweep, oks)
+    whys = [sp.message()] if sp is not None else []
+    if nc := not_comparable_text(oks):
+        whys.append(f"not comparable with the sweep's reference held-out examples: {nc}")
+    why = "; ".join(whys) or "the trials scored different held-out tokens"
     return [
         f"{NOT_COMPARABLE}: held-out metrics not compared (eval loss, ppl, task score, fact/control): {why}. "
         "Fix that key across the sweep to compare them (docs/DATA.md, Held-out loss)."
@@ -929,6 +940,8 @@ def best_config(
     ``; ``-joined), ``n_other``, ``noise`` (a sentence); None when no trial has a value.
     """
     cands = [t for t in trials if t.metric(metric) is not None]
+    if held_out(metric):  # a trial that could not score the sweep's reference ranks on no held-out metric
+        cands = comparable(cands)
     if not cands:
         return None
     sign = 1.0 if direction == "minimize" else -1.0
@@ -1006,10 +1019,13 @@ def best_table(sweep: SweepData) -> Table:
                 **info,
             }
         )
-    front = pareto_front(feasible, front_objectives)
+    held = any(held_out(m) for m, _ in front_objectives)
+    front = pareto_front(comparable(feasible) if held else feasible, front_objectives)
     objs = ", ".join(f"{m} {'↓' if d == 'minimize' else '↑'}" for m, d in front_objectives)
     if unranked:
         objs += f" ({', '.join(unranked)} left out: the trials scored different held-out tokens)"
+    if (nc := not_comparable_text(feasible)) and any(held_out(m) for m, _ in sweep.objectives):
+        objs += f"; left out of the held-out rankings, not comparable with the sweep's reference: {nc}"
     intro = (
         f"Feasible trials only ({len(feasible)} of {len(sweep.trials)}). Best = the config with "
         "the best mean over its seed repeats (its best trial shown); vs other configs: which it "

@@ -17,6 +17,7 @@ from typing import Any
 
 from vramsweep.config.compose import ConfigError, compose
 from vramsweep.config.urls import mask_url
+from vramsweep.data.reference import reference_of
 from vramsweep.production.fingerprint import data_fingerprints
 from vramsweep.record.metrics import PRUNABLE_METRICS
 from vramsweep.sweeper.design import DesignPoint, build_design, design_choices
@@ -99,6 +100,9 @@ class Plan:
     data_files: dict[str, Any] = field(default_factory=dict)
     #: ``sweep.check=true``: the baseline's ``vramsweep check`` lines (:mod:`.precheck`); else ``None``
     check_result: dict[str, Any] | None = None
+    #: what every trial's held-out records are rendered under (:mod:`vramsweep.data.reference`): the
+    #: baseline's template, thinking switch and context length; trials read it from ``sweep.json``
+    eval_reference: dict[str, Any] = field(default_factory=dict)
 
     def __getattr__(self, key: str) -> Any:
         """A ``hydra.sweeper.*`` key from ``conf``, or a ``sweep:`` key from ``sweep``."""
@@ -178,6 +182,7 @@ class Plan:
             "sweep_dir": str(self.sweep_dir),
             # sweep.check=true only (the settings of a sweep without it are recorded as before)
             **({"check": True, "check_result": self.check_result} if self.check else {}),
+            "eval_reference": dict(self.eval_reference) or None,
         }
 
 
@@ -403,8 +408,22 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
         base_seed=base_seed,
         wandb=wandb,
         data_files=data_fingerprints(base),
+        eval_reference=eval_reference(base, plan, dims),
     )
     return name_sweep(planned)
+
+
+def eval_reference(base: Any, plan: Plan, dims: list[Param]) -> dict[str, Any]:
+    """The held-out records' reference (:mod:`vramsweep.data.reference`): an ablation's or a stacking's
+    baseline; for a grid or a search, the base config with the shortest ``context.max_tokens`` the space
+    holds (a context every trial can score at)."""
+    if plan.design in ("ablation", "stacking"):
+        return reference_of(base, plan.baseline)
+    ref = reference_of(base)
+    for d in dims:
+        if d.key == "context.max_tokens":
+            ref["context.max_tokens"] = int(min(d.values) if d.discrete and d.values else d.low)
+    return ref
 
 
 def hardware_swept(dims: list[Param], design: list[DesignPoint] | None) -> bool:
