@@ -131,7 +131,10 @@ def child(device: str, deterministic: bool, work: Path) -> dict[str, Any]:
 def judge(rep: dict[str, Any]) -> tuple[bool, str]:
     """PASS/FAIL of one setting: the runs went as planned; bitwise where promised (see the docstring)."""
     if not rep.get("as_planned"):
-        return False, f"runs not as planned: {rep.get('statuses')}, resumed from {rep.get('resumed_next_step')}"
+        return (
+            False,
+            f"runs not as planned: {rep.get('statuses')}, resumed from {rep.get('resumed_next_step')}",
+        )
     promised = rep["device"] == "cpu" or rep["deterministic"]
     bitwise = rep["spread"]["bitwise"] and rep["resume"]["bitwise"] and rep["losses_equal"]
     what = (f"spread max |d| {rep['spread']['max_abs']:.3g}, resumed vs uninterrupted max |d| "
