@@ -1011,8 +1011,27 @@ def summarise_use(rows: list[dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
+def summarise_packing(rows: list[dict[str, Any]]) -> str:
+    """gpu_batch_check.py --dtype bf16's throughput line: tokens/s packed vs padded, the kernels' names."""
+    r = next((x for x in rows if x["check"] == "bf16 packing tokens/s against padding"), None)
+    if r is None:
+        return ""
+    tps = r["tokens_per_s"]
+    text = (f"{r['real_tokens']:,} real tokens: packed {tps['packed']:,.0f} tokens/s, length-grouped padded "
+            f"{tps['padded']:,.0f} ({100 * r['padding_share']:.0f} % padding), packed/padded "
+            f"{r['packed_over_padded']:.2f}")  # fmt: skip
+    for mode in ("packed", "padded"):
+        kernels = r.get(f"kernels_{mode}")
+        if kernels is not None:
+            names = ", ".join(
+                f"{name} x{n}" for name, n in sorted(kernels.items(), key=lambda kv: -kv[1])[:3]
+            )
+            text += f"; {mode} attention kernels: {names or 'none matched'}"
+    return text
+
+
 #: Phases whose check prints figures worth a place in the summary line (besides smoke.log).
-SUMMARIES = {"resume": summarise_resume, "nf4_use": summarise_use}
+SUMMARIES = {"resume": summarise_resume, "nf4_use": summarise_use, "packing_bf16": summarise_packing}
 
 
 def phase_check(sm: Smoke, phase: str, script: str, extra: list[str]) -> None:
