@@ -184,6 +184,9 @@ SHORT_CAP_FACTOR = 1.3 / 0.7
 #: scripts/gpu_resume_check.py: two interpreters (train.deterministic false, true), each with 4 tiny NF4
 #: runs of 6 steps; each counted as one such process (not yet measured on a GPU).
 RESUME_S = round(2 * TINY_PROCESS_S * SHORT_CAP_FACTOR)
+#: gpu_batch_check.py --dtype bf16: batching's process + the throughput pass (2 more tiny builds, 2 warm-up, 6
+#: timed and 2 profiled steps of ~12 micro-batches: 5 s, an estimate, not measured on a GPU).
+PACKING_BF16_S = round((TINY_PROCESS_S + 5.0) * SHORT_CAP_FACTOR)
 #: scripts/gpu_use_check.py: one interpreter: a tiny NF4 run, generate, export --merge (batching's cap).
 NF4_USE_S = BATCH_S
 #: The loan's calls (issue 37.9, 53): each a plan of at most DEFAULT_BUDGET_S (``--plan`` and ``--dry-run``
@@ -248,8 +251,9 @@ def plan(
               "(21.7 s on a warm H200, > 27 s cold)"),
         Phase("batching", BATCH_S, "scripts/gpu_batch_check.py: token-weighted accumulation + packing == one batch "
               "(23.8 s to its verdict on a cold H200)"),
-        Phase("packing_bf16", BATCH_S, "scripts/gpu_batch_check.py --dtype bf16: packed == unpacked and 2 head "
-              "groups == one call in bf16 (tolerance 2e-2), the packed step's attention kernel names (batching's cap)"),
+        Phase("packing_bf16", PACKING_BF16_S, "scripts/gpu_batch_check.py --dtype bf16: packed == unpacked and 2 "
+              "head groups == one call in bf16 (tolerance 2e-2); tokens/s packed vs length-grouped padded batches "
+              f"(equal real tokens, paired) and each one's attention kernels ({TINY_PROCESS_S} s + 5 s est. x 1.3, + grace)"),
         Phase("resume", RESUME_S, "scripts/gpu_resume_check.py: a production run (tiny NF4, paged 8-bit AdamW) "
               "stopped after 3 of 6 steps and resumed, with and without train.deterministic: adapters bitwise where "
               f"promised, the run-to-run spread, the step-time ratio (2 interpreters x {TINY_PROCESS_S} s x 1.3, + grace)"),
