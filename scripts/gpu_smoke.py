@@ -1261,7 +1261,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 #: The dry run's budget: the same plan x 1800 / 540 (2 CPU cores shared with other jobs).
-DRY_BUDGET_S = 1800.0
+DRY_BUDGET_S = 2400.0
 #: What the device run writes (at most MAX_FILES files).
 RESULT_FILES = ("summary.md", "summary.csv", "trials.jsonl", "phases.json", "smoke.log", "snapshot.md")
 
