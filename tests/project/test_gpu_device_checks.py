@@ -279,3 +279,13 @@ def test_phase_check_puts_the_figures_in_the_phase_line(smoke, tmp_path, monkeyp
     monkeypatch.setattr(sm, "run", lambda phase, cmd, cap: (1, False, "verdict: FAIL (x)\n"))
     smoke.phase_check(sm, "nf4_use", "gpu_use_check.py", [])
     assert sm.results[-1] == {"phase": "nf4_use", "status": "FAIL", "detail": "verdict: FAIL (x)"}
+
+
+def test_a_check_whose_exit_was_cut_after_its_verdict_keeps_it(smoke):
+    """2026-12-06, CPU at load 13: gpu_use_check.py printed ``verdict: PASS`` at 36.5 s and its interpreter was
+    still exiting when the 40 s run time of its cap ran out: the phase read FAIL. The verdict stands; a FAIL
+    verdict stays a failure and no verdict is "not run"."""
+    status, detail = smoke._verdict_of("verdict: PASS (4 checks)\n", -2, True)
+    assert status == "PASS" and detail.endswith("(its exit cut at the cap)")
+    assert smoke._verdict_of("verdict: FAIL (x)\n", -2, True)[0] == "FAIL"
+    assert smoke._verdict_of("partial\n", -2, True)[0] == "not run"

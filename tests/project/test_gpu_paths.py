@@ -729,6 +729,8 @@ def test_gpu_smoke_dry_run(tmp_path):
         "exact",
         "batching",
         "packing_bf16",
+        "resume",
+        "nf4_use",
         "memprobe",
         "memprobe_fp32",
         "memprobe_grouped",
@@ -756,6 +758,10 @@ def test_gpu_smoke_dry_run(tmp_path):
     assert "- exact: PASS: verdict: PASS" in md and "- batching: PASS: verdict: PASS" in md
     assert "64 MiB pinned round trip: not run (no CUDA device)" in md
     assert "- step_time: PASS: " in md and "median step time" in md
+    # issue 53's third call: its figures in the phase lines, every call's cap sum printed
+    assert "packed/padded" in md and "(bitwise)" in md and "step time deterministic / not" in md
+    assert "model on cpu (" in md and "merged vs trained max |dlogit|" in md
+    assert "--only packing_bf16,resume,nf4_use,memprobe_grouped: 538 s <= 540 s" in proc.stdout
 
 
 # ================================================================================================== GPU
