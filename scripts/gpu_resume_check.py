@@ -110,6 +110,9 @@ def child(device: str, deterministic: bool, work: Path) -> dict[str, Any]:
         "device": device,
         "statuses": {n: r["status"] for n, r in res.items()},
         "cut_reason": str(res["cut"].get("reason") or "")[:120],
+        "reasons": {
+            n: str(r.get("reason"))[:300] for n, r in res.items() if r["status"] != "ok" and n != "cut"
+        },
         "resumed_next_step": resumed_from.get("next_step"),
         "meta_deterministic": (res["whole_a"].get("meta") or {}).get("deterministic"),
         "step_time_s": {n: (res[n].get("metrics") or {}).get("step_time_s") for n in ("whole_a", "whole_b")},
@@ -131,10 +134,8 @@ def child(device: str, deterministic: bool, work: Path) -> dict[str, Any]:
 def judge(rep: dict[str, Any]) -> tuple[bool, str]:
     """PASS/FAIL of one setting: the runs went as planned; bitwise where promised (see the docstring)."""
     if not rep.get("as_planned"):
-        return (
-            False,
-            f"runs not as planned: {rep.get('statuses')}, resumed from {rep.get('resumed_next_step')}",
-        )
+        why = f"runs not as planned: {rep.get('statuses')}, resumed from {rep.get('resumed_next_step')}"
+        return False, why + "".join(f"; {n}: {r}" for n, r in (rep.get("reasons") or {}).items())
     promised = rep["device"] == "cpu" or rep["deterministic"]
     bitwise = rep["spread"]["bitwise"] and rep["resume"]["bitwise"] and rep["losses_equal"]
     what = (f"spread max |d| {rep['spread']['max_abs']:.3g}, resumed vs uninterrupted max |d| "

@@ -1019,11 +1019,11 @@ def summarise_use(rows: list[dict[str, Any]]) -> str:
 
 def summarise_packing(rows: list[dict[str, Any]]) -> str:
     """gpu_batch_check.py --dtype bf16's throughput line: tokens/s packed vs padded, the kernels' names."""
-    r = next((x for x in rows if x["check"] == "bf16 packing tokens/s against padding"), None)
+    r = next((x for x in rows if x["check"] == "packing tokens/s against padding"), None)
     if r is None:
         return ""
     tps = r["tokens_per_s"]
-    text = (f"{r['real_tokens']:,} real tokens: packed {tps['packed']:,.0f} tokens/s, length-grouped padded "
+    text = (f"{r['real_tokens']:,} real tokens ({r.get('dtype', '?')}): packed {tps['packed']:,.0f} tokens/s, length-grouped padded "
             f"{tps['padded']:,.0f} ({100 * r['padding_share']:.0f} % padding), packed/padded "
             f"{r['packed_over_padded']:.2f}")  # fmt: skip
     for mode in ("packed", "padded"):

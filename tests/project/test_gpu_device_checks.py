@@ -102,6 +102,9 @@ def test_resume_judge_holds_bitwise_only_where_promised(resume):
         resume.judge(_rep(device="cpu", det=False, resumed=1e-7, bitwise=False))[0] is False
     )  # CPU: bitwise
     assert resume.judge(_rep(planned=False))[0] is False
+    why = "RuntimeError: scatter_add_cuda_kernel does not have a deterministic implementation"
+    ok, text = resume.judge({**_rep(planned=False), "reasons": {"whole_a": why}})
+    assert ok is False and text.endswith(f"; whole_a: {why}")  # the run's own reason, for the device log
 
 
 def test_adapter_diff_sees_one_ulp(resume, tmp_path):
@@ -237,8 +240,9 @@ USE_ROWS = [
                            "argmax_agreement": 0.963}},
 ]  # fmt: skip
 PACKING_ROW = {
-    "check": "bf16 packing tokens/s against padding",
+    "check": "packing tokens/s against padding",
     "real_tokens": 15000,
+    "dtype": "bf16",
     "padding_share": 0.31,
     "tokens_per_s": {"packed": 52000.0, "padded": 40000.0},
     "packed_over_padded": 1.3,
@@ -255,7 +259,10 @@ def test_summary_lines_carry_the_figures(smoke):
     assert text == ("model on cuda:0 (56 4-bit layers); generate exit 0; merged vs trained max |dlogit| 2.419, "
                     "mean 0.1695, same argmax 96.3 %")  # fmt: skip
     text = smoke.summarise_packing([PACKING_ROW])
-    assert "packed 52,000 tokens/s, length-grouped padded 40,000 (31 % padding), packed/padded 1.30" in text
+    assert (
+        "15,000 real tokens (bf16): packed 52,000 tokens/s, length-grouped padded 40,000 (31 % padding), packed/padded 1.30"
+        in text
+    )
     assert "packed attention kernels: pytorch_flash::flash_fwd_kernel x96" in text
     assert "padded attention kernels: none matched" in text
     assert smoke.summarise_packing([]) == ""
