@@ -15,7 +15,7 @@ state matters, :data:`STEPS` optimizer steps, a checkpoint every :data:`STOP_AT`
    checkpoint after step :data:`STOP_AT` is complete), then resumed with ``train.resume=auto`` to the end.
 
 It prints one JSON line per setting (``RESUME {...}``: max |Δ| of the adapters whole_b vs whole_a and
-resumed vs whole_a, bitwise or not, the per-step losses equal or not, ``meta.deterministic``, the median
+resumed vs whole_a, bitwise or not, the per-step losses equal or not, ``meta.deterministic``, the mean
 step times) and the cost of determinism: ``metrics.step_time_s`` deterministic / not, paired by run
 (whole_a with whole_a, whole_b with whole_b; the two processes run one after the other).
 
@@ -153,7 +153,7 @@ def step_time_ratio(reps: dict[bool, dict[str, Any]]) -> dict[str, Any]:
         pairs[run] = on / off if on and off else None
     got = [r for r in pairs.values() if r]
     return {"pairs": pairs, "mean": sum(got) / len(got) if got else None,
-            "definition": "metrics.step_time_s (median timed step) with train.deterministic=true / false, "
+            "definition": "metrics.step_time_s (mean wall time of a timed step) with train.deterministic=true / false, "
             "the same run's repeat paired; two processes one after the other"}  # fmt: skip
 
 

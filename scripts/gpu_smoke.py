@@ -174,7 +174,7 @@ REPORT_S = 5.0
 SNAPSHOT_MARGIN = 1.25
 #: Phases run only when named in --only: with 2026-12-04's measured costs the issue's whole list is ~850 s, so
 #: the default plan (one call, <= 540 s) is the verification and the compute-adapter boundary, and a second
-#: call (`--only memprobe_fp32,snapshot,step_time`) takes these.
+#: and a third call (:data:`CALLS`) take these.
 OPT_IN = ("memprobe_fp32", "memprobe_grouped", "packing_bf16", "resume", "nf4_use", "snapshot", "step_time")
 #: gpu_batch_check.py's verdict on a cold H200 (2026-12-04): one interpreter that imports the stack, builds
 #: the embedded tiny model a few times and steps it; the unit of the two checks below (no GPU ran them yet).
