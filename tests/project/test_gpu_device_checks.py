@@ -296,3 +296,17 @@ def test_a_check_whose_exit_was_cut_after_its_verdict_keeps_it(smoke):
     assert status == "PASS" and detail.endswith("(its exit cut at the cap)")
     assert smoke._verdict_of("verdict: FAIL (x)\n", -2, True)[0] == "FAIL"
     assert smoke._verdict_of("partial\n", -2, True)[0] == "not run"
+
+
+def test_the_dry_runs_budget_grows_with_the_cpu_load(smoke, monkeypatch, capsys):
+    """At load 13-19 on 2 cores the dry run's scaled caps cut checks that pass at a lower load; its budget
+    (not the GPU's) is multiplied by the load over 2 per core, at least 1."""
+    monkeypatch.setattr(smoke.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(smoke.os, "getloadavg", lambda: (2.0, 0.0, 0.0))
+    assert smoke.dry_load_factor() == 1.0
+    monkeypatch.setattr(smoke.os, "getloadavg", lambda: (16.0, 0.0, 0.0))
+    assert smoke.dry_load_factor() == 4.0 and "the budget x 4.00" in capsys.readouterr().out
+    rc = smoke.main(["--plan", "--dry-run"])
+    assert rc == 0 and f"budget {4 * smoke.DRY_BUDGET_S:.0f} s" in capsys.readouterr().out
+    rc = smoke.main(["--plan"])  # the GPU's budget never scales
+    assert rc == 0 and "budget 540 s" in capsys.readouterr().out
