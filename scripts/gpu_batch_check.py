@@ -17,8 +17,10 @@ fp32 (lr 0, eval mode: the compared steps see the same function):
 ``--dtype bf16`` (issue 53; the smoke's opt-in "packing_bf16" phase): the same packed step in bf16 against
 the unpacked one within :data:`TOL_BF16` (bf16 rounds differently over other shapes), the packed step with
 attention in head groups (``tiling.attention_heads=2``) against the packed one within the same tolerance
-(measured equal on CPU), and on CUDA the attention kernels the packed step launched (``torch.profiler``
-kernel names: which SDPA backend the segments got).
+(measured equal on CPU); then, recorded and not judged, tokens/s of packed rows against length-grouped
+padded batches of the same short examples (equal real tokens, paired repeats: :func:`packing_throughput`)
+and on CUDA the attention kernels of each (``torch.profiler`` kernel names and launches: which SDPA backend
+the segments get).
 
 Prints one JSON line per check and ``verdict: PASS|FAIL``; exit 0 only when every check passed.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -89,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--no-throughput", action="store_true", help="bf16: the exactness checks only")
     args = ap.parse_args(argv)
     if args.dtype == "bf16":
-        return main_bf16(args.device)
+        return main_bf16(args.device, throughput=not args.no_throughput)
     t0 = time.perf_counter()
     import torch
 
@@ -125,18 +129,124 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def _attention_kernels(fn) -> list[str]:
-    """CUDA kernel names of ``fn()`` that look like attention (SDPA's flash / memory-efficient / math)."""
+#: Kernel-name fragments of SDPA's backends (flash, memory-efficient/cutlass fmha, cuDNN) and the math path.
+ATTENTION_KEYS = ("flash", "fmha", "attention", "efficient", "cudnn", "softmax", "bmm")
+
+
+def _attention_kernels(fn) -> dict[str, int]:
+    """CUDA kernels of ``fn()`` that look like attention (SDPA's flash / memory-efficient / cuDNN / math):
+    name -> launches (one per segment per layer per pass for packed rows)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
-    names = {e.name for e in prof.events() if e.device_type.name == "CUDA"}
-    keys = ("flash", "fmha", "attention", "efficient", "softmax", "bmm")
-    return sorted(n[:120] for n in names if any(k in n.lower() for k in keys))
+    counts: dict[str, int] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and any(k in e.name.lower() for k in ATTENTION_KEYS):
+            counts[e.name[:120]] = counts.get(e.name[:120], 0) + 1
+    return dict(sorted(counts.items()))
 
 
-def main_bf16(device_name: str) -> int:
+#: Throughput of packing against padding, per device: (examples, (shortest, longest) length, packed row
+#: width, padded micro-batch size, timed repeats, warm-up steps). Short chats, like the ones packing is for.
+#: CPU: the dry run's code path only (bf16 on 2 shared cores: no figure to keep).
+THROUGHPUT = {"cuda": (48, (40, 600), 2048, 4, 3, 1), "cpu": (6, (16, 48), 96, 3, 1, 0)}
+
+
+def throughput_batches(device_name: str) -> tuple[list[dict], list[dict]]:
+    """The same examples as packed rows (one row a micro-batch) and as length-grouped padded micro-batches
+    (sorted by length, :data:`THROUGHPUT`'s batch size, each padded to its longest): equal real tokens."""
+    import torch
+
+    from vramsweep.data.examples import IGNORE_INDEX, Example
+    from vramsweep.data.packing import pack_examples
+    from vramsweep.data.prep import collate_batch
+
+    n, (lo, hi), width, batch = THROUGHPUT[device_name][:4]
+    g = torch.Generator().manual_seed(11)
+    ex = []
+    for i in range(n):
+        k = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        ids = torch.randint(3, 3000, (k,), generator=g).tolist()
+        half = k // 2
+        ex.append(Example(ids, [IGNORE_INDEX] * half + ids[half:], doc_id=f"t{i}", target_section=1,
+                          n_context_tokens=half))  # fmt: skip
+    packed = [collate_batch([row], 0, width) for row in pack_examples(ex, width, seed=0)]
+    ordered = sorted(ex, key=lambda e: -len(e.input_ids))
+    padded = [collate_batch(ordered[i : i + batch], 0) for i in range(0, n, batch)]
+    return packed, padded
+
+
+def _trainer(base: list[str], batches: list, device, packing: bool):
+    """A built model and ``run()``: one optimizer step (lr 0) over ``batches``, synchronised at both ends."""
+    import torch
+
+    from vramsweep.config import compose
+    from vramsweep.knobs import build_model
+    from vramsweep.knobs.registry import loss_fn
+    from vramsweep.loop import Loop, fit
+
+    cfg = compose([*base, f"data.packing={str(packing).lower()}"])
+    torch.manual_seed(0)
+    model = build_model(cfg).model.to(device).eval()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    loss = loss_fn(cfg, model)
+
+    def run() -> float:
+        loop = Loop(model=model, optimizer=opt, scheduler=sched, batches=batches, loss_fn=loss, device=device,
+                    steps=1, grad_accum=len(batches), params=params)  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fit(loop, [])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    return run
+
+
+def packing_throughput(base: list[str], device) -> dict:
+    """Tokens/s of packed rows against length-grouped padded batches of the same examples, paired: a warm-up
+    step each, then the two alternate; the median of each. On CUDA also the attention kernels (name ->
+    launches) of one packed step and of one padded step."""
+    packed, padded = throughput_batches(device.type)
+    real = [sum(b["n_tokens"] for b in bs) for bs in (packed, padded)]
+    assert real[0] == real[1], real  # the same examples: the same real tokens
+    slots = sum(int(b["attention_mask"].numel()) for b in padded)
+    runs = {"packed": _trainer(base, packed, device, True), "padded": _trainer(base, padded, device, False)}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    _, _, _, _, repeats, warm = THROUGHPUT[device.type]
+    for fn in [*runs.values()] * warm:
+        fn()  # warm-up: kernels chosen, caches filled
+    for _ in range(repeats):
+        for k, fn in runs.items():
+            times[k].append(fn())
+    med = {k: statistics.median(v) for k, v in times.items()}
+    dtype = [o for o in base if o.startswith("train.dtype=")][-1].split("=")[1]
+    out = {
+        "check": "packing tokens/s against padding",
+        "device": device.type,
+        "dtype": dtype,
+        "real_tokens": real[0],
+        "packed_rows": len(packed),
+        "padded_batches": len(padded),
+        "padding_share": 1 - real[1] / slots,
+        "tokens_per_s": {k: real[0] / v for k, v in med.items()},
+        "packed_over_padded": med["padded"] / med["packed"],
+        "step_s": times,
+        "definition": "real (non-pad) tokens / wall seconds of one optimizer step (lr 0) over all the "
+        f"examples, median of the paired, alternating repeats after a warm-up each; embedded tiny model, {dtype}",
+    }
+    if device.type == "cuda":
+        out["kernels_packed"] = _attention_kernels(runs["packed"])
+        out["kernels_padded"] = _attention_kernels(runs["padded"])
+    return out
+
+
+def main_bf16(device_name: str, *, throughput: bool = True) -> int:
     """Packing in bf16: packed == unpacked and grouped == ungrouped within TOL_BF16; kernel names on CUDA."""
     t0 = time.perf_counter()
     import torch
@@ -162,11 +272,10 @@ def main_bf16(device_name: str) -> int:
         ok &= passed
         print(json.dumps({"check": name, "device": device_name, "grad_rel": grad_rel, "loss_rel": loss_rel,
                           "tol": TOL_BF16, "pass": passed}))  # fmt: skip
-    if device_name == "cuda":
-        kernels = _attention_kernels(lambda: _step(base, rows, 1, device, packing=True))
-        print(
-            json.dumps({"check": "bf16 packed attention kernels", "device": device_name, "kernels": kernels})
-        )
+    if throughput:  # recorded, not judged: a measurement; CPU (the dry run): the code path in fp32 (bf16 is
+        # emulated on most CPUs: the dry run's cap would not hold it on 2 shared cores)
+        tbase = base if device_name == "cuda" else [*base, "train.dtype=fp32"]
+        print(json.dumps(packing_throughput(tbase, device)))
     print(f"verdict: {'PASS' if ok else 'FAIL'} ({len(checks)} bf16 checks on {device_name}, "
           f"{time.perf_counter() - t0:.1f} s)")  # fmt: skip
     return 0 if ok else 1

@@ -174,8 +174,28 @@ REPORT_S = 5.0
 SNAPSHOT_MARGIN = 1.25
 #: Phases run only when named in --only: with 2026-12-04's measured costs the issue's whole list is ~850 s, so
 #: the default plan (one call, <= 540 s) is the verification and the compute-adapter boundary, and a second
-#: call (`--only memprobe_fp32,snapshot,step_time`) takes these.
-OPT_IN = ("memprobe_fp32", "memprobe_grouped", "packing_bf16", "snapshot", "step_time")
+#: and a third call (:data:`CALLS`) take these.
+OPT_IN = ("memprobe_fp32", "memprobe_grouped", "packing_bf16", "resume", "nf4_use", "snapshot", "step_time")
+#: gpu_batch_check.py's verdict on a cold H200 (2026-12-04): one interpreter that imports the stack, builds
+#: the embedded tiny model a few times and steps it; the unit of the two checks below (no GPU ran them yet).
+TINY_PROCESS_S = 23.8
+#: A cap's run time is 70 % of it below 90 s (the signal grace: :func:`grace_plan`): cap = work x 1.3 / 0.7.
+SHORT_CAP_FACTOR = 1.3 / 0.7
+#: scripts/gpu_resume_check.py: two interpreters (train.deterministic false, true), each with 4 tiny NF4
+#: runs of 6 steps; each counted as one such process (not yet measured on a GPU).
+RESUME_S = round(2 * TINY_PROCESS_S * SHORT_CAP_FACTOR)
+#: gpu_batch_check.py --dtype bf16: batching's process + the throughput pass (2 more tiny builds, 2 warm-up, 6
+#: timed and 2 profiled steps of ~12 micro-batches: 5 s, an estimate, not measured on a GPU).
+PACKING_BF16_S = round((TINY_PROCESS_S + 5.0) * SHORT_CAP_FACTOR)
+#: scripts/gpu_use_check.py: one interpreter: a tiny NF4 run, generate, export --merge (batching's cap).
+NF4_USE_S = BATCH_S
+#: The loan's calls (issue 37.9, 53): each a plan of at most DEFAULT_BUDGET_S (``--plan`` and ``--dry-run``
+#: print their cap sums): the default one, then ``--only`` these.
+CALLS = (
+    None,
+    ("memprobe_fp32", "snapshot", "step_time"),
+    ("packing_bf16", "resume", "nf4_use", "memprobe_grouped"),
+)
 
 
 def step_s(tokens: int) -> float:
@@ -231,12 +251,18 @@ def plan(
               "(21.7 s on a warm H200, > 27 s cold)"),
         Phase("batching", BATCH_S, "scripts/gpu_batch_check.py: token-weighted accumulation + packing == one batch "
               "(23.8 s to its verdict on a cold H200)"),
-        Phase("packing_bf16", BATCH_S, "scripts/gpu_batch_check.py --dtype bf16: packed == unpacked and 2 head "
-              "groups == one call in bf16 (tolerance 2e-2), the packed step's attention kernel names (batching's cap)"),
+        Phase("packing_bf16", PACKING_BF16_S, "scripts/gpu_batch_check.py --dtype bf16: packed == unpacked and 2 "
+              "head groups == one call in bf16 (tolerance 2e-2); tokens/s packed vs length-grouped padded batches "
+              f"(equal real tokens, paired) and each one's attention kernels ({TINY_PROCESS_S} s + 5 s est. x 1.3, + grace)"),
+        Phase("resume", RESUME_S, "scripts/gpu_resume_check.py: a production run (tiny NF4, paged 8-bit AdamW) "
+              "stopped after 3 of 6 steps and resumed, with and without train.deterministic: adapters bitwise where "
+              f"promised, the run-to-run spread, the step-time ratio (2 interpreters x {TINY_PROCESS_S} s x 1.3, + grace)"),
+        Phase("nf4_use", NF4_USE_S, "scripts/gpu_use_check.py: generate / export --merge of a tiny NF4 run: the model "
+              "on cuda:0, the prompt put there, merged vs trained logits as export reports them (batching's cap)"),
         Phase("memprobe", compute, f"Qwen3-8B, 15 GiB cap, compute adapters at {_lengths(compute_tokens)} in that order, "
               f"none past an OOM or below a fit; {slot}"),
         Phase("memprobe_fp32", fp32, f"the same, fp32 adapters at {_lengths(fp32_tokens)}"),
-        Phase("memprobe_grouped", probe_cap_s(grouped_tokens), "the same + paged 8-bit AdamW + attention in 4 head "
+        Phase("memprobe_grouped", probe_cap_s(grouped_tokens), "memprobe's stack + paged 8-bit AdamW + attention in 4 head "
               f"groups, compute adapters at {_lengths(grouped_tokens)}, ascending, stopping at the first OOM"),
         Phase("trial", trial_cost_s(max(compute_tokens), TRIAL_STEPS), f"a real trial ({TRIAL_STEPS} steps) at the "
               f"longest length that fitted (sized at {max(compute_tokens):,}; also takes the plan's slack)"),
@@ -262,6 +288,20 @@ def render_plan(phases: list[Phase], budget_s: float) -> str:
         t += p.cap_s
     ok = t <= budget_s + 1e-6
     lines.append(f"  total {t:.0f} s {'<=' if ok else '>'} {budget_s:.0f} s" + ("" if ok else "!"))
+    return "\n".join(lines)
+
+
+def render_calls(**tokens: tuple[int, ...]) -> str:
+    """The loan's calls (:data:`CALLS`) at the GPU's caps: each one's cap sum against the 540 s budget."""
+    lines = [f"gpu_smoke: the loan's calls on a GPU (caps unscaled; each <= {DEFAULT_BUDGET_S:.0f} s):"]
+    for only in CALLS:
+        names = (*only, "env", "report") if only else None
+        total = sum(p.cap_s for p in plan(only=names, **tokens))
+        cmd = "bash scripts/gpu_smoke.sh" + (f" --only {','.join(only)}" if only else "")
+        ok = total <= DEFAULT_BUDGET_S + 1e-6
+        lines.append(
+            f"  {cmd}: {total:.0f} s {'<=' if ok else '>'} {DEFAULT_BUDGET_S:.0f} s" + ("" if ok else "!")
+        )
     return "\n".join(lines)
 
 
@@ -894,6 +934,8 @@ def _verdict_of(text: str, rc: int, timed_out: bool) -> tuple[str, str]:
         return NOT_RUN, "cut at its cap (smoke.log)"
     if line is None:
         return "FAIL", f"no verdict (exit {rc}; smoke.log)"
+    if timed_out and line.startswith("verdict: PASS"):  # its work done, the interpreter's exit cut at the cap
+        return "PASS", line + " (its exit cut at the cap)"
     return ("PASS" if line.startswith("verdict: PASS") and rc == 0 else "FAIL"), line
 
 
@@ -931,10 +973,79 @@ def phase_fork(sm: Smoke) -> None:
     sm.record("fork", "PASS" if forked else "FAIL", detail)
 
 
+def _json_rows(text: str) -> list[dict[str, Any]]:
+    rows = []
+    for line in text.splitlines():
+        if line.startswith('{"check"'):
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    return rows
+
+
+def _ratio(x: Any) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def summarise_resume(rows: list[dict[str, Any]]) -> str:
+    """gpu_resume_check.py's figures: per setting its judgement, and the cost of determinism."""
+    parts = [f"{r['check']}: {r.get('why')}" for r in rows if r["check"].startswith("resume ")]
+    cost = next((r for r in rows if r["check"] == "cost of train.deterministic"), None)
+    if cost:
+        pairs = ", ".join(_ratio(v) for v in cost["pairs"].values())
+        parts.append(f"step time deterministic / not {_ratio(cost['mean'])} (pairs {pairs})")
+    return "; ".join(parts)
+
+
+def summarise_use(rows: list[dict[str, Any]]) -> str:
+    """gpu_use_check.py's figures: where the model is and the merge check."""
+    parts = []
+    for r in rows:
+        if "placement" in r["check"]:
+            parts.append(f"model on {r['device']} ({r['linear4bit']} 4-bit layers)")
+        elif r["check"].startswith("vramsweep generate"):
+            parts.append(f"generate exit {r['exit']}")
+        elif r.get("merged_vs_trained"):
+            m = r["merged_vs_trained"]
+            parts.append(
+                f"merged vs trained max |dlogit| {m['max_abs_logit_diff']:.3f}, mean {m['mean_abs_logit_diff']:.4f}, "
+                f"same argmax {100 * m['argmax_agreement']:.1f} %"
+                if m.get("measured")
+                else "merge check not measured"
+            )
+    return "; ".join(parts)
+
+
+def summarise_packing(rows: list[dict[str, Any]]) -> str:
+    """gpu_batch_check.py --dtype bf16's throughput line: tokens/s packed vs padded, the kernels' names."""
+    r = next((x for x in rows if x["check"] == "packing tokens/s against padding"), None)
+    if r is None:
+        return ""
+    tps = r["tokens_per_s"]
+    text = (f"{r['real_tokens']:,} real tokens ({r.get('dtype', '?')}): packed {tps['packed']:,.0f} tokens/s, length-grouped padded "
+            f"{tps['padded']:,.0f} ({100 * r['padding_share']:.0f} % padding), packed/padded "
+            f"{r['packed_over_padded']:.2f}")  # fmt: skip
+    for mode in ("packed", "padded"):
+        kernels = r.get(f"kernels_{mode}")
+        if kernels is not None:
+            names = ", ".join(
+                f"{name} x{n}" for name, n in sorted(kernels.items(), key=lambda kv: -kv[1])[:3]
+            )
+            text += f"; {mode} attention kernels: {names or 'none matched'}"
+    return text
+
+
+#: Phases whose check prints figures worth a place in the summary line (besides smoke.log).
+SUMMARIES = {"resume": summarise_resume, "nf4_use": summarise_use, "packing_bf16": summarise_packing}
+
+
 def phase_check(sm: Smoke, phase: str, script: str, extra: list[str]) -> None:
     cmd = [sm.python, str(ROOT / "scripts" / script), "--device", "cpu" if sm.dry else "cuda", *extra]
     rc, to, text = sm.run(phase, cmd, sm.cap(phase))
-    sm.record(phase, *_verdict_of(text, rc, to))
+    status, detail = _verdict_of(text, rc, to)
+    figures = SUMMARIES[phase](_json_rows(text)) if phase in SUMMARIES else ""
+    sm.record(phase, status, detail + (f"; {figures}" if figures else ""))
 
 
 def probe_point(sm: Smoke, phase: str, tokens: int, dtype: str, steps: int, cap_s: float) -> dict[str, Any]:
@@ -1054,8 +1165,8 @@ def phase_step_time(sm: Smoke) -> None:
         )
 
 
-ALL_PHASES = ("bundle", "env", "fork", "exact", "batching", "packing_bf16", "memprobe", "memprobe_fp32",
-              "memprobe_grouped", "trial", "snapshot", "step_time", "report")  # fmt: skip
+ALL_PHASES = ("bundle", "env", "fork", "exact", "batching", "packing_bf16", "resume", "nf4_use", "memprobe",
+              "memprobe_fp32", "memprobe_grouped", "trial", "snapshot", "step_time", "report")  # fmt: skip
 
 
 def _tokens(text: str | None) -> tuple[int, ...]:
@@ -1084,7 +1195,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(probe_environment() if args.probe_env else probe_fork()))
         return 0
     if args.budget_s is None:
-        args.budget_s = DRY_BUDGET_S if args.dry_run else DEFAULT_BUDGET_S
+        args.budget_s = DRY_BUDGET_S * dry_load_factor() if args.dry_run else DEFAULT_BUDGET_S
     tokens = {
         "compute_tokens": _tokens(args.probe_tokens) or PROBE_COMPUTE_TOKENS,
         "fp32_tokens": _tokens(args.fp32_tokens) or PROBE_FP32_TOKENS,
@@ -1108,6 +1219,7 @@ def main(argv: list[str] | None = None) -> int:
         scale = args.budget_s / sum(p.cap_s for p in plan(only=only, **tokens))
     phases = {ph.name: ph for ph in plan(scale=scale, only=only, **tokens)}
     print(render_plan(list(phases.values()), args.budget_s), flush=True)
+    print(render_calls(**tokens), flush=True)
     if args.plan:
         return 0
     when = datetime.now(UTC)
@@ -1134,6 +1246,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     run("batching", phase_check, "batching", "gpu_batch_check.py", [])
     run("packing_bf16", phase_check, "packing_bf16", "gpu_batch_check.py", ["--dtype", "bf16"])
+    run("resume", phase_check, "resume", "gpu_resume_check.py", ["--work", str(work / "resume")])
+    run("nf4_use", phase_check, "nf4_use", "gpu_use_check.py", ["--work", str(work / "nf4_use")])
     run("memprobe", phase_memprobe, "memprobe", tokens["compute_tokens"], "compute")
     run("memprobe_fp32", phase_memprobe, "memprobe_fp32", tokens["fp32_tokens"], "fp32")
     run("memprobe_grouped", phase_memprobe, "memprobe_grouped", PROBE_GROUPED_TOKENS, "compute")
@@ -1148,8 +1262,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r["status"] != "FAIL" for r in sm.results) else 1
 
 
-#: The dry run's budget: the same plan x 1800 / 540 (2 CPU cores shared with other jobs).
-DRY_BUDGET_S = 1800.0
+#: The dry run's budget: every phase's GPU cap x 1.71 (1,800 s over the 1,262 s of phases before issue 53's
+#: resume and nf4_use: the older phases keep their CPU caps), x :func:`dry_load_factor` on a busy CPU.
+DRY_BUDGET_S = 2400.0
+#: The CPU load the dry run's budget is sized for: 2 runnable processes per core. 2026-12-06, load 13-19 on 2
+#: cores: the fork, packing_bf16 and resume checks were cut at their scaled caps (the GPU's caps are the
+#: plan's sums, unscaled; the dry run checks the code paths).
+DRY_LOAD_PER_CORE = 2.0
+
+
+def dry_load_factor() -> float:
+    """How much more time the dry run gets on a busier CPU: the 1-minute load average over
+    :data:`DRY_LOAD_PER_CORE` x the cores, at least 1 (printed with the plan)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return 1.0
+    factor = max(1.0, load / (DRY_LOAD_PER_CORE * (os.cpu_count() or 1)))
+    if factor > 1.0:
+        print(f"gpu_smoke: --dry-run: load {load:.1f} on {os.cpu_count()} cores: the budget x {factor:.2f}")
+    return factor
+
+
 #: What the device run writes (at most MAX_FILES files).
 RESULT_FILES = ("summary.md", "summary.csv", "trials.jsonl", "phases.json", "smoke.log", "snapshot.md")
 
@@ -1162,7 +1296,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work", help="working folder (default: results/.gpu_smoke_work/<stamp>)")
     p.add_argument("--budget-s", type=float, default=None,
                    help=f"wall-clock budget of the whole smoke (default {DEFAULT_BUDGET_S:.0f} s; "
-                   f"{DRY_BUDGET_S:.0f} s for --dry-run on busy CPUs); every phase cap scales with it")  # fmt: skip
+                   f"{DRY_BUDGET_S:.0f} s x the CPU load factor for --dry-run); every phase cap scales with it")  # fmt: skip
     p.add_argument("--only", help="comma-separated phases to run (the rest: not run), e.g. memprobe,snapshot")
     p.add_argument(
         "--probe-tokens", help="compute-adapter probe lengths, in the order probed (e.g. 65536,81920,49152)"
