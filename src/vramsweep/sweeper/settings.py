@@ -342,16 +342,16 @@ _KIND_CHECKS: dict[str, Callable[[str, Any, Rule], None]] = {
 }
 
 
+#: keys of the ``hydra.sweeper`` node that are Hydra's, not settings
+NOT_SETTINGS = ("_target_", "_recursive_", "_convert_", "_partial_", "defaults")
+
+
 def check_conf(sweeper: dict[str, Any]) -> None:
     """Every ``hydra.sweeper.*`` key given, against the :class:`Rule` its :class:`SweeperConf` field carries
     (type and range first, then each rule's ``check``), plus the one rule that ties two keys: before the
     sweep is planned, any folder made or any trial run."""
 
-    given = {
-        k: v
-        for k, v in sweeper.items()
-        if k not in ("_target_", "_recursive_", "_convert_", "_partial_", "defaults")
-    }
+    given = {k: v for k, v in sweeper.items() if k not in NOT_SETTINGS}
     for k, v in given.items():
         check_setting(k, v)
     for k, rule in SETTING_RULES.items():
@@ -747,7 +747,7 @@ def sweeper_conf(sweeper: dict[str, Any]) -> SweeperConf:
     conf = SweeperConf()
     known = set(SweeperConf.__dataclass_fields__)
     for k, v in sweeper.items():
-        if k in ("_target_", "_recursive_", "_convert_", "_partial_"):
+        if k in NOT_SETTINGS:
             continue
         if k not in known:
             raise ConfigError(
