@@ -16,20 +16,30 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import ConfigError, compose
-from vramsweep.config.urls import mask_url
+from vramsweep.config.paths import NAME_MAX
+from vramsweep.config.urls import mask_url, normalise_storage_url
 from vramsweep.production.fingerprint import data_fingerprints
 from vramsweep.record.metrics import PRUNABLE_METRICS
+from vramsweep.record.result import is_quality_metric
 from vramsweep.sweeper.design import DesignPoint, build_design, design_choices
 from vramsweep.sweeper.gpus import Layout, Profile, plan_layout
 from vramsweep.sweeper.multirun import check_option_names, translate_args
 from vramsweep.sweeper.samplers import make_pruner, make_sampler
 from vramsweep.sweeper.settings import (
+    DESIGNS,
+    PRUNERS,
+    QUALITY_REPEATS,
+    SAMPLERS,
     SWEEP_KEYS,
     Objective,
     SweepConfig,
     SweeperConf,
+    _check_choice,
+    _check_spec,
+    _param_str,
     _spec_name,
-    resolve_settings,
+    parse_objectives,
+    sweeper_conf,
 )
 from vramsweep.sweeper.space import (
     Param,
@@ -286,6 +296,205 @@ def total_trials(plan: Plan, design: list[DesignPoint] | None, dims: list[Param]
     if plan.n_trials is not None:
         return int(plan.n_trials)
     return int(min(DEFAULT_SEARCH_TRIALS, space_size(dims)))
+
+
+def default_repeats(design: str, objectives: list[Objective]) -> int:
+    """``sweep.repeats`` when the sweep file leaves it out: :data:`QUALITY_REPEATS` seeds per point for an
+    ablation/stacking design with a quality objective (eval loss moves by run-to-run noise as much as by
+    many knobs: one seed cannot tell them apart), else 1 (memory is deterministic; speed repeats cost
+    as much as they help on a shared machine, so a sweep asks for them explicitly)."""
+
+    quality = any(is_quality_metric(o.metric) for o in objectives)
+    return QUALITY_REPEATS if design in ("ablation", "stacking") and quality else 1
+
+
+def _all_discrete(params: dict[str, str]) -> bool:
+    """Whether every entry is a comma list / ``choice`` / ``range`` (a grid can enumerate it)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for key, text in params.items():
+        try:
+            ov = parser.parse_overrides([f"{key}={text}"])[0]
+        except Exception:
+            return True  # parse errors are reported (naming the entry) when the space is parsed
+        if ov.is_interval_sweep():
+            return False
+    return True
+
+
+def edge_start_setting(sweep: SweepConfig, design: str, budget_gib: float) -> bool:
+    """``sweep.edge_start`` resolved: ``null`` (default) is on for a search with ``sweep.preflight`` and a
+    budget; ``true`` needs a search and a budget (else a ConfigError); ``false`` is off."""
+    if sweep.edge_start is None:
+        return design == "search" and sweep.preflight and budget_gib > 0
+    if sweep.edge_start and (design != "search" or budget_gib <= 0):
+        raise ConfigError(
+            f"sweep.edge_start=true needs a search design and a memory budget (this sweep: design {design}, "
+            f"hardware.budget_gib={budget_gib:g})",
+            key="sweep.edge_start",
+            allowed=["false", "null", "true with sweep.design=search and hardware.budget_gib > 0"],
+        )
+    return bool(sweep.edge_start)
+
+
+def _sampler_spec(conf: SweeperConf) -> Any:
+    """``hydra.sweeper.sampler`` checked; hydra-optuna-sweeper's GridSampler config means our grid."""
+
+    sampler = None if conf.sampler is None else _check_spec(conf.sampler, SAMPLERS, "hydra.sweeper.sampler")
+    if isinstance(sampler, dict) and str(sampler.get("_target_", "")).endswith("GridSampler"):
+        if sampler.get("search_space"):
+            raise ConfigError(
+                "hydra.sweeper.sampler: GridSampler takes its grid from the search space "
+                "(hydra.sweeper.params or the command line's lists), not from search_space",
+                key="hydra.sweeper.sampler",
+            )
+        sampler = "grid"  # hydra-optuna-sweeper's GridSampler config: the grid is our search space
+    return sampler
+
+
+def _choose_design(
+    sweep: SweepConfig, conf: SweeperConf, sampler: Any, cli_params: dict[str, str], sweep_file: str
+) -> tuple[str, str, Any]:
+    """``(design, why, sampler)``: a sweep file's ``sweep.design`` wins; else ``hydra.sweeper.sampler``
+    (``grid`` -> grid, any other -> search); else ``hydra.sweeper.params`` -> search; else the command
+    line's lists are a grid, or a search when one of them is an ``interval``."""
+    if sweep.design:
+        design, reason = sweep.design, f"sweep.design in sweep {sweep_file!r}"
+    elif sampler is not None:
+        design = "grid" if sampler == "grid" else "search"
+        reason = f"hydra.sweeper.sampler={_spec_name(sampler)}"
+    elif conf.params:
+        design, reason = (
+            "search",
+            "hydra.sweeper.params" + (f" of sweep {sweep_file!r}" if sweep.name else ""),
+        )
+    elif _all_discrete(cli_params):
+        design, reason = "grid", "command-line lists (every combination once)"
+    else:
+        design, reason = "search", "an interval on the command line can only be searched"
+    _check_choice(design, DESIGNS, "sweep.design")
+    if design == "search" and sampler == "grid":
+        design = "grid"
+    if sampler is None:
+        sampler = "grid" if design == "grid" else "tpe"
+    return design, reason, sampler
+
+
+def _check_design_parts(sweep: SweepConfig, design: str, params: dict[str, str]) -> None:
+    if design == "ablation" and not (sweep.baseline or sweep.factors):
+        raise ConfigError("sweep.design=ablation needs sweep.baseline and sweep.factors", key="sweep.factors")
+    if design == "stacking" and not sweep.stack:
+        raise ConfigError("sweep.design=stacking needs sweep.stack", key="sweep.stack")
+    if design in ("search", "grid") and not params:
+        raise ConfigError(
+            f"sweep.design={design} needs a search space: hydra.sweeper.params or sweep overrides "
+            "on the command line",
+            key="hydra.sweeper.params",
+        )
+
+
+def _storage_url(conf: SweeperConf, sweep_dir: Path) -> str:
+    """The study's storage URL (default: ``sqlite:///<sweep dir>/study.db``), checked and normalised."""
+
+    storage = conf.storage or f"sqlite:///{sweep_dir / 'study.db'}"
+    if storage in ("memory", ":memory:"):
+        raise ConfigError(
+            "hydra.sweeper.storage=memory cannot be shared with trial processes or resumed; use "
+            "sqlite or postgresql",
+            key="hydra.sweeper.storage",
+        )
+    if not re.match(r"^(sqlite|postgresql(\+\w+)?|mysql(\+\w+)?)://", storage):
+        raise ConfigError(
+            f"hydra.sweeper.storage={mask_url(storage)!r} is not a supported URL",
+            key="hydra.sweeper.storage",
+            allowed=["sqlite:///path/study.db", "postgresql://user@host:5432/db", "mysql://..."],
+        )
+    return normalise_storage_url(storage)
+
+
+def _checked_name(name: str) -> str:
+    """``sweep.name``, refused unless it is a plain file name a folder can carry."""
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name) or name in (".", ".."):
+        raise ConfigError(f"sweep.name={name!r} must be a plain file name", key="sweep.name")
+    if len(name.encode()) > NAME_MAX:
+        raise ConfigError(
+            f"sweep.name is {len(name.encode())} bytes long; a folder name holds at most {NAME_MAX}",
+            key="sweep.name",
+            allowed=[f"a plain file name of 1..{NAME_MAX} bytes"],
+        )
+    return name
+
+
+def resolve_settings(
+    sweeper: dict[str, Any],
+    task_cfg: dict[str, Any],
+    *,
+    cli_params: dict[str, str] | None = None,
+    sweep_file: str | None = None,
+    pinned: set[str] | None = None,
+    budget_gib: float | None = None,
+) -> dict[str, Any]:
+    """Merge ``hydra.sweeper.*`` (``sweeper``, a :class:`SweeperConf`) with the task config's ``sweep:``
+    node (a :class:`SweepConfig`): the keyword arguments of a :class:`~vramsweep.sweeper.plan.Plan` (the
+    checked ``conf`` and ``sweep`` and the values derived from them; the space and points come later).
+
+    Args:
+        sweeper: the ``hydra.sweeper`` node as a plain dict (``_target_`` ignored).
+        task_cfg: the composed task config as a plain dict (``sweep``, ``results_dir``, ``hardware``).
+        cli_params: search-space entries from the command line (override ``params``).
+        sweep_file: the selected ``sweep=<name>`` option, if any (a sweep file may ask for a search).
+        pinned: keys the command line fixes: taken out of the search space once the design is chosen.
+        budget_gib: ``hardware.budget_gib`` of the composed base config (``None``: the task config's).
+
+    The design: :func:`_choose_design`.
+    """
+
+    conf = sweeper_conf(sweeper)
+    if conf.custom_search_space:
+        raise ConfigError(
+            f"hydra.sweeper.custom_search_space={conf.custom_search_space!r} is for function mode (a Hydra "
+            "app that returns its objective); vramsweep's trials take their space from hydra.sweeper.params",
+            key="hydra.sweeper.custom_search_space",
+            allowed=["null", "hydra.sweeper.params entries"],
+        )
+    sweep = SweepConfig.from_dict(task_cfg.get("sweep"))
+    named = bool(sweep.name or conf.study_name)
+    # sweep.name=<x> on the command line arrives as study_name (it names the folder and the study)
+    name = _checked_name(str(conf.study_name or sweep.name or "multirun"))
+    design, reason, sampler = _choose_design(
+        sweep, conf, _sampler_spec(conf), dict(cli_params or {}), sweep_file or name
+    )
+    objectives = parse_objectives(
+        conf.objectives if conf.objectives is not None else sweep.objectives, conf.direction
+    )
+    params = {str(k): _param_str(v) for k, v in (conf.params or {}).items()} | dict(cli_params or {})
+    _check_design_parts(sweep, design, params)
+    results_dir = str(task_cfg.get("results_dir") or "results")
+    sweep_dir = Path(os.path.abspath(conf.sweep_dir or Path(results_dir) / "sweeps" / name))
+    task_budget = float((task_cfg.get("hardware") or {}).get("budget_gib") or 0.0)
+    params = {k: v for k, v in params.items() if k not in (pinned or ())}
+    return dict(
+        conf=conf,
+        sweep=sweep,
+        name=name,
+        design=design,
+        objectives=objectives,
+        repeats=sweep.repeats if sweep.repeats is not None else default_repeats(design, objectives),
+        # isolation=inprocess runs one trial at a time
+        n_jobs=1 if conf.isolation == "inprocess" or conf.n_jobs == "auto" else int(conf.n_jobs),
+        storage=_storage_url(conf, sweep_dir),
+        study_name=str(conf.study_name or name),
+        sampler=sampler,
+        pruner=_check_spec(conf.pruner, PRUNERS, "hydra.sweeper.pruner"),
+        params=params,
+        sweep_dir=sweep_dir,
+        results_dir=results_dir,
+        budget_gib=budget_gib if budget_gib is not None else task_budget,
+        named=named,
+        design_reason=reason,
+        edge_start=edge_start_setting(sweep, design, task_budget),
+    )
 
 
 def pinned_plan(
