@@ -328,7 +328,7 @@ def test_a_failed_submission_is_not_a_result_and_a_rerun_runs_it(tmp_path, capsy
         "hydra.sweeper.progress=false",
     ]
     plan = plan_from_args(args)
-    assert Sweep(plan, runner=Runner(True, plan.sweep_dir)).run() == 1
+    assert Sweep(plan, runner=Runner(True, plan.folder)).run() == 1
     out = capsys.readouterr().out
     assert (
         "ABORTED: the launcher could not submit jobs" in out and "Unable to contact slurm controller" in out
@@ -348,7 +348,7 @@ def test_a_failed_submission_is_not_a_result_and_a_rerun_runs_it(tmp_path, capsy
 
     assert finished_study(*compose_sweep(args)) is None  # not "complete": a re-run must run it
     plan = plan_from_args(args)
-    assert Sweep(plan, runner=Runner(False, plan.sweep_dir)).run() == 0
+    assert Sweep(plan, runner=Runner(False, plan.folder)).run() == 0
     assert _ok_points(tmp_path, "down") == ["adapter.r=4", "adapter.r=8"]
     assert finished_study(*compose_sweep(args)) is not None
     # the report: one record per point, the lost jobs a note (it counted "2 ok, 4 error")

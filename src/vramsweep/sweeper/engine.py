@@ -106,7 +106,7 @@ class Sweep:
                     "hydra.sweeper.isolation=launcher needs the Hydra sweeper plugin (vramsweep train -m)",
                     key="hydra.sweeper.isolation",
                 )
-            self.runner = runner or LauncherRunner(launcher_factory, s.sweep_dir, batch_size=s.n_jobs)
+            self.runner = runner or LauncherRunner(launcher_factory, s.folder, batch_size=s.n_workers)
         else:
             self.runner = runner or make_runner(s.isolation, s.preload)
         self.progress = Progress(plan.n_total, enabled=s.progress)
@@ -121,7 +121,7 @@ class Sweep:
         sweep = cls(plan, **kw)
         sweep.book.study = study
         print(
-            f"vramsweep: study '{plan.study_name}' is complete ({plan.n_total}/{plan.n_total} "
+            f"vramsweep: study '{plan.study_key}' is complete ({plan.n_total}/{plan.n_total} "
             "finished): nothing to run",
             flush=True,
         )
@@ -138,7 +138,7 @@ class Sweep:
             return 0
         wandb_summary = None
         if self.plan.wandb:
-            wandb_summary = SummaryUpdater(s.sweep_dir, on_warning=self.progress.say)
+            wandb_summary = SummaryUpdater(s.folder, on_warning=self.progress.say)
         pool = WorkerPool(self.book, self.runner, state, self.progress, wandb_summary, seats=self.seats())
         stop_beat = threading.Event()
         t0 = time.perf_counter()
@@ -152,7 +152,7 @@ class Sweep:
             started = True
             pool.prime()
             self.progress.start()
-            self._run_workers(pool, max(1, s.n_jobs))
+            self._run_workers(pool, max(1, s.n_workers))
         finally:
             stop_beat.set()
             self.progress.stop()
@@ -161,7 +161,7 @@ class Sweep:
             if wandb_summary is not None:
                 wandb_summary.close()
         self.summary(time.perf_counter() - t0)
-        checkpoint_wal(s.storage)
+        checkpoint_wal(s.storage_url)
         # an aborted sweep exits non-zero whatever stopped it (a reason set without the event included)
         return 1 if state.abort.is_set() or state.abort_reason or state.interrupted else 0
 
@@ -183,7 +183,7 @@ class Sweep:
             try:
                 pool.run_worker(i)
             except BaseException as exc:  # a bug, not a trial failure: stop the sweep, say why
-                full = disk_full_reason(exc, sqlite_path(self.plan.storage) or self.plan.sweep_dir)
+                full = disk_full_reason(exc, sqlite_path(self.plan.storage_url) or self.plan.folder)
                 if full is not None:  # the study or a result could not be written: one line, no traceback
                     state.abort_reason = full
                     state.abort.set()
@@ -219,7 +219,7 @@ class Sweep:
         """One line: what runs and how (sampler, pruning, isolation, workers)."""
         s = self.plan
         if s.pruning_active:
-            pruning = f"pruner {s.pruner_name} on {s.objectives[0].metric}"
+            pruning = f"pruner {s.pruner_name} on {s.goals[0].metric}"
         elif s.pruner_name == "none":
             pruning = "no pruning"
         elif s.design != "search":
@@ -238,9 +238,9 @@ class Sweep:
         what = f"{s.design} design" if s.design != "search" else f"{s.sampler_name} sampler"
         if s.design_reason:
             what += f" ({s.design_reason})"
-        objs = ", ".join(f"{o.direction} {o.metric}" for o in s.objectives)
+        objs = ", ".join(f"{o.direction} {o.metric}" for o in s.goals)
         budget = f"; budget {s.budget_gib:g} GiB" if s.budget_gib else ""
-        workers = s.layout.line if s.layout is not None else f"{s.n_jobs} worker(s)"
+        workers = s.layout.line if s.layout is not None else f"{s.n_workers} worker(s)"
         return (
             f"vramsweep: '{s.name}': {what}, {plural(self.plan.n_total, 'trial')}, {objs}{budget}; "
             f"{pruning}; {workers}, each trial in a {how}"
@@ -278,11 +278,11 @@ class Sweep:
         except Exception:
             best = []
         if best:
-            if len(self.plan.objectives) == 1:
+            if len(self.plan.goals) == 1:
                 b = best[0]
                 lines.append(
                     f"vramsweep: best feasible: trial {b.number:04d} "
-                    f"{self.plan.objectives[0].metric}={b.values[0]:.6g} "
+                    f"{self.plan.goals[0].metric}={b.values[0]:.6g} "
                     + " ".join(
                         fmt_override(o)
                         for o in b.user_attrs.get("overrides") or []
@@ -304,9 +304,9 @@ class Sweep:
             )
         if self.state.abort_reason:
             lines.append(f"vramsweep: ABORTED: {self.state.abort_reason}")
-        if (hint := dashboard_hint(self.plan.storage)) is not None:
+        if (hint := dashboard_hint(self.plan.storage_url)) is not None:
             lines.append(hint)
-        lines.append(f"results: {self.plan.sweep_dir}")
+        lines.append(f"results: {self.plan.folder}")
         waiting = self.book.waiting()
         if job_lost or waiting:  # the last line: how to retry what is left
             what = (

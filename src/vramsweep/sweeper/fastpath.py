@@ -46,7 +46,7 @@ def _finished_study(
             base_seed=base_seed,
         )
     )
-    db = sqlite_path(plan.storage)
+    db = sqlite_path(plan.storage_url)
     if db is None or not db.is_file():  # remote storages (and new sweeps) take the normal path
         return None
     import optuna
@@ -54,16 +54,16 @@ def _finished_study(
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.load_study(
-        study_name=plan.study_name,
-        storage=make_storage(plan.storage, child=True),  # read-only: no table creation, no migration
+        study_name=plan.study_key,
+        storage=make_storage(plan.storage_url, child=True),  # read-only: no table creation, no migration
         sampler=optuna.samplers.RandomSampler(),
         pruner=optuna.pruners.NopPruner(),
     )
     if study.user_attrs.get(IDENTITY) != plan.identity:
         return None
-    if [d.name.lower() for d in study.directions] != [o.direction for o in plan.objectives]:
+    if [d.name.lower() for d in study.directions] != [o.direction for o in plan.goals]:
         return None
-    if list(study.metric_names or []) != [o.metric for o in plan.objectives]:
+    if list(study.metric_names or []) != [o.metric for o in plan.goals]:
         return None
     trials = study.get_trials(deepcopy=False)
     if any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in trials):

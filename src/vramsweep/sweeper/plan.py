@@ -11,7 +11,7 @@ import os
 import re
 import sys
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,23 +66,34 @@ class Plan:
     It holds the checked :class:`SweeperConf` (``conf``) and :class:`SweepConfig` (``sweep``) and only the
     values derived from them: every ``hydra.sweeper.*`` key and ``sweep.baseline/factors/stack/preflight``
     read through (``plan.retry_stale`` is ``plan.conf.retry_stale``), so a new setting is one
-    :class:`SweeperConf` field. ``design`` is the design's name; ``points`` its points (``None``: a search).
+    :class:`SweeperConf` field. A value derived from a setting has its own name (:data:`DERIVED`:
+    ``plan.storage_url`` is the resolved ``hydra.sweeper.storage``; ``plan.storage`` is refused, so the
+    given and the resolved value cannot be mixed up). ``design`` is the design's name; ``points`` its
+    points (``None``: a search).
     """
 
     conf: SweeperConf
     sweep: SweepConfig
     name: str
     design: str
-    objectives: list[Objective]
+    #: the objectives resolved (``sweep.objectives``, ``hydra.sweeper.objectives`` and ``direction``)
+    goals: list[Objective]
     repeats: int
-    n_jobs: int
-    storage: str
-    study_name: str
-    sampler: Any
-    pruner: Any
-    #: the search space's entries as override-grammar text (the command line's pinned keys taken out)
-    params: dict[str, str]
-    sweep_dir: Path
+    #: worker slots (``hydra.sweeper.n_jobs`` resolved: ``auto`` and ``isolation=inprocess``, the layout)
+    n_workers: int
+    #: the study's storage URL (``hydra.sweeper.storage`` resolved: default, checked, normalised)
+    storage_url: str
+    #: the Optuna study's name (``hydra.sweeper.study_name``, else the sweep's name)
+    study_key: str
+    #: the sampler (``hydra.sweeper.sampler`` checked, or the design's default)
+    sampler_spec: Any
+    #: the pruner (``hydra.sweeper.pruner`` checked)
+    pruner_spec: Any
+    #: the search space's entries as override-grammar text (``hydra.sweeper.params`` and the command
+    #: line's lists, the command line's pinned keys taken out)
+    space_text: dict[str, str]
+    #: the sweep folder (``hydra.sweeper.sweep_dir`` resolved, absolute)
+    folder: Path
     results_dir: str = "results"
     #: ``hardware.budget_gib`` of the composed base config
     budget_gib: float = 0.0
@@ -109,7 +120,12 @@ class Plan:
     data_files: dict[str, Any] = field(default_factory=dict)
 
     def __getattr__(self, key: str) -> Any:
-        """A ``hydra.sweeper.*`` key from ``conf``, or a ``sweep:`` key from ``sweep``."""
+        """A ``hydra.sweeper.*`` key from ``conf``, or a ``sweep:`` key from ``sweep``; a setting with a
+        derived value (:data:`DERIVED`) is refused, naming both."""
+        if key in DERIVED:
+            raise AttributeError(
+                f"Plan.{key} is ambiguous: plan.{DERIVED[key]} (resolved) or plan.conf.{key} (as given)"
+            )
         if key in SweeperConf.__dataclass_fields__:
             return getattr(self.__dict__["conf"], key)
         if key in SWEEP_KEYS:
@@ -126,24 +142,24 @@ class Plan:
 
     def renamed(self, name: str) -> Plan:
         """An unnamed (ad-hoc) sweep given its name: study name, folder and default storage follow it."""
-        sweep_dir = self.sweep_dir
+        folder = self.folder
         if not self.sweep_dir_given:
-            sweep_dir = Path(os.path.abspath(Path(self.results_dir) / "sweeps" / name))
-        storage = self.storage if self.storage_given else f"sqlite:///{sweep_dir / 'study.db'}"
-        return replace(self, name=name, study_name=name, sweep_dir=sweep_dir, storage=storage)
+            folder = Path(os.path.abspath(Path(self.results_dir) / "sweeps" / name))
+        storage = self.storage_url if self.storage_given else f"sqlite:///{folder / 'study.db'}"
+        return replace(self, name=name, study_key=name, folder=folder, storage_url=storage)
 
     @property
     def sampler_name(self) -> str:
         """Short sampler name, or the ``_target_`` class for dict samplers."""
-        return _spec_name(self.sampler)
+        return _spec_name(self.sampler_spec)
 
     @property
     def pruner_name(self) -> str:
-        return _spec_name(self.pruner)
+        return _spec_name(self.pruner_spec)
 
     @property
     def multi_objective(self) -> bool:
-        return len(self.objectives) > 1
+        return len(self.goals) > 1
 
     @property
     def pruning_active(self) -> bool:
@@ -153,16 +169,21 @@ class Plan:
             self.pruner_name != "none"
             and self.design == "search"
             and not self.multi_objective
-            and self.objectives[0].metric in PRUNABLE_METRICS
-            and self.objectives[0].direction == "minimize"
+            and self.goals[0].metric in PRUNABLE_METRICS
+            and self.goals[0].direction == "minimize"
         )
 
     def public_dict(self) -> dict[str, Any]:
-        """JSON-safe view of the settings for ``sweep.json`` (the storage password is masked)."""
-        return {
+        """JSON-safe view of the settings for ``sweep.json``: every ``hydra.sweeper.*`` setting (each
+        :class:`SweeperConf` field, read off the dataclass: a new field is recorded without an edit here),
+        a derived one (:data:`DERIVED`) as resolved under the setting's name, the storage password masked;
+        then the sweep file's design keys."""
+        out: dict[str, Any] = {f.name: _json_safe(getattr(self.conf, f.name)) for f in fields(self.conf)}
+        out |= {key: _json_safe(getattr(self, derived)) for key, derived in DERIVED.items()}
+        out |= {
             "name": self.name,
             "design": self.design,
-            "objectives": [{"metric": o.metric, "direction": o.direction} for o in self.objectives],
+            "objectives": [{"metric": o.metric, "direction": o.direction} for o in self.goals],
             "baseline": list(self.baseline),
             "factors": [list(f) for f in self.factors],
             "stack": list(self.stack),
@@ -170,21 +191,41 @@ class Plan:
             "preflight": self.preflight,
             "edge_start": self.edge_start,
             "budget_gib": self.budget_gib,
-            "storage": mask_url(self.storage),
-            "study_name": self.study_name,
-            "n_trials": self.n_trials,
-            "n_jobs": self.n_jobs,
-            "sampler": self.sampler if isinstance(self.sampler, str | dict) else type(self.sampler).__name__,
-            "pruner": self.pruner if isinstance(self.pruner, str | dict) else type(self.pruner).__name__,
+            "storage": mask_url(self.storage_url),
             "pruning_active": self.pruning_active,
-            "params": dict(self.params),
-            "seed": self.seed,
-            "isolation": self.isolation,
-            "trial_fn": self.trial_fn,
-            "max_failure_rate": self.max_failure_rate,
-            "timeout_s": self.timeout_s,
-            "sweep_dir": str(self.sweep_dir),
+            "sweep_dir": str(self.folder),
         }
+        return out
+
+
+#: ``hydra.sweeper.*`` settings whose value a :class:`Plan` resolves, and the name the resolved value has
+#: there (``sweep.json`` records the resolved value under the setting's name)
+DERIVED = {
+    "n_jobs": "n_workers",
+    "storage": "storage_url",
+    "study_name": "study_key",
+    "sampler": "sampler_spec",
+    "pruner": "pruner_spec",
+    "objectives": "goals",
+    "params": "space_text",
+    "sweep_dir": "folder",
+}
+
+
+def _json_safe(value: Any) -> Any:
+    """A setting as ``sweep.json`` holds it: plain values as they are, a sampler/pruner object by its class
+    name, an objective by ``{metric, direction}``, a path as text."""
+    if isinstance(value, Objective):
+        return {"metric": value.metric, "direction": value.direction}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    if isinstance(value, Path):
+        return str(value)
+    return type(value).__name__
 
 
 #: Fixed overrides that do not change what a trial measures (not part of a sweep's identity).
@@ -203,7 +244,7 @@ def sweep_identity(plan: Plan) -> dict[str, Any]:
 
     ident: dict[str, Any] = {
         "design": plan.design,
-        "objectives": [f"{o.direction} {o.metric}" for o in plan.objectives],
+        "objectives": [f"{o.direction} {o.metric}" for o in plan.goals],
         "fixed": sorted(o for o in plan.fixed if override_key(o) not in NOT_IDENTITY),
         "trial_fn": plan.trial_fn,
     }
@@ -479,16 +520,16 @@ def resolve_settings(
         sweep=sweep,
         name=name,
         design=design,
-        objectives=objectives,
+        goals=objectives,
         repeats=sweep.repeats if sweep.repeats is not None else default_repeats(design, objectives),
         # isolation=inprocess runs one trial at a time
-        n_jobs=1 if conf.isolation == "inprocess" or conf.n_jobs == "auto" else int(conf.n_jobs),
-        storage=_storage_url(conf, sweep_dir),
-        study_name=str(conf.study_name or name),
-        sampler=sampler,
-        pruner=_check_spec(conf.pruner, PRUNERS, "hydra.sweeper.pruner"),
-        params=params,
-        sweep_dir=sweep_dir,
+        n_workers=1 if conf.isolation == "inprocess" or conf.n_jobs == "auto" else int(conf.n_jobs),
+        storage_url=_storage_url(conf, sweep_dir),
+        study_key=str(conf.study_name or name),
+        sampler_spec=sampler,
+        pruner_spec=_check_spec(conf.pruner, PRUNERS, "hydra.sweeper.pruner"),
+        space_text=params,
+        folder=sweep_dir,
         results_dir=results_dir,
         budget_gib=budget_gib if budget_gib is not None else task_budget,
         named=named,
@@ -532,7 +573,7 @@ def sweep_frame(plan: Plan, cli_fixed: list[str]) -> tuple[list[Param], list[str
     """``(dims, fixed overrides)``: the search space as given (not yet typed by a composed config) and the
     sweep file's fixed params followed by the command line's fixed overrides (they win), the trial cap
     checked before any config is composed or point built. Shared by :func:`plan_sweep` and the fast path."""
-    dims, fixed_params = parse_params(plan.params)
+    dims, fixed_params = parse_params(plan.space_text)
     check_trial_cap(plan, dims)
     return dims, merge_overrides(fixed_params, cli_fixed)
 
@@ -548,7 +589,7 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
     base = compose_base(fixed)
     _say_pinned(sweeper_cfg, arguments)
     intervals = [d.key for d in dims0 if d.kind == "interval"]
-    dims, _ = parse_params(plan.params, int_keys=int_keys(base, intervals))
+    dims, _ = parse_params(plan.space_text, int_keys=int_keys(base, intervals))
     base_seed = int(base.train.seed)
     if dims:
         validate_space(fixed, dims)
@@ -574,10 +615,10 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
             n_total = int(size)
 
         make_sampler(
-            plan.sampler, seed=plan.seed, n_jobs=plan.n_jobs, n_objectives=len(plan.objectives)
+            plan.sampler_spec, seed=plan.seed, n_jobs=plan.n_workers, n_objectives=len(plan.goals)
         )  # fail now on a bad sampler spec
 
-    make_pruner(plan.pruner, active=True)
+    make_pruner(plan.pruner_spec, active=True)
     if (
         plan.pruning_active
         and _pruner_chosen(plan)
@@ -597,7 +638,7 @@ def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments:
         print(f"vramsweep: {note}", file=sys.stderr)
     planned = replace(
         plan,
-        n_jobs=layout.n_jobs,
+        n_workers=layout.n_jobs,
         layout=layout,
         # the composed base config's budget (the sweep file's fixed params may set it)
         budget_gib=float(base.hardware.budget_gib or 0.0),
@@ -663,7 +704,7 @@ def _pruner_chosen(plan: Plan) -> bool:
     """Whether the user chose the pruner (a warning about it is actionable); the default one on a
     default search without intermediate evals simply never prunes, which is fine."""
 
-    return plan.pruner != SweeperConf.pruner
+    return plan.pruner_spec != SweeperConf.pruner
 
 
 def compose_sweep(args: list[str]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:

@@ -106,7 +106,7 @@ class StudyBook:
 
     def __init__(self, plan: Plan, say: Callable[[str], None] | None = None):
         self.plan = plan
-        self.trials_dir = self.plan.sweep_dir / "trials"
+        self.trials_dir = self.plan.folder / "trials"
         self.identity = process_identity()
         self.choices = design_choices(plan.points) if plan.points is not None else {}
         self.study: Any = None
@@ -129,13 +129,13 @@ class StudyBook:
 
     def stored_attrs(self) -> dict[str, Any] | None:
         """The study's user attributes, without creating storage or study (``None``: new)."""
-        path = sqlite_path(self.plan.storage)
+        path = sqlite_path(self.plan.storage_url)
         if path is not None and not path.is_file():
             return None
-        with storage_lock(self.plan.storage, self.plan.study_name):  # table creation races other workers
+        with storage_lock(self.plan.storage_url, self.plan.study_key):  # table creation races other workers
             try:
-                storage = make_storage(self.plan.storage)
-                study_id = storage.get_study_id_from_name(self.plan.study_name)
+                storage = make_storage(self.plan.storage_url)
+                study_id = storage.get_study_id_from_name(self.plan.study_key)
             except KeyError:
                 return None
             return storage.get_study_user_attrs(study_id)
@@ -179,13 +179,13 @@ class StudyBook:
         old = self.stored_identity()
         if old is None or old == self.plan.identity:
             return
-        where = self.plan.storage if "@" not in self.plan.storage else "<storage URL>"
+        where = self.plan.storage_url if "@" not in self.plan.storage_url else "<storage URL>"
         raise ConfigError(
-            f"sweep '{self.plan.name}' (study '{self.plan.study_name}' in {where}) was started by a "
+            f"sweep '{self.plan.name}' (study '{self.plan.study_key}' in {where}) was started by a "
             f"different sweep: {identity_diff(old, self.plan.identity)}. A sweep resumes only with the same "
             "design, search space and fixed overrides: run the original command to resume it, or give this "
             "one its own name (sweep.name=<new> or hydra.sweeper.study_name=<new>), or delete "
-            f"{self.plan.sweep_dir}",
+            f"{self.plan.folder}",
             key="sweep.name",
         )
 
@@ -199,7 +199,7 @@ class StudyBook:
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         # the folder's owner and the study's identity checked, sweep.json written and the study made under
         # one lock on the folder: two sweeps started together cannot both pass (folder.py)
-        with folder_lock(s.sweep_dir) as made:
+        with folder_lock(s.folder) as made:
             try:
                 self.check_folder()
             except ConfigError:
@@ -221,13 +221,13 @@ class StudyBook:
         """Numbers of the study's trials that ran or run (not WAITING); ``None``: no such study."""
         from optuna.trial import TrialState
 
-        path = sqlite_path(self.plan.storage)
+        path = sqlite_path(self.plan.storage_url)
         if path is not None and not path.is_file():
             return None
-        with storage_lock(self.plan.storage, self.plan.study_name):
+        with storage_lock(self.plan.storage_url, self.plan.study_key):
             try:
-                storage = make_storage(self.plan.storage)
-                study_id = storage.get_study_id_from_name(self.plan.study_name)
+                storage = make_storage(self.plan.storage_url)
+                study_id = storage.get_study_id_from_name(self.plan.study_key)
             except KeyError:
                 return None
             trials = storage.get_all_trials(study_id, deepcopy=False)
@@ -240,7 +240,7 @@ class StudyBook:
         s = self.plan
         self.trials_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(
-            s.sweep_dir / "sweep.json",
+            s.folder / "sweep.json",
             s.public_dict()
             | {
                 "fixed_overrides": self.plan.fixed,
@@ -253,18 +253,18 @@ class StudyBook:
             },
         )
         if self.plan.points is None:
-            sampler = make_sampler(s.sampler, seed=s.seed, n_jobs=s.n_jobs, n_objectives=len(s.objectives))
+            sampler = make_sampler(s.sampler_spec, seed=s.seed, n_jobs=s.n_workers, n_objectives=len(s.goals))
         else:
             sampler = optuna.samplers.RandomSampler(seed=s.seed)  # every param is fixed per point
-        self.study = load_or_create_study(s, sampler, make_pruner(s.pruner, active=s.pruning_active))
+        self.study = load_or_create_study(s, sampler, make_pruner(s.pruner_spec, active=s.pruning_active))
         self.storage = self.study._storage
         self.admin = optuna.load_study(
-            study_name=s.study_name,
+            study_name=s.study_key,
             storage=self.storage,
             sampler=optuna.samplers.RandomSampler(),
             pruner=optuna.pruners.NopPruner(),
         )
-        with storage_lock(s.storage, s.study_name):
+        with storage_lock(s.storage_url, s.study_key):
             attrs = self.study.user_attrs
             if DATA_ATTR not in attrs or getattr(self, "data_changes", None):
                 self.study.set_user_attr(DATA_ATTR, self.plan.data_files)
@@ -276,7 +276,7 @@ class StudyBook:
                 self.study.set_user_attr("vramsweep:sweep_id", self.plan.sweep_id)
                 self.study.set_user_attr(
                     "sweep",
-                    {"name": s.name, "design": s.design, "objectives": [o.metric for o in s.objectives]},
+                    {"name": s.name, "design": s.design, "objectives": [o.metric for o in s.goals]},
                 )
             self.reconcile()
             self.stop_lost_jobs()  # every job the study recorded for a lost point, before it is retried
@@ -287,7 +287,7 @@ class StudyBook:
         done = sum(v for k, v in counts.items() if k in ("COMPLETE", "PRUNED", "FAIL"))
         if done or added < self.plan.n_total:
             self.say(
-                f"vramsweep: resuming study '{s.study_name}': {done}/{self.plan.n_total} finished, "
+                f"vramsweep: resuming study '{s.study_key}': {done}/{self.plan.n_total} finished, "
                 f"{counts.get('WAITING', 0)} to run, {counts.get('RUNNING', 0)} running elsewhere"
             )
         return done
@@ -304,7 +304,7 @@ class StudyBook:
             return None, None, None
         done = sum(v for k, v in counts.items() if k in ("COMPLETE", "PRUNED", "FAIL"))
         best = None
-        objectives = self.plan.objectives
+        objectives = self.plan.goals
         with contextlib.suppress(Exception):
             front = self.study.best_trials
             if front and len(objectives) == 1:
@@ -328,7 +328,7 @@ class StudyBook:
 
     def reap_stale(self) -> int:
         """:meth:`reconcile` under the storage lock; how many stale trials it closed."""
-        with storage_lock(self.plan.storage, self.plan.study_name):
+        with storage_lock(self.plan.storage_url, self.plan.study_key):
             return self.reconcile()
 
     def stamp_running(self) -> None:
@@ -519,7 +519,7 @@ class StudyBook:
         with contextlib.ExitStack() as held:
             if not locked:
                 held.enter_context(self.tell_lock)
-                held.enter_context(storage_lock(self.plan.storage, self.plan.study_name))
+                held.enter_context(storage_lock(self.plan.storage_url, self.plan.study_key))
             frozen = self.storage.get_trial(tid)
             if retry is None:
                 retry = self.retry_lost(study, frozen, job.retries)
@@ -598,7 +598,7 @@ class StudyBook:
         import optuna
 
         with self.ask_lock:
-            with storage_lock(self.plan.storage, self.plan.study_name):
+            with storage_lock(self.plan.storage_url, self.plan.study_key):
                 trial_id = pop_slot(self.study, self.plan.n_total, claim=self._claim)
             if trial_id is None:
                 return None
@@ -658,7 +658,7 @@ class StudyBook:
         streak = job.dup_streak + 1
         attrs: dict[str, Any] = {SLOT: job.slot, DUP_STREAK: streak}
         note = "re-sampled"
-        with storage_lock(self.plan.storage, self.plan.study_name):
+        with storage_lock(self.plan.storage_url, self.plan.study_key):
             if streak >= DEDUP_PATIENCE:
                 point = self._unmeasured_point(job.number)
                 if point is None:
@@ -695,7 +695,7 @@ class StudyBook:
         from optuna.exceptions import UpdateFinishedTrialError
         from optuna.trial import TrialState
 
-        rel = os.path.relpath(self.result_path(trial.number), self.plan.sweep_dir)
+        rel = os.path.relpath(self.result_path(trial.number), self.plan.folder)
         try:
             for k, v in user_attrs(result, outcome, rel).items():
                 trial.set_user_attr(k, v)

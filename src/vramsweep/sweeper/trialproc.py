@@ -86,13 +86,14 @@ class TrialSpec:
         result JSON and log under ``<sweep dir>/trials`` (no log file in process), the sweep's
         objectives, pruner and checks, this process as the parent (``parent_ctime``: its start time),
         and this environment plus ``VRAMSWEEP_SWEEP_DIR`` (trial W&B runs go to ``<sweep dir>/wandb``),
-        ``VRAMSWEEP_CONCURRENT_TRIALS`` (``plan.n_jobs``: ``train.threads=auto`` takes a share) and
+        ``VRAMSWEEP_CONCURRENT_TRIALS`` (``plan.n_workers``: ``train.threads=auto`` takes a share) and
         ``CUDA_VISIBLE_DEVICES``: the GPU of its seat (``gpu``), else (launcher jobs) worker ``worker``'s
         entry of ``cuda_devices``."""
-        trials = plan.sweep_dir / "trials"
+        trials = plan.folder / "trials"
         env = dict(os.environ)
-        env["VRAMSWEEP_SWEEP_DIR"] = str(plan.sweep_dir)
-        env[CONCURRENT_ENV] = str(max(1, int(plan.n_jobs)))  # train.threads=auto takes its share of the cores
+        env["VRAMSWEEP_SWEEP_DIR"] = str(plan.folder)
+        # train.threads=auto takes its share of the cores
+        env[CONCURRENT_ENV] = str(max(1, int(plan.n_workers)))
         if gpu:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu["device"])
             if plan.layout is not None and plan.layout.source in ("NVML", "torch (asked in a child process)"):
@@ -106,12 +107,12 @@ class TrialSpec:
             overrides=job.overrides,
             result_path=str(trials / f"{job.number:04d}.json"),
             sweep_name=plan.name,
-            study_name=plan.study_name,
-            storage=plan.storage,
-            objectives=list(plan.objectives),
+            study_name=plan.study_key,
+            storage=plan.storage_url,
+            objectives=list(plan.goals),
             trial_fn=plan.trial_fn,
             design=job.design,
-            pruner=plan.pruner,
+            pruner=plan.pruner_spec,
             pruning=plan.pruning_active,
             budget_gib=plan.budget_gib,
             preflight=plan.preflight,

@@ -132,7 +132,7 @@ class WorkerPool:
         waiting = self.book.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         ordered = sorted(waiting, key=lambda t: t.number)
         slots = [int(t.system_attrs[SLOT]) for t in ordered if SLOT in t.system_attrs]
-        for slot in [s for s in slots if s < len(self.plan.points)][: self.plan.n_jobs]:
+        for slot in [s for s in slots if s < len(self.plan.points)][: self.plan.n_workers]:
             self._alone_for(merge_overrides(self.plan.fixed, self.plan.points[slot].overrides))
 
     def _run_on(self, spec: TrialSpec, gpu: dict[str, Any] | None) -> RunReport:
@@ -200,7 +200,7 @@ class WorkerPool:
                 shown.append(f"(same point as {job.duplicate_of:04d}: not re-run)")
             done, running, best = book.progress_counts()
             self.progress.finished(
-                trial_line(job.number, report.result, report.wall_s, s.objectives, shown),
+                trial_line(job.number, report.result, report.wall_s, s.goals, shown),
                 wall_s=report.wall_s if job.duplicate_of is None else None,
                 done=done,
                 running=running,
