@@ -493,3 +493,18 @@ def test_a_new_setting_is_recorded_without_another_edit():
     newer = replace(plan, conf=Newer(**{k: getattr(plan.conf, k) for k in SweeperConf.__dataclass_fields__}))
     assert newer.public_dict()["check"] == "fast"
     assert "check" not in plan.public_dict()
+
+
+def test_the_settings_are_resolved_once_per_run(tmp_path, monkeypatch, capsys):
+    """One plan build per run: the finished-study fast path reads the same draft plan the validated path
+    completes (it used to resolve the settings twice: once for the fast path, once for the sweep)."""
+    from vramsweep.sweeper import plan as plan_mod
+
+    calls = []
+    resolve = plan_mod.resolve_settings
+    monkeypatch.setattr(plan_mod, "resolve_settings", lambda *a, **k: calls.append(1) or resolve(*a, **k))
+    args = ["adapter.r=4,8", "hydra.sweeper.study_name=once"]
+    assert sweep(tmp_path, *args) == 0
+    assert len(calls) == 1
+    assert sweep(tmp_path, *args) == 0  # complete: the fast path's summary
+    assert len(calls) == 2 and "is complete" in capsys.readouterr().out

@@ -47,6 +47,7 @@ from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
     NOT_IDENTITY,
     Plan,
     compose_sweep,
+    draft_plan,
     identity_hash,
     name_sweep,
     plan_design,
@@ -351,14 +352,19 @@ def run_sweep(
             print(error_line("train", str(exc)), file=sys.stderr)
             return 2
         return run_max_context(sweeper_cfg, task_cfg, arguments, runner=runner)
-    done = finished_study(sweeper_cfg, task_cfg, arguments)
+    # the settings resolved once per run: the fast path below reads this draft, plan_sweep completes it
+    try:
+        draft = draft_plan(sweeper_cfg, task_cfg, arguments)
+    except ConfigError:
+        draft = None  # bad settings: plan_sweep below says so, after the checks that come first
+    done = finished_study(draft, task_cfg) if draft is not None else None
     # nothing to run (and no confirm stage to finish): the summary, without composing every point or torch
     if done is not None and not may_confirm(done[0]):
         return Sweep.report_complete(*done, runner=runner, launcher_factory=launcher_factory)
     try:
         check_fault_env()
         check_named_options(arguments)  # sweep=<typo>: Hydra ignores an unknown option of an optional group
-        plan = plan_sweep(sweeper_cfg, task_cfg, arguments)
+        plan = plan_sweep(sweeper_cfg, task_cfg, arguments, draft=draft)
         # before the study, any folder or any trial
         preflight_sweep(plan, task_cfg, arguments, check_storage=check_storage)
     except ConfigError as exc:

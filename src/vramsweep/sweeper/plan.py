@@ -558,11 +558,11 @@ def pinned_plan(
     return plan, cli_fixed
 
 
-def _say_pinned(sweeper_cfg: dict[str, Any], arguments: list[str]) -> None:
+def _say_pinned(conf: SweeperConf, arguments: list[str]) -> None:
     """One line per search-space key the command line fixes (it is taken out of the space)."""
     cli_params, cli_fixed = cli_sweep_params(arguments)
     pinned = {override_key(o) for o in cli_fixed}
-    for k in dict.fromkeys([*(str(k) for k in sweeper_cfg.get("params") or {}), *cli_params]):
+    for k in dict.fromkeys([*(str(k) for k in conf.params or {}), *cli_params]):
         if k in pinned:
             print(
                 f"vramsweep: {k} is fixed on the command line: removed from the search space", file=sys.stderr
@@ -578,16 +578,29 @@ def sweep_frame(plan: Plan, cli_fixed: list[str]) -> tuple[list[Param], list[str
     return dims, merge_overrides(fixed_params, cli_fixed)
 
 
-def plan_sweep(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]) -> Plan:
-    """Parse and validate everything; raise ConfigError before anything is written."""
+def draft_plan(sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str]) -> Plan:
+    """The sweep's settings resolved (:func:`pinned_plan`), its fixed overrides and its search space as given
+    (not yet typed by a composed config), the trial cap checked: what the finished-study fast path
+    (:mod:`.fastpath`) needs, and what :func:`plan_sweep` completes. No config is composed, nothing printed;
+    a ConfigError for bad settings."""
+    plan, cli_fixed = pinned_plan(sweeper_cfg, task_cfg, arguments)
+    dims, fixed = sweep_frame(plan, cli_fixed)
+    return replace(plan, fixed=fixed, dims=dims)
+
+
+def plan_sweep(
+    sweeper_cfg: dict[str, Any], task_cfg: dict[str, Any], arguments: list[str], *, draft: Plan | None = None
+) -> Plan:
+    """Parse and validate everything; raise ConfigError before anything is written. ``draft``: this command
+    line's :func:`draft_plan`, built already (the settings are resolved once per run)."""
     from optuna.exceptions import ExperimentalWarning
 
     warnings.filterwarnings("ignore", category=ExperimentalWarning)  # TPE's `group`, metric names
 
-    plan, cli_fixed = pinned_plan(sweeper_cfg, task_cfg, arguments)
-    dims0, fixed = sweep_frame(plan, cli_fixed)
+    plan = draft if draft is not None else draft_plan(sweeper_cfg, task_cfg, arguments)
+    dims0, fixed = plan.dims, plan.fixed
     base = compose_base(fixed)
-    _say_pinned(sweeper_cfg, arguments)
+    _say_pinned(plan.conf, arguments)
     intervals = [d.key for d in dims0 if d.kind == "interval"]
     dims, _ = parse_params(plan.space_text, int_keys=int_keys(base, intervals))
     base_seed = int(base.train.seed)
