@@ -74,7 +74,7 @@ def test_a_rerun_stops_the_recorded_jobs_of_lost_points_before_retrying_them(tmp
         log.append(("stop", rec["id"]))
         return True, f"scancel {rec['id']} failed: Unable to contact slurm controller"
 
-    monkeypatch.setattr("vramsweep.sweeper.study.stop_orphan", down)
+    monkeypatch.setattr("vramsweep.sweeper.recovery.stop_orphan", down)
     log.clear()
     with pytest.raises(ConfigError, match="could not be stopped.*run them twice"):
         Sweep(plan, runner=_Runner(False, plan.folder, log)).run()
@@ -85,7 +85,7 @@ def test_a_rerun_stops_the_recorded_jobs_of_lost_points_before_retrying_them(tmp
         log.append(("stop", rec["id"]))
         return True, None
 
-    monkeypatch.setattr("vramsweep.sweeper.study.stop_orphan", up)
+    monkeypatch.setattr("vramsweep.sweeper.recovery.stop_orphan", up)
     log.clear()
     assert Sweep(plan, runner=_Runner(False, plan.folder, log)).run() == 0
     first_run = next(i for i, e in enumerate(log) if e[0] == "run")
@@ -134,7 +134,7 @@ def test_the_interrupted_sweepers_own_placeholder_is_not_taken_for_a_result(tmp_
     placeholder["meta"]["lost_job"] = {"kind": "interrupted", "state": "CANCELLED", "job_id": "901"}
     (plan.folder / "trials" / f"{t.number:04d}.json").write_text(json.dumps(placeholder))
 
-    monkeypatch.setattr("vramsweep.sweeper.study.stop_orphan", lambda rec: (True, None))
+    monkeypatch.setattr("vramsweep.sweeper.recovery.stop_orphan", lambda rec: (True, None))
     log.clear()
     plan = plan_from_args([*args, "hydra.sweeper.n_trials=2", "hydra.sweeper.retry_stale=1"])
     assert Sweep(plan, runner=_Runner(False, plan.folder, log)).run() == 0

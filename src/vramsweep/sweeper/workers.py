@@ -17,10 +17,11 @@ from vramsweep.record.diskfull import NO_SPACE
 from vramsweep.record.result import write_result
 from vramsweep.sweeper import gpus
 from vramsweep.sweeper.gpus import GpuSeats, needs_gpu_alone, needs_probe
+from vramsweep.sweeper.job import Job
 from vramsweep.sweeper.progress import Progress, trial_line
 from vramsweep.sweeper.space import merge_overrides
 from vramsweep.sweeper.storage import SLOT
-from vramsweep.sweeper.study import Job, StudyBook
+from vramsweep.sweeper.study import StudyBook
 from vramsweep.sweeper.trialproc import RunReport, TrialSpec, provisional_share
 
 
@@ -71,7 +72,7 @@ class WorkerPool:
         while not state.abort.is_set():
             job = book.next_job()
             if job is None:
-                if book.reap_stale():
+                if book.lost.reap_stale():
                     continue
                 return
             if job.duplicate_of is not None:
@@ -173,19 +174,16 @@ class WorkerPool:
 
     def _requeue_unstarted(self, job: Job) -> None:
         """The sweep stopped while ``job`` waited for a GPU: closed unstarted, its point back in its slot."""
-        book = self.book
-        book.close_lost(
-            job, lambda again: "not started (the sweep stopped); " + book.retry_note(job.retries, again)
-        )
+        self.book.lost.requeue(job, "not started (the sweep stopped)")
 
     def heartbeat(self, stop: threading.Event) -> None:
         """Stamp the running trials every ``heartbeat_s`` until ``stop`` is set."""
         while not stop.wait(self.plan.heartbeat_s):
-            self.book.stamp_running()
+            self.book.lost.stamp_running()
 
     def _record(self, job: Job, report: RunReport) -> None:
         book, state, s = self.book, self.state, self.plan
-        book.note_retries(job, report)
+        book.lost.note_retries(job, report)
         status = str(report.result.get("status"))
         with book.recording(job, report):
             if self.wandb_summary is not None:
@@ -229,8 +227,7 @@ class WorkerPool:
     def _requeue_interrupted(self, job: Job) -> None:
         """Ctrl-C: a stop, not a failure of the config. The trial is closed (reason ``interrupted``) and
         its point put back in its slot, within the same bound as a dead worker (``retry_stale``)."""
-        book, signal = self.book, self.state.signal
-        book.close_lost(job, lambda again: f"interrupted ({signal}); " + book.retry_note(job.retries, again))
+        self.book.lost.requeue(job, f"interrupted ({self.state.signal})")
 
     def _record_lost_job(self, job: Job, report: RunReport, lost: dict) -> None:
         """A launcher job lost to the infrastructure (cancelled, preempted, node lost, never submitted): not
@@ -251,12 +248,12 @@ class WorkerPool:
         )
         res = report.result
         was = res.get("reason")
-        book.close_lost(
+        book.lost.close_lost_job(
             job,
-            lambda _: f"{was}; lost infrastructure, not a result: {note}"[:2000],
-            retry=will_retry,
-            report=report,
+            report,
+            f"{was}; lost infrastructure, not a result: {note}"[:2000],
             job_lost=str(lost.get("kind") or "gone"),
+            retry=will_retry,
         )
         book.say(f"vramsweep: trial {job.number:04d} {' '.join(job.label)}: {res['reason']}")
         if lost.get("kind") == "submit":
