@@ -56,40 +56,14 @@ from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
     sweep_identity,
     total_trials,
 )
-from vramsweep.sweeper.progress import Progress, fmt_override, plural, status_label
+from vramsweep.sweeper.progress import Progress, plural, print_summary
 from vramsweep.sweeper.settings import SweepConfig
-from vramsweep.sweeper.storage import COPY_OF, JOB_LOST, RETRY_OF, SCREENED, requeue_lost, sqlite_path
+from vramsweep.sweeper.storage import sqlite_path
 from vramsweep.sweeper.storage_check import check_storage
 from vramsweep.sweeper.study import StudyBook
 from vramsweep.sweeper.workers import RunState, WorkerPool
 
 log = logging.getLogger("vramsweep.sweeper")
-
-
-def dashboard_hint(storage: str) -> str | None:
-    """``vramsweep: dashboard: optuna-dashboard <storage>`` where optuna-dashboard is installed (the
-    ``dashboard`` extra installs it), else ``None``: a hint to a command that is not there only confuses."""
-    import importlib.util
-
-    if importlib.util.find_spec("optuna_dashboard") is None:
-        return None
-    return f"vramsweep: dashboard: optuna-dashboard {storage if '@' not in storage else '<storage URL>'}"
-
-
-def summary_status(trial: Any) -> str:
-    """What the summary counts a finished study trial as: :func:`.progress.status_label` (the progress line's
-    rule: ``over budget`` for an ``ok`` trial over its budget) of its recorded status and the largest budget
-    constraint the study holds for it (``constraints:<name>``; the dashboard's list copy is the same
-    value)."""
-    constraints = [
-        v
-        for k, v in trial.system_attrs.items()
-        if k.startswith("constraints") and isinstance(v, int | float) and not isinstance(v, bool)
-    ]
-    status = trial.user_attrs.get("status", trial.state.name.lower())
-    return status_label(
-        {"status": status, "meta": {"optuna": {"constraint": max(constraints, default=None)}}}
-    )
 
 
 class Sweep:
@@ -216,6 +190,17 @@ class Sweep:
                 while not all(e.is_set() for e in done):
                     time.sleep(0.2)
 
+    def summary(self, wall_s: float) -> None:
+        """The end-of-run summary (:func:`.progress.print_summary`)."""
+        print_summary(
+            self.plan,
+            self.book.study,
+            finished=self.state.finished,
+            wall_s=wall_s,
+            abort_reason=self.state.abort_reason,
+            waiting=self.book.waiting(),
+        )
+
     def describe(self) -> str:
         """One line: what runs and how (sampler, pruning, isolation, workers)."""
         s = self.plan
@@ -246,82 +231,6 @@ class Sweep:
             f"vramsweep: '{s.name}': {what}, {plural(self.plan.n_total, 'trial')}, {objs}{budget}; "
             f"{pruning}; {workers}, each trial in a {how}"
         )
-
-    def summary(self, wall_s: float) -> None:
-        """Counts by status, the best feasible trial(s), where the results are."""
-        from optuna.trial import TrialState
-
-        trials = self.book.study.get_trials(deepcopy=False)
-        retried = {t.system_attrs.get(RETRY_OF) for t in trials} - {None}
-        by_status: dict[str, int] = {}
-        jobs_lost = 0
-        for t in trials:
-            if (
-                t.number in retried
-                or t.system_attrs.get(COPY_OF) is not None
-                or t.system_attrs.get(SCREENED)  # sweep.edge_start's estimate-only records: not counted
-                or t.state in (TrialState.WAITING, TrialState.RUNNING)
-            ):
-                continue
-            if t.system_attrs.get(JOB_LOST):  # lost infrastructure, not a result: never an "error"
-                jobs_lost += 1
-                continue
-            st = summary_status(t)
-            by_status[st] = by_status.get(st, 0) + 1
-        lines = [
-            f"vramsweep: sweep '{self.plan.name}' - this run: "
-            f"{plural(self.state.finished, 'trial')} in {wall_s:.0f} s; study total: "
-            + (", ".join(f"{v} {k}" for k, v in sorted(by_status.items())) or "no finished trials")
-            + (f"; {plural(jobs_lost, 'launcher job')} lost (not results)" if jobs_lost else "")
-        ]
-        try:
-            best = self.book.study.best_trials
-        except Exception:
-            best = []
-        if best:
-            if len(self.plan.goals) == 1:
-                b = best[0]
-                lines.append(
-                    f"vramsweep: best feasible: trial {b.number:04d} "
-                    f"{self.plan.goals[0].metric}={b.values[0]:.6g} "
-                    + " ".join(
-                        fmt_override(o)
-                        for o in b.user_attrs.get("overrides") or []
-                        if o not in self.plan.fixed
-                    )
-                )
-            else:
-                lines.append(
-                    f"vramsweep: Pareto front (feasible): trials {', '.join(f'{t.number:04d}' for t in best)}"
-                )
-        left = requeue_lost(self.book.study)
-        lost = [t.number for t in left if not t.system_attrs.get(JOB_LOST)]
-        job_lost = [t.number for t in left if t.system_attrs.get(JOB_LOST)]
-        if lost:
-            lines.append(
-                f"vramsweep: {len(lost)} design point(s) lost for good (their worker died or was stopped "
-                f"{self.plan.retry_stale + 1} times: trial(s) {', '.join(f'{n:04d}' for n in lost)}): "
-                f"re-run with hydra.sweeper.retry_stale={self.plan.retry_stale + 1} to retry them"
-            )
-        if self.state.abort_reason:
-            lines.append(f"vramsweep: ABORTED: {self.state.abort_reason}")
-        if (hint := dashboard_hint(self.plan.storage_url)) is not None:
-            lines.append(hint)
-        lines.append(f"results: {self.plan.folder}")
-        waiting = self.book.waiting()
-        if job_lost or waiting:  # the last line: how to retry what is left
-            what = (
-                [f"{plural(len(job_lost), 'trial')} whose launcher job was lost ({_numbers(job_lost)})"]
-                if job_lost
-                else []
-            )
-            what += [f"{plural(waiting, 'trial')} waiting"] if waiting else []
-            lines.append(
-                f"vramsweep: left: {' and '.join(what)}: re-run the same command to run "
-                f"{'it' if len(job_lost) + waiting == 1 else 'them'}"
-            )
-        for line in lines:
-            print(line, flush=True)
 
 
 def run_sweep(
@@ -418,10 +327,6 @@ def checkpoint_wal(url: str) -> None:
         contextlib.closing(sqlite3.connect(str(path), timeout=30)) as conn,
     ):
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-
-
-def _numbers(numbers: list[int]) -> str:
-    return "trial " + ", ".join(f"{n:04d}" for n in numbers)
 
 
 def _fork_how(preload: list[str]) -> str:
