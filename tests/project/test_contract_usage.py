@@ -232,3 +232,65 @@ def test_train_steps_reads_straight_through():
     tree = ast.parse((SRC / "trial.py").read_text())
     (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_train_steps"]
     assert fn.end_lineno - fn.lineno + 1 <= 60
+
+
+#: Files whose broad handlers are their rewriter's today (issue 55 item 1 reshapes ``trial.py``; its two
+#: handlers, the estimate's and W&B's, are said in ``meta``): exempt until that lands.
+EXCEPT_EXEMPT = {"trial.py": "rewritten by issue 55 item 1"}
+_BROAD = {"Exception", "BaseException"}
+
+
+def _is_broad(node: ast.expr | None) -> bool:
+    if node is None:
+        return True
+    if isinstance(node, ast.Name):
+        return node.id in _BROAD
+    return isinstance(node, ast.Tuple) and any(_is_broad(e) for e in node.elts)
+
+
+def broad_without_reason(text: str) -> list[int]:
+    """Lines of ``except Exception``/``except BaseException``/bare ``except`` handlers and
+    ``contextlib.suppress(Exception)`` blocks that neither re-raise (a bare ``raise`` in the handler) nor
+    carry their reason: a comment on their line or on the line above (a handler's: or on its first line)."""
+    lines = text.splitlines()
+
+    def said(n: int) -> bool:
+        return "#" in lines[n - 1] or (n > 1 and lines[n - 2].strip().startswith("#"))
+
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ExceptHandler) and _is_broad(node.type):
+            reraises = any(isinstance(n, ast.Raise) and n.exc is None for n in node.body)
+            if not reraises and not said(node.lineno) and "#" not in lines[node.body[0].lineno - 1]:
+                out.append(node.lineno)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "suppress"
+            and any(isinstance(a, ast.Name) and a.id in _BROAD for a in node.args)
+            and not said(node.lineno)
+        ):
+            out.append(node.lineno)
+    return sorted(out)
+
+
+def test_every_broad_except_is_narrowed_or_says_why():
+    """A broad handler that swallows an error states why (a heartbeat that failed silently let another host
+    reap live trials); one that re-raises after cleaning up needs no comment."""
+    found = [
+        f"{p.relative_to(SRC)}:{n}"
+        for p in sorted(SRC.rglob("*.py"))
+        if str(p.relative_to(SRC)) not in EXCEPT_EXEMPT
+        for n in broad_without_reason(p.read_text())
+    ]
+    assert not found, "broad except without a stated reason:\n" + "\n".join(found)
+
+
+def test_the_broad_except_check_fails_on_a_silent_handler():
+    silent = "try:\n    f()\nexcept Exception:\n    pass\n"
+    said = "try:\n    f()\nexcept Exception:  # best effort: why\n    pass\n"
+    above = "try:\n    f()\n# best effort: why\nexcept Exception:\n    pass\n"
+    cleanup = "try:\n    f()\nexcept BaseException:\n    g()\n    raise\n"
+    suppress = "import contextlib\nwith contextlib.suppress(Exception):\n    f()\n"
+    assert broad_without_reason(silent) == [3] and broad_without_reason(suppress) == [2]
+    assert broad_without_reason(said) == broad_without_reason(above) == broad_without_reason(cleanup) == []

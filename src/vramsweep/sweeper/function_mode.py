@@ -172,6 +172,7 @@ def run_function_sweep(
         for trial, ret in zip(trials, returns):
             try:
                 values = _values(ret, len(plan.directions))
+            # broad on purpose: the app's own exception (any type) is a failed trial, as upstream
             except Exception as exc:
                 failures += 1
                 last_error = f"{type(exc).__name__}: {exc}"

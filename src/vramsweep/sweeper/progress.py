@@ -311,6 +311,7 @@ def print_summary(
     ]
     try:
         best = study.best_trials
+    # broad on purpose: no feasible trial or a multi-objective study without a front: no best line
     except Exception:
         best = []
     if best:

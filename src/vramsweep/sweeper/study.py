@@ -281,11 +281,13 @@ class StudyBook:
         """``(done, running, best so far)`` counted from the study: right with several workers."""
         try:
             counts = trial_counts(self.study)
+        # broad on purpose: a progress line must not stop a worker; a storage hiccup shows no counts
         except Exception:
             return None, None, None
         done = sum(v for k, v in counts.items() if k in ("COMPLETE", "PRUNED", "FAIL"))
         best = None
         objectives = self.plan.goals
+        # broad on purpose: no feasible trial or no front yet: no best in the progress line
         with contextlib.suppress(Exception):
             front = self.study.best_trials
             if front and len(objectives) == 1:

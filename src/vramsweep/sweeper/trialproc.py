@@ -195,6 +195,7 @@ class StorageReporter:
             if self._trial.should_prune():
                 self.pruned_at = int(step)
                 return True
+        # broad on purpose: a storage error while reporting must not kill the trial; said and kept
         except Exception as exc:
             self._error = f"{type(exc).__name__}: {exc}"
             print(
@@ -373,6 +374,7 @@ def forked_after_cuda_init() -> bool:
         return False
     try:
         return bool(torch.cuda._is_in_bad_fork())
+    # broad on purpose: a torch without a working CUDA runtime is not in a bad fork
     except Exception:
         return False
 
@@ -392,6 +394,7 @@ def probe_fork(cuda: bool) -> dict[str, Any]:
 
             torch.cuda.init()
             out["cuda_init"] = "ok"
+        # broad on purpose: the probe reports whatever CUDA init raised, by type and first line
         except Exception as exc:
             text = str(exc).splitlines()[0] if str(exc) else ""
             if (
