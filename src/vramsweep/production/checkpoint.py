@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from vramsweep.config.compose import ConfigError
 from vramsweep.loop import Callback
+from vramsweep.record.atomic import fsync_dir
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -55,14 +56,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 class Preempted(RuntimeError):
     """SIGTERM/SIGUSR1/SIGUSR2 arrived: the run checkpointed and stopped (``train.resume=auto`` continues
     it)."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_file(path: Path) -> None:
@@ -411,7 +404,7 @@ class Checkpointer(Callback):
                 _fsync_file(tmp / name)
             (tmp / COMPLETE).write_text(f"step {step + 1}\n")
             _fsync_file(tmp / COMPLETE)
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -419,7 +412,7 @@ class Checkpointer(Callback):
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self.saved.append(final)
         for old in checkpoint_dirs(self.root.parent)[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)

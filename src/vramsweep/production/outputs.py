@@ -36,6 +36,7 @@ from vramsweep.production.layout import (
     TOKENIZER_DIR,
     read_manifest,
 )
+from vramsweep.record.atomic import atomic_write_text
 
 __all__ = ["LossLog", "RunFolder", "read_manifest", "run_folder_for", "save_outputs", "write_config"]
 
@@ -65,16 +66,7 @@ def run_folder_for(cfg: DictConfig, result_path: Any, *, sweep_trial: bool) -> R
 def write_config(run: RunFolder, config: dict) -> None:
     """``config.yaml``: the composed config of the run (before the epochs are turned into steps)."""
     run.path.mkdir(parents=True, exist_ok=True)
-    _atomic_text(run.path / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(config)))
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(run.path / CONFIG_FILE, OmegaConf.to_yaml(OmegaConf.create(config)))
 
 
 class LossLog(Callback):
@@ -151,5 +143,5 @@ def save_outputs(
         "quant": {"bits": int(cfg.quant.bits), "name": str(cfg.quant.name)},
         "steps": int(cfg.train.steps),
     }
-    _atomic_text(run.path / RUN_MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    atomic_write_text(run.path / RUN_MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest

@@ -409,9 +409,7 @@ def probe_fork(cuda: bool) -> dict[str, Any]:
 
 def probe_fork_to(path: str, cuda: bool) -> None:
     """Target of the fork server's warm-up process: :func:`probe_fork`, written as JSON to ``path``."""
-    with open(path + ".tmp", "w") as fh:
-        json.dump(probe_fork(cuda), fh)
-    os.replace(path + ".tmp", path)
+    atomic_write_json(path, probe_fork(cuda))
 
 
 def save_spec(spec: TrialSpec, path: str) -> None:

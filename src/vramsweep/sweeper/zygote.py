@@ -82,6 +82,8 @@ if "vramsweep.config" in PRELOADED:
 _status_path = os.environ.get("VRAMSWEEP_ZYGOTE_STATUS")
 if _status_path:
     with contextlib.suppress(OSError):
+        # the fork server's own atomic write (temp + replace, no fsync: the status only has to outlive the
+        # server): record/atomic.py's writer would import vramsweep before the preload is timed
         with open(_status_path + ".tmp", "w") as _fh:
             json.dump(
                 {
