@@ -486,13 +486,13 @@ def test_a_new_setting_is_recorded_without_another_edit():
 
     @dataclass
     class Newer(SweeperConf):
-        check: str = "fast"
+        new_setting_of_a_test: str = "fast"
 
     sweeper, task, args = compose_sweep(["adapter.r=4,8"])
     plan, _ = pinned_plan(sweeper, task, args)
     newer = replace(plan, conf=Newer(**{k: getattr(plan.conf, k) for k in SweeperConf.__dataclass_fields__}))
-    assert newer.public_dict()["check"] == "fast"
-    assert "check" not in plan.public_dict()
+    assert newer.public_dict()["new_setting_of_a_test"] == "fast"
+    assert "new_setting_of_a_test" not in plan.public_dict()
 
 
 def test_the_settings_are_resolved_once_per_run(tmp_path, monkeypatch, capsys):
