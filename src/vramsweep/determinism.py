@@ -43,6 +43,7 @@ def _cuda_initialised() -> bool:
     torch = sys.modules.get("torch")
     try:
         return bool(torch is not None and torch.cuda.is_initialized())
+    # broad on purpose: a torch without a working CUDA runtime has no initialised CUDA
     except Exception:
         return False
 

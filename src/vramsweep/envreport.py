@@ -108,6 +108,7 @@ def _gpus_nvml() -> tuple[str | None, str | None, list[Gpu]] | None:
         return None
     try:
         pynvml.nvmlInit()
+    # broad on purpose: NVML missing or broken (NVMLError_*, OSError) = no NVML view in the report
     except Exception:
         return None
     try:

@@ -182,6 +182,7 @@ class _DigestFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         try:
             text = record.getMessage()
+        # broad on purpose: a log filter must never drop or break a record whose message cannot format
         except Exception:
             return True
         h = WarningDigest.match(text, self.logger)

@@ -434,14 +434,14 @@ def preflight_sweep(
     args = list(arguments)
     check_fault_env()
     check_named_options(args)
-    sweep_dir = plan.sweep_dir
+    sweep_dir = plan.folder
     key = "hydra.sweeper.sweep_dir" if any("hydra.sweeper.sweep_dir=" in a for a in args) else "results_dir"
     label = f"{key}: the sweep folder {sweep_dir}"
     check_writable(sweep_dir, key=key, label=label)
     check_disk(sweep_dir, int(plan.n_total), key=key, label=label)
-    check_study_file(plan.storage)
+    check_study_file(plan.storage_url)
     if check_storage is not None:
-        check_storage(plan.storage)  # reachable and writable: connect (or probe) now, not mid-sweep
+        check_storage(plan.storage_url)  # reachable and writable: connect (or probe) now, not mid-sweep
     cfg = OmegaConf.create(task_cfg)
     seen: set[tuple[str, str]] = set()
     if str(OmegaConf.select(cfg, "data.source")) in USER_SOURCES:

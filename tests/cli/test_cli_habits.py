@@ -116,7 +116,7 @@ def test_a_closed_pipe_ends_quietly() -> None:
 
 @pytest.mark.parametrize("installed", [True, False])
 def test_dashboard_hint_only_where_optuna_dashboard_is_installed(monkeypatch, installed) -> None:
-    from vramsweep.sweeper.engine import dashboard_hint
+    from vramsweep.sweeper.progress import dashboard_hint
 
     real = importlib.util.find_spec
 

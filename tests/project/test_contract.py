@@ -157,9 +157,8 @@ def test_the_sweep_summary_counts_a_trial_as_the_progress_line_labels_it(
     ``status_label``, read from the study trial the sweeper told."""
     import optuna
 
-    from vramsweep.sweeper.engine import summary_status
     from vramsweep.sweeper.outcome import CONSTRAINT_KEY, DASHBOARD_CONSTRAINTS_KEY, classify, user_attrs
-    from vramsweep.sweeper.progress import status_label
+    from vramsweep.sweeper.progress import status_label, summary_status
     from vramsweep.sweeper.settings import Objective
 
     r = _case_result(status, peak, recorded, sweep_budget)

@@ -232,3 +232,124 @@ def test_train_steps_reads_straight_through():
     tree = ast.parse((SRC / "trial.py").read_text())
     (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_train_steps"]
     assert fn.end_lineno - fn.lineno + 1 <= 60
+
+
+#: Files whose broad handlers are their rewriter's today (issue 55 item 1 reshapes ``trial.py``; its two
+#: handlers, the estimate's and W&B's, are said in ``meta``): exempt until that lands.
+EXCEPT_EXEMPT = {"trial.py": "rewritten by issue 55 item 1"}
+_BROAD = {"Exception", "BaseException"}
+
+
+def _is_broad(node: ast.expr | None) -> bool:
+    if node is None:
+        return True
+    if isinstance(node, ast.Name):
+        return node.id in _BROAD
+    return isinstance(node, ast.Tuple) and any(_is_broad(e) for e in node.elts)
+
+
+def broad_without_reason(text: str) -> list[int]:
+    """Lines of ``except Exception``/``except BaseException``/bare ``except`` handlers and
+    ``contextlib.suppress(Exception)`` blocks that neither re-raise (a bare ``raise`` in the handler) nor
+    carry their reason: a comment on their line or on the line above (a handler's: or on its first line)."""
+    lines = text.splitlines()
+
+    def said(n: int) -> bool:
+        return "#" in lines[n - 1] or (n > 1 and lines[n - 2].strip().startswith("#"))
+
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ExceptHandler) and _is_broad(node.type):
+            reraises = any(isinstance(n, ast.Raise) and n.exc is None for n in node.body)
+            if not reraises and not said(node.lineno) and "#" not in lines[node.body[0].lineno - 1]:
+                out.append(node.lineno)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "suppress"
+            and any(isinstance(a, ast.Name) and a.id in _BROAD for a in node.args)
+            and not said(node.lineno)
+        ):
+            out.append(node.lineno)
+    return sorted(out)
+
+
+def test_every_broad_except_is_narrowed_or_says_why():
+    """A broad handler that swallows an error states why (a heartbeat that failed silently let another host
+    reap live trials); one that re-raises after cleaning up needs no comment."""
+    found = [
+        f"{p.relative_to(SRC)}:{n}"
+        for p in sorted(SRC.rglob("*.py"))
+        if str(p.relative_to(SRC)) not in EXCEPT_EXEMPT
+        for n in broad_without_reason(p.read_text())
+    ]
+    assert not found, "broad except without a stated reason:\n" + "\n".join(found)
+
+
+def test_the_broad_except_check_fails_on_a_silent_handler():
+    silent = "try:\n    f()\nexcept Exception:\n    pass\n"
+    said = "try:\n    f()\nexcept Exception:  # best effort: why\n    pass\n"
+    above = "try:\n    f()\n# best effort: why\nexcept Exception:\n    pass\n"
+    cleanup = "try:\n    f()\nexcept BaseException:\n    g()\n    raise\n"
+    suppress = "import contextlib\nwith contextlib.suppress(Exception):\n    f()\n"
+    assert broad_without_reason(silent) == [3] and broad_without_reason(suppress) == [2]
+    assert broad_without_reason(said) == broad_without_reason(above) == broad_without_reason(cleanup) == []
+
+
+#: Files that may call ``os.replace``/``os.fsync`` themselves besides the one atomic writer
+#: (``record/atomic.py``), and why.
+OWN_WRITERS = {
+    "sweeper/zygote.py": "the fork server's status file: it imports nothing of vramsweep before its preload",
+    "production/checkpoint.py": "a checkpoint is a whole staged folder renamed into place (fsync_dir)",
+    "production/owner.py": "the run lock's holder record is rewritten in the locked file, not renamed",
+    "knobs/vocab_slice.py": "not moved in issue 55's writer change (knobs/ was another engineer's that day)",
+    "data/cache.py": "not moved in issue 55's writer change (data/ was another engineer's that day)",
+}
+
+
+def test_one_atomic_writer():
+    """Temp + fsync + ``os.replace`` is written once (``record/atomic.py``); every other file writes through
+    it, except :data:`OWN_WRITERS` (each with its reason)."""
+    calls = []
+    for p in sorted(SRC.rglob("*.py")):
+        rel = str(p.relative_to(SRC))
+        if rel == "record/atomic.py" or rel in OWN_WRITERS:
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("replace", "fsync")
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "os"
+            ):
+                calls.append(f"{rel}:{node.lineno}: os.{node.attr}")
+    assert not calls, "write through vramsweep.record.atomic.atomic_write_text:\n" + "\n".join(calls)
+
+
+def test_the_atomic_writer_leaves_no_half_file_and_no_temp(tmp_path, monkeypatch):
+    """A write that fails before the rename keeps the old file and removes its temp; a durable write and a
+    marker write (``durable=False``) both land whole; a killed marker writer's temp is cleaned with it."""
+    import os
+
+    from vramsweep.record import atomic
+    from vramsweep.record.hostmem import remove_marker
+
+    path = tmp_path / "sub" / "x.json"
+    atomic.atomic_write_text(path, "old")
+    assert path.read_text() == "old" and oct(path.stat().st_mode & 0o777) == oct(
+        0o666 & ~atomic.current_umask()
+    )
+
+    def boom(*_a):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(atomic.os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        atomic.atomic_write_text(path, "new")
+    monkeypatch.undo()
+    assert path.read_text() == "old" and sorted(os.listdir(path.parent)) == ["x.json"]
+    atomic.atomic_write_text(path, "marker", durable=False)
+    assert path.read_text() == "marker"
+    (path.parent / ".x.json.abc123.tmp").write_text("half")  # a writer killed mid-write
+    remove_marker(path)
+    assert os.listdir(path.parent) == []

@@ -44,7 +44,7 @@ cfg = compose(['quant=nf4', 'adapter.r=8'], rules='config')
 est = estimate(cfg, calibration=False)
 assert est['peak_memory_bytes'] > 0, est
 
-from vramsweep.sweeper.settings import resolve_settings  # noqa: F401  (the sweeper's settings and space)
+from vramsweep.sweeper.plan import resolve_settings  # noqa: F401  (the sweeper's settings and space)
 from vramsweep.sweeper import space  # noqa: F401
 
 from _reports import result, write_sweep

@@ -19,8 +19,7 @@ from vramsweep.report.load import TrialRecord
 from vramsweep.report.stats import anova_p, compare, f_upper_p, t_two_sided_p
 from vramsweep.sweeper.design import build_design
 from vramsweep.sweeper.engine import compose_sweep
-from vramsweep.sweeper.plan import Plan
-from vramsweep.sweeper.settings import resolve_settings
+from vramsweep.sweeper.plan import Plan, resolve_settings
 
 
 # ---------------------------------------------------------------------------------------------

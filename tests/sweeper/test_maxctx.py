@@ -94,3 +94,20 @@ def test_max_context_tiny_real_trials(tmp_path, embedded_model_dir):
         # random tokens: every training sequence is exactly the probed length
         assert fit["metrics"]["tokens_trained"] == fit["metrics"]["measured_steps"] * r["max_tokens"]
     assert rows[1]["max_tokens"] > rows[0]["max_tokens"]  # tiling + checkpointing reach further
+
+
+def test_max_context_reads_the_typed_settings(tmp_path, fake_on_path):
+    """max-context reads ``hydra.sweeper`` through the main driver's typed :class:`SweeperConf`: a node that
+    leaves keys out gets the declared defaults, a value is normalised and an unknown key is refused."""
+    from vramsweep.config.compose import ConfigError
+    from vramsweep.sweeper.maxctx import plan_max_context
+    from vramsweep.sweeper.plan import compose_sweep
+    from vramsweep.sweeper.settings import SweeperConf
+
+    sweeper, task, args = compose_sweep(["sweep=max_context_tiny", f"results_dir={tmp_path}"])
+    plan = plan_max_context({"timeout_s": 5, "study_name": "mc"}, task, args)
+    assert isinstance(plan.conf, SweeperConf) and plan.name == "mc"
+    assert plan.conf.timeout_s == 5.0 and isinstance(plan.conf.timeout_s, float)
+    assert plan.conf.isolation == SweeperConf.isolation and plan.conf.trial_fn == SweeperConf.trial_fn
+    with pytest.raises(ConfigError, match="hydra.sweeper.bogus"):
+        plan_max_context({"bogus": 1}, task, args)

@@ -452,3 +452,59 @@ def test_local_workers_share_one_sqlite_study(tmp_path, monkeypatch):
     spans = [(t.datetime_start, t.datetime_complete) for t in trials]
     overlapping = sum(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1 :])
     assert overlapping >= 2, "trials ran concurrently"
+
+
+def test_sweep_json_records_every_setting(tmp_path):
+    """``sweep.json`` holds every ``hydra.sweeper.*`` setting (each :class:`SweeperConf` field), given ones
+    with their typed value, derived ones (``DERIVED``) as resolved; it used to leave out 13 of them."""
+    from dataclasses import fields
+
+    from vramsweep.sweeper.plan import DERIVED
+    from vramsweep.sweeper.settings import SweeperConf
+
+    given = {"retry_stale": 1, "heartbeat_s": 5.0, "grace_s": 60.0, "dedup": False, "share_below": 0.8}
+    args = [f"hydra.sweeper.{k}={str(v).lower()}" for k, v in given.items()]
+    assert (
+        sweep(tmp_path, "adapter.r=4,8", "hydra.sweeper.study_name=every", "hydra.sweeper.n_jobs=1", *args)
+        == 0
+    )
+    info = json.loads((tmp_path / "sweeps" / "every" / "sweep.json").read_text())
+    missing = [f.name for f in fields(SweeperConf) if f.name not in info]
+    assert not missing, f"sweep.json leaves out {missing}"
+    assert {k: info[k] for k in given} == given
+    assert info["preload"] == ["fakes"] and info["trials_per_gpu"] == "auto" and info["progress"] is True
+    assert info["n_jobs"] == 1 and info["study_name"] == "every" and set(DERIVED) <= set(info)
+
+
+def test_a_new_setting_is_recorded_without_another_edit():
+    """The record is read off the dataclass: a field added to :class:`SweeperConf` is in ``sweep.json`` with
+    no edit of ``Plan.public_dict`` (here a subclass with one more field stands in for the new setting)."""
+    from dataclasses import dataclass, replace
+
+    from vramsweep.sweeper.plan import compose_sweep, pinned_plan
+    from vramsweep.sweeper.settings import SweeperConf
+
+    @dataclass
+    class Newer(SweeperConf):
+        new_setting_of_a_test: str = "fast"
+
+    sweeper, task, args = compose_sweep(["adapter.r=4,8"])
+    plan, _ = pinned_plan(sweeper, task, args)
+    newer = replace(plan, conf=Newer(**{k: getattr(plan.conf, k) for k in SweeperConf.__dataclass_fields__}))
+    assert newer.public_dict()["new_setting_of_a_test"] == "fast"
+    assert "new_setting_of_a_test" not in plan.public_dict()
+
+
+def test_the_settings_are_resolved_once_per_run(tmp_path, monkeypatch, capsys):
+    """One plan build per run: the finished-study fast path reads the same draft plan the validated path
+    completes (it used to resolve the settings twice: once for the fast path, once for the sweep)."""
+    from vramsweep.sweeper import plan as plan_mod
+
+    calls = []
+    resolve = plan_mod.resolve_settings
+    monkeypatch.setattr(plan_mod, "resolve_settings", lambda *a, **k: calls.append(1) or resolve(*a, **k))
+    args = ["adapter.r=4,8", "hydra.sweeper.study_name=once"]
+    assert sweep(tmp_path, *args) == 0
+    assert len(calls) == 1
+    assert sweep(tmp_path, *args) == 0  # complete: the fast path's summary
+    assert len(calls) == 2 and "is complete" in capsys.readouterr().out

@@ -293,7 +293,6 @@ def test_a_failed_submission_is_not_a_result_and_a_rerun_runs_it(tmp_path, capsy
     Now the point is lost infrastructure: retried within ``retry_stale`` with a back-off, then the sweep
     stops with the reason and nothing is lost: the same command later runs every point."""
     from vramsweep.sweeper.engine import Sweep, plan_from_args
-    from vramsweep.sweeper.fastpath import finished_study
     from vramsweep.sweeper.trialproc import execute
 
     class FakeJobs:
@@ -328,7 +327,7 @@ def test_a_failed_submission_is_not_a_result_and_a_rerun_runs_it(tmp_path, capsy
         "hydra.sweeper.progress=false",
     ]
     plan = plan_from_args(args)
-    assert Sweep(plan, runner=Runner(True, plan.sweep_dir)).run() == 1
+    assert Sweep(plan, runner=Runner(True, plan.folder)).run() == 1
     out = capsys.readouterr().out
     assert (
         "ABORTED: the launcher could not submit jobs" in out and "Unable to contact slurm controller" in out
@@ -344,13 +343,12 @@ def test_a_failed_submission_is_not_a_result_and_a_rerun_runs_it(tmp_path, capsy
         for t in study.trials
         if t.state == TrialState.FAIL
     )
-    from vramsweep.sweeper.plan import compose_sweep
 
-    assert finished_study(*compose_sweep(args)) is None  # not "complete": a re-run must run it
+    assert _finished(args) is None  # not "complete": a re-run must run it
     plan = plan_from_args(args)
-    assert Sweep(plan, runner=Runner(False, plan.sweep_dir)).run() == 0
+    assert Sweep(plan, runner=Runner(False, plan.folder)).run() == 0
     assert _ok_points(tmp_path, "down") == ["adapter.r=4", "adapter.r=8"]
-    assert finished_study(*compose_sweep(args)) is not None
+    assert _finished(args) is not None
     # the report: one record per point, the lost jobs a note (it counted "2 ok, 4 error")
     from vramsweep.report.load import load_sweep
 
@@ -450,3 +448,12 @@ def test_a_job_waited_on_without_news_is_said_every_interval(tmp_path, monkeypat
     lines = [x for x in capsys.readouterr().err.splitlines() if needle in x]
     # 10 probes 0.5 s apart in that state = 5 s: the first line after 1.2 s, then every 1.2 s
     assert 3 <= len(lines) <= 4 and all(x.startswith("vramsweep: trial 0000: ") for x in lines), lines
+
+
+def _finished(args: list[str]):
+    """The finished-study fast path on ``vramsweep train -m <args>``'s draft plan, as ``run_sweep`` calls it."""
+    from vramsweep.sweeper.fastpath import finished_study
+    from vramsweep.sweeper.plan import compose_sweep, draft_plan
+
+    sweeper, task, task_args = compose_sweep(args)
+    return finished_study(draft_plan(sweeper, task, task_args), task)

@@ -26,7 +26,8 @@ from vramsweep.sweeper.edge import (
     screen,
 )
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY
-from vramsweep.sweeper.settings import SweepConfig, edge_start_setting
+from vramsweep.sweeper.plan import edge_start_setting
+from vramsweep.sweeper.settings import SweepConfig
 from vramsweep.sweeper.space import merge_overrides, params_to_overrides, parse_params, space_size
 from vramsweep.sweeper.storage import SCREENED, SLOT
 

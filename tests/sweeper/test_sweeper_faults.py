@@ -401,3 +401,34 @@ def test_a_refused_sweep_takes_back_the_folders_it_made(tmp_path, capsys):
     assert run_multirun([*base, f"hydra.sweep.dir={new}", "adapter.r=16,32"]) == 2
     assert "was started by a different sweep" in capsys.readouterr().err
     assert not (tmp_path / "two").exists()
+
+
+def test_a_heartbeat_that_keeps_failing_says_so_once():
+    """A heartbeat stamp that fails (the storage refuses writes) used to be silent while another host reaped
+    this worker's live trials after ``grace_s``: now it is said once while it keeps failing, and once when
+    stamps work again."""
+    from types import SimpleNamespace
+
+    from vramsweep.sweeper.recovery import LostTrials
+
+    class Storage:
+        ok = False
+        stamped: list[int] = []
+
+        def set_trial_system_attr(self, tid, key, value):
+            if not self.ok:
+                raise OSError("database is locked")
+            self.stamped.append(tid)
+
+    said: list[str] = []
+    plan = SimpleNamespace(heartbeat_s=10.0, grace_s=120.0)
+    book = SimpleNamespace(plan=plan, running={3, 4}, storage=Storage(), say=said.append)
+    lost = LostTrials(book)
+    for _ in range(5):
+        lost.stamp_running()
+    assert len(said) == 1, said
+    assert "heartbeat" in said[0] and "OSError: database is locked" in said[0] and "grace_s=120" in said[0]
+    book.storage.ok = True
+    lost.stamp_running()
+    lost.stamp_running()
+    assert len(said) == 2 and "stamped again" in said[1] and sorted(book.storage.stamped) == [3, 3, 4, 4]

@@ -320,3 +320,54 @@ def test_failure_rate_stderr_wording_as_upstream(tmp_path, max_failure_rate):
     else:
         assert error_string not in p.stderr, p.stderr[-2000:]
         assert "cfg.error is True" in p.stderr  # still said, as a warning per trial
+
+
+class _Ret:
+    """A launched job's return: its value, or the app's exception when read (as Hydra's JobReturn)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    @property
+    def return_value(self):
+        if isinstance(self.value, Exception):
+            raise self.value
+        return self.value
+
+
+class _OneFailsLauncher:
+    """Runs nothing: the second job fails, every other returns 1.0."""
+
+    def __init__(self):
+        self.jobs = 0
+
+    def launch(self, overrides, initial_job_idx):
+        out = []
+        for _ in overrides:
+            out.append(_Ret(RuntimeError("boom") if self.jobs == 1 else 1.0))
+            self.jobs += 1
+        return out
+
+
+def test_function_mode_uses_the_declared_max_failure_rate_default(capsys):
+    """A ``hydra.sweeper`` node without ``max_failure_rate`` gets the declared default (0.5, SweeperConf) in
+    function mode too: 1 failure in 2, then in 4, trials is tolerated (it used to default to 0.0 there and abort)."""
+    from omegaconf import OmegaConf
+
+    from vramsweep.sweeper.function_mode import plan_function_sweep, run_function_sweep
+    from vramsweep.sweeper.settings import SweeperConf
+
+    settings = {
+        "params": {"x": "choice(1,2,3,4)"},
+        "n_trials": 4,
+        "n_jobs": 1,
+        "sampler": "random",
+        "seed": 1,
+    }
+    assert plan_function_sweep(settings, []).conf.max_failure_rate == SweeperConf.max_failure_rate == 0.5
+    launcher = _OneFailsLauncher()
+    assert run_function_sweep(settings, [], OmegaConf.create({}), lambda: launcher) == 0, (
+        capsys.readouterr().err
+    )
+    assert launcher.jobs == 4
+    assert "ABORTED" not in capsys.readouterr().err

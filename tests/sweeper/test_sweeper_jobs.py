@@ -64,7 +64,7 @@ def test_a_rerun_stops_the_recorded_jobs_of_lost_points_before_retrying_them(tmp
     monkeypatch.setenv("VRAMSWEEP_FAKE", "{}")
     plan = plan_from_args([f"results_dir={tmp_path}", *ARGS])
     log: list = []
-    Sweep(plan, runner=_Runner(True, plan.sweep_dir, log)).run()  # every job lost (retry_stale=0): left
+    Sweep(plan, runner=_Runner(True, plan.folder, log)).run()  # every job lost (retry_stale=0): left
     assert "re-run the same command to run them" in capsys.readouterr().out
     lost = {f"{700 + n}" for _, n in log}
     assert len(lost) == 3
@@ -74,10 +74,10 @@ def test_a_rerun_stops_the_recorded_jobs_of_lost_points_before_retrying_them(tmp
         log.append(("stop", rec["id"]))
         return True, f"scancel {rec['id']} failed: Unable to contact slurm controller"
 
-    monkeypatch.setattr("vramsweep.sweeper.study.stop_orphan", down)
+    monkeypatch.setattr("vramsweep.sweeper.recovery.stop_orphan", down)
     log.clear()
     with pytest.raises(ConfigError, match="could not be stopped.*run them twice"):
-        Sweep(plan, runner=_Runner(False, plan.sweep_dir, log)).run()
+        Sweep(plan, runner=_Runner(False, plan.folder, log)).run()
     assert not [e for e in log if e[0] == "run"], log
 
     # the controller answers: every recorded job is stopped first, then each point runs once
@@ -85,16 +85,16 @@ def test_a_rerun_stops_the_recorded_jobs_of_lost_points_before_retrying_them(tmp
         log.append(("stop", rec["id"]))
         return True, None
 
-    monkeypatch.setattr("vramsweep.sweeper.study.stop_orphan", up)
+    monkeypatch.setattr("vramsweep.sweeper.recovery.stop_orphan", up)
     log.clear()
-    assert Sweep(plan, runner=_Runner(False, plan.sweep_dir, log)).run() == 0
+    assert Sweep(plan, runner=_Runner(False, plan.folder, log)).run() == 0
     first_run = next(i for i, e in enumerate(log) if e[0] == "run")
     assert {e[1] for e in log[:first_run] if e[0] == "stop"} == lost, log
     assert sorted(n for kind, n in log if kind == "run") == [3, 4, 5]  # the retries, once each
-    study = optuna.load_study(study_name="jobs", storage=f"sqlite:///{plan.sweep_dir / 'study.db'}")
+    study = optuna.load_study(study_name="jobs", storage=f"sqlite:///{plan.folder / 'study.db'}")
     assert len([t for t in study.trials if t.state == TrialState.COMPLETE]) == 3
     log.clear()  # asked once: a later re-run does not ask the controller again
-    assert Sweep(plan, runner=_Runner(False, plan.sweep_dir, log)).run() == 0
+    assert Sweep(plan, runner=_Runner(False, plan.folder, log)).run() == 0
     assert log == []
 
 
@@ -113,8 +113,8 @@ def test_the_interrupted_sweepers_own_placeholder_is_not_taken_for_a_result(tmp_
     args = [f"results_dir={tmp_path}", *ARGS[:2], "adapter.r=4,8", *ARGS[2:]]
     plan = plan_from_args([*args, "hydra.sweeper.n_trials=1"])
     log: list = []
-    assert Sweep(plan, runner=_Runner(False, plan.sweep_dir, log)).run() == 0
-    study = optuna.load_study(study_name="jobs", storage=f"sqlite:///{plan.sweep_dir / 'study.db'}")
+    assert Sweep(plan, runner=_Runner(False, plan.folder, log)).run() == 0
+    study = optuna.load_study(study_name="jobs", storage=f"sqlite:///{plan.folder / 'study.db'}")
     study.add_trial(
         create_trial(state=TrialState.WAITING, system_attrs={"fixed_params": {"adapter.r": 8}, SLOT: 1})
     )
@@ -124,7 +124,7 @@ def test_the_interrupted_sweepers_own_placeholder_is_not_taken_for_a_result(tmp_
     study._storage.set_trial_system_attr(t._trial_id, OWNER, {"host": "another-host", "pid": 1, "ctime": 0.0})
     study._storage.set_trial_system_attr(t._trial_id, HEARTBEAT, 0.0)
     study._storage.set_trial_system_attr(t._trial_id, JOB, {"kind": "slurm", "id": "901"})
-    placeholder = json.loads((plan.sweep_dir / "trials" / "0000.json").read_text())
+    placeholder = json.loads((plan.folder / "trials" / "0000.json").read_text())
     placeholder.update(
         trial=t.number,
         status="error",
@@ -132,14 +132,14 @@ def test_the_interrupted_sweepers_own_placeholder_is_not_taken_for_a_result(tmp_
         overrides=["adapter.r=8"],
     )
     placeholder["meta"]["lost_job"] = {"kind": "interrupted", "state": "CANCELLED", "job_id": "901"}
-    (plan.sweep_dir / "trials" / f"{t.number:04d}.json").write_text(json.dumps(placeholder))
+    (plan.folder / "trials" / f"{t.number:04d}.json").write_text(json.dumps(placeholder))
 
-    monkeypatch.setattr("vramsweep.sweeper.study.stop_orphan", lambda rec: (True, None))
+    monkeypatch.setattr("vramsweep.sweeper.recovery.stop_orphan", lambda rec: (True, None))
     log.clear()
     plan = plan_from_args([*args, "hydra.sweeper.n_trials=2", "hydra.sweeper.retry_stale=1"])
-    assert Sweep(plan, runner=_Runner(False, plan.sweep_dir, log)).run() == 0
+    assert Sweep(plan, runner=_Runner(False, plan.folder, log)).run() == 0
     assert [kind for kind, _ in log] == ["run"], log  # the point ran (once), after its job was stopped
-    study = optuna.load_study(study_name="jobs", storage=f"sqlite:///{plan.sweep_dir / 'study.db'}")
+    study = optuna.load_study(study_name="jobs", storage=f"sqlite:///{plan.folder / 'study.db'}")
     done = [x.params["adapter.r"] for x in study.trials if x.state == TrialState.COMPLETE]
     assert sorted(done) == [4, 8]
 
@@ -155,7 +155,7 @@ def test_a_sweep_that_prints_aborted_exits_non_zero(tmp_path, monkeypatch, capsy
 
     monkeypatch.setattr(WorkerPool, "run_worker", stops_without_the_event)
     plan = plan_from_args([f"results_dir={tmp_path}", *ARGS])
-    assert Sweep(plan, runner=_Runner(False, plan.sweep_dir, [])).run() == 1
+    assert Sweep(plan, runner=_Runner(False, plan.folder, [])).run() == 1
     assert "ABORTED: the launcher's controller stopped answering" in capsys.readouterr().out
 
 
@@ -205,7 +205,7 @@ def test_jobs_that_could_not_be_cancelled_are_stopped_by_the_rerun_however_slow_
     monkeypatch.setenv("VRAMSWEEP_FAKE", "{}")
     plan = plan_from_args([f"results_dir={tmp_path}", *ARGS, "hydra.sweeper.n_jobs=3"])
     log: list = []
-    runner = _SlowCancelRunner(False, plan.sweep_dir, log)
+    runner = _SlowCancelRunner(False, plan.folder, log)
 
     def ctrl_c():
         while len([e for e in log if e[0] == "run"]) < 3:

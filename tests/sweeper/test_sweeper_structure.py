@@ -96,19 +96,23 @@ def test_sweep_config_typed_values():
 
 def test_a_sweeper_setting_is_one_field_read_through_the_plan(tmp_path):
     """A ``hydra.sweeper.*`` key is declared once (its ``SweeperConf`` field, with its rule) and the plan
-    reads it through from the checked conf; the plan's own fields of the same name are the derived values
-    (normalised URL, folder, ...), a fixed short list, so a new setting needs no second declaration."""
+    reads it through from the checked conf; a value derived from a setting (normalised URL, folder, ...) has
+    its own name (``DERIVED``, a fixed short list: no Plan field shadows a setting), and the setting's name
+    on a plan is refused, so a new setting needs no second declaration."""
     from dataclasses import fields
 
     from vramsweep.sweeper.engine import plan_from_args
-    from vramsweep.sweeper.plan import Plan
+    from vramsweep.sweeper.plan import DERIVED, Plan
     from vramsweep.sweeper.settings import SweeperConf
 
     conf_keys = {f.name for f in fields(SweeperConf)}
-    derived = conf_keys & {f.name for f in fields(Plan)}
-    assert derived == {
+    plan_keys = {f.name for f in fields(Plan)}
+    assert not conf_keys & plan_keys, "a Plan field shadows a setting"
+    assert set(DERIVED) == {
         *("n_jobs", "storage", "study_name", "sampler", "pruner", "params", "sweep_dir", "objectives"),
     }
+    assert set(DERIVED.values()) <= plan_keys
+    derived = set(DERIVED)
     assert all("rule" in f.metadata for f in fields(SweeperConf))
     doc = SweeperConf.__doc__ or ""
     assert all(f"    {k}:" in doc for k in conf_keys), "every setting has its docstring line"
@@ -125,3 +129,6 @@ def test_a_sweeper_setting_is_one_field_read_through_the_plan(tmp_path):
     assert (plan.retry_stale, plan.grace_s) == (5, 70.0)
     with pytest.raises(AttributeError, match="no attribute 'not_a_setting'"):
         _ = plan.not_a_setting
+    for k, name in DERIVED.items():
+        with pytest.raises(AttributeError, match=f"plan.{name} .resolved. or plan.conf.{k}"):
+            getattr(plan, k)

@@ -51,9 +51,9 @@ def test_sweep_file_composes_and_validates(name):
         assert all(lo_pred > 0 for _, _, lo_pred in mplan.configs)
         return
     plan = plan_from_args([f"sweep={name}"])
-    assert plan.name == name and plan.study_name == name
-    assert plan.sweep_dir == (Path("results") / "sweeps" / name).resolve()
-    assert plan.n_total >= 2 and plan.objectives
+    assert plan.name == name and plan.study_key == name
+    assert plan.folder == (Path("results") / "sweeps" / name).resolve()
+    assert plan.n_total >= 2 and plan.goals
     if plan.design in ("ablation", "stacking", "grid"):
         assert plan.points is not None and len(plan.points) == plan.n_total
     else:

@@ -137,6 +137,7 @@ def hydra_group_options(group: str) -> list[str]:
         for part in group.split("/"):
             node = node.get(part, {}) if isinstance(node, dict) else {}
         return sorted(str(k).removesuffix(".yaml") for k in node) if isinstance(node, dict) else []
+    # broad on purpose: the option list is a hint in an error message; Hydra's repo shape varies
     except Exception:
         return []
 
@@ -244,6 +245,7 @@ def compose(
             return cfg
         try:
             OmegaConf.resolve(cfg)
+        # broad on purpose: any resolver or interpolation error is the user's config: one ConfigError
         except Exception as exc:
             raise ConfigError(f"cannot resolve config: {exc}") from exc
         shrunk = fit_unset(cfg)  # train.dtype=auto, unset warm-ups fitted to train.steps (config.fit)

@@ -66,6 +66,7 @@ def cuda_available() -> bool:
         import torch
 
         return bool(torch.cuda.is_available())
+    # broad on purpose: a broken CUDA/driver install means no usable CUDA here, whatever it raises
     except Exception:
         return False
 

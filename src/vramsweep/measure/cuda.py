@@ -160,6 +160,7 @@ class NvmlSampler(threading.Thread):
                     h = pynvml.nvmlDeviceGetHandleByUUID(f"{prefix}{self.uuid}")
                     self.handle_by = f"uuid {prefix}{self.uuid}"
                     return h
+                # broad on purpose: NVML raises its own error class per lookup; the next prefix is tried
                 except Exception:
                     continue
         self.handle_by = f"index {self.index}"
@@ -196,12 +197,14 @@ class NvmlSampler(threading.Thread):
             while not self._halt.wait(self.interval_s):
                 self.sample(pynvml, handle)
             self.sample(pynvml, handle)  # one last look after the work stopped
+        # broad on purpose: the sampler thread must not die silently; the error is kept and reported
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
             self._ready.set()
             try:
                 pynvml.nvmlShutdown()
+            # broad on purpose: shutdown after sampling; NVML may already be gone
             except Exception:
                 pass
 
@@ -272,6 +275,7 @@ class CudaMemoryMonitor:
         self.device_name = str(getattr(props, "name", "?"))
         try:
             self.allocator_backend = str(torch.cuda.get_allocator_backend())
+        # broad on purpose: an optional diagnostic; older torch builds raise different errors
         except Exception:
             self.allocator_backend = None
         uuid = getattr(props, "uuid", None)

@@ -77,6 +77,7 @@ def busy_other_cores(sample_s: float = SAMPLE_S) -> float | None:
         time.sleep(sample_s)
         per_cpu = psutil.cpu_percent(percpu=True)
         own = (sum(os.times()[:2]) - own0) / max(time.perf_counter() - t0, 1e-6)
+    # broad on purpose: psutil or a container's /proc may fail in many ways: no CPU sample
     except Exception:
         return None
     mine = [per_cpu[i] for i in cores if i < len(per_cpu)] if cores else per_cpu

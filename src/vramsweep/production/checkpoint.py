@@ -32,6 +32,7 @@ from omegaconf import OmegaConf
 from vramsweep.config.compose import ConfigError
 from vramsweep.loop import Callback
 from vramsweep.production.outputs import travelling_config
+from vramsweep.record.atomic import fsync_dir
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -56,14 +57,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 class Preempted(RuntimeError):
     """SIGTERM/SIGUSR1/SIGUSR2 arrived: the run checkpointed and stopped (``train.resume=auto`` continues
     it)."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_file(path: Path) -> None:
@@ -422,7 +415,7 @@ class Checkpointer(Callback):
                 _fsync_file(tmp / name)
             (tmp / COMPLETE).write_text(f"step {step + 1}\n")
             _fsync_file(tmp / COMPLETE)
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -430,7 +423,7 @@ class Checkpointer(Callback):
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self.saved.append(final)
         for old in checkpoint_dirs(self.root.parent)[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)

@@ -36,6 +36,7 @@ from vramsweep.production.layout import (
     TOKENIZER_DIR,
     read_manifest,
 )
+from vramsweep.record.atomic import atomic_write_text
 
 __all__ = ["LossLog", "RunFolder", "read_manifest", "run_folder_for", "save_outputs", "write_config"]
 
@@ -88,16 +89,7 @@ def write_config(run: RunFolder, config: dict) -> None:
     run.path.mkdir(parents=True, exist_ok=True)
     config, notes = travelling_config(config)
     text = "".join(n + "\n" for n in notes) + OmegaConf.to_yaml(OmegaConf.create(config))
-    _atomic_text(run.path / CONFIG_FILE, text)
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(run.path / CONFIG_FILE, text)
 
 
 class LossLog(Callback):
@@ -174,5 +166,5 @@ def save_outputs(
         "quant": {"bits": int(cfg.quant.bits), "name": str(cfg.quant.name)},
         "steps": int(cfg.train.steps),
     }
-    _atomic_text(run.path / RUN_MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    atomic_write_text(run.path / RUN_MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest

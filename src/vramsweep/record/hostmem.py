@@ -16,11 +16,15 @@ Torch-free and stdlib-only: the sweeper process reads the marker, the trial proc
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import resource
 import time
+from pathlib import Path
 from typing import Any
+
+from vramsweep.record.atomic import atomic_write_text
 
 #: Environment variable naming the file a trial process writes its host-pool progress to.
 MARKER_ENV = "VRAMSWEEP_HOST_POOL_MARKER"
@@ -81,10 +85,8 @@ def write_marker(state: str, pool_bytes: int, **extra: Any) -> None:
         **process_rss(),
         **extra,
     }
-    with contextlib.suppress(OSError):
-        with open(path + ".tmp", "w") as fh:
-            json.dump(record, fh)
-        os.replace(path + ".tmp", path)
+    with contextlib.suppress(OSError):  # a marker that cannot be written leaves the last one
+        atomic_write_text(path, json.dumps(record), durable=False)
 
 
 def read_marker(path: str | os.PathLike) -> dict[str, Any] | None:
@@ -98,7 +100,10 @@ def read_marker(path: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def remove_marker(path: str | os.PathLike) -> None:
-    for p in (os.fspath(path), os.fspath(path) + ".tmp"):
+    """Remove the marker and any temp file a killed writer left (:func:`atomic_write_text`'s
+    ``.<name>.<random>.tmp``)."""
+    path = Path(path)
+    for p in (path, *path.parent.glob(f".{glob.escape(path.name)}.*.tmp")):
         with contextlib.suppress(OSError):
             os.unlink(p)
 

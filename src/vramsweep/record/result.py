@@ -9,10 +9,10 @@ import json
 import math
 import os
 import stat
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from vramsweep.record.atomic import atomic_write_text, current_umask  # noqa: F401 - re-exported
 from vramsweep.record.metrics import (  # noqa: F401 - re-exported
     MAXIMIZE_METRICS,
     METRIC_KEYS,
@@ -56,52 +56,6 @@ def _clean(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [_clean(v) for v in obj]
     return obj
-
-
-def current_umask() -> int:
-    """The process umask, read without changing it (Linux ``/proc``); else set-and-restore."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    old = os.umask(0o022)
-    os.umask(old)
-    return old
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` atomically (temp file in the same folder + fsync + ``os.replace``):
-    a reader sees the old file or the new one, never half. The file gets the mode a plain ``open()``
-    would give it (``0666`` minus the umask), not ``mkstemp``'s private ``0600``: a team sharing a
-    results folder can read it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~current_umask())
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    try:
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
-    return path
 
 
 def _dumps(data: Any) -> str:

@@ -654,6 +654,7 @@ def _open_study(url: str, study: str | None) -> Any:
         )
     try:
         return optuna.load_study(study_name=study, storage=storage)
+    # broad on purpose: any storage error (sqlalchemy, optuna) becomes one ReportError line
     except Exception as exc:
         why = mask_secret(str(exc), url)
         raise ReportError(f"cannot load study {study!r}: {exc.__class__.__name__}: {why}") from None

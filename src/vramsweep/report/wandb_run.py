@@ -242,14 +242,17 @@ class WandbLogger:
                 tags.append(_tag("design", role))
             tags.append(_tag("status", result.get("status")))
             self.run.tags = tuple(tags)
+        # broad on purpose: W&B must never fail the trial; the error is recorded
         except Exception as exc:
             self._error("tags_error", exc)
         try:
             self.run.summary.update(summary_of(result))
+        # broad on purpose: W&B must never fail the trial; the error is recorded
         except Exception as exc:
             self._error("summary_error", exc)
         try:
             self.run.finish(exit_code=0 if result.get("status") == Status.OK else 1)
+        # broad on purpose: W&B must never fail the trial; the error is recorded
         except Exception as exc:
             self._error("finish_error", exc)
 
@@ -298,6 +301,7 @@ def start_logger(
     result["meta"]["wandb"] = info
     try:
         import wandb
+    # broad on purpose: W&B is optional; a broken install must not fail the trial (recorded)
     except Exception as exc:
         info["error"] = f"wandb not importable: {exc}"
         return None
@@ -314,6 +318,7 @@ def start_logger(
         tags = start_tags(cfg_dict, design)  # type: ignore[arg-type]
         wdir = wandb_root(cfg, result, sweep_dir)
         wdir.mkdir(parents=True, exist_ok=True)
+    # broad on purpose: W&B must never fail the trial; the error is recorded in meta.wandb
     except Exception as exc:
         info["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         return None
@@ -345,6 +350,7 @@ def start_logger(
                 }
             )
             return WandbLogger(run, result)
+        # broad on purpose: W&B must never fail the trial; each attempt's error is recorded
         except Exception as exc:
             info.setdefault("errors", []).append(f"{attempt}: {type(exc).__name__}: {str(exc)[:200]}")
     return None

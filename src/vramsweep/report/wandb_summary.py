@@ -233,6 +233,7 @@ def log_summary(
         if run is not None:
             try:
                 run.finish(exit_code=1)
+            # broad on purpose: finishing a failed W&B run is best effort; the failure is reported
             except Exception:
                 pass
         return None, f"W&B summary run not logged: {exc.__class__.__name__}: {exc}"
@@ -364,6 +365,7 @@ def update_sweep_summary(
             plots = _live_plots(sweep, Path(tmp))
             _, warning = log_summary(report, plots, folder, project=project, fingerprint=fp)
         return warning
+    # broad on purpose: the W&B summary must never break the sweep; said as a warning
     except Exception as exc:
         return f"W&B summary run not updated: {exc.__class__.__name__}: {exc}"
 
@@ -414,6 +416,7 @@ class SummaryUpdater:
                         self.on_warning(warning)
                     else:
                         print(f"warning: {warning}", file=sys.stderr)
+                # broad on purpose: a failing warning callback must not stop the summary thread
                 except Exception:
                     pass
             with self._lock:

@@ -59,8 +59,8 @@ def configs_to_confirm(sweep_dir: Path, budget_gib: float, setting: int | None) 
 
 def confirm_plan(plan: Plan, trials: list[Any]) -> Plan:
     """The confirm stage's plan: one point per trial in ``trials`` (its full overrides), one trial per GPU."""
-    sweep_dir = plan.sweep_dir / CONFIRM_DIR
-    storage = plan.storage if plan.storage_given else f"sqlite:///{sweep_dir / 'study.db'}"
+    sweep_dir = plan.folder / CONFIRM_DIR
+    storage = plan.storage_url if plan.storage_given else f"sqlite:///{sweep_dir / 'study.db'}"
     points = [
         DesignPoint(i, list(t.overrides), {}, {"kind": "confirm", "role": "confirm", "of": t.number})
         for i, t in enumerate(trials)
@@ -83,11 +83,11 @@ def confirm_plan(plan: Plan, trials: list[Any]) -> Plan:
         plan,
         conf=conf,
         name=f"{plan.name}.confirm",
-        study_name=f"{plan.study_name}.confirm",
+        study_key=f"{plan.study_key}.confirm",
         design="grid",
         design_reason="sweep.confirm: the configs pick chooses between, each alone on a GPU",
-        sweep_dir=sweep_dir,
-        storage=storage,
+        folder=sweep_dir,
+        storage_url=storage,
         fixed=[],
         dims=[],
         points=points,
@@ -96,7 +96,7 @@ def confirm_plan(plan: Plan, trials: list[Any]) -> Plan:
         named=True,
         edge_start=False,
         layout=alone,
-        n_jobs=alone.n_jobs,
+        n_workers=alone.n_jobs,
     )
     return name_sweep(cplan)
 
@@ -110,7 +110,7 @@ def may_confirm(plan: Plan) -> bool:
     if confirm_setting(plan) == 0:
         return False
     try:
-        workers = json.loads((plan.sweep_dir / "sweep.json").read_text()).get("workers") or {}
+        workers = json.loads((plan.folder / "sweep.json").read_text()).get("workers") or {}
     except (OSError, ValueError, AttributeError):
         return False
     return int(workers.get("trials_per_gpu") or 1) > 1
@@ -122,13 +122,13 @@ def confirm_stage(plan: Plan) -> Plan | None:
     if plan.layout is None or not plan.layout.shares or plan.isolation in ("launcher", "inprocess"):
         return None
     setting = confirm_setting(plan)
-    trials = configs_to_confirm(plan.sweep_dir, plan.budget_gib, setting)
+    trials = configs_to_confirm(plan.folder, plan.budget_gib, setting)
     if not trials:
         return None
     print(
         f"vramsweep: confirm: {len(trials)} config(s) pick chooses between measured their throughput on a "
         f"shared GPU (trial(s) {', '.join(f'{t.number:04d}' for t in trials)}): each runs again alone "
-        f"(sweep.confirm; results in {plan.sweep_dir / CONFIRM_DIR})",
+        f"(sweep.confirm; results in {plan.folder / CONFIRM_DIR})",
         flush=True,
     )
     return confirm_plan(plan, trials)

@@ -361,12 +361,12 @@ def record_screened(book: Any, point: dict[str, Any], est: dict[str, Any], budge
         config={"hardware": {"budget_gib": budget_gib}},
     )
     res["estimate"] = est
-    outcome = classify(res, s.objectives, budget_gib=budget_gib)
+    outcome = classify(res, s.goals, budget_gib=budget_gib)
     res["meta"] = {
         "design": {"kind": "search"},
         "screened": True,
         "wall_s": 0.0,
-        "optuna": outcome.to_dict() | {"trial_number": number, "study": s.study_name},
+        "optuna": outcome.to_dict() | {"trial_number": number, "study": s.study_key},
     }
     path = book.result_path(number)
     write_result(path, res)

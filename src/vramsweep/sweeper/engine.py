@@ -47,6 +47,7 @@ from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
     NOT_IDENTITY,
     Plan,
     compose_sweep,
+    draft_plan,
     identity_hash,
     name_sweep,
     plan_design,
@@ -56,40 +57,14 @@ from vramsweep.sweeper.plan import (  # noqa: F401 - re-exported
     total_trials,
 )
 from vramsweep.sweeper.precheck import check_precheck_design, run_precheck
-from vramsweep.sweeper.progress import Progress, fmt_override, plural, status_label
+from vramsweep.sweeper.progress import Progress, plural, print_summary
 from vramsweep.sweeper.settings import SweepConfig
-from vramsweep.sweeper.storage import COPY_OF, JOB_LOST, RETRY_OF, SCREENED, requeue_lost, sqlite_path
+from vramsweep.sweeper.storage import sqlite_path
 from vramsweep.sweeper.storage_check import check_storage
 from vramsweep.sweeper.study import StudyBook
 from vramsweep.sweeper.workers import RunState, WorkerPool
 
 log = logging.getLogger("vramsweep.sweeper")
-
-
-def dashboard_hint(storage: str) -> str | None:
-    """``vramsweep: dashboard: optuna-dashboard <storage>`` where optuna-dashboard is installed (the
-    ``dashboard`` extra installs it), else ``None``: a hint to a command that is not there only confuses."""
-    import importlib.util
-
-    if importlib.util.find_spec("optuna_dashboard") is None:
-        return None
-    return f"vramsweep: dashboard: optuna-dashboard {storage if '@' not in storage else '<storage URL>'}"
-
-
-def summary_status(trial: Any) -> str:
-    """What the summary counts a finished study trial as: :func:`.progress.status_label` (the progress line's
-    rule: ``over budget`` for an ``ok`` trial over its budget) of its recorded status and the largest budget
-    constraint the study holds for it (``constraints:<name>``; the dashboard's list copy is the same
-    value)."""
-    constraints = [
-        v
-        for k, v in trial.system_attrs.items()
-        if k.startswith("constraints") and isinstance(v, int | float) and not isinstance(v, bool)
-    ]
-    status = trial.user_attrs.get("status", trial.state.name.lower())
-    return status_label(
-        {"status": status, "meta": {"optuna": {"constraint": max(constraints, default=None)}}}
-    )
 
 
 class Sweep:
@@ -107,7 +82,7 @@ class Sweep:
                     "hydra.sweeper.isolation=launcher needs the Hydra sweeper plugin (vramsweep train -m)",
                     key="hydra.sweeper.isolation",
                 )
-            self.runner = runner or LauncherRunner(launcher_factory, s.sweep_dir, batch_size=s.n_jobs)
+            self.runner = runner or LauncherRunner(launcher_factory, s.folder, batch_size=s.n_workers)
         else:
             self.runner = runner or make_runner(s.isolation, s.preload)
         self.progress = Progress(plan.n_total, enabled=s.progress)
@@ -122,7 +97,7 @@ class Sweep:
         sweep = cls(plan, **kw)
         sweep.book.study = study
         print(
-            f"vramsweep: study '{plan.study_name}' is complete ({plan.n_total}/{plan.n_total} "
+            f"vramsweep: study '{plan.study_key}' is complete ({plan.n_total}/{plan.n_total} "
             "finished): nothing to run",
             flush=True,
         )
@@ -139,7 +114,7 @@ class Sweep:
             return 0
         wandb_summary = None
         if self.plan.wandb:
-            wandb_summary = SummaryUpdater(s.sweep_dir, on_warning=self.progress.say)
+            wandb_summary = SummaryUpdater(s.folder, on_warning=self.progress.say)
         pool = WorkerPool(self.book, self.runner, state, self.progress, wandb_summary, seats=self.seats())
         stop_beat = threading.Event()
         t0 = time.perf_counter()
@@ -153,7 +128,7 @@ class Sweep:
             started = True
             pool.prime()
             self.progress.start()
-            self._run_workers(pool, max(1, s.n_jobs))
+            self._run_workers(pool, max(1, s.n_workers))
         finally:
             stop_beat.set()
             self.progress.stop()
@@ -162,7 +137,7 @@ class Sweep:
             if wandb_summary is not None:
                 wandb_summary.close()
         self.summary(time.perf_counter() - t0)
-        checkpoint_wal(s.storage)
+        checkpoint_wal(s.storage_url)
         # an aborted sweep exits non-zero whatever stopped it (a reason set without the event included)
         return 1 if state.abort.is_set() or state.abort_reason or state.interrupted else 0
 
@@ -184,7 +159,7 @@ class Sweep:
             try:
                 pool.run_worker(i)
             except BaseException as exc:  # a bug, not a trial failure: stop the sweep, say why
-                full = disk_full_reason(exc, sqlite_path(self.plan.storage) or self.plan.sweep_dir)
+                full = disk_full_reason(exc, sqlite_path(self.plan.storage_url) or self.plan.folder)
                 if full is not None:  # the study or a result could not be written: one line, no traceback
                     state.abort_reason = full
                     state.abort.set()
@@ -222,11 +197,22 @@ class Sweep:
                 while not all(e.is_set() for e in done):
                     time.sleep(0.2)
 
+    def summary(self, wall_s: float) -> None:
+        """The end-of-run summary (:func:`.progress.print_summary`)."""
+        print_summary(
+            self.plan,
+            self.book.study,
+            finished=self.state.finished,
+            wall_s=wall_s,
+            abort_reason=self.state.abort_reason,
+            waiting=self.book.waiting(),
+        )
+
     def describe(self) -> str:
         """One line: what runs and how (sampler, pruning, isolation, workers)."""
         s = self.plan
         if s.pruning_active:
-            pruning = f"pruner {s.pruner_name} on {s.objectives[0].metric}"
+            pruning = f"pruner {s.pruner_name} on {s.goals[0].metric}"
         elif s.pruner_name == "none":
             pruning = "no pruning"
         elif s.design != "search":
@@ -245,89 +231,13 @@ class Sweep:
         what = f"{s.design} design" if s.design != "search" else f"{s.sampler_name} sampler"
         if s.design_reason:
             what += f" ({s.design_reason})"
-        objs = ", ".join(f"{o.direction} {o.metric}" for o in s.objectives)
+        objs = ", ".join(f"{o.direction} {o.metric}" for o in s.goals)
         budget = f"; budget {s.budget_gib:g} GiB" if s.budget_gib else ""
-        workers = s.layout.line if s.layout is not None else f"{s.n_jobs} worker(s)"
+        workers = s.layout.line if s.layout is not None else f"{s.n_workers} worker(s)"
         return (
             f"vramsweep: '{s.name}': {what}, {plural(self.plan.n_total, 'trial')}, {objs}{budget}; "
             f"{pruning}; {workers}, each trial in a {how}"
         )
-
-    def summary(self, wall_s: float) -> None:
-        """Counts by status, the best feasible trial(s), where the results are."""
-        from optuna.trial import TrialState
-
-        trials = self.book.study.get_trials(deepcopy=False)
-        retried = {t.system_attrs.get(RETRY_OF) for t in trials} - {None}
-        by_status: dict[str, int] = {}
-        jobs_lost = 0
-        for t in trials:
-            if (
-                t.number in retried
-                or t.system_attrs.get(COPY_OF) is not None
-                or t.system_attrs.get(SCREENED)  # sweep.edge_start's estimate-only records: not counted
-                or t.state in (TrialState.WAITING, TrialState.RUNNING)
-            ):
-                continue
-            if t.system_attrs.get(JOB_LOST):  # lost infrastructure, not a result: never an "error"
-                jobs_lost += 1
-                continue
-            st = summary_status(t)
-            by_status[st] = by_status.get(st, 0) + 1
-        lines = [
-            f"vramsweep: sweep '{self.plan.name}' - this run: "
-            f"{plural(self.state.finished, 'trial')} in {wall_s:.0f} s; study total: "
-            + (", ".join(f"{v} {k}" for k, v in sorted(by_status.items())) or "no finished trials")
-            + (f"; {plural(jobs_lost, 'launcher job')} lost (not results)" if jobs_lost else "")
-        ]
-        try:
-            best = self.book.study.best_trials
-        except Exception:
-            best = []
-        if best:
-            if len(self.plan.objectives) == 1:
-                b = best[0]
-                lines.append(
-                    f"vramsweep: best feasible: trial {b.number:04d} "
-                    f"{self.plan.objectives[0].metric}={b.values[0]:.6g} "
-                    + " ".join(
-                        fmt_override(o)
-                        for o in b.user_attrs.get("overrides") or []
-                        if o not in self.plan.fixed
-                    )
-                )
-            else:
-                lines.append(
-                    f"vramsweep: Pareto front (feasible): trials {', '.join(f'{t.number:04d}' for t in best)}"
-                )
-        left = requeue_lost(self.book.study)
-        lost = [t.number for t in left if not t.system_attrs.get(JOB_LOST)]
-        job_lost = [t.number for t in left if t.system_attrs.get(JOB_LOST)]
-        if lost:
-            lines.append(
-                f"vramsweep: {len(lost)} design point(s) lost for good (their worker died or was stopped "
-                f"{self.plan.retry_stale + 1} times: trial(s) {', '.join(f'{n:04d}' for n in lost)}): "
-                f"re-run with hydra.sweeper.retry_stale={self.plan.retry_stale + 1} to retry them"
-            )
-        if self.state.abort_reason:
-            lines.append(f"vramsweep: ABORTED: {self.state.abort_reason}")
-        if (hint := dashboard_hint(self.plan.storage)) is not None:
-            lines.append(hint)
-        lines.append(f"results: {self.plan.sweep_dir}")
-        waiting = self.book.waiting()
-        if job_lost or waiting:  # the last line: how to retry what is left
-            what = (
-                [f"{plural(len(job_lost), 'trial')} whose launcher job was lost ({_numbers(job_lost)})"]
-                if job_lost
-                else []
-            )
-            what += [f"{plural(waiting, 'trial')} waiting"] if waiting else []
-            lines.append(
-                f"vramsweep: left: {' and '.join(what)}: re-run the same command to run "
-                f"{'it' if len(job_lost) + waiting == 1 else 'them'}"
-            )
-        for line in lines:
-            print(line, flush=True)
 
 
 def run_sweep(
@@ -357,14 +267,19 @@ def run_sweep(
             print(error_line("train", str(exc)), file=sys.stderr)
             return 2
         return run_max_context(sweeper_cfg, task_cfg, arguments, runner=runner)
-    done = finished_study(sweeper_cfg, task_cfg, arguments)
+    # the settings resolved once per run: the fast path below reads this draft, plan_sweep completes it
+    try:
+        draft = draft_plan(sweeper_cfg, task_cfg, arguments)
+    except ConfigError:
+        draft = None  # bad settings: plan_sweep below says so, after the checks that come first
+    done = finished_study(draft, task_cfg) if draft is not None else None
     # nothing to run (and no confirm stage to finish): the summary, without composing every point or torch
     if done is not None and not may_confirm(done[0]):
         return Sweep.report_complete(*done, runner=runner, launcher_factory=launcher_factory)
     try:
         check_fault_env()
         check_named_options(arguments)  # sweep=<typo>: Hydra ignores an unknown option of an optional group
-        plan = plan_sweep(sweeper_cfg, task_cfg, arguments)
+        plan = plan_sweep(sweeper_cfg, task_cfg, arguments, draft=draft)
         # before the study, any folder or any trial
         preflight_sweep(plan, task_cfg, arguments, check_storage=check_storage)
         plan = run_precheck(plan)  # sweep.check=true: vramsweep check on the baseline (a FAIL: exit 2)
@@ -419,10 +334,6 @@ def checkpoint_wal(url: str) -> None:
         contextlib.closing(sqlite3.connect(str(path), timeout=30)) as conn,
     ):
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-
-
-def _numbers(numbers: list[int]) -> str:
-    return "trial " + ", ".join(f"{n:04d}" for n in numbers)
 
 
 def _fork_how(preload: list[str]) -> str:

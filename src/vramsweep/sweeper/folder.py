@@ -53,7 +53,7 @@ def unmake(made: list[Path]) -> None:
 
 def check_owner(plan: Any) -> None:
     """``sweep.json`` of another study or storage in this folder: a ConfigError (exit 2)."""
-    path = Path(plan.sweep_dir) / "sweep.json"
+    path = Path(plan.folder) / "sweep.json"
     try:
         recorded = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -61,14 +61,14 @@ def check_owner(plan: Any) -> None:
     if not isinstance(recorded, dict):
         return
     theirs = (recorded.get("study_name"), recorded.get("storage"))
-    ours = (plan.study_name, mask_url(plan.storage))
+    ours = (plan.study_key, mask_url(plan.storage_url))
     if theirs == ours or None in theirs:
         return
-    here = (plan.study_name, _in_folder(plan.storage, plan.sweep_dir))
+    here = (plan.study_key, _in_folder(plan.storage_url, plan.folder))
     if (theirs[0], _in_folder(theirs[1], recorded.get("sweep_dir"))) == here and here[1] is not None:
         return  # the folder's own database, recorded where the folder lay before it was copied or moved
     raise ConfigError(
-        f"sweep folder {plan.sweep_dir} belongs to sweep '{recorded.get('name')}' (study "
+        f"sweep folder {plan.folder} belongs to sweep '{recorded.get('name')}' (study "
         f"'{theirs[0]}' in {theirs[1]}); this is sweep '{plan.name}' (study '{ours[0]}' in {ours[1]}): a "
         "sweep folder holds one study. Give this sweep its own folder (another hydra.sweep.dir, or leave it "
         "out: <results_dir>/sweeps/<name>)",
@@ -108,12 +108,12 @@ def check_evidence(plan: Any, on_disk: list[int], known: set[int] | None) -> Non
         f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
     )
     what = (
-        f"study '{plan.study_name}' does not exist"
+        f"study '{plan.study_key}' does not exist"
         if known is None
-        else f"study '{plan.study_name}' has no such trial(s)"
+        else f"study '{plan.study_key}' has no such trial(s)"
     )
     raise ConfigError(
-        f"sweep folder {plan.sweep_dir}: trials/ holds result files of trials the study does not know "
+        f"sweep folder {plan.folder}: trials/ holds result files of trials the study does not know "
         f"({shown}; {what}): its database lost commits (copied without study.db-wal?) or was replaced. "
         "Running would overwrite them: put the study's study.db-wal back next to study.db, or move the "
         "trials/ files away to keep them",

@@ -8,6 +8,8 @@ returned float (or sequence, for several ``direction`` entries) is told to the s
 name or ``_target_`` incl. ``GridSampler``/``CmaEsSampler``; a missing optional package exits 2),
 ``custom_search_space`` (``module.function(cfg, trial)``), ``n_trials``, ``n_jobs``, ``storage`` (``null``
 = in memory), ``study_name``, ``seed``, ``max_failure_rate``. vramsweep-only settings are ignored here.
+The settings are read through the same typed :class:`~vramsweep.sweeper.settings.SweeperConf` as the main
+driver's (:func:`~vramsweep.sweeper.settings.sweeper_conf`): one default per setting, whichever driver runs.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from vramsweep.config.compose import ConfigError
 from vramsweep.sweeper.samplers import make_sampler
-from vramsweep.sweeper.settings import _param_str, check_conf, resolve_custom_search_space
+from vramsweep.sweeper.settings import SweeperConf, _param_str, resolve_custom_search_space, sweeper_conf
 from vramsweep.sweeper.space import (
     Param,
     cli_sweep_params,
@@ -93,15 +95,16 @@ def _tell(study: Any, trial: Any, values: Any = None, state: Any = None) -> None
 
 @dataclass
 class FunctionPlan:
-    """A function-mode sweep, parsed and checked: the space, fixed overrides, objectives and budget."""
+    """A function-mode sweep, parsed and checked: the typed settings (``conf``) and what is derived from
+    them: the space, fixed overrides, directions, sampler and trial count."""
 
+    conf: SweeperConf
     dims: list[Any]
     fixed: list[str]
     directions: list[str]
     sampler: Any
     n_jobs: int
     n_trials: int
-    max_failure_rate: float
     custom: Any  # custom_search_space(cfg, trial) or None
 
 
@@ -112,29 +115,28 @@ def plan_function_sweep(settings: dict[str, Any], arguments: list[str]) -> Funct
     if isinstance(sampler_spec, dict) and not sampler_spec.get("name") and not sampler_spec.get("_target_"):
         # a conf that sets only ``sampler.seed`` (upstream's examples): upstream's default sampler, TPE
         settings = {**settings, "sampler": {"name": "tpe", **sampler_spec}}
-    check_conf(settings)  # every hydra.sweeper.* key: type and range
+    conf = sweeper_conf(settings)  # every hydra.sweeper.* key: known, type and range; typed
     cli_params, cli_fixed = cli_sweep_params(arguments)
-    params = {str(k): _param_str(v) for k, v in (settings.get("params") or {}).items()} | cli_params
+    params = {str(k): _param_str(v) for k, v in (conf.params or {}).items()} | cli_params
     pinned = {override_key(o) for o in cli_fixed}  # `y=0` on the command line pins a param, as upstream
     dims, fixed_params = parse_params({k: v for k, v in params.items() if k not in pinned})
-    directions = _directions(settings.get("direction"))
+    directions = _directions(conf.direction)
     # auto: the launcher's own parallelism decides; batches of 1
-    n_jobs = 1 if settings.get("n_jobs") in (None, "auto") else int(settings["n_jobs"])
-    sampler = _sampler(settings.get("sampler"), settings.get("seed"), dims, n_jobs, len(directions))
+    n_jobs = 1 if conf.n_jobs in (None, "auto") else int(conf.n_jobs)
+    sampler = _sampler(conf.sampler, conf.seed, dims, n_jobs, len(directions))
     grid_size = None
     if isinstance(sampler, tuple):
         sampler, grid_size = sampler
-    n_trials = settings.get("n_trials")
-    n_trials = DEFAULT_N_TRIALS if n_trials is None else int(n_trials)
+    n_trials = DEFAULT_N_TRIALS if conf.n_trials is None else int(conf.n_trials)
     return FunctionPlan(
+        conf=conf,
         dims=dims,
         fixed=merge_overrides(fixed_params, cli_fixed),
         directions=directions,
         sampler=sampler,
         n_jobs=n_jobs,
         n_trials=n_trials if grid_size is None else min(n_trials, grid_size),
-        max_failure_rate=float(settings.get("max_failure_rate", 0.0) or 0.0),
-        custom=_custom(settings.get("custom_search_space")),
+        custom=_custom(conf.custom_search_space),
     )
 
 
@@ -152,8 +154,8 @@ def run_function_sweep(
         return 2
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(
-        study_name=settings.get("study_name"),
-        storage=settings.get("storage"),
+        study_name=plan.conf.study_name,
+        storage=plan.conf.storage,
         sampler=plan.sampler,
         directions=plan.directions,
         load_if_exists=True,
@@ -170,6 +172,7 @@ def run_function_sweep(
         for trial, ret in zip(trials, returns):
             try:
                 values = _values(ret, len(plan.directions))
+            # broad on purpose: the app's own exception (any type) is a failed trial, as upstream
             except Exception as exc:
                 failures += 1
                 last_error = f"{type(exc).__name__}: {exc}"
@@ -183,10 +186,10 @@ def run_function_sweep(
                 continue
             _tell(study, trial, values)
         done += len(trials)
-        if failures and failures / done > plan.max_failure_rate:
+        if failures and failures / done > plan.conf.max_failure_rate:
             print(
                 f"vramsweep: ABORTED: {failures}/{done} trials failed > "
-                f"hydra.sweeper.max_failure_rate={plan.max_failure_rate}; last error: {last_error}",
+                f"hydra.sweeper.max_failure_rate={plan.conf.max_failure_rate}; last error: {last_error}",
                 file=sys.stderr,
             )
             return 1

@@ -107,6 +107,7 @@ def _nvml_gpus() -> list[Gpu] | None:
         return None
     try:
         pynvml.nvmlInit()
+    # broad on purpose: NVML missing or broken (NVMLError_*, OSError) = no GPU list from NVML
     except Exception:
         return None
     try:
@@ -117,9 +118,11 @@ def _nvml_gpus() -> list[Gpu] | None:
             uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
             gpus.append(Gpu(str(i), int(pynvml.nvmlDeviceGetMemoryInfo(h).total), uuid))
         return gpus
+    # broad on purpose: any NVML query error = no GPU list from NVML (CUDA_VISIBLE_DEVICES decides)
     except Exception:
         return None
     finally:
+        # broad on purpose: NVML shutdown after the query; it may be gone already
         with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
 

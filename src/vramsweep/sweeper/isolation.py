@@ -244,6 +244,7 @@ class ProcessRunner(Runner):
             self._killing = True
             live = list(self._live)
         for proc in live:
+            # broad on purpose: a process that ended meanwhile cannot be killed; the others are
             with contextlib.suppress(Exception):
                 proc.kill()
 
@@ -282,6 +283,7 @@ class ProcessRunner(Runner):
         wall = time.perf_counter() - t0
         exitcode = proc.exitcode
         self._live.discard(proc)
+        # broad on purpose: closing a finished process handle frees resources; best effort
         with contextlib.suppress(Exception):
             proc.close()
         data = _load_child_result(spec.result_path)

@@ -121,6 +121,7 @@ def slurm_state(job_id: str) -> str | None:
 
 def _sacct_state(job_id: str) -> str | None:
     """The final state from accounting when it is there (``None`` otherwise)."""
+    # broad on purpose: sacct missing, slow or odd: no accounting state
     with contextlib.suppress(Exception):
         p = subprocess.run(
             ["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "State"],
@@ -134,6 +135,7 @@ def _sacct_state(job_id: str) -> str | None:
 
 
 def _tail(path: Any, n: int = 600) -> str:
+    # broad on purpose: a log tail is a hint; a missing or odd file gives none
     with contextlib.suppress(Exception):
         text = Path(path).read_text(errors="replace")
         return " ".join(text[-n:].split())
@@ -212,8 +214,10 @@ class LauncherRunner(Runner):
             from omegaconf import OmegaConf, open_dict
 
             default = None
+            # broad on purpose: a launcher config without hydra.sweep.dir keeps its own
             with contextlib.suppress(Exception):
                 default = str(OmegaConf.select(cfg, "hydra.sweep.dir"))
+            # broad on purpose: a config that refuses the key keeps its own folder
             with contextlib.suppress(Exception), open_dict(cfg):
                 cfg.hydra.sweep.dir = str(self.sweep_dir)
             # settings resolved from the default sweep dir when the launcher was made (submitit_folder:
@@ -293,6 +297,7 @@ class LauncherRunner(Runner):
             returns = list(
                 self.launcher.launch([r.overrides for r in batch], initial_job_idx=batch[0].spec.number)
             )
+        # broad on purpose: a launcher plugin may raise anything; the batch's trials record it
         except Exception as exc:
             text = " ".join(str(exc).split())
             for r in batch:
@@ -437,6 +442,7 @@ class _SubmititJobs:
             self._live[str(job.job_id)] = job
             self._numbers[str(job.job_id)] = idx
         if self.on_submit is not None:  # kept in the study: a re-run finds the job if this sweeper dies
+            # broad on purpose: recording the job is for a later re-run; the trial runs anyway
             with contextlib.suppress(Exception):
                 self.on_submit(req.spec, job_record(self.kind, job))
         return job
@@ -474,11 +480,12 @@ class _SubmititJobs:
                 return f"scancel failed: {' '.join(str(exc).split())[:200]}"
         proc = getattr(job, "_process", None)  # a local job: SIGINT first, SIGKILL if it lingers
         if proc is not None:
+            # broad on purpose: stopping a local job is best effort, step by step (wait, kill, wait)
             with contextlib.suppress(Exception):
                 proc.wait(timeout=3)
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # broad on purpose: it may have ended meanwhile
                 proc.kill()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # broad on purpose: the poll below says what is left
                 proc.wait(timeout=5)
             if proc.poll() is None:
                 return "its process survived SIGKILL"

@@ -41,7 +41,7 @@ from vramsweep.record.result import atomic_write_json, atomic_write_text, write_
 from vramsweep.record.status import Status
 from vramsweep.record.units import GIB
 from vramsweep.sweeper.isolation import make_runner
-from vramsweep.sweeper.settings import DEFAULT_PRELOAD, DEFAULT_TRIAL_FN, SweepConfig, check_conf
+from vramsweep.sweeper.settings import SweepConfig, SweeperConf, sweeper_conf
 from vramsweep.sweeper.space import override_key
 from vramsweep.sweeper.trialproc import TrialSpec
 
@@ -58,10 +58,11 @@ def _fits(result: dict[str, Any], budget_bytes: int) -> bool | None:
 
 
 class _Prober:
-    def __init__(self, runner, sweep_dir: Path, settings: dict[str, Any], budget_bytes: int, say):
+    def __init__(self, runner, sweep_dir: Path, name: str, conf: SweeperConf, budget_bytes: int, say):
         self.runner = runner
         self.dir = sweep_dir
-        self.s = settings
+        self.name = name
+        self.conf = conf
         self.budget = budget_bytes
         self.say = say
         self.number = 0
@@ -87,22 +88,22 @@ class _Prober:
             slot=number,
             overrides=over,
             result_path=str(self.dir / "trials" / f"{number:04d}.json"),
-            sweep_name=self.s["name"],
-            study_name=self.s["name"],
+            sweep_name=self.name,
+            study_name=self.name,
             storage="",
             objectives=[],
-            trial_fn=self.s["trial_fn"],
+            trial_fn=self.conf.trial_fn,
             design={"role": "max_context", "tokens": tokens},
             budget_gib=self.budget / GIB,
             log_path=None
-            if self.s["isolation"] == "inprocess"
+            if self.conf.isolation == "inprocess"
             else str(self.dir / "trials" / f"{number:04d}.log"),
             parent_pid=os.getpid(),
             env=dict(os.environ),
             cwd=os.getcwd(),
         )
         t0 = time.perf_counter()
-        rep = self.runner.run(spec, timeout_s=self.s.get("timeout_s"))
+        rep = self.runner.run(spec, timeout_s=self.conf.timeout_s)
         res = rep.result
         res.setdefault("meta", {})["max_context_probe"] = {"tokens": tokens}
 
@@ -265,7 +266,8 @@ def _table_md(rows: list[dict], budget_gib: float, device_note: str) -> str:
 
 @dataclass
 class MaxContextPlan:
-    """A validated ``max_context`` sweep: bounds, budget, and each config with its predicted length."""
+    """A validated ``max_context`` sweep: bounds, budget, and each config with its predicted length; ``conf``
+    the typed ``hydra.sweeper.*`` settings (the main driver's :class:`SweeperConf`)."""
 
     name: str
     lo: int
@@ -276,6 +278,7 @@ class MaxContextPlan:
     configs: list[tuple[list[str], list[str], int]] = field(
         default_factory=list
     )  # (overrides, config, predicted)
+    conf: SweeperConf = field(default_factory=SweeperConf)
 
 
 def plan_max_context(
@@ -284,9 +287,9 @@ def plan_max_context(
     """Check everything (bounds, every config composes and passes the rules, a budget) and predict each
     config's max context; raise ``ConfigError`` before anything is written."""
 
-    check_conf(sweeper_cfg)  # every hydra.sweeper.* key: type and range (timeout_s, n_jobs, ...)
+    conf = sweeper_conf(sweeper_cfg)  # every hydra.sweeper.* key: type and range (timeout_s, n_jobs, ...)
     sweep = SweepConfig.from_dict(task_cfg.get("sweep"))
-    name = str(sweeper_cfg.get("study_name") or sweep.name or "max_context")
+    name = str(conf.study_name or sweep.name or "max_context")
     bounds = sweep.max_context
     try:
         lo, hi, step = (
@@ -308,7 +311,7 @@ def plan_max_context(
     fixed = [a for a in arguments if not override_key(a).startswith(("sweep.", "hydra."))]
     fixed = [*sweep.fixed, *fixed]
     configs = [list(c) if isinstance(c, list | tuple) else str(c).split() for c in (sweep.configs or [[]])]
-    plan = MaxContextPlan(name, lo, hi, step, 0, fixed)
+    plan = MaxContextPlan(name, lo, hi, step, 0, fixed, conf=conf)
     for conf in configs:
         over = [*fixed, *conf]
         try:
@@ -376,25 +379,18 @@ def run_max_context(
         print(error_line("train", str(exc)), file=sys.stderr)
         return 2
     results_dir = str(task_cfg.get("results_dir") or "results")
-    sweep_dir = Path(
-        os.path.abspath(sweeper_cfg.get("sweep_dir") or Path(results_dir) / "sweeps" / plan.name)
-    )
+    conf = plan.conf
+    sweep_dir = Path(os.path.abspath(conf.sweep_dir or Path(results_dir) / "sweeps" / plan.name))
     (sweep_dir / "trials").mkdir(parents=True, exist_ok=True)
-    isolation = str(sweeper_cfg.get("isolation") or "fork")
-    settings = {
-        "name": plan.name,
-        "trial_fn": str(sweeper_cfg.get("trial_fn") or DEFAULT_TRIAL_FN),
-        "isolation": isolation,
-        "timeout_s": sweeper_cfg.get("timeout_s"),
-    }
-    runner = runner or make_runner(isolation, list(sweeper_cfg.get("preload") or DEFAULT_PRELOAD))
+    isolation = conf.isolation
+    runner = runner or make_runner(isolation, list(conf.preload))
     say(
         f"vramsweep: '{plan.name}': max-context search over {len(plan.configs)} config(s), "
         f"{plan.lo:,}..{plan.hi:,} tokens in steps of {plan.step:,}, budget {plan.budget_bytes / GIB:g} "
         f"GiB; each probe is a real trial ({isolation})"
     )
     runner.start()
-    prober = _Prober(runner, sweep_dir, settings, plan.budget_bytes, say)
+    prober = _Prober(runner, sweep_dir, plan.name, conf, plan.budget_bytes, say)
     rows: list[dict[str, Any]] = []
     try:
         for over, conf, predicted in plan.configs:

@@ -229,6 +229,7 @@ def run_multirun(args: list[str], *, flags: list[str] | None = None, multirun: b
             main()
     except SystemExit as exc:
         code = exc.code
+    # broad on purpose: before the sweeper starts, any Hydra error is the command line's
     except Exception as exc:
         if SWEEPER_STARTED:
             raise  # a bug past the command line: the traceback is the useful output

@@ -79,6 +79,7 @@ def launcher_params(overrides: list[str], run_dir: Path) -> dict[str, Any]:
             continue
         try:
             value = OmegaConf.select(hc, f"hydra.launcher.{key}", throw_on_resolution_failure=True)
+        # broad on purpose: any resolver error in the launcher config is the user's: ConfigError
         except Exception as exc:
             raise ConfigError(f"hydra.launcher.{key}: cannot resolve {node._get_node(key)}: {exc}") from exc
         params[key] = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value

@@ -1,4 +1,5 @@
-"""Progress output: one line per finished trial (number, status, key metrics) with a total bar."""
+"""Progress output: one line per finished trial (number, status, key metrics) with a total bar, and the
+end-of-run summary (:func:`print_summary`: counts by status, the best trial(s), what is left)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from vramsweep.record.feasibility import over_budget_gib, result_budget_gib
 from vramsweep.record.metrics import MetricName as M
 from vramsweep.record.status import Status
 from vramsweep.record.units import MIB
+from vramsweep.sweeper.storage import COPY_OF, JOB_LOST, RETRY_OF, SCREENED, requeue_lost
 
 
 def bar(done: int, total: int, width: int = 20) -> str:
@@ -248,3 +250,112 @@ class Progress:
                     flush=True,
                 )
                 self._draw()
+
+
+def dashboard_hint(storage: str) -> str | None:
+    """``vramsweep: dashboard: optuna-dashboard <storage>`` where optuna-dashboard is installed (the
+    ``dashboard`` extra installs it), else ``None``: a hint to a command that is not there only confuses."""
+    import importlib.util
+
+    if importlib.util.find_spec("optuna_dashboard") is None:
+        return None
+    return f"vramsweep: dashboard: optuna-dashboard {storage if '@' not in storage else '<storage URL>'}"
+
+
+def summary_status(trial: Any) -> str:
+    """What the summary counts a finished study trial as: :func:`.progress.status_label` (the progress line's
+    rule: ``over budget`` for an ``ok`` trial over its budget) of its recorded status and the largest budget
+    constraint the study holds for it (``constraints:<name>``; the dashboard's list copy is the same
+    value)."""
+    constraints = [
+        v
+        for k, v in trial.system_attrs.items()
+        if k.startswith("constraints") and isinstance(v, int | float) and not isinstance(v, bool)
+    ]
+    status = trial.user_attrs.get("status", trial.state.name.lower())
+    return status_label(
+        {"status": status, "meta": {"optuna": {"constraint": max(constraints, default=None)}}}
+    )
+
+
+def print_summary(
+    plan: Any, study: Any, *, finished: int, wall_s: float, abort_reason: str | None, waiting: int
+) -> None:
+    """The end-of-run summary of ``plan``'s ``study``: counts by status (``finished``: trials this run
+    finished in ``wall_s``), the best feasible trial(s), points lost for good, the abort reason, where the
+    results are, and what is left (``waiting`` slots, lost launcher jobs) with how to run it."""
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.system_attrs.get(RETRY_OF) for t in trials} - {None}
+    by_status: dict[str, int] = {}
+    jobs_lost = 0
+    for t in trials:
+        if (
+            t.number in retried
+            or t.system_attrs.get(COPY_OF) is not None
+            or t.system_attrs.get(SCREENED)  # sweep.edge_start's estimate-only records: not counted
+            or t.state in (TrialState.WAITING, TrialState.RUNNING)
+        ):
+            continue
+        if t.system_attrs.get(JOB_LOST):  # lost infrastructure, not a result: never an "error"
+            jobs_lost += 1
+            continue
+        st = summary_status(t)
+        by_status[st] = by_status.get(st, 0) + 1
+    lines = [
+        f"vramsweep: sweep '{plan.name}' - this run: "
+        f"{plural(finished, 'trial')} in {wall_s:.0f} s; study total: "
+        + (", ".join(f"{v} {k}" for k, v in sorted(by_status.items())) or "no finished trials")
+        + (f"; {plural(jobs_lost, 'launcher job')} lost (not results)" if jobs_lost else "")
+    ]
+    try:
+        best = study.best_trials
+    # broad on purpose: no feasible trial or a multi-objective study without a front: no best line
+    except Exception:
+        best = []
+    if best:
+        if len(plan.goals) == 1:
+            b = best[0]
+            lines.append(
+                f"vramsweep: best feasible: trial {b.number:04d} "
+                f"{plan.goals[0].metric}={b.values[0]:.6g} "
+                + " ".join(
+                    fmt_override(o) for o in b.user_attrs.get("overrides") or [] if o not in plan.fixed
+                )
+            )
+        else:
+            lines.append(
+                f"vramsweep: Pareto front (feasible): trials {', '.join(f'{t.number:04d}' for t in best)}"
+            )
+    left = requeue_lost(study)
+    lost = [t.number for t in left if not t.system_attrs.get(JOB_LOST)]
+    job_lost = [t.number for t in left if t.system_attrs.get(JOB_LOST)]
+    if lost:
+        lines.append(
+            f"vramsweep: {len(lost)} design point(s) lost for good (their worker died or was stopped "
+            f"{plan.retry_stale + 1} times: trial(s) {', '.join(f'{n:04d}' for n in lost)}): "
+            f"re-run with hydra.sweeper.retry_stale={plan.retry_stale + 1} to retry them"
+        )
+    if abort_reason:
+        lines.append(f"vramsweep: ABORTED: {abort_reason}")
+    if (hint := dashboard_hint(plan.storage_url)) is not None:
+        lines.append(hint)
+    lines.append(f"results: {plan.folder}")
+    if job_lost or waiting:  # the last line: how to retry what is left
+        what = (
+            [f"{plural(len(job_lost), 'trial')} whose launcher job was lost ({_numbers(job_lost)})"]
+            if job_lost
+            else []
+        )
+        what += [f"{plural(waiting, 'trial')} waiting"] if waiting else []
+        lines.append(
+            f"vramsweep: left: {' and '.join(what)}: re-run the same command to run "
+            f"{'it' if len(job_lost) + waiting == 1 else 'them'}"
+        )
+    for line in lines:
+        print(line, flush=True)
+
+
+def _numbers(numbers: list[int]) -> str:
+    return "trial " + ", ".join(f"{n:04d}" for n in numbers)

@@ -110,6 +110,7 @@ def _instantiate(spec: dict[str, Any], what: str) -> Any:
     _check_needs(target.rsplit(".", 1)[-1], what)
     try:
         obj = instantiate(spec, _convert_="all")
+    # broad on purpose: a sampler's constructor may raise anything for bad arguments: ConfigError
     except Exception as exc:
         cause = exc.__cause__ or exc
         raise ConfigError(

@@ -1,18 +1,20 @@
-"""Sweeper settings: the ``hydra.sweeper.*`` keys and their normalised, validated form.
+"""Sweeper settings: the declarations of the ``hydra.sweeper.*`` keys and of a sweep file's ``sweep:`` node,
+and their checker.
 
 :class:`SweeperConf` is the structured config users override on the command line the way
 hydra-optuna-sweeper users already do (``hydra.sweeper.n_trials=40 hydra.sweeper.sampler=random``).
-The Hydra plugin registers it (plus ``_target_``) as ``hydra/sweeper=vramsweep``.
-:func:`resolve_settings` merges it with the ``sweep:`` node of the sweep file into the values a
-:class:`~vramsweep.sweeper.plan.Plan` holds, raising :class:`~vramsweep.config.ConfigError` (exit 2) for
-anything malformed.
+The Hydra plugin registers it (plus ``_target_``) as ``hydra/sweeper=vramsweep``. :func:`sweeper_conf` is
+the one reader of a ``hydra.sweeper`` node, for every driver (the main one, function mode, max-context):
+unknown keys, types and ranges checked (each field's :class:`Rule`), values typed, raising
+:class:`~vramsweep.config.ConfigError` (exit 2) for anything malformed. :class:`SweepConfig` is the
+``sweep:`` node, typed. Resolving them into what a sweep runs (design, objectives, storage URL, folder)
+is :func:`vramsweep.sweeper.plan.resolve_settings`'s.
 
 This module is imported by Hydra's plugin scan, so it must stay light: dataclasses only.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
@@ -20,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from vramsweep.config.compose import ConfigError
-from vramsweep.config.paths import NAME_MAX
 from vramsweep.config.urls import mask_secret, mask_url, normalise_storage_url  # noqa: F401 - re-exported
 from vramsweep.record.metrics import OBJECTIVE_METRICS, is_objective
 from vramsweep.record.metrics import MetricName as M
-from vramsweep.record.result import is_quality_metric, metric_direction
+from vramsweep.record.result import metric_direction
 from vramsweep.sweeper.samplers import PRUNERS, SAMPLERS  # noqa: F401 - re-exported (one table: samplers.py)
 
 #: Sweep designs (``sweep.design``).
@@ -34,7 +35,7 @@ ISOLATIONS = ("fork", "spawn", "inprocess", "launcher")
 # Metrics that can be objectives or pruned on: the registry (record/metrics.py) says. Dotted paths reach
 # into map metrics, e.g. ``memory_breakdown_bytes.activations``.
 #: Seed repeats per design point by default for ablation/stacking designs with a quality objective
-#: (``sweep.repeats`` overrides; see :func:`default_repeats`).
+#: (``sweep.repeats`` overrides; see :func:`vramsweep.sweeper.plan.default_repeats`).
 QUALITY_REPEATS = 3
 #: Modules the fork server imports once, so each trial starts warm (missing ones are skipped).
 DEFAULT_PRELOAD = (
@@ -342,16 +343,16 @@ _KIND_CHECKS: dict[str, Callable[[str, Any, Rule], None]] = {
 }
 
 
+#: keys of the ``hydra.sweeper`` node that are Hydra's, not settings
+NOT_SETTINGS = ("_target_", "_recursive_", "_convert_", "_partial_", "defaults")
+
+
 def check_conf(sweeper: dict[str, Any]) -> None:
     """Every ``hydra.sweeper.*`` key given, against the :class:`Rule` its :class:`SweeperConf` field carries
     (type and range first, then each rule's ``check``), plus the one rule that ties two keys: before the
     sweep is planned, any folder made or any trial run."""
 
-    given = {
-        k: v
-        for k, v in sweeper.items()
-        if k not in ("_target_", "_recursive_", "_convert_", "_partial_", "defaults")
-    }
+    given = {k: v for k, v in sweeper.items() if k not in NOT_SETTINGS}
     for k, v in given.items():
         check_setting(k, v)
     for k, rule in SETTING_RULES.items():
@@ -587,16 +588,6 @@ def _objective(metric: str, d: str | None) -> Objective:
     return Objective(metric, d)
 
 
-def default_repeats(design: str, objectives: list[Objective]) -> int:
-    """``sweep.repeats`` when the sweep file leaves it out: :data:`QUALITY_REPEATS` seeds per point for an
-    ablation/stacking design with a quality objective (eval loss moves by run-to-run noise as much as by
-    many knobs: one seed cannot tell them apart), else 1 (memory is deterministic; speed repeats cost
-    as much as they help on a shared machine, so a sweep asks for them explicitly)."""
-
-    quality = any(is_quality_metric(o.metric) for o in objectives)
-    return QUALITY_REPEATS if design in ("ablation", "stacking") and quality else 1
-
-
 def _check_choice(value: Any, allowed: tuple[str, ...], key: str) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not known", key=key, allowed=list(allowed))
@@ -619,21 +610,6 @@ def _check_spec(spec: Any, allowed: tuple[str, ...], key: str) -> Any:
     )
 
 
-def _all_discrete(params: dict[str, str]) -> bool:
-    """Whether every entry is a comma list / ``choice`` / ``range`` (a grid can enumerate it)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parser = OverridesParser.create()
-    for key, text in params.items():
-        try:
-            ov = parser.parse_overrides([f"{key}={text}"])[0]
-        except Exception:
-            return True  # parse errors are reported (naming the entry) when the space is parsed
-        if ov.is_interval_sweep():
-            return False
-    return True
-
-
 @dataclass
 class SweepConfig:
     """The ``sweep:`` node of a sweep file (``sweep=<name>``), typed: the keys a sweep file may set.
@@ -641,9 +617,10 @@ class SweepConfig:
     ``name`` names the sweep (folder, study); ``design`` picks how its points are made (:data:`DESIGNS`, or
     ``max_context``: :mod:`vramsweep.sweeper.maxctx`); ``objectives`` are metric names or
     ``{metric, direction}``; ``baseline``/``factors`` make an ablation, ``stack`` a stacking design;
-    ``repeats`` seeds per point (``None``: :func:`default_repeats`); ``preflight`` estimates every point
-    before the first trial; ``edge_start`` (``None``: on for a search with ``preflight`` and a budget)
-    starts a search at the edge of the budget (:func:`edge_start_setting`);
+    ``repeats`` seeds per point (``None``: :func:`~vramsweep.sweeper.plan.default_repeats`); ``preflight``
+    estimates every point before the first trial; ``edge_start`` (``None``: on for a search with
+    ``preflight`` and a budget) starts a search at the edge of the budget
+    (:func:`~vramsweep.sweeper.plan.edge_start_setting`);
     ``configs``/``fixed``/``max_context`` are the max-context driver's.
     """
 
@@ -735,28 +712,13 @@ def _optional_bool(value: Any, key: str) -> bool | None:
     )
 
 
-def edge_start_setting(sweep: SweepConfig, design: str, budget_gib: float) -> bool:
-    """``sweep.edge_start`` resolved: ``null`` (default) is on for a search with ``sweep.preflight`` and a
-    budget; ``true`` needs a search and a budget (else a ConfigError); ``false`` is off."""
-    if sweep.edge_start is None:
-        return design == "search" and sweep.preflight and budget_gib > 0
-    if sweep.edge_start and (design != "search" or budget_gib <= 0):
-        raise ConfigError(
-            f"sweep.edge_start=true needs a search design and a memory budget (this sweep: design {design}, "
-            f"hardware.budget_gib={budget_gib:g})",
-            key="sweep.edge_start",
-            allowed=["false", "null", "true with sweep.design=search and hardware.budget_gib > 0"],
-        )
-    return bool(sweep.edge_start)
-
-
 def sweeper_conf(sweeper: dict[str, Any]) -> SweeperConf:
     """``hydra.sweeper.*`` as a :class:`SweeperConf`: unknown keys, types and ranges checked."""
 
     conf = SweeperConf()
     known = set(SweeperConf.__dataclass_fields__)
     for k, v in sweeper.items():
-        if k in ("_target_", "_recursive_", "_convert_", "_partial_"):
+        if k in NOT_SETTINGS:
             continue
         if k not in known:
             raise ConfigError(
@@ -786,165 +748,6 @@ def _normalised(conf: SweeperConf) -> SweeperConf:
         out[f.name] = value if keep else norm(value)
     out["preload"] = out["preload"] or []
     return SweeperConf(**out)
-
-
-def _sampler_spec(conf: SweeperConf) -> Any:
-    """``hydra.sweeper.sampler`` checked; hydra-optuna-sweeper's GridSampler config means our grid."""
-
-    sampler = None if conf.sampler is None else _check_spec(conf.sampler, SAMPLERS, "hydra.sweeper.sampler")
-    if isinstance(sampler, dict) and str(sampler.get("_target_", "")).endswith("GridSampler"):
-        if sampler.get("search_space"):
-            raise ConfigError(
-                "hydra.sweeper.sampler: GridSampler takes its grid from the search space "
-                "(hydra.sweeper.params or the command line's lists), not from search_space",
-                key="hydra.sweeper.sampler",
-            )
-        sampler = "grid"  # hydra-optuna-sweeper's GridSampler config: the grid is our search space
-    return sampler
-
-
-def _choose_design(
-    sweep: SweepConfig, conf: SweeperConf, sampler: Any, cli_params: dict[str, str], sweep_file: str
-) -> tuple[str, str, Any]:
-    """``(design, why, sampler)``: a sweep file's ``sweep.design`` wins; else ``hydra.sweeper.sampler``
-    (``grid`` -> grid, any other -> search); else ``hydra.sweeper.params`` -> search; else the command
-    line's lists are a grid, or a search when one of them is an ``interval``."""
-    if sweep.design:
-        design, reason = sweep.design, f"sweep.design in sweep {sweep_file!r}"
-    elif sampler is not None:
-        design = "grid" if sampler == "grid" else "search"
-        reason = f"hydra.sweeper.sampler={_spec_name(sampler)}"
-    elif conf.params:
-        design, reason = (
-            "search",
-            "hydra.sweeper.params" + (f" of sweep {sweep_file!r}" if sweep.name else ""),
-        )
-    elif _all_discrete(cli_params):
-        design, reason = "grid", "command-line lists (every combination once)"
-    else:
-        design, reason = "search", "an interval on the command line can only be searched"
-    _check_choice(design, DESIGNS, "sweep.design")
-    if design == "search" and sampler == "grid":
-        design = "grid"
-    if sampler is None:
-        sampler = "grid" if design == "grid" else "tpe"
-    return design, reason, sampler
-
-
-def _check_design_parts(sweep: SweepConfig, design: str, params: dict[str, str]) -> None:
-    if design == "ablation" and not (sweep.baseline or sweep.factors):
-        raise ConfigError("sweep.design=ablation needs sweep.baseline and sweep.factors", key="sweep.factors")
-    if design == "stacking" and not sweep.stack:
-        raise ConfigError("sweep.design=stacking needs sweep.stack", key="sweep.stack")
-    if design in ("search", "grid") and not params:
-        raise ConfigError(
-            f"sweep.design={design} needs a search space: hydra.sweeper.params or sweep overrides "
-            "on the command line",
-            key="hydra.sweeper.params",
-        )
-
-
-def _storage_url(conf: SweeperConf, sweep_dir: Path) -> str:
-    """The study's storage URL (default: ``sqlite:///<sweep dir>/study.db``), checked and normalised."""
-
-    storage = conf.storage or f"sqlite:///{sweep_dir / 'study.db'}"
-    if storage in ("memory", ":memory:"):
-        raise ConfigError(
-            "hydra.sweeper.storage=memory cannot be shared with trial processes or resumed; use "
-            "sqlite or postgresql",
-            key="hydra.sweeper.storage",
-        )
-    if not re.match(r"^(sqlite|postgresql(\+\w+)?|mysql(\+\w+)?)://", storage):
-        raise ConfigError(
-            f"hydra.sweeper.storage={mask_url(storage)!r} is not a supported URL",
-            key="hydra.sweeper.storage",
-            allowed=["sqlite:///path/study.db", "postgresql://user@host:5432/db", "mysql://..."],
-        )
-    return normalise_storage_url(storage)
-
-
-def _checked_name(name: str) -> str:
-    """``sweep.name``, refused unless it is a plain file name a folder can carry."""
-    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name) or name in (".", ".."):
-        raise ConfigError(f"sweep.name={name!r} must be a plain file name", key="sweep.name")
-    if len(name.encode()) > NAME_MAX:
-        raise ConfigError(
-            f"sweep.name is {len(name.encode())} bytes long; a folder name holds at most {NAME_MAX}",
-            key="sweep.name",
-            allowed=[f"a plain file name of 1..{NAME_MAX} bytes"],
-        )
-    return name
-
-
-def resolve_settings(
-    sweeper: dict[str, Any],
-    task_cfg: dict[str, Any],
-    *,
-    cli_params: dict[str, str] | None = None,
-    sweep_file: str | None = None,
-    pinned: set[str] | None = None,
-    budget_gib: float | None = None,
-) -> dict[str, Any]:
-    """Merge ``hydra.sweeper.*`` (``sweeper``, a :class:`SweeperConf`) with the task config's ``sweep:``
-    node (a :class:`SweepConfig`): the keyword arguments of a :class:`~vramsweep.sweeper.plan.Plan` (the
-    checked ``conf`` and ``sweep`` and the values derived from them; the space and points come later).
-
-    Args:
-        sweeper: the ``hydra.sweeper`` node as a plain dict (``_target_`` ignored).
-        task_cfg: the composed task config as a plain dict (``sweep``, ``results_dir``, ``hardware``).
-        cli_params: search-space entries from the command line (override ``params``).
-        sweep_file: the selected ``sweep=<name>`` option, if any (a sweep file may ask for a search).
-        pinned: keys the command line fixes: taken out of the search space once the design is chosen.
-        budget_gib: ``hardware.budget_gib`` of the composed base config (``None``: the task config's).
-
-    The design: :func:`_choose_design`.
-    """
-
-    conf = sweeper_conf(sweeper)
-    if conf.custom_search_space:
-        raise ConfigError(
-            f"hydra.sweeper.custom_search_space={conf.custom_search_space!r} is for function mode (a Hydra "
-            "app that returns its objective); vramsweep's trials take their space from hydra.sweeper.params",
-            key="hydra.sweeper.custom_search_space",
-            allowed=["null", "hydra.sweeper.params entries"],
-        )
-    sweep = SweepConfig.from_dict(task_cfg.get("sweep"))
-    named = bool(sweep.name or conf.study_name)
-    # sweep.name=<x> on the command line arrives as study_name (it names the folder and the study)
-    name = _checked_name(str(conf.study_name or sweep.name or "multirun"))
-    design, reason, sampler = _choose_design(
-        sweep, conf, _sampler_spec(conf), dict(cli_params or {}), sweep_file or name
-    )
-    objectives = parse_objectives(
-        conf.objectives if conf.objectives is not None else sweep.objectives, conf.direction
-    )
-    params = {str(k): _param_str(v) for k, v in (conf.params or {}).items()} | dict(cli_params or {})
-    _check_design_parts(sweep, design, params)
-    results_dir = str(task_cfg.get("results_dir") or "results")
-    sweep_dir = Path(os.path.abspath(conf.sweep_dir or Path(results_dir) / "sweeps" / name))
-    task_budget = float((task_cfg.get("hardware") or {}).get("budget_gib") or 0.0)
-    params = {k: v for k, v in params.items() if k not in (pinned or ())}
-    return dict(
-        conf=conf,
-        sweep=sweep,
-        name=name,
-        design=design,
-        objectives=objectives,
-        repeats=sweep.repeats if sweep.repeats is not None else default_repeats(design, objectives),
-        # isolation=inprocess runs one trial at a time
-        n_jobs=1 if conf.isolation == "inprocess" or conf.n_jobs == "auto" else int(conf.n_jobs),
-        storage=_storage_url(conf, sweep_dir),
-        study_name=str(conf.study_name or name),
-        sampler=sampler,
-        pruner=_check_spec(conf.pruner, PRUNERS, "hydra.sweeper.pruner"),
-        params=params,
-        sweep_dir=sweep_dir,
-        results_dir=results_dir,
-        budget_gib=budget_gib if budget_gib is not None else task_budget,
-        named=named,
-        design_reason=reason,
-        edge_start=edge_start_setting(sweep, design, task_budget),
-    )
 
 
 def _param_str(value: Any) -> str:

@@ -132,6 +132,7 @@ def _parse(override: str) -> Any:
 
     try:
         return OverridesParser.create().parse_overrides([override])[0]
+    # broad on purpose: Hydra's parser raises several error types for bad grammar: ConfigError
     except Exception as exc:
         raise ConfigError(
             f"cannot parse search-space entry '{override}': {str(exc).splitlines()[0]}",
@@ -288,6 +289,7 @@ def cli_sweep_params(arguments: Sequence[str]) -> tuple[dict[str, str], list[str
 def _sweep_values(arg: str) -> list[Any]:
     try:
         return list(_parse(arg).sweep_iterator())
+    # broad on purpose: not a sweep (or bad grammar, reported where the space is parsed): no values
     except Exception:
         return []
 

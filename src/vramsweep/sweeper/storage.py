@@ -196,13 +196,13 @@ def load_or_create_study(plan: Any, sampler: Any, pruner: Any) -> Any:
     """
     import optuna
 
-    directions = [o.direction for o in plan.objectives]
-    names = [o.metric for o in plan.objectives]
-    with storage_lock(plan.storage, plan.study_name):
-        storage = make_storage(plan.storage)
+    directions = [o.direction for o in plan.goals]
+    names = [o.metric for o in plan.goals]
+    with storage_lock(plan.storage_url, plan.study_key):
+        storage = make_storage(plan.storage_url)
         study = optuna.create_study(
             storage=storage,
-            study_name=plan.study_name,
+            study_name=plan.study_key,
             directions=directions,
             sampler=sampler,
             pruner=pruner,
@@ -212,7 +212,7 @@ def load_or_create_study(plan: Any, sampler: Any, pruner: Any) -> Any:
         stored_names = study.metric_names
         if existing != directions or (stored_names is not None and list(stored_names) != names):
             raise ConfigError(
-                f"study '{plan.study_name}' in {plan.storage.split('@')[-1]} already exists with "
+                f"study '{plan.study_key}' in {plan.storage_url.split('@')[-1]} already exists with "
                 f"objectives {stored_names or '?'} {existing}, not {names} {directions}: pick another "
                 "hydra.sweeper.study_name or delete the study",
                 key="hydra.sweeper.study_name",

@@ -1,7 +1,8 @@
-"""A sweep's study bookkeeping (:class:`StudyBook`): the folder and study, slots popped and filled (design
-point or sampler), outcomes told, duplicates of measured points, and trials lost by dead workers
-(reconciled, retried within ``hydra.sweeper.retry_stale``). The worker pool (:mod:`.workers`) asks it for
-jobs and tells it outcomes; the loop (:mod:`.engine`) opens it and reads its study for the summary.
+"""A sweep's ask/tell ledger (:class:`StudyBook`): the folder and study, slots popped and filled (design
+point or sampler), outcomes told, duplicates of measured points. Trials lost by dead workers, stops or lost
+launcher jobs are its recovery's (:class:`~vramsweep.sweeper.recovery.LostTrials`, ``book.lost``). The
+worker pool (:mod:`.workers`) asks it for jobs and tells it outcomes; the loop (:mod:`.engine`) opens it
+and reads its study for the summary.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +26,11 @@ from vramsweep.record.status import Status
 from vramsweep.sweeper.design import design_choices
 from vramsweep.sweeper.edge import start_at_the_edge
 from vramsweep.sweeper.folder import check_evidence, check_owner, folder_lock, result_numbers, unmake
+from vramsweep.sweeper.job import Job
 from vramsweep.sweeper.launch import JOB
-from vramsweep.sweeper.orphans import stop_orphan
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY, DASHBOARD_CONSTRAINTS_KEY, Outcome, user_attrs
 from vramsweep.sweeper.plan import DATA_ATTR, DATA_CHANGES_ATTR, IDENTITY, NOT_IDENTITY, Plan, identity_diff
+from vramsweep.sweeper.recovery import LostTrials
 from vramsweep.sweeper.samplers import make_pruner, make_sampler
 from vramsweep.sweeper.space import (
     merge_overrides,
@@ -42,49 +43,27 @@ from vramsweep.sweeper.storage import (
     COPY_OF,
     FINGERPRINT,
     HEARTBEAT,
-    JOB_LOST,
-    JOB_STOPPED,
-    LOST,
     OWNER,
     RETRIES,
     RETRY_OF,
     SLOT,
-    is_stale,
     load_or_create_study,
     make_storage,
     pop_slot,
     process_identity,
     remaining_slots,
-    requeue_lost,
     sqlite_path,
     storage_lock,
     top_up,
     trial_counts,
 )
-from vramsweep.sweeper.trialproc import RunReport, TrialSpec, _load_child_result, parent_side_result
+from vramsweep.sweeper.trialproc import RunReport, TrialSpec, _load_child_result
 
 #: After this many re-proposed points in a row for one slot, the slot gets an unmeasured point at random.
 DEDUP_PATIENCE = 3
 DUP_STREAK = "vramsweep:dup_streak"
 #: Statuses whose outcome is a property of the config (copied for a duplicate point, not re-run).
 COPYABLE = tuple(s.value for s in Status if s is not Status.ERROR)
-
-
-@dataclass
-class Job:
-    """A popped trial, ready to run."""
-
-    trial: Any
-    number: int
-    slot: int
-    overrides: list[str]
-    label: list[str]  # what the point changes, for progress lines
-    design: dict[str, Any]
-    retry_of: int | None = None
-    duplicate_of: int | None = None
-    source: dict[str, Any] | None = None
-    dup_streak: int = 0
-    retries: int = 0  # how many earlier trials of this point were lost (dead worker, Ctrl-C)
 
 
 def _design_label(design: dict[str, Any], overrides: list[str]) -> list[str]:
@@ -100,14 +79,15 @@ def _design_label(design: dict[str, Any], overrides: list[str]) -> list[str]:
 
 
 class StudyBook:
-    """One sweeper process's view of its study: opened once (:meth:`open`), then shared by the workers.
+    """One sweeper process's ask/tell ledger of its study: opened once (:meth:`open`), then shared by the
+    workers; ``lost`` is its lost-trial recovery (:class:`~vramsweep.sweeper.recovery.LostTrials`).
 
     ``say`` prints a line (the progress display's, once there is one); ``running`` holds the trial ids this
     process runs (never reaped as stale; stamped by the heartbeat)."""
 
     def __init__(self, plan: Plan, say: Callable[[str], None] | None = None):
         self.plan = plan
-        self.trials_dir = self.plan.sweep_dir / "trials"
+        self.trials_dir = self.plan.folder / "trials"
         self.identity = process_identity()
         self.choices = design_choices(plan.points) if plan.points is not None else {}
         self.study: Any = None
@@ -118,6 +98,7 @@ class StudyBook:
         self.running: set[int] = set()
         self.edge: list[dict[str, Any]] = []  # sweep.edge_start's points, slot by slot (:mod:`.edge`)
         self._say = say
+        self.lost = LostTrials(self)  # lost-trial recovery and the heartbeat, on this ledger
 
     def result_path(self, number: int) -> Path:
         return self.trials_dir / f"{number:04d}.json"
@@ -130,13 +111,13 @@ class StudyBook:
 
     def stored_attrs(self) -> dict[str, Any] | None:
         """The study's user attributes, without creating storage or study (``None``: new)."""
-        path = sqlite_path(self.plan.storage)
+        path = sqlite_path(self.plan.storage_url)
         if path is not None and not path.is_file():
             return None
-        with storage_lock(self.plan.storage, self.plan.study_name):  # table creation races other workers
+        with storage_lock(self.plan.storage_url, self.plan.study_key):  # table creation races other workers
             try:
-                storage = make_storage(self.plan.storage)
-                study_id = storage.get_study_id_from_name(self.plan.study_name)
+                storage = make_storage(self.plan.storage_url)
+                study_id = storage.get_study_id_from_name(self.plan.study_key)
             except KeyError:
                 return None
             return storage.get_study_user_attrs(study_id)
@@ -211,13 +192,13 @@ class StudyBook:
         old = self.stored_identity()
         if old is None or old == self.plan.identity:
             return
-        where = self.plan.storage if "@" not in self.plan.storage else "<storage URL>"
+        where = self.plan.storage_url if "@" not in self.plan.storage_url else "<storage URL>"
         raise ConfigError(
-            f"sweep '{self.plan.name}' (study '{self.plan.study_name}' in {where}) was started by a "
+            f"sweep '{self.plan.name}' (study '{self.plan.study_key}' in {where}) was started by a "
             f"different sweep: {identity_diff(old, self.plan.identity)}. A sweep resumes only with the same "
             "design, search space and fixed overrides: run the original command to resume it, or give this "
             "one its own name (sweep.name=<new> or hydra.sweeper.study_name=<new>), or delete "
-            f"{self.plan.sweep_dir}",
+            f"{self.plan.folder}",
             key="sweep.name",
         )
 
@@ -231,7 +212,7 @@ class StudyBook:
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         # the folder's owner and the study's identity checked, sweep.json written and the study made under
         # one lock on the folder: two sweeps started together cannot both pass (folder.py)
-        with folder_lock(s.sweep_dir) as made:
+        with folder_lock(s.folder) as made:
             try:
                 self.check_folder()
             except ConfigError:
@@ -253,13 +234,13 @@ class StudyBook:
         """Numbers of the study's trials that ran or run (not WAITING); ``None``: no such study."""
         from optuna.trial import TrialState
 
-        path = sqlite_path(self.plan.storage)
+        path = sqlite_path(self.plan.storage_url)
         if path is not None and not path.is_file():
             return None
-        with storage_lock(self.plan.storage, self.plan.study_name):
+        with storage_lock(self.plan.storage_url, self.plan.study_key):
             try:
-                storage = make_storage(self.plan.storage)
-                study_id = storage.get_study_id_from_name(self.plan.study_name)
+                storage = make_storage(self.plan.storage_url)
+                study_id = storage.get_study_id_from_name(self.plan.study_key)
             except KeyError:
                 return None
             trials = storage.get_all_trials(study_id, deepcopy=False)
@@ -272,7 +253,7 @@ class StudyBook:
         s = self.plan
         self.trials_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(
-            s.sweep_dir / "sweep.json",
+            s.folder / "sweep.json",
             s.public_dict()
             | {
                 "fixed_overrides": self.plan.fixed,
@@ -285,18 +266,18 @@ class StudyBook:
             },
         )
         if self.plan.points is None:
-            sampler = make_sampler(s.sampler, seed=s.seed, n_jobs=s.n_jobs, n_objectives=len(s.objectives))
+            sampler = make_sampler(s.sampler_spec, seed=s.seed, n_jobs=s.n_workers, n_objectives=len(s.goals))
         else:
             sampler = optuna.samplers.RandomSampler(seed=s.seed)  # every param is fixed per point
-        self.study = load_or_create_study(s, sampler, make_pruner(s.pruner, active=s.pruning_active))
+        self.study = load_or_create_study(s, sampler, make_pruner(s.pruner_spec, active=s.pruning_active))
         self.storage = self.study._storage
         self.admin = optuna.load_study(
-            study_name=s.study_name,
+            study_name=s.study_key,
             storage=self.storage,
             sampler=optuna.samplers.RandomSampler(),
             pruner=optuna.pruners.NopPruner(),
         )
-        with storage_lock(s.storage, s.study_name):
+        with storage_lock(s.storage_url, s.study_key):
             attrs = self.study.user_attrs
             if DATA_ATTR not in attrs or getattr(self, "data_changes", None):
                 self.study.set_user_attr(DATA_ATTR, self.plan.data_files)
@@ -308,18 +289,18 @@ class StudyBook:
                 self.study.set_user_attr("vramsweep:sweep_id", self.plan.sweep_id)
                 self.study.set_user_attr(
                     "sweep",
-                    {"name": s.name, "design": s.design, "objectives": [o.metric for o in s.objectives]},
+                    {"name": s.name, "design": s.design, "objectives": [o.metric for o in s.goals]},
                 )
-            self.reconcile()
-            self.stop_lost_jobs()  # every job the study recorded for a lost point, before it is retried
-            self.requeue_lost_slots()
+            self.lost.reconcile()
+            self.lost.stop_lost_jobs()  # every job the study recorded for a lost point, before it is retried
+            self.lost.requeue_lost_slots()
             self.edge = start_at_the_edge(self)  # sweep.edge_start: a new study only (then read back)
             added = top_up(self.study, self.plan.n_total, self._slot_attrs)
         counts = trial_counts(self.study)
         done = sum(v for k, v in counts.items() if k in ("COMPLETE", "PRUNED", "FAIL"))
         if done or added < self.plan.n_total:
             self.say(
-                f"vramsweep: resuming study '{s.study_name}': {done}/{self.plan.n_total} finished, "
+                f"vramsweep: resuming study '{s.study_key}': {done}/{self.plan.n_total} finished, "
                 f"{counts.get('WAITING', 0)} to run, {counts.get('RUNNING', 0)} running elsewhere"
             )
         return done
@@ -332,11 +313,13 @@ class StudyBook:
         """``(done, running, best so far)`` counted from the study: right with several workers."""
         try:
             counts = trial_counts(self.study)
+        # broad on purpose: a progress line must not stop a worker; a storage hiccup shows no counts
         except Exception:
             return None, None, None
         done = sum(v for k, v in counts.items() if k in ("COMPLETE", "PRUNED", "FAIL"))
         best = None
-        objectives = self.plan.objectives
+        objectives = self.plan.goals
+        # broad on purpose: no feasible trial or no front yet: no best in the progress line
         with contextlib.suppress(Exception):
             front = self.study.best_trials
             if front and len(objectives) == 1:
@@ -345,29 +328,6 @@ class StudyBook:
             elif front:
                 best = f"Pareto front of {len(front)} trial{'s' if len(front) != 1 else ''}"
         return min(done, self.plan.n_total), counts.get("RUNNING", 0), best
-
-    def reconcile(self) -> int:
-        """Fail (and retry once) or tell-from-JSON every stale RUNNING trial. Call under the lock."""
-        from optuna.trial import TrialState
-
-        reaped = 0
-        now = time.time()
-        for t in self.admin.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if t._trial_id in self.running or not is_stale(t, self.plan.grace_s, now):
-                continue
-            reaped += int(self._reap(t, now))
-        return reaped
-
-    def reap_stale(self) -> int:
-        """:meth:`reconcile` under the storage lock; how many stale trials it closed."""
-        with storage_lock(self.plan.storage, self.plan.study_name):
-            return self.reconcile()
-
-    def stamp_running(self) -> None:
-        """Stamp the heartbeat of every trial this process runs (a failed stamp waits for the next)."""
-        for tid in list(self.running):
-            with contextlib.suppress(Exception):
-                self.storage.set_trial_system_attr(tid, HEARTBEAT, time.time())
 
     def leave_running(self, job: Job) -> None:
         """Stop stamping ``job``'s trial without closing it: it stays RUNNING in the study (its launcher job
@@ -386,225 +346,6 @@ class StudyBook:
     def record_job(self, spec: TrialSpec, record: dict[str, Any]) -> None:
         """Keep a trial's launcher job in the study (a re-run stops it before retrying: :mod:`.orphans`)."""
         self.storage.set_trial_system_attr(spec.trial_id, JOB, record)
-
-    def stop_lost_jobs(self) -> None:
-        """Stop the launcher jobs of closed trials whose job was lost or cancelled (Ctrl-C, SIGTERM, a
-        controller that did not answer): a job still PENDING or RUNNING would run its point a second time
-        beside the retry. Each is asked once (then marked); one that cannot be stopped (the controller is
-        down) is a ConfigError: nothing runs until it can be. Call under the storage lock."""
-        from optuna.trial import TrialState
-
-        stuck = []
-        stopped = set(self.study.user_attrs.get(JOB_STOPPED) or [])  # a finished trial takes no attrs
-        for t in self.admin.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
-            rec = t.system_attrs.get(JOB)
-            if rec is None or not t.system_attrs.get(JOB_LOST) or t.number in stopped:
-                continue
-            running, why = stop_orphan(rec)
-            if why is not None:
-                stuck.append(f"trial {t.number:04d}'s job {rec.get('id')} ({why})")
-                continue
-            stopped.add(t.number)
-            self.study.set_user_attr(JOB_STOPPED, sorted(stopped))
-            if running:
-                self.say(
-                    f"vramsweep: trial {t.number:04d}'s launcher job {rec.get('id')} was still queued or "
-                    "running: stopped before its point is retried"
-                )
-        if stuck:
-            raise ConfigError(
-                f"the launcher jobs of {len(stuck)} lost trial(s) could not be stopped: "
-                f"{'; '.join(stuck[:3])}; retrying their points now would run them twice. Nothing was run: "
-                "re-run the same command "
-                "when the controller answers (or cancel the jobs by hand)",
-                key="hydra/launcher",
-            )
-
-    def _adopt_job(self, t: Any) -> bool:
-        """A stale trial's launcher job that may still run is stopped (and waited for) before the trial is
-        reaped, so its point never runs twice; ``False`` when it could not be stopped (the trial stays)."""
-        rec = t.system_attrs.get(JOB)
-        if rec is None:
-            return True
-        running, why = stop_orphan(rec)
-        what = f"trial {t.number:04d}'s launcher job {rec.get('id')} ({rec.get('kind')})"
-        if why is not None:
-            self.say(
-                f"vramsweep: {what} outlived its sweeper and could not be stopped ({why}): the trial stays "
-                "running, its point is not retried; re-run the same command once the job is gone"
-            )
-            return False
-        if running:
-            self.say(f"vramsweep: {what} outlived its sweeper: stopped before its point is retried")
-        return True
-
-    def _reap(self, t: Any, now: float) -> bool:
-        """Close a stale trial (told from its result file, or failed and retried); ``False``: left RUNNING
-        (its launcher job could not be stopped)."""
-        import optuna
-
-        if not self._adopt_job(t):
-            return False
-        trial = optuna.Trial(self.admin, t._trial_id)
-        data = _load_child_result(str(self.result_path(t.number)))
-        for tmp in self.trials_dir.glob(f".{t.number:04d}.json.*.tmp"):
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-        if data is not None and (data.get("meta") or {}).get("lost_job"):
-            data = None  # the interrupted sweeper's own placeholder (its job was not stopped): not a result
-        if data is not None:
-            outcome = Outcome.from_dict(data["meta"]["optuna"])
-            self.tell(self.admin, trial, data, outcome)
-            self.say(
-                f"vramsweep: trial {t.number:04d} finished while its worker died: told from its result file"
-            )
-            return True
-        slot = t.system_attrs.get(SLOT)
-        retries = int(t.system_attrs.get(RETRIES, 0))
-        owner = t.system_attrs.get(OWNER) or {}
-        beat = t.system_attrs.get(HEARTBEAT)
-        age = f"{now - float(beat):.0f} s ago" if beat else "never"
-        job = Job(
-            trial,
-            t.number,
-            int(slot) if slot is not None else -1,
-            list(t.user_attrs.get("overrides") or []),
-            [],
-            dict(t.user_attrs.get("design") or {}),
-            t.system_attrs.get(RETRY_OF),
-            retries=retries,
-        )
-        will_retry = self.close_lost(
-            job,
-            lambda again: (
-                f"stale: the worker running this trial died (host {owner.get('host', '?')} pid "
-                f"{owner.get('pid', '?')}, last heartbeat {age}); {self.retry_note(retries, again)}"
-            ),
-            locked=True,
-        )
-        self.say(
-            f"vramsweep: trial {t.number:04d} was left RUNNING by a dead worker: failed"
-            + (
-                f" and re-enqueued (retry {retries + 1}/{self.plan.retry_stale})"
-                if will_retry
-                else "; not retried again"
-            )
-        )
-        return True
-
-    def retry_lost(self, study: Any, t: Any, retries: int, *, force: bool = False) -> bool:
-        """Re-enqueue a lost trial's point into its slot when it has retries left (``force``: the caller
-        decided, a lost launcher job); whether it did."""
-        from optuna.trial import TrialState, create_trial
-
-        slot = t.system_attrs.get(SLOT)
-        if slot is None or (not force and retries >= self.plan.retry_stale):
-            return False
-        study.add_trial(
-            create_trial(
-                state=TrialState.WAITING,
-                system_attrs={
-                    "fixed_params": dict(t.params),
-                    SLOT: slot,
-                    RETRY_OF: t.number,
-                    RETRIES: retries + 1,
-                },
-                user_attrs={
-                    "retry_of": t.number,
-                    "retries": retries + 1,
-                    **({"design": t.user_attrs["design"]} if "design" in t.user_attrs else {}),
-                },
-            )
-        )
-        return True
-
-    def retry_note(self, retries: int, will_retry: bool) -> str:
-        n = self.plan.retry_stale
-        if will_retry:
-            return f"its config is retried ({retries + 1}/{n})"
-        return (
-            f"not retried again: lost {retries + 1} time(s), hydra.sweeper.retry_stale={n}; "
-            "re-run with a higher hydra.sweeper.retry_stale to retry it"
-        )
-
-    def close_lost(
-        self,
-        job: Job,
-        reason: Callable[[bool], str],
-        *,
-        retry: bool | None = None,
-        report: RunReport | None = None,
-        job_lost: str | None = None,
-        locked: bool = False,
-    ) -> bool:
-        """Close a lost trial (its worker died, Ctrl-C, its launcher job was lost) and put its point back in
-        its slot; whether it did.
-
-        ``retry``: ``None``, when ``retry_stale`` allows; ``True``/``False``, the caller decided. The trial
-        is marked lost (``job_lost``: its launcher job's fate), its result JSON written with
-        ``reason(retried)``, ``meta.retries`` (earlier losses of its point) and ``meta.lost`` (the runner's
-        ``report`` when there is one, else an ``error`` result written here), told to the study its trial
-        belongs to, and no longer counted as running. Takes the tell and storage locks; ``locked``: the
-        caller holds the storage lock already (a reap: the tell lock is not taken)."""
-        tid = job.trial._trial_id
-        study = job.trial.study
-        with contextlib.ExitStack() as held:
-            if not locked:
-                held.enter_context(self.tell_lock)
-                held.enter_context(storage_lock(self.plan.storage, self.plan.study_name))
-            frozen = self.storage.get_trial(tid)
-            if retry is None:
-                retry = self.retry_lost(study, frozen, job.retries)
-            elif retry:
-                self.retry_lost(study, frozen, job.retries, force=True)
-            self.storage.set_trial_system_attr(tid, LOST, True)
-            if job_lost is not None:
-                self.storage.set_trial_system_attr(tid, JOB_LOST, job_lost)
-            if report is None:
-                spec = TrialSpec.for_job(job, self.plan, parent_ctime=self.identity.get("ctime"))
-                res = parent_side_result(spec, reason(retry), 0.0)
-                outcome = Outcome.from_dict(res["meta"]["optuna"])
-            else:
-                res, outcome = report.result, report.outcome
-                res["reason"] = reason(retry)
-            res["meta"]["retries"] = job.retries
-            res["meta"]["lost"] = True
-            write_result(self.result_path(job.number), res)
-            self.tell(study, job.trial, res, outcome)
-            self.running.discard(tid)
-        return retry
-
-    def requeue_lost_slots(self) -> int:
-        """Slots whose last trial was lost (and not retried: the bound was reached) get a retry when
-        ``retry_stale`` now allows one. Call under the lock."""
-        n = 0
-        for t in requeue_lost(self.admin):
-            retries = int(t.system_attrs.get(RETRIES, 0))
-            if t.system_attrs.get(JOB_LOST):  # its launcher job was lost: a new run retries it again
-                self.retry_lost(self.admin, t, retries, force=True)
-                n += 1
-                self.say(
-                    f"vramsweep: trial {t.number:04d}'s launcher job was lost "
-                    f"({t.system_attrs[JOB_LOST]}): retried"
-                )
-                continue
-            if self.retry_lost(self.admin, t, retries):
-                n += 1
-                self.say(
-                    f"vramsweep: trial {t.number:04d}'s point was lost {retries + 1} time(s): "
-                    f"retried again (hydra.sweeper.retry_stale={self.plan.retry_stale})"
-                )
-        return n
-
-    def note_retries(self, job: Job, report: RunReport) -> None:
-        """Record in a retried point's result JSON how many earlier trials of it were lost."""
-        if not job.retries or job.duplicate_of is not None:
-            return
-
-        report.result.setdefault("meta", {})["retries"] = job.retries
-        path = self.result_path(job.number)
-        if path.exists():
-            write_result(path, report.result)
 
     def _find_duplicate(self, params: dict[str, Any], number: int) -> tuple[int, dict[str, Any]] | None:
         from optuna.trial import TrialState
@@ -630,7 +371,7 @@ class StudyBook:
         import optuna
 
         with self.ask_lock:
-            with storage_lock(self.plan.storage, self.plan.study_name):
+            with storage_lock(self.plan.storage_url, self.plan.study_key):
                 trial_id = pop_slot(self.study, self.plan.n_total, claim=self._claim)
             if trial_id is None:
                 return None
@@ -690,7 +431,7 @@ class StudyBook:
         streak = job.dup_streak + 1
         attrs: dict[str, Any] = {SLOT: job.slot, DUP_STREAK: streak}
         note = "re-sampled"
-        with storage_lock(self.plan.storage, self.plan.study_name):
+        with storage_lock(self.plan.storage_url, self.plan.study_key):
             if streak >= DEDUP_PATIENCE:
                 point = self._unmeasured_point(job.number)
                 if point is None:
@@ -727,7 +468,7 @@ class StudyBook:
         from optuna.exceptions import UpdateFinishedTrialError
         from optuna.trial import TrialState
 
-        rel = os.path.relpath(self.result_path(trial.number), self.plan.sweep_dir)
+        rel = os.path.relpath(self.result_path(trial.number), self.plan.folder)
         try:
             for k, v in user_attrs(result, outcome, rel).items():
                 trial.set_user_attr(k, v)

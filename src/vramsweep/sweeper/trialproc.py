@@ -86,13 +86,14 @@ class TrialSpec:
         result JSON and log under ``<sweep dir>/trials`` (no log file in process), the sweep's
         objectives, pruner and checks, this process as the parent (``parent_ctime``: its start time),
         and this environment plus ``VRAMSWEEP_SWEEP_DIR`` (trial W&B runs go to ``<sweep dir>/wandb``),
-        ``VRAMSWEEP_CONCURRENT_TRIALS`` (``plan.n_jobs``: ``train.threads=auto`` takes a share) and
+        ``VRAMSWEEP_CONCURRENT_TRIALS`` (``plan.n_workers``: ``train.threads=auto`` takes a share) and
         ``CUDA_VISIBLE_DEVICES``: the GPU of its seat (``gpu``), else (launcher jobs) worker ``worker``'s
         entry of ``cuda_devices``."""
-        trials = plan.sweep_dir / "trials"
+        trials = plan.folder / "trials"
         env = dict(os.environ)
-        env["VRAMSWEEP_SWEEP_DIR"] = str(plan.sweep_dir)
-        env[CONCURRENT_ENV] = str(max(1, int(plan.n_jobs)))  # train.threads=auto takes its share of the cores
+        env["VRAMSWEEP_SWEEP_DIR"] = str(plan.folder)
+        # train.threads=auto takes its share of the cores
+        env[CONCURRENT_ENV] = str(max(1, int(plan.n_workers)))
         if gpu:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu["device"])
             if plan.layout is not None and plan.layout.source in ("NVML", "torch (asked in a child process)"):
@@ -106,12 +107,12 @@ class TrialSpec:
             overrides=job.overrides,
             result_path=str(trials / f"{job.number:04d}.json"),
             sweep_name=plan.name,
-            study_name=plan.study_name,
-            storage=plan.storage,
-            objectives=list(plan.objectives),
+            study_name=plan.study_key,
+            storage=plan.storage_url,
+            objectives=list(plan.goals),
             trial_fn=plan.trial_fn,
             design=job.design,
-            pruner=plan.pruner,
+            pruner=plan.pruner_spec,
             pruning=plan.pruning_active,
             budget_gib=plan.budget_gib,
             preflight=plan.preflight,
@@ -194,6 +195,7 @@ class StorageReporter:
             if self._trial.should_prune():
                 self.pruned_at = int(step)
                 return True
+        # broad on purpose: a storage error while reporting must not kill the trial; said and kept
         except Exception as exc:
             self._error = f"{type(exc).__name__}: {exc}"
             print(
@@ -372,6 +374,7 @@ def forked_after_cuda_init() -> bool:
         return False
     try:
         return bool(torch.cuda._is_in_bad_fork())
+    # broad on purpose: a torch without a working CUDA runtime is not in a bad fork
     except Exception:
         return False
 
@@ -391,6 +394,7 @@ def probe_fork(cuda: bool) -> dict[str, Any]:
 
             torch.cuda.init()
             out["cuda_init"] = "ok"
+        # broad on purpose: the probe reports whatever CUDA init raised, by type and first line
         except Exception as exc:
             text = str(exc).splitlines()[0] if str(exc) else ""
             if (
@@ -405,9 +409,7 @@ def probe_fork(cuda: bool) -> dict[str, Any]:
 
 def probe_fork_to(path: str, cuda: bool) -> None:
     """Target of the fork server's warm-up process: :func:`probe_fork`, written as JSON to ``path``."""
-    with open(path + ".tmp", "w") as fh:
-        json.dump(probe_fork(cuda), fh)
-    os.replace(path + ".tmp", path)
+    atomic_write_json(path, probe_fork(cuda))
 
 
 def save_spec(spec: TrialSpec, path: str) -> None:

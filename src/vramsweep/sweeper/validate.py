@@ -43,6 +43,7 @@ def int_keys(base: DictConfig, keys: Sequence[str]) -> list[str]:
         try:
             parent: Any = OmegaConf.select(base, parent_key) if parent_key else base
             node = parent._get_node(leaf) if isinstance(parent, DictConfig) else None
+        # broad on purpose: a key the base config lacks or a non-dict parent: no type to read
         except Exception:
             node = None
         if isinstance(node, IntegerNode):

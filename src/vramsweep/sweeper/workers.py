@@ -17,10 +17,11 @@ from vramsweep.record.diskfull import NO_SPACE
 from vramsweep.record.result import write_result
 from vramsweep.sweeper import gpus
 from vramsweep.sweeper.gpus import GpuSeats, needs_gpu_alone, needs_probe
+from vramsweep.sweeper.job import Job
 from vramsweep.sweeper.progress import Progress, trial_line
 from vramsweep.sweeper.space import merge_overrides
 from vramsweep.sweeper.storage import SLOT
-from vramsweep.sweeper.study import Job, StudyBook
+from vramsweep.sweeper.study import StudyBook
 from vramsweep.sweeper.trialproc import RunReport, TrialSpec, provisional_share
 
 
@@ -71,7 +72,7 @@ class WorkerPool:
         while not state.abort.is_set():
             job = book.next_job()
             if job is None:
-                if book.reap_stale():
+                if book.lost.reap_stale():
                     continue
                 return
             if job.duplicate_of is not None:
@@ -133,7 +134,7 @@ class WorkerPool:
         waiting = self.book.study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
         ordered = sorted(waiting, key=lambda t: t.number)
         slots = [int(t.system_attrs[SLOT]) for t in ordered if SLOT in t.system_attrs]
-        for slot in [s for s in slots if s < len(self.plan.points)][: self.plan.n_jobs]:
+        for slot in [s for s in slots if s < len(self.plan.points)][: self.plan.n_workers]:
             self._alone_for(merge_overrides(self.plan.fixed, self.plan.points[slot].overrides))
 
     def _run_on(self, spec: TrialSpec, gpu: dict[str, Any] | None) -> RunReport:
@@ -174,19 +175,16 @@ class WorkerPool:
 
     def _requeue_unstarted(self, job: Job) -> None:
         """The sweep stopped while ``job`` waited for a GPU: closed unstarted, its point back in its slot."""
-        book = self.book
-        book.close_lost(
-            job, lambda again: "not started (the sweep stopped); " + book.retry_note(job.retries, again)
-        )
+        self.book.lost.requeue(job, "not started (the sweep stopped)")
 
     def heartbeat(self, stop: threading.Event) -> None:
         """Stamp the running trials every ``heartbeat_s`` until ``stop`` is set."""
         while not stop.wait(self.plan.heartbeat_s):
-            self.book.stamp_running()
+            self.book.lost.stamp_running()
 
     def _record(self, job: Job, report: RunReport) -> None:
         book, state, s = self.book, self.state, self.plan
-        book.note_retries(job, report)
+        book.lost.note_retries(job, report)
         status = str(report.result.get("status"))
         with book.recording(job, report):
             if self.wandb_summary is not None:
@@ -201,7 +199,7 @@ class WorkerPool:
                 shown.append(f"(same point as {job.duplicate_of:04d}: not re-run)")
             done, running, best = book.progress_counts()
             self.progress.finished(
-                trial_line(job.number, report.result, report.wall_s, s.objectives, shown),
+                trial_line(job.number, report.result, report.wall_s, s.goals, shown),
                 wall_s=report.wall_s if job.duplicate_of is None else None,
                 done=done,
                 running=running,
@@ -230,8 +228,7 @@ class WorkerPool:
     def _requeue_interrupted(self, job: Job) -> None:
         """Ctrl-C: a stop, not a failure of the config. The trial is closed (reason ``interrupted``) and
         its point put back in its slot, within the same bound as a dead worker (``retry_stale``)."""
-        book, signal = self.book, self.state.signal
-        book.close_lost(job, lambda again: f"interrupted ({signal}); " + book.retry_note(job.retries, again))
+        self.book.lost.requeue(job, f"interrupted ({self.state.signal})")
 
     def _record_lost_job(self, job: Job, report: RunReport, lost: dict) -> None:
         """A launcher job lost to the infrastructure (cancelled, preempted, node lost, never submitted): not
@@ -252,12 +249,12 @@ class WorkerPool:
         )
         res = report.result
         was = res.get("reason")
-        book.close_lost(
+        book.lost.close_lost_job(
             job,
-            lambda _: f"{was}; lost infrastructure, not a result: {note}"[:2000],
-            retry=will_retry,
-            report=report,
+            report,
+            f"{was}; lost infrastructure, not a result: {note}"[:2000],
             job_lost=str(lost.get("kind") or "gone"),
+            retry=will_retry,
         )
         book.say(f"vramsweep: trial {job.number:04d} {' '.join(job.label)}: {res['reason']}")
         if lost.get("kind") == "submit":

@@ -35,6 +35,7 @@ def cuda_initialised() -> bool:
         return False
     try:
         return bool(torch.cuda.is_initialized())
+    # broad on purpose: a torch without a working CUDA runtime has no initialised CUDA
     except Exception:
         return False
 
@@ -73,6 +74,7 @@ if "vramsweep.config" in PRELOADED:
         from vramsweep.config import compose as _compose
 
         _compose([], rules="none")
+    # broad on purpose: a preload step that fails is recorded; the trial composes again itself
     except Exception as _exc:
         FAILED["compose"] = f"{type(_exc).__name__}: {_exc}"
     _note_cuda("compose")
@@ -80,6 +82,8 @@ if "vramsweep.config" in PRELOADED:
 _status_path = os.environ.get("VRAMSWEEP_ZYGOTE_STATUS")
 if _status_path:
     with contextlib.suppress(OSError):
+        # the fork server's own atomic write (temp + replace, no fsync: the status only has to outlive the
+        # server): record/atomic.py's writer would import vramsweep before the preload is timed
         with open(_status_path + ".tmp", "w") as _fh:
             json.dump(
                 {
