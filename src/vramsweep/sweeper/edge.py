@@ -289,7 +289,8 @@ def start_at_the_edge(book: Any) -> list[dict[str, Any]]:
     """The study's edge points: screened once, when the study is new (this records the screened points),
     else read back from the study. Call under the storage lock, before the slots are topped up."""
     plan, study = book.plan, book.study
-    if not getattr(plan, "edge_start", False) or plan.points is not None:
+    start, screened = getattr(plan, "edge_start", False), getattr(plan, "edge_screen", False)
+    if not (start or screened) or plan.points is not None:
         return []
     stored = study.user_attrs.get(EDGE_ATTR)
     if stored is not None:
@@ -298,8 +299,10 @@ def start_at_the_edge(book: Any) -> list[dict[str, Any]]:
     if study.get_trials(deepcopy=False):
         return []
     found = screen(plan.fixed, plan.dims, plan.seed)
+    if not screened:  # sweep.edge_screen=false: the start alone, nothing recorded unrun
+        found.infeasible = []
     info = {
-        "points": found.edge,
+        "points": found.edge if start else [],
         "screened": len(found.infeasible),
         "estimated": found.estimated,
         "fits": found.fits,
@@ -312,7 +315,7 @@ def start_at_the_edge(book: Any) -> list[dict[str, Any]]:
     study.set_user_attr(EDGE_ATTR, info)
     record_pending(book, info)
     book.say(describe(info))
-    return list(found.edge)
+    return list(info["points"])
 
 
 def record_pending(book: Any, info: dict[str, Any]) -> None:
@@ -329,15 +332,16 @@ def record_pending(book: Any, info: dict[str, Any]) -> None:
 
 
 def describe(info: dict[str, Any]) -> str:
-    """One line: what the edge start did."""
+    """One line: what the edge screen (and the edge start, when on) did."""
     space = info.get("space")
     of = f" of {int(space)}" if space is not None else ""
     note = f"; {info['note']}" if info.get("note") else ""
+    n_edge = len(info["points"])
+    start = f"{n_edge} near its edge run first" if n_edge else "no edge start (sweep.edge_start=false)"
     return (
-        f"vramsweep: edge start: {info['estimated']}{of} points estimated in {info['seconds']:.1f} s: "
-        f"{info['fits']} fit the budget (+{MARGIN:.0%} margin), {len(info['points'])} near its edge run "
-        f"first; {info['screened']} over it recorded infeasible_estimate without a trial (not counted "
-        f"toward n_trials){note}"
+        f"vramsweep: edge screen: {info['estimated']}{of} points estimated in {info['seconds']:.1f} s: "
+        f"{info['fits']} fit the budget (+{MARGIN:.0%} margin), {start}; {info['screened']} over it "
+        f"recorded infeasible_estimate without a trial (not counted toward n_trials){note}"
     )
 
 

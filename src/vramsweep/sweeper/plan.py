@@ -84,6 +84,9 @@ class Plan:
     #: ``sweep.edge_start`` resolved: a search with a budget starts at the edge
     #: (:mod:`vramsweep.sweeper.edge`)
     edge_start: bool = False
+    #: ``sweep.edge_screen`` resolved: points the estimator puts over the budget recorded before the first
+    #: trial (:mod:`vramsweep.sweeper.edge`)
+    edge_screen: bool = False
     #: the sweep file's fixed params, then the command line's fixed overrides (they win)
     fixed: list[str] = field(default_factory=list)
     dims: list[Param] = field(default_factory=list)
@@ -159,6 +162,7 @@ class Plan:
             "repeats": self.repeats,
             "preflight": self.preflight,
             "edge_start": self.edge_start,
+            "edge_screen": self.edge_screen,
             "budget_gib": self.budget_gib,
             "storage": mask_url(self.storage),
             "study_name": self.study_name,

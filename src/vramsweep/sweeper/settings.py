@@ -656,6 +656,7 @@ class SweepConfig:
     repeats: int | None = None
     preflight: bool = False
     edge_start: bool | None = None
+    edge_screen: bool | None = None
     description: str | None = None
     configs: list[Any] = field(default_factory=list)
     fixed: list[str] = field(default_factory=list)
@@ -697,6 +698,7 @@ class SweepConfig:
             repeats=repeats,
             preflight=bool(node.get("preflight", False)),
             edge_start=_optional_bool(node.get("edge_start"), "sweep.edge_start"),
+            edge_screen=_optional_bool(node.get("edge_screen"), "sweep.edge_screen"),
             description=node.get("description"),
             configs=list(node.get("configs") or []),
             fixed=[str(x) for x in _as_list(node.get("fixed"), "sweep.fixed")],
@@ -726,19 +728,27 @@ def _optional_bool(value: Any, key: str) -> bool | None:
     )
 
 
-def edge_start_setting(sweep: SweepConfig, design: str, budget_gib: float) -> bool:
-    """``sweep.edge_start`` resolved: ``null`` (default) is on for a search with ``sweep.preflight`` and a
-    budget; ``true`` needs a search and a budget (else a ConfigError); ``false`` is off."""
-    if sweep.edge_start is None:
-        return design == "search" and sweep.preflight and budget_gib > 0
-    if sweep.edge_start and (design != "search" or budget_gib <= 0):
+#: ``sweep.edge_screen`` / ``sweep.edge_start`` when left ``null`` in a search with ``sweep.preflight`` and a
+#: budget: the screen is on, the start is off (``bench/sweep_efficiency.py``, docs/SWEEPS.md *Edge start*:
+#: over three landscapes the start paid only where the best config is the highest-memory one that fits).
+EDGE_DEFAULTS = {"edge_screen": True, "edge_start": False}
+
+
+def edge_start_setting(sweep: SweepConfig, design: str, budget_gib: float, key: str = "edge_start") -> bool:
+    """``sweep.edge_start`` (or ``key="edge_screen"``) resolved: ``null`` (default) is
+    :data:`EDGE_DEFAULTS` for a search with ``sweep.preflight`` and a budget, else off; ``true`` needs a
+    search and a budget (else a ConfigError); ``false`` is off."""
+    value = getattr(sweep, key)
+    if value is None:
+        return EDGE_DEFAULTS[key] and design == "search" and sweep.preflight and budget_gib > 0
+    if value and (design != "search" or budget_gib <= 0):
         raise ConfigError(
-            f"sweep.edge_start=true needs a search design and a memory budget (this sweep: design {design}, "
+            f"sweep.{key}=true needs a search design and a memory budget (this sweep: design {design}, "
             f"hardware.budget_gib={budget_gib:g})",
-            key="sweep.edge_start",
+            key=f"sweep.{key}",
             allowed=["false", "null", "true with sweep.design=search and hardware.budget_gib > 0"],
         )
-    return bool(sweep.edge_start)
+    return bool(value)
 
 
 def sweeper_conf(sweeper: dict[str, Any]) -> SweeperConf:
@@ -935,6 +945,7 @@ def resolve_settings(
         named=named,
         design_reason=reason,
         edge_start=edge_start_setting(sweep, design, task_budget),
+        edge_screen=edge_start_setting(sweep, design, task_budget, key="edge_screen"),
     )
 
 
