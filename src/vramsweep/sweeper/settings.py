@@ -642,8 +642,9 @@ class SweepConfig:
     ``max_context``: :mod:`vramsweep.sweeper.maxctx`); ``objectives`` are metric names or
     ``{metric, direction}``; ``baseline``/``factors`` make an ablation, ``stack`` a stacking design;
     ``repeats`` seeds per point (``None``: :func:`default_repeats`); ``preflight`` estimates every point
-    before the first trial; ``edge_start`` (``None``: on for a search with ``preflight`` and a budget)
-    starts a search at the edge of the budget (:func:`edge_start_setting`);
+    before the first trial; ``edge_screen`` records the points estimated over the budget before the first
+    trial and ``edge_start`` starts a search at the edge of the budget (``None``: :data:`EDGE_DEFAULTS` for a
+    search with ``preflight`` and a budget; :func:`edge_start_setting`);
     ``configs``/``fixed``/``max_context`` are the max-context driver's.
     """
 
