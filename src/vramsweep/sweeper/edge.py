@@ -13,14 +13,14 @@ are checked against the config rules).
 
 * **Edge points** (``edge_start``): the :data:`EDGE_K` points with the highest estimated peak that the
   estimator puts inside ``hardware.budget_gib`` as the pre-flight counts it (required bytes <= budget +
-  :data:`MARGIN`, the points ``sweep.preflight`` would run: the wall is where the estimate is uncertain), picked greedily with
-  a bonus for differing from the points already picked (so the start spans the knobs that do not move the
-  peak, such as the learning rate). They fill the first slots (``fixed_params``), in that order; the list is
-  kept in the study (:data:`EDGE_ATTR`), so a resumed sweep, or one with a larger ``n_trials``, gives each
-  slot the same point.
-* **Screened points** (``edge_screen``): up to :data:`MAX_RECORDED` sampled points the estimator puts over
-  the budget by more than the pre-flight's 10 % margin are recorded as finished trials without a trial
-  process: status ``infeasible_estimate``, state PRUNED, constraint ``vram_over_budget_gib`` = estimated excess (the
+  :data:`MARGIN`, the points ``sweep.preflight`` would run: the wall is where the estimate is uncertain),
+  picked greedily with a bonus for differing from the points already picked (so the start spans the knobs
+  that do not move the peak, such as the learning rate). They fill the first slots (``fixed_params``), in
+  that order; the list is kept in the study (:data:`EDGE_ATTR`), so a resumed sweep, or one with a larger
+  ``n_trials``, gives each slot the same point.
+* **Screened points** (``edge_screen``): up to :data:`MAX_RECORDED` sampled points the estimator puts over the
+  budget by more than the pre-flight's 10 % margin are recorded as finished trials without a trial process:
+  status ``infeasible_estimate``, state PRUNED, constraint ``vram_over_budget_gib`` = estimated excess (the
   outcome rules of :mod:`.outcome`, as ``sweep.preflight`` records them), and a result JSON
   (``meta.screened``). They carry :data:`SCREENED` and do not count toward ``n_trials`` (like copies of
   re-proposed points); TPE reads their constraint, so it learns the wall before its first trial, and a
