@@ -138,8 +138,8 @@ def test_edge_screen_defaults_on_only_for_a_search_with_preflight_and_a_budget()
 
 
 def test_edge_start_is_an_option_off_by_default():
-    """bench/sweep_efficiency.py (docs/SWEEPS.md): the start paid on two landscapes and never reached a good
-    config on the third; the screen is the default, the start is asked for."""
+    """bench/sweep_efficiency.py (docs/SWEEPS.md): over three landscapes the start paid on one only; the screen
+    is the default, the start is asked for."""
     assert EDGE_DEFAULTS == {"edge_screen": True, "edge_start": False}
     assert edge_start_setting(SweepConfig.from_dict({"preflight": True}), "search", 0.06) is False
     assert edge_start_setting(SweepConfig.from_dict({"edge_start": True}), "search", 0.06) is True
