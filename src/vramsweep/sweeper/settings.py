@@ -731,9 +731,9 @@ def _optional_bool(value: Any, key: str) -> bool | None:
 
 #: ``sweep.edge_screen`` / ``sweep.edge_start`` when left ``null`` in a search with ``sweep.preflight`` and a
 #: budget: the screen is on, the start is off (``bench/sweep_efficiency.py``, docs/SWEEPS.md *Efficiency*:
-#: over three landscapes the start paid only where the best config is the highest-memory one that fits, not
-#: where rank hurts, and never reached a good config where quality is unrelated to memory; a sweep cannot know
-#: its landscape beforehand).
+#: over three landscapes the start paid only where the best config is the highest-memory one that fits, about
+#: even where rank hurts, and never reached a good config where quality is unrelated to memory; a sweep cannot
+#: know its landscape beforehand).
 EDGE_DEFAULTS = {"edge_screen": True, "edge_start": False}
 
 
