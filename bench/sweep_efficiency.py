@@ -75,10 +75,32 @@ N_POINTS = 48
 ARMS = {
     "tpe": ["hydra.sweeper.sampler=tpe"],
     "random": ["hydra.sweeper.sampler=random"],
-    "preflight": ["hydra.sweeper.sampler=tpe", "+sweep.preflight=true", "+sweep.edge_start=false"],
-    "edge": ["hydra.sweeper.sampler=tpe", "+sweep.preflight=true"],
+    "preflight": [
+        "hydra.sweeper.sampler=tpe",
+        "+sweep.preflight=true",
+        "+sweep.edge_screen=false",
+        "+sweep.edge_start=false",
+    ],
+    "screen": [
+        "hydra.sweeper.sampler=tpe",
+        "+sweep.preflight=true",
+        "+sweep.edge_screen=true",
+        "+sweep.edge_start=false",
+    ],
+    "edge": [
+        "hydra.sweeper.sampler=tpe",
+        "+sweep.preflight=true",
+        "+sweep.edge_screen=true",
+        "+sweep.edge_start=true",
+    ],
 }
-ARM_NAMES = {"tpe": "TPE", "random": "random", "preflight": "TPE+preflight", "edge": "TPE+edge start"}
+ARM_NAMES = {
+    "tpe": "TPE",
+    "random": "random",
+    "preflight": "TPE+preflight",
+    "screen": "TPE+edge screen",
+    "edge": "TPE+screen+start",
+}
 
 
 def _trials(root: Path, name: str) -> list[dict]:
@@ -135,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--arms", default=",".join(ARMS), help=f"comma-separated search arms (default: {','.join(ARMS)})"
     )
+    ap.add_argument(
+        "--isolation",
+        default=None,
+        help="hydra.sweeper.isolation (default: inprocess for fake trials, whose seconds are simulated, "
+        "so the bench does not start a fork server per resumed chunk; fork for real ones)",
+    )
     ap.add_argument("--out", default="results/bench/sweep_efficiency.json")
     ap.add_argument("--workdir", default=None, help="keep the sweeps here (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -146,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         f"train.eval_every={eval_every}",
         "train.warmup_steps=0",
         "hydra.sweeper.progress=false",
+        f"hydra.sweeper.isolation={args.isolation or ('inprocess' if args.trial == 'fake' else 'fork')}",
     ]
     env_fake = {}
     if args.trial == "fake":
@@ -224,10 +253,9 @@ def _landscape(args, common: list[str], root: Path, budget: float) -> dict:
 
     # ---- search arms: our defaults (TPE), and random search with the same pruning as the baseline
     arms = {a: ARMS[a] for a in args.arms.split(",")}
-    rows: dict[str, list[dict]] = {}
-    for arm, sampler in arms.items():
-        rows[arm] = []
-        for seed in range(args.seeds):
+    rows: dict[str, list[dict]] = {arm: [] for arm in arms}
+    for seed in range(args.seeds):  # seeds outermost: a bench cut short still holds every arm's first seeds
+        for arm, sampler in arms.items():
             rows[arm].append(_search_arm(root, common, arm, sampler, seed, target, args))
     _report(args, rows, near, budget, grid_cost, best_v, root.name)
     return {"rows": rows, "near": near}

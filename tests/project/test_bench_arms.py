@@ -120,3 +120,23 @@ def test_packing_bench_arms_train_the_same_examples_per_step():
         assert slots["grouped"] <= slots["padded"]  # length grouping never pads more
         widths = [max(len(e.input_ids) for e in m) for m in per_arm["grouped"]]
         assert widths == sorted(widths, reverse=True)  # the widest micro-batch first
+
+
+@pytest.mark.torchfree
+def test_sweep_efficiency_reports_the_screen_and_the_start_as_separate_arms():
+    arms = _bench("sweep_efficiency").ARMS
+    assert {"+sweep.edge_screen=false", "+sweep.edge_start=false"} <= set(arms["preflight"])
+    assert {"+sweep.edge_screen=true", "+sweep.edge_start=false"} <= set(arms["screen"])
+    assert {"+sweep.edge_screen=true", "+sweep.edge_start=true"} <= set(arms["edge"])
+    assert all("+sweep.preflight=true" in arms[a] for a in ("preflight", "screen", "edge"))
+
+
+@pytest.mark.torchfree
+def test_eval_share_bench_runs_the_demo_trial_and_the_old_defaults_beside_it():
+    bench = _bench("eval_share")
+    demo = bench.demo_overrides()
+    assert "train.eval_batches=1" in demo and "train.steps=8" in demo and "quant=none" in demo
+    assert bench.arm_overrides("shipped", 2) == []
+    assert bench.arm_overrides("before", 2) == ["train.threads=2", "train.dtype=bf16"]
+    with pytest.raises(SystemExit, match="unknown arm"):
+        bench.arm_overrides("nope", 2)

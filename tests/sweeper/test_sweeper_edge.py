@@ -27,7 +27,7 @@ from vramsweep.sweeper.edge import (
 )
 from vramsweep.sweeper.outcome import CONSTRAINT_KEY
 from vramsweep.sweeper.plan import edge_start_setting
-from vramsweep.sweeper.settings import SweepConfig
+from vramsweep.sweeper.settings import EDGE_DEFAULTS, SweepConfig
 from vramsweep.sweeper.space import merge_overrides, params_to_overrides, parse_params, space_size
 from vramsweep.sweeper.storage import SCREENED, SLOT
 
@@ -40,6 +40,7 @@ SPACE = {
     "checkpointing": "off,on",
 }
 FIXED = [f"hardware.budget_gib={BUDGET}", "train.steps=4"]
+EDGE_ON = ["+sweep.edge_start=true"]  # the start is an option (EDGE_DEFAULTS)
 
 
 def _real_required(point: dict, dims: list) -> float:
@@ -123,12 +124,25 @@ def test_a_409600_point_space_is_screened_in_bounded_time():
     assert found.edge and found.infeasible
 
 
-def test_edge_start_setting_defaults_on_only_for_a_search_with_preflight_and_a_budget():
+def test_edge_screen_defaults_on_only_for_a_search_with_preflight_and_a_budget():
     on = SweepConfig.from_dict({"preflight": True})
-    assert edge_start_setting(on, "search", 0.06) is True
-    assert edge_start_setting(on, "search", 0.0) is False  # no budget: nothing to be at the edge of
-    assert edge_start_setting(on, "grid", 0.06) is False
-    assert edge_start_setting(SweepConfig.from_dict({}), "search", 0.06) is False  # today's default sweep
+    assert edge_start_setting(on, "search", 0.06, key="edge_screen") is True
+    assert edge_start_setting(on, "search", 0.0, key="edge_screen") is False  # no budget: no wall to learn
+    assert edge_start_setting(on, "grid", 0.06, key="edge_screen") is False
+    assert edge_start_setting(SweepConfig.from_dict({}), "search", 0.06, key="edge_screen") is False
+    off = SweepConfig.from_dict({"preflight": True, "edge_screen": False})
+    assert edge_start_setting(off, "search", 0.06, key="edge_screen") is False
+    with pytest.raises(ConfigError, match="sweep.edge_screen=true needs a search design and a memory budget"):
+        edge_start_setting(SweepConfig.from_dict({"edge_screen": True}), "grid", 0.06, key="edge_screen")
+    with pytest.raises(ConfigError, match="sweep.edge_screen='yes' must be true, false or null"):
+        SweepConfig.from_dict({"edge_screen": "yes"})
+
+
+def test_edge_start_is_an_option_off_by_default():
+    """bench/sweep_efficiency.py (docs/SWEEPS.md): over three landscapes the start paid on one only; the screen
+    is the default, the start is asked for."""
+    assert EDGE_DEFAULTS == {"edge_screen": True, "edge_start": False}
+    assert edge_start_setting(SweepConfig.from_dict({"preflight": True}), "search", 0.06) is False
     assert edge_start_setting(SweepConfig.from_dict({"edge_start": True}), "search", 0.06) is True
     off = SweepConfig.from_dict({"preflight": True, "edge_start": False})
     assert edge_start_setting(off, "search", 0.06) is False
@@ -136,6 +150,42 @@ def test_edge_start_setting_defaults_on_only_for_a_search_with_preflight_and_a_b
         edge_start_setting(SweepConfig.from_dict({"edge_start": True}), "grid", 0.06)
     with pytest.raises(ConfigError, match="sweep.edge_start='yes' must be true, false or null"):
         SweepConfig.from_dict({"edge_start": "yes"})
+
+
+def test_the_default_search_with_preflight_screens_and_leaves_every_slot_to_the_sampler(tmp_path, capsys):
+    """What runs by default (preflight + budget, neither key set): the screen records the points over the
+    budget before the first trial; no slot is fixed to an edge point."""
+    assert _sweep(tmp_path, "ed", "hydra.sweeper.n_trials=3") == 0
+    cap = capsys.readouterr()
+    out = cap.out + cap.err
+    assert "vramsweep: edge screen: 16 of 16 points estimated" in out and "no edge start" in out
+    study = _study(tmp_path, "ed")
+    assert sum(bool(t.system_attrs.get(SCREENED)) for t in study.trials) == 8
+    assert study.user_attrs[EDGE_ATTR]["points"] == []
+    assert "study total: 3 ok" in out
+    for (
+        t
+    ) in study.trials:  # a slot is fixed only to copy a re-proposed point's outcome, never to an edge point
+        if SLOT in t.system_attrs and "fixed_params" in t.system_attrs:
+            res = json.loads((tmp_path / "sweeps/ed/trials" / f"{t.number:04d}.json").read_text())
+            assert res["meta"].get("duplicate_of") is not None, t.number
+    plan = json.loads((tmp_path / "sweeps/ed/sweep.json").read_text())
+    assert plan["edge_screen"] is True and plan["edge_start"] is False
+
+
+def test_the_start_alone_records_nothing_unrun(tmp_path, capsys):
+    assert (
+        _sweep(
+            tmp_path, "es", "hydra.sweeper.n_trials=2", "+sweep.edge_start=true", "+sweep.edge_screen=false"
+        )
+        == 0
+    )
+    capsys.readouterr()
+    study = _study(tmp_path, "es")
+    assert not any(t.system_attrs.get(SCREENED) for t in study.trials)
+    edge = study.user_attrs[EDGE_ATTR]["points"]
+    run = sorted((t for t in study.trials if SLOT in t.system_attrs), key=lambda t: t.number)
+    assert len(edge) == EDGE_K and [t.params for t in run] == edge[:2]
 
 
 def _sweep(tmp_path: Path, name: str, *args: str) -> int:
@@ -163,14 +213,14 @@ def _study(tmp_path: Path, name: str) -> optuna.Study:
 def _first_run(tmp_path: Path, monkeypatch, capsys, name: str) -> tuple[optuna.Study, str, Path]:
     markers = tmp_path / "m"
     monkeypatch.setenv("VRAMSWEEP_FAKE", json.dumps({"marker_dir": str(markers)}))
-    assert _sweep(tmp_path, name, "hydra.sweeper.n_trials=3") == 0
+    assert _sweep(tmp_path, name, "hydra.sweeper.n_trials=3", *EDGE_ON) == 0
     cap = capsys.readouterr()
     return _study(tmp_path, name), cap.out + cap.err, markers
 
 
 def test_screened_points_cost_no_trial_and_are_not_counted(tmp_path, monkeypatch, capsys):
     study, out, markers = _first_run(tmp_path, monkeypatch, capsys, "e1")
-    assert "vramsweep: edge start: 16 of 16 points estimated" in out
+    assert "vramsweep: edge screen: 16 of 16 points estimated" in out and "4 near its edge run first" in out
     screened = [t for t in study.trials if t.system_attrs.get(SCREENED)]
     assert len(screened) == 8  # every checkpointing=off point: over 0.06 GiB (+10 %) by the estimate
     started = {int(p.name.split("-")[1]) for p in markers.glob("start-*")}
@@ -196,23 +246,28 @@ def test_an_edge_start_sweep_resumes_exactly(tmp_path, monkeypatch, capsys):
     study, _, markers = _first_run(tmp_path, monkeypatch, capsys, "e2")
     edge = study.user_attrs[EDGE_ATTR]["points"]
     # a larger n_trials runs exactly the remainder: slot 3 gets edge point 3, nothing is screened again
-    assert _sweep(tmp_path, "e2", "hydra.sweeper.n_trials=5") == 0
+    assert _sweep(tmp_path, "e2", "hydra.sweeper.n_trials=5", *EDGE_ON) == 0
     cap = capsys.readouterr()
     out = cap.out + cap.err
-    assert "edge start:" not in out and "resuming study 'e2': 3/5 finished" in out
+    assert "edge screen:" not in out and "resuming study 'e2': 3/5 finished" in out
     study = _study(tmp_path, "e2")
     assert sum(bool(t.system_attrs.get(SCREENED)) for t in study.trials) == 8
     slot3 = next(t for t in study.trials if t.system_attrs.get(SLOT) == 3)
     assert slot3.params == edge[3] and study.user_attrs[EDGE_ATTR]["points"] == edge
     assert len(list(markers.glob("start-*"))) == 5
-    assert _sweep(tmp_path, "e2", "hydra.sweeper.n_trials=5") == 0  # complete: nothing runs
+    assert _sweep(tmp_path, "e2", "hydra.sweeper.n_trials=5", *EDGE_ON) == 0  # complete: nothing runs
     assert len(list(markers.glob("start-*"))) == 5
 
 
-def test_edge_start_false_is_todays_search(tmp_path, capsys):
-    assert _sweep(tmp_path, "e0", "hydra.sweeper.n_trials=2", "+sweep.edge_start=false") == 0
+def test_edge_screen_and_start_false_is_the_plain_preflight_search(tmp_path, capsys):
+    assert (
+        _sweep(
+            tmp_path, "e0", "hydra.sweeper.n_trials=2", "+sweep.edge_start=false", "+sweep.edge_screen=false"
+        )
+        == 0
+    )
     cap = capsys.readouterr()
-    assert "edge start" not in cap.out + cap.err
+    assert "edge screen" not in cap.out + cap.err
     study = _study(tmp_path, "e0")
     assert EDGE_ATTR not in study.user_attrs
     assert len(study.trials) == 2 and all(SLOT in t.system_attrs for t in study.trials)

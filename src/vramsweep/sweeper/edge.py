@@ -1,5 +1,6 @@
-"""``sweep.edge_start``: a search with a memory budget starts at the edge of what fits, and learns the wall
-from the estimator instead of from trials.
+"""``sweep.edge_screen`` and ``sweep.edge_start``: a search with a memory budget learns the wall from the
+estimator instead of from trials (the screen: on by default with ``sweep.preflight``), and may start at the
+edge of what fits (the start: an option; ``vramsweep.sweeper.settings.EDGE_DEFAULTS`` says why).
 
 When a new search study is created (never on a resume), a bounded sample of the search space is estimated
 (:func:`screen`): every point when the space has at most :data:`MAX_CANDIDATES` points, else that many
@@ -10,16 +11,16 @@ composed once and each point's config-group options are swapped into a copy (:cl
 ``vramsweep estimate --suggest`` does), checked against one real compose of the first edge point (the others
 are checked against the config rules).
 
-* **Edge points**: the :data:`EDGE_K` points with the highest estimated peak that the estimator puts
-  inside ``hardware.budget_gib`` as the pre-flight counts it (required bytes <= budget + :data:`MARGIN`,
-  the points ``sweep.preflight`` would run: the wall is where the estimate is uncertain), picked greedily with
-  a bonus for differing from the points already picked (so the start spans the knobs that do not move the
-  peak, such as the learning rate). They fill the first slots (``fixed_params``), in that order; the list is
-  kept in the study (:data:`EDGE_ATTR`), so a resumed sweep, or one with a larger ``n_trials``, gives each
-  slot the same point.
-* **Screened points**: up to :data:`MAX_RECORDED` sampled points the estimator puts over the budget by
-  more than the pre-flight's 10 % margin are recorded as finished trials without a trial process: status
-  ``infeasible_estimate``, state PRUNED, constraint ``vram_over_budget_gib`` = estimated excess (the
+* **Edge points** (``edge_start``): the :data:`EDGE_K` points with the highest estimated peak that the
+  estimator puts inside ``hardware.budget_gib`` as the pre-flight counts it (required bytes <= budget +
+  :data:`MARGIN`, the points ``sweep.preflight`` would run: the wall is where the estimate is uncertain),
+  picked greedily with a bonus for differing from the points already picked (so the start spans the knobs
+  that do not move the peak, such as the learning rate). They fill the first slots (``fixed_params``), in
+  that order; the list is kept in the study (:data:`EDGE_ATTR`), so a resumed sweep, or one with a larger
+  ``n_trials``, gives each slot the same point.
+* **Screened points** (``edge_screen``): up to :data:`MAX_RECORDED` sampled points the estimator puts over the
+  budget by more than the pre-flight's 10 % margin are recorded as finished trials without a trial process:
+  status ``infeasible_estimate``, state PRUNED, constraint ``vram_over_budget_gib`` = estimated excess (the
   outcome rules of :mod:`.outcome`, as ``sweep.preflight`` records them), and a result JSON
   (``meta.screened``). They carry :data:`SCREENED` and do not count toward ``n_trials`` (like copies of
   re-proposed points); TPE reads their constraint, so it learns the wall before its first trial, and a
@@ -289,7 +290,8 @@ def start_at_the_edge(book: Any) -> list[dict[str, Any]]:
     """The study's edge points: screened once, when the study is new (this records the screened points),
     else read back from the study. Call under the storage lock, before the slots are topped up."""
     plan, study = book.plan, book.study
-    if not getattr(plan, "edge_start", False) or plan.points is not None:
+    start, screened = getattr(plan, "edge_start", False), getattr(plan, "edge_screen", False)
+    if not (start or screened) or plan.points is not None:
         return []
     stored = study.user_attrs.get(EDGE_ATTR)
     if stored is not None:
@@ -298,8 +300,10 @@ def start_at_the_edge(book: Any) -> list[dict[str, Any]]:
     if study.get_trials(deepcopy=False):
         return []
     found = screen(plan.fixed, plan.dims, plan.seed)
+    if not screened:  # sweep.edge_screen=false: the start alone, nothing recorded unrun
+        found.infeasible = []
     info = {
-        "points": found.edge,
+        "points": found.edge if start else [],
         "screened": len(found.infeasible),
         "estimated": found.estimated,
         "fits": found.fits,
@@ -312,7 +316,7 @@ def start_at_the_edge(book: Any) -> list[dict[str, Any]]:
     study.set_user_attr(EDGE_ATTR, info)
     record_pending(book, info)
     book.say(describe(info))
-    return list(found.edge)
+    return list(info["points"])
 
 
 def record_pending(book: Any, info: dict[str, Any]) -> None:
@@ -329,15 +333,16 @@ def record_pending(book: Any, info: dict[str, Any]) -> None:
 
 
 def describe(info: dict[str, Any]) -> str:
-    """One line: what the edge start did."""
+    """One line: what the edge screen (and the edge start, when on) did."""
     space = info.get("space")
     of = f" of {int(space)}" if space is not None else ""
     note = f"; {info['note']}" if info.get("note") else ""
+    n_edge = len(info["points"])
+    start = f"{n_edge} near its edge run first" if n_edge else "no edge start (sweep.edge_start=false)"
     return (
-        f"vramsweep: edge start: {info['estimated']}{of} points estimated in {info['seconds']:.1f} s: "
-        f"{info['fits']} fit the budget (+{MARGIN:.0%} margin), {len(info['points'])} near its edge run "
-        f"first; {info['screened']} over it recorded infeasible_estimate without a trial (not counted "
-        f"toward n_trials){note}"
+        f"vramsweep: edge screen: {info['estimated']}{of} points estimated in {info['seconds']:.1f} s: "
+        f"{info['fits']} fit the budget (+{MARGIN:.0%} margin), {start}; {info['screened']} over it "
+        f"recorded infeasible_estimate without a trial (not counted toward n_trials){note}"
     )
 
 

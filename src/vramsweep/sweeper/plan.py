@@ -28,6 +28,7 @@ from vramsweep.sweeper.multirun import check_option_names, translate_args
 from vramsweep.sweeper.samplers import make_pruner, make_sampler
 from vramsweep.sweeper.settings import (
     DESIGNS,
+    EDGE_DEFAULTS,
     PRUNERS,
     QUALITY_REPEATS,
     SAMPLERS,
@@ -106,6 +107,9 @@ class Plan:
     #: ``sweep.edge_start`` resolved: a search with a budget starts at the edge
     #: (:mod:`vramsweep.sweeper.edge`)
     edge_start: bool = False
+    #: ``sweep.edge_screen`` resolved: points the estimator puts over the budget recorded before the first
+    #: trial (:mod:`vramsweep.sweeper.edge`)
+    edge_screen: bool = False
     #: the sweep file's fixed params, then the command line's fixed overrides (they win)
     fixed: list[str] = field(default_factory=list)
     dims: list[Param] = field(default_factory=list)
@@ -196,6 +200,7 @@ class Plan:
             "repeats": self.repeats,
             "preflight": self.preflight,
             "edge_start": self.edge_start,
+            "edge_screen": self.edge_screen,
             "budget_gib": self.budget_gib,
             "storage": mask_url(self.storage_url),
             "pruning_active": self.pruning_active,
@@ -373,19 +378,21 @@ def _all_discrete(params: dict[str, str]) -> bool:
     return True
 
 
-def edge_start_setting(sweep: SweepConfig, design: str, budget_gib: float) -> bool:
-    """``sweep.edge_start`` resolved: ``null`` (default) is on for a search with ``sweep.preflight`` and a
-    budget; ``true`` needs a search and a budget (else a ConfigError); ``false`` is off."""
-    if sweep.edge_start is None:
-        return design == "search" and sweep.preflight and budget_gib > 0
-    if sweep.edge_start and (design != "search" or budget_gib <= 0):
+def edge_start_setting(sweep: SweepConfig, design: str, budget_gib: float, key: str = "edge_start") -> bool:
+    """``sweep.edge_start`` (or ``key="edge_screen"``) resolved: ``null`` (default) is
+    :data:`~vramsweep.sweeper.settings.EDGE_DEFAULTS` for a search with ``sweep.preflight`` and a budget, else
+    off; ``true`` needs a search and a budget (else a ConfigError); ``false`` is off."""
+    value = getattr(sweep, key)
+    if value is None:
+        return EDGE_DEFAULTS[key] and design == "search" and sweep.preflight and budget_gib > 0
+    if value and (design != "search" or budget_gib <= 0):
         raise ConfigError(
-            f"sweep.edge_start=true needs a search design and a memory budget (this sweep: design {design}, "
+            f"sweep.{key}=true needs a search design and a memory budget (this sweep: design {design}, "
             f"hardware.budget_gib={budget_gib:g})",
-            key="sweep.edge_start",
+            key=f"sweep.{key}",
             allowed=["false", "null", "true with sweep.design=search and hardware.budget_gib > 0"],
         )
-    return bool(sweep.edge_start)
+    return bool(value)
 
 
 def _sampler_spec(conf: SweeperConf) -> Any:
@@ -544,6 +551,7 @@ def resolve_settings(
         named=named,
         design_reason=reason,
         edge_start=edge_start_setting(sweep, design, task_budget),
+        edge_screen=edge_start_setting(sweep, design, task_budget, key="edge_screen"),
     )
 
 

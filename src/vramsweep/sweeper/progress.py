@@ -294,7 +294,7 @@ def print_summary(
         if (
             t.number in retried
             or t.system_attrs.get(COPY_OF) is not None
-            or t.system_attrs.get(SCREENED)  # sweep.edge_start's estimate-only records: not counted
+            or t.system_attrs.get(SCREENED)  # sweep.edge_screen's estimate-only records: not counted
             or t.state in (TrialState.WAITING, TrialState.RUNNING)
         ):
             continue

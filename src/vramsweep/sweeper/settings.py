@@ -618,9 +618,10 @@ class SweepConfig:
     ``max_context``: :mod:`vramsweep.sweeper.maxctx`); ``objectives`` are metric names or
     ``{metric, direction}``; ``baseline``/``factors`` make an ablation, ``stack`` a stacking design;
     ``repeats`` seeds per point (``None``: :func:`~vramsweep.sweeper.plan.default_repeats`); ``preflight``
-    estimates every point before the first trial; ``edge_start`` (``None``: on for a search with
-    ``preflight`` and a budget) starts a search at the edge of the budget
-    (:func:`~vramsweep.sweeper.plan.edge_start_setting`);
+    estimates every point before the first trial; ``edge_screen`` records the points estimated over the
+    budget before the first trial and ``edge_start`` starts a search at the edge of the budget (``None``:
+    :data:`EDGE_DEFAULTS` for a search with ``preflight`` and a budget;
+    :func:`~vramsweep.sweeper.plan.edge_start_setting`);
     ``configs``/``fixed``/``max_context`` are the max-context driver's.
     """
 
@@ -633,6 +634,7 @@ class SweepConfig:
     repeats: int | None = None
     preflight: bool = False
     edge_start: bool | None = None
+    edge_screen: bool | None = None
     description: str | None = None
     configs: list[Any] = field(default_factory=list)
     fixed: list[str] = field(default_factory=list)
@@ -676,6 +678,7 @@ class SweepConfig:
             repeats=repeats,
             preflight=bool(node.get("preflight", False)),
             edge_start=_optional_bool(node.get("edge_start"), "sweep.edge_start"),
+            edge_screen=_optional_bool(node.get("edge_screen"), "sweep.edge_screen"),
             description=node.get("description"),
             configs=list(node.get("configs") or []),
             fixed=[str(x) for x in _as_list(node.get("fixed"), "sweep.fixed")],
@@ -710,6 +713,14 @@ def _optional_bool(value: Any, key: str) -> bool | None:
     raise ConfigError(
         f"{key}={value!r} must be true, false or null", key=key, allowed=["true", "false", "null"]
     )
+
+
+#: ``sweep.edge_screen`` / ``sweep.edge_start`` when left ``null`` in a search with ``sweep.preflight`` and a
+#: budget: the screen is on, the start is off (``bench/sweep_efficiency.py``, docs/SWEEPS.md *Efficiency*:
+#: over three landscapes the start paid only where the best config is the highest-memory one that fits, about
+#: even where rank hurts, and never reached a good config where quality is unrelated to memory; a sweep cannot
+#: know its landscape beforehand).
+EDGE_DEFAULTS = {"edge_screen": True, "edge_start": False}
 
 
 def sweeper_conf(sweeper: dict[str, Any]) -> SweeperConf:

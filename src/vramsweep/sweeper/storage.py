@@ -47,7 +47,7 @@ HEARTBEAT = "vramsweep:heartbeat"
 FINGERPRINT = "vramsweep:fingerprint"
 #: On a trial that copied an earlier trial's outcome (a re-proposed point): not counted toward n_trials.
 COPY_OF = "vramsweep:copy_of"
-#: On a trial recorded from the memory estimate alone by ``sweep.edge_start`` (no trial process): not
+#: On a trial recorded from the memory estimate alone by ``sweep.edge_screen`` (no trial process): not
 #: counted toward n_trials either (:mod:`vramsweep.sweeper.edge`).
 SCREENED = "vramsweep:screened"
 LOST = "vramsweep:lost"  # the trial's worker died (or Ctrl-C stopped it): its point is retried
@@ -224,7 +224,7 @@ def load_or_create_study(plan: Any, sampler: Any, pruner: Any) -> Any:
 
 def trial_counts(study: Any) -> dict[str, int]:
     """Counts by state over the trials that count toward ``n_trials`` (retried stale trials, copies of
-    re-proposed points and points screened by ``sweep.edge_start`` do not)."""
+    re-proposed points and points screened by ``sweep.edge_screen`` do not)."""
     trials = study.get_trials(deepcopy=False)
     retried = {t.system_attrs.get(RETRY_OF) for t in trials} - {None}
     out: dict[str, int] = {}

@@ -294,7 +294,7 @@ class StudyBook:
             self.lost.reconcile()
             self.lost.stop_lost_jobs()  # every job the study recorded for a lost point, before it is retried
             self.lost.requeue_lost_slots()
-            self.edge = start_at_the_edge(self)  # sweep.edge_start: a new study only (then read back)
+            self.edge = start_at_the_edge(self)  # edge screen/start: a new study only (then read back)
             added = top_up(self.study, self.plan.n_total, self._slot_attrs)
         counts = trial_counts(self.study)
         done = sum(v for k, v in counts.items() if k in ("COMPLETE", "PRUNED", "FAIL"))
