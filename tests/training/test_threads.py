@@ -100,15 +100,16 @@ def test_the_sweeper_tells_its_trials_how_many_run_at_once(tmp_path):
     from vramsweep.sweeper.trialproc import TrialSpec
 
     plan = SimpleNamespace(
-        sweep_dir=tmp_path,
-        n_jobs=2,
+        folder=tmp_path,
+        n_workers=2,
+        layout=None,
         cuda_devices=None,
         name="s",
-        study_name="s",
-        storage=None,
-        objectives=[],
+        study_key="s",
+        storage_url=None,
+        goals=[],
         trial_fn=None,
-        pruner="none",
+        pruner_spec="none",
         pruning_active=False,
         budget_gib=0.0,
         preflight=False,
