@@ -302,8 +302,6 @@ OWN_WRITERS = {
     "sweeper/zygote.py": "the fork server's status file: it imports nothing of vramsweep before its preload",
     "production/checkpoint.py": "a checkpoint is a whole staged folder renamed into place (fsync_dir)",
     "production/owner.py": "the run lock's holder record is rewritten in the locked file, not renamed",
-    "knobs/vocab_slice.py": "not moved in issue 55's writer change (knobs/ was another engineer's that day)",
-    "data/cache.py": "not moved in issue 55's writer change (data/ was another engineer's that day)",
 }
 
 
