@@ -8,8 +8,9 @@ prune on (:data:`PRUNABLE_METRICS`), the losses whose non-finite value means ``d
 header (:func:`label`), its words in a sentence (:func:`title`), the stem of its Δ headers
 (:func:`short_label`), its number format and display unit (:func:`value_format`, :func:`format_value`; bytes
 are shown in GiB), its raw-row key in tables and CSV (:func:`column`) and its W&B summary alias
-(:func:`wandb_key`). Every table, progress line, CLI line, plot and W&B key takes these from here. The schema
-prose is in docs/CONTRACTS.md.
+(:func:`wandb_key`), and which default views show it (:func:`view_metrics`: the ``headline`` metrics in
+every view, ``views`` in the named ones). Every table, progress line, CLI line, plot and W&B key takes
+these from here. The schema prose is in docs/CONTRACTS.md.
 """
 
 from __future__ import annotations
