@@ -648,3 +648,25 @@ def test_encode_through_the_rust_backend_gives_the_tokenizers_own_ids_and_offset
     cut = copy.deepcopy(tok)
     cut.backend_tokenizer.enable_truncation(8)
     assert [len(i) for i, _ in _encode(cut, texts)] == [len(i) for i, _ in want]
+
+
+def test_a_cache_entry_is_written_whole_through_the_one_writer(tmp_path, monkeypatch):
+    """The data cache's pickle goes through ``record/atomic.py``: a write that fails before the rename leaves
+    no entry and no temp file (the next call builds again), a good one lands whole and readable by the team."""
+    import os
+
+    from vramsweep.data.cache import cached
+    from vramsweep.record import atomic
+
+    def boom(*_a):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(atomic.os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        cached({"k": 1}, lambda: [1, 2], folder=tmp_path / "d")
+    assert [p for p in os.listdir(tmp_path / "d") if not p.endswith(".lock")] == []
+    monkeypatch.undo()
+    assert cached({"k": 1}, lambda: [1, 2], folder=tmp_path / "d")[:2] == ([1, 2], "miss")
+    assert cached({"k": 1}, lambda: [3], folder=tmp_path / "d")[:2] == ([1, 2], "hit")
+    (entry,) = (tmp_path / "d").glob("*.pkl")
+    assert oct(entry.stat().st_mode & 0o777) == oct(0o666 & ~atomic.current_umask())

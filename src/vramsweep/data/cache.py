@@ -4,8 +4,8 @@ The key is the sha256 of everything the examples depend on: the source files' sh
 ``tokenizer.json`` serialisation, special tokens and chat template), the data and context settings and
 :data:`CACHE_VERSION`. Entries live in ``<cache>/data/<key>.pkl`` (``$VRAMSWEEP_CACHE``). A file lock
 per key makes concurrent trials (sweep workers, the fork server's children) wait for the one that builds;
-the entry is written to a temp file, fsynced and renamed, so a reader never sees half a file, and a
-corrupt or unreadable entry is rebuilt.
+the entry is written through the one atomic writer (``record/atomic.py``: temp file, fsync, rename), so a
+reader never sees half a file, and a corrupt or unreadable entry is rebuilt.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import hashlib
 import json
 import os
 import pickle
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
+
+from vramsweep.record.atomic import atomic_write_bytes
 
 __all__ = [
     "CACHE_ENV",
@@ -81,22 +82,6 @@ def cache_key(parts: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _atomic_pickle(obj: Any, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            pickle.dump(obj, fh, protocol=pickle.HIGHEST_PROTOCOL)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def cached(
     parts: dict[str, Any], build: Callable[[], T], *, folder: Path | None = None
 ) -> tuple[T, str, str]:
@@ -140,7 +125,7 @@ def cached(
                     except OSError:
                         break
                 raise
-            _atomic_pickle(value, path)
+            atomic_write_bytes(path, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
             return value, "miss", key
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

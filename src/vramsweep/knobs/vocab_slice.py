@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from vramsweep.data.examples import IGNORE_INDEX
+from vramsweep.record.atomic import atomic_write_text
 
 __all__ = [
     "IdMap",
@@ -266,10 +267,7 @@ class IdMap:
             "unk_id": self.unk_id,
             "new_to_old": self.new_to_old.tolist(),
         }
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(payload, separators=(",", ":")) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-        return path
+        return atomic_write_text(path, json.dumps(payload, separators=(",", ":")) + "\n")
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> IdMap:

@@ -1,5 +1,6 @@
 """The one atomic writer of vramsweep (temp file in the same folder, fsync, ``os.replace``, folder fsync):
-results, sweep files, reports, production outputs and markers all write through :func:`atomic_write_text`.
+results, sweep files, reports, production outputs, markers, the vocabulary slice's id map and the data
+cache's pickles all write through :func:`atomic_write_text` (or :func:`atomic_write_bytes`).
 Two writers stay apart on purpose: the fork server's status file (``sweeper/zygote.py``: it imports nothing
 of vramsweep before its preload), and a production checkpoint (``production/checkpoint.py``: a whole folder
 is staged and renamed; it uses :func:`fsync_dir`). Standard library only.
@@ -28,7 +29,12 @@ def current_umask() -> int:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, durable: bool = True) -> Path:
-    """Write ``text`` to ``path`` atomically (temp file in the same folder + fsync + ``os.replace``, then
+    """Write ``text`` (UTF-8) to ``path`` atomically: :func:`atomic_write_bytes` of its encoding."""
+    return atomic_write_bytes(path, text.encode("utf-8"), durable=durable)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> Path:
+    """Write ``data`` to ``path`` atomically (temp file in the same folder + fsync + ``os.replace``, then
     the folder fsynced): a reader sees the old file or the new one, never half, and after a crash the new
     one is on disk. ``durable=False`` leaves out both fsyncs (a marker that only has to outlive its
     process: still never half, much cheaper). The file gets the mode a plain ``open()`` would give it
@@ -39,8 +45,8 @@ def atomic_write_text(path: str | os.PathLike, text: str, *, durable: bool = Tru
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~current_umask())
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             if durable:
                 fh.flush()
                 os.fsync(fh.fileno())

@@ -8,8 +8,9 @@ prune on (:data:`PRUNABLE_METRICS`), the losses whose non-finite value means ``d
 header (:func:`label`), its words in a sentence (:func:`title`), the stem of its Δ headers
 (:func:`short_label`), its number format and display unit (:func:`value_format`, :func:`format_value`; bytes
 are shown in GiB), its raw-row key in tables and CSV (:func:`column`) and its W&B summary alias
-(:func:`wandb_key`). Every table, progress line, CLI line, plot and W&B key takes these from here. The schema
-prose is in docs/CONTRACTS.md.
+(:func:`wandb_key`), and which default views show it (:func:`view_metrics`: the ``headline`` metrics in
+every view, ``views`` in the named ones). Every table, progress line, CLI line, plot and W&B key takes
+these from here. The schema prose is in docs/CONTRACTS.md.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ class Metric:
     column: str = ""  # raw-row key of the shown value in tables, CSV and W&B tables; "" = the name
     delta: Delta = "abs"  # which Δ columns a comparison table shows
     wandb: str = ""  # W&B summary alias beside the name itself ("eval/loss"); "" = none
+    # Which default views show it (:func:`view_metrics`): a headline metric is a default column of every
+    # table, the terminal summary, the W&B trials table and pick's candidates; ``views`` names the views
+    # (:data:`VIEWS`) that show it beside the headline; ``detail`` columns go first on a narrow terminal.
+    headline: bool = False
+    views: tuple[str, ...] = ()
+    detail: bool = False
 
     @property
     def scale(self) -> int:
@@ -80,6 +87,7 @@ METRICS: tuple[Metric, ...] = (
         short="mem",
         column="peak_gib",
         delta="both",
+        headline=True,
     ),
     Metric("memory_kind", "", None, kind="text", doc="what the peak counts: reserved | allocated | tracked"),
     Metric("memory_breakdown_bytes", "bytes", "minimize", kind="map", doc="peak by category (params, ...)"),
@@ -95,6 +103,7 @@ METRICS: tuple[Metric, ...] = (
         fmt=".1f",
         delta="pct",
         wandb="train/tokens_per_s",
+        headline=True,
     ),
     Metric(
         "step_time_s",
@@ -106,8 +115,17 @@ METRICS: tuple[Metric, ...] = (
         label="s/step",
         title="step time",
         fmt=".3f",
+        views=("wandb",),
     ),
-    Metric("mfu", "fraction", "maximize", objective=True, doc="model FLOPs utilisation", timing=True),
+    Metric(
+        "mfu",
+        "fraction",
+        "maximize",
+        objective=True,
+        doc="model FLOPs utilisation",
+        timing=True,
+        views=("wandb",),
+    ),
     Metric(
         "train_loss",
         "nats",
@@ -141,6 +159,7 @@ METRICS: tuple[Metric, ...] = (
         held_out=True,
         label="eval loss",
         wandb="eval/loss",
+        headline=True,
     ),
     Metric(
         "eval_ppl",
@@ -156,6 +175,8 @@ METRICS: tuple[Metric, ...] = (
         title="eval ppl",
         fmt=".2f",
         wandb="eval/ppl",
+        views=("trials", "stats", "wandb", "pick"),
+        detail=True,
     ),
     Metric(
         "task_score",
@@ -167,6 +188,7 @@ METRICS: tuple[Metric, ...] = (
         held_out=True,
         label="task score",
         fmt=".3f",
+        views=("trials", "wandb", "pick"),
     ),
     # Written only when measured (not in every result):
     Metric(
@@ -208,6 +230,7 @@ METRICS: tuple[Metric, ...] = (
         doc="fact-token accuracy",
         quality=True,
         held_out=True,
+        views=("terminal",),
     ),
     Metric(
         "fact_nll",
@@ -273,6 +296,21 @@ _MAXIMIZE_SUFFIXES = ("_acc", "_accuracy", "_score")
 _QUALITY_SUFFIXES = ("_acc", "_accuracy", "_score", "_nll", "_loss", "_ppl")
 #: The core scalar metrics (numbers and labels): what goes into one Optuna user attr each.
 SCALAR_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.core and m.kind in ("number", "text"))
+
+
+#: The default views beside the headline (a metric's ``views``): ``trials`` (the trials table), ``stats``
+#: (mean and std of every design point row), ``terminal`` (the terminal summary), ``wandb`` (the W&B
+#: summary run's trials table), ``pick`` (pick's candidates table).
+VIEWS = ("trials", "stats", "terminal", "wandb", "pick")
+
+
+def view_metrics(view: str | None = None) -> tuple[str, ...]:
+    """The metrics a default view shows, in registry order: the headline metrics, and those tagged with
+    ``view`` (:data:`VIEWS`; None: the headline alone, the ablation and stacking tables' base columns).
+    Read at call time, so a new metric flagged ``headline=True`` shows in every view."""
+    if view is not None and view not in VIEWS:
+        raise KeyError(f"unknown view {view!r} (known: {', '.join(VIEWS)})")
+    return tuple(m.name for m in METRICS if m.headline or (view is not None and view in m.views))
 
 
 def metric(name: str) -> Metric:
@@ -415,6 +453,8 @@ def empty_metrics() -> dict[str, None]:
 
 __all__ = [
     "BY_NAME",
+    "VIEWS",
+    "view_metrics",
     "DEFAULT_FMT",
     "column",
     "delta_labels",

@@ -46,14 +46,22 @@ from vramsweep.config.compose import ConfigError, compose, find_option, writable
 from vramsweep.config.errors import error_line
 from vramsweep.config.schema import MEASUREMENT_KEYS
 from vramsweep.config.weights import random_weights
-from vramsweep.record.metrics import MetricName, column, format_value, scaled, title, value_format
+from vramsweep.record.metrics import (
+    MetricName,
+    column,
+    format_value,
+    scaled,
+    title,
+    value_format,
+    view_metrics,
+)
 from vramsweep.record.metrics import label as metric_label
 from vramsweep.record.result import atomic_write_text
 from vramsweep.record.units import GIB
 from vramsweep.report import evalset
 from vramsweep.report.load import ReportError, SweepData, TrialRecord, load_sweep, safe_url
 from vramsweep.report.stats import NOISE, UNKNOWN, compare
-from vramsweep.report.tables import LOAD_MARK, Column, Table, fmt, gib, metric_cells, metric_column
+from vramsweep.report.tables import LOAD_MARK, Column, Table, fmt, gib, metric_cells, view_columns
 from vramsweep.report.terminal import compact, wrap
 
 #: Top-level config keys never pinned (where results go, run name, the sweep that produced the trial).
@@ -66,7 +74,11 @@ PREFER = ("quality", "speed")
 TOP_N = 5
 #: The metrics pick ranks on and shows (labels, formats and raw keys: the metric registry).
 _PEAK, _TPS, _LOSS = MetricName.PEAK_MEMORY_BYTES, MetricName.TOKENS_PER_S, MetricName.EVAL_LOSS
-_PPL, _TASK = MetricName.EVAL_PPL, MetricName.TASK_SCORE
+
+
+def _winner_metrics() -> tuple[str, ...]:
+    """The metrics of the winner's summary beside its memory lines: the registry's ``pick`` view."""
+    return tuple(m for m in view_metrics("pick") if m != _PEAK)
 
 
 def _show(item: TrialRecord | Candidate, name: str, missing: str = "", unit: bool = False) -> str:
@@ -445,14 +457,14 @@ def candidates_table(
     tiers = tiers or {}
     knobs = sweep.varying_knobs()
     tps_key = column(_TPS)
+    names = view_metrics("pick")  # the registry's headline and ``pick`` view
     rows = [
         {
             "rank": i + 1,
             "trials": c.numbers,
             "knobs": point_label(sweep, c.rep, knobs),
-            **metric_cells(c, [_PEAK]),  # type: ignore[arg-type]
+            **metric_cells(c, names),  # type: ignore[arg-type]
             "headroom_gib": None if c.peak_gib is None else budget_gib - c.peak_gib,
-            **metric_cells(c, [_LOSS, _PPL, _TASK]),  # type: ignore[arg-type]
             tps_key: scaled(_TPS, c.shown_tps()),
             "tps_loaded": c.speed_loaded,
             "quality_vs_best": tiers[c.number].text if c.number in tiers else "",
@@ -460,29 +472,34 @@ def candidates_table(
         }
         for i, c in enumerate(ranked[:n])
     ]
-    spec = value_format(_TPS)
-    return Table(
-        "candidates",
-        "Top candidates",
-        [
-            Column("rank", lambda r: str(r["rank"])),
-            Column("trials", lambda r: r["trials"], False),
-            Column("knobs", lambda r: r["knobs"], False),
-            metric_column(_PEAK),
-            Column("headroom GiB", lambda r: gib(r["headroom_gib"])),
-            Column(
-                metric_label(_TPS),
-                lambda r: fmt(r.get(tps_key), spec) + (f" {LOAD_MARK}" if r["tps_loaded"] else ""),
-                metric=tps_key,
-                kind="value",
-            ),
-            metric_column(_LOSS),
-            Column("quality vs best", lambda r: r["quality_vs_best"], False),
-            metric_column(_PPL, kind="detail"),  # exp(eval loss): left out first on a narrow terminal
-            metric_column(_TASK),
-        ],
-        rows,
-    )
+    cols = [
+        Column("rank", lambda r: str(r["rank"])),
+        Column("trials", lambda r: r["trials"], False),
+        Column("knobs", lambda r: r["knobs"], False),
+    ]
+    for name, col in zip(names, view_columns("pick"), strict=True):
+        cols += _candidate_columns(name, col, tps_key)
+    return Table("candidates", "Top candidates", cols, rows)
+
+
+def _candidate_columns(name: str, col: Column, tps_key: str) -> list[Column]:
+    """The candidates table's column(s) of metric ``name``: memory with the headroom after it, tokens/s
+    marked where measured only under load, eval loss with the quality tier after it, any other metric as
+    the registry shows it (``detail`` ones left out first on a narrow terminal)."""
+    if name == _PEAK:
+        return [col, Column("headroom GiB", lambda r: gib(r["headroom_gib"]))]
+    if name == _TPS:
+        spec = value_format(_TPS)
+        shown = Column(
+            metric_label(_TPS),
+            lambda r: fmt(r.get(tps_key), spec) + (f" {LOAD_MARK}" if r["tps_loaded"] else ""),
+            metric=tps_key,
+            kind="value",
+        )
+        return [shown]
+    if name == _LOSS:
+        return [col, Column("quality vs best", lambda r: r["quality_vs_best"], False)]
+    return [col]
 
 
 def _criterion(prefer: str) -> str:
@@ -594,7 +611,7 @@ def production_md(
         f"| budget | {budget_gib:g} GiB (headroom asked {headroom_gib:g} GiB) |",
         f"| headroom vs budget | {gib(budget_gib - peak)} GiB "
         f"({(budget_gib - peak) / budget_gib * 100:.1f} %) |",
-        *(f"| {title(m)} | {_show(winner, m, 'not measured')} |" for m in (_TPS, _LOSS, _PPL, _TASK)),
+        *(f"| {title(m)} | {_show(winner, m, 'not measured')} |" for m in _winner_metrics()),
         "| estimate | "
         f"{gib(est) + ' GiB' if (est := winner.rep.estimate_gib) is not None else 'none recorded'} |",
         f"| overrides | `{' '.join(winner.rep.overrides) or '(none)'}` |",
@@ -987,16 +1004,14 @@ def _nothing_fits(
         [
             Column("trial", lambda r: str(r["trial"])),
             Column("knobs", lambda r: r["knobs"], False),
-            metric_column(_PEAK),
-            metric_column(_TPS),
-            metric_column(_LOSS),
+            *view_columns(None),  # the registry's headline metrics
             Column("why not", lambda r: r["why"], False),
         ],
         [
             {
                 "trial": t.number,
                 "knobs": point_label(sweep, t, knobs),
-                **metric_cells(t, [_PEAK, _TPS, _LOSS]),
+                **metric_cells(t, view_metrics()),
                 "why": why,
             }
             for t, why in near

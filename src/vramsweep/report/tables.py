@@ -32,8 +32,10 @@ from vramsweep.record.metrics import (
     scaled,
     short_label,
     value_format,
+    view_metrics,
 )
 from vramsweep.record.metrics import label as metric_label
+from vramsweep.record.metrics import metric as registry_entry
 from vramsweep.report.evalset import (
     EvalSplit,
     comparable,
@@ -228,21 +230,27 @@ class MetricSpec:
         return "d_peak_pct" if self.metric == MetricName.PEAK_MEMORY_BYTES else f"d_{self.key}_pct"
 
 
-BASE_SPECS = tuple(
-    MetricSpec.of(m) for m in (MetricName.PEAK_MEMORY_BYTES, MetricName.TOKENS_PER_S, MetricName.EVAL_LOSS)
-)
-#: Metrics whose mean and std every design point row carries (``<key>_mean``, ``<key>_std``).
-_STAT_SPECS = (*BASE_SPECS, MetricSpec.of(MetricName.EVAL_PPL))
+def base_specs() -> tuple[MetricSpec, ...]:
+    """The columns every ablation and stacking table shows: the registry's headline metrics."""
+    return tuple(MetricSpec.of(m) for m in view_metrics())
+
+
+def _stat_specs() -> tuple[MetricSpec, ...]:
+    """Metrics whose mean and std every design point row carries (``<key>_mean``, ``<key>_std``): the
+    headline and those tagged ``stats`` in the registry."""
+    return tuple(MetricSpec.of(m) for m in view_metrics("stats"))
+
+
 #: Quality metrics not given their own columns unless they are objectives (train loss is not held out,
 #: ``initial_*`` metrics are measured before training, perplexity is exp(eval loss)).
 _NOT_COMPARED = (MetricName.TRAIN_LOSS, MetricName.INITIAL_EVAL_LOSS, MetricName.EVAL_PPL)
 
 
 def compared_metrics(sweep: SweepData) -> list[MetricSpec]:
-    """Memory, tokens/s, eval loss, then every other objective and every quality metric (by name, see
-    :func:`vramsweep.record.result.is_quality_metric`) that an ok trial measured: new metrics in the
-    results get columns and significance marks without a change here."""
-    out = list(BASE_SPECS)
+    """The headline metrics (memory, tokens/s, eval loss), then every other objective and every quality
+    metric (by name, see :func:`vramsweep.record.result.is_quality_metric`) that an ok trial measured: new
+    metrics in the results get columns and significance marks without a change here."""
+    out = list(base_specs())
     seen = {s.metric for s in out}
     names = [m for m, _ in sweep.objectives]
     for t in sweep.trials:
@@ -283,7 +291,7 @@ def aggregate(trials: list[TrialRecord], specs: Iterable[MetricSpec] = ()) -> di
         "failed": ", ".join(f"{n} {s}" for s, n in sorted(failed.items())),
         "trials": [t.number for t in trials],
     }
-    getters = {spec.key: spec.value for spec in _STAT_SPECS}
+    getters = {spec.key: spec.value for spec in _stat_specs()}
     for spec in specs:
         getters.setdefault(spec.key, spec.value)
     for key, get in getters.items():
@@ -494,14 +502,11 @@ def metric_cells(trial: TrialRecord, names: Iterable[str]) -> dict[str, float | 
     return {column(n): scaled(n, trial.metric(n)) for n in names}
 
 
-#: The metrics of the trials table and their column kind (``value``: on the terminal; ``detail``: files).
-TRIAL_METRICS = (
-    (MetricName.PEAK_MEMORY_BYTES, "value"),
-    (MetricName.TOKENS_PER_S, "value"),
-    (MetricName.EVAL_LOSS, "value"),
-    (MetricName.EVAL_PPL, "detail"),
-    (MetricName.TASK_SCORE, "value"),
-)
+def view_columns(view: str | None) -> list[Column]:
+    """The metric columns of default view ``view`` (:func:`~vramsweep.record.metrics.view_metrics`; None:
+    the headline alone), each
+    of kind ``detail`` (files only on a narrow terminal) where the registry says so, else ``value``."""
+    return [metric_column(m, "detail" if registry_entry(m).detail else "value") for m in view_metrics(view)]
 
 
 def trials_table(sweep: SweepData) -> Table:
@@ -511,10 +516,12 @@ def trials_table(sweep: SweepData) -> Table:
         r: dict[str, Any] = {"trial": t.number, "status": t.status}
         for k in knobs:
             r[k] = t.knob_value(k)
-        first, *others = (m for m, _ in TRIAL_METRICS)  # peak memory: in GiB, then in bytes and its kind
+        names = view_metrics("trials")  # peak memory: in GiB, then in bytes and its kind
+        first = [m for m in names if m == MetricName.PEAK_MEMORY_BYTES]
+        others = [m for m in names if m != MetricName.PEAK_MEMORY_BYTES]
         r.update(
             {
-                **metric_cells(t, [first]),
+                **metric_cells(t, first),
                 MetricName.PEAK_MEMORY_BYTES: t.peak_bytes,
                 MetricName.MEMORY_KIND: t.memory_kind,
                 **metric_cells(t, others),
@@ -533,7 +540,7 @@ def trials_table(sweep: SweepData) -> Table:
     cols = [Column("trial", lambda r: str(r["trial"])), Column("status", lambda r: r["status"], False)]
     for k in knobs:
         cols.append(Column(k, (lambda key: lambda r: display_value(r[key]))(k), False))
-    cols += [metric_column(m, kind) for m, kind in TRIAL_METRICS]
+    cols += view_columns("trials")
     cols += [
         Column("est GiB", lambda r: gib(r["estimate_gib"]), metric="estimate_gib", kind="detail"),
         Column(

@@ -14,22 +14,17 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from vramsweep.record.metrics import MetricName, column
+from vramsweep.record.metrics import column, view_metrics
 from vramsweep.report.tables import Column, Table, _clip
 
 #: Terminal width the report fits (the issue's "fits 120 columns").
 WIDTH = 120
-#: The metrics an ablation/stacking row shows on the terminal, in order (raw-row keys: the registry's
-#: :func:`~vramsweep.record.metrics.column`, ``peak_gib`` for peak memory).
-HEADLINE = tuple(
-    column(m)
-    for m in (
-        MetricName.PEAK_MEMORY_BYTES,
-        MetricName.TOKENS_PER_S,
-        MetricName.EVAL_LOSS,
-        MetricName.FACT_TOKEN_ACC,
-    )
-)
+
+
+def headline() -> tuple[str, ...]:
+    """The metrics an ablation/stacking row shows on the terminal, in order: the registry's headline and
+    ``terminal`` view (raw-row keys: :func:`~vramsweep.record.metrics.column`, ``peak_gib`` for memory)."""
+    return tuple(column(m) for m in view_metrics("terminal"))
 
 
 def _raw(row: dict[str, Any], metric: str) -> Any:
@@ -96,12 +91,13 @@ def terminal_view(
 
     Args:
         table: the report's main table (ablation, stacking or trials).
-        objectives: the sweep's objective metrics (result-metric names); shown beside :data:`HEADLINE`.
+        objectives: the sweep's objective metrics (result-metric names); shown beside :func:`headline`.
         width: terminal width to fit.
     """
     empty = uninformative(table)
     rows = table.rows
-    wanted = list(HEADLINE) + [column(m) for m in objectives if column(m) not in HEADLINE]
+    first = headline()
+    wanted = list(first) + [column(m) for m in objectives if column(m) not in first]
     if table.name in ("ablation", "stacking"):
         keep = [c for c in table.columns if c.kind == "label"]
         by_metric = {c.metric: c for c in table.columns if c.kind == "delta"}

@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from vramsweep.record.metrics import MetricName, column
+from vramsweep.record.metrics import column, view_metrics
 from vramsweep.record.result import atomic_write_text
 from vramsweep.report.build import build_report
 from vramsweep.report.load import SweepData, TrialRecord, load_sweep, safe_url
@@ -44,16 +44,6 @@ from vramsweep.report.wandb_run import design_role
 
 STATE_FILE = "summary_run.json"
 LOCK_FILE = ".summary.lock"
-#: The metrics of the ``trials`` table, in column order (columns: the registry's raw keys, ``peak_gib``).
-TRIAL_METRICS = (
-    MetricName.PEAK_MEMORY_BYTES,
-    MetricName.TOKENS_PER_S,
-    MetricName.STEP_TIME_S,
-    MetricName.EVAL_LOSS,
-    MetricName.EVAL_PPL,
-    MetricName.TASK_SCORE,
-    MetricName.MFU,
-)
 
 
 def wandb_mode() -> str:
@@ -110,7 +100,8 @@ def trial_rows(sweep: SweepData) -> tuple[list[str], list[list[Any]]]:
     knobs = sweep.varying_knobs()
     front = {t.number for t in pareto_front([t for t in sweep.trials if sweep.feasible(t)], sweep.objectives)}
     cols = ["trial", "status", "design"] + knobs
-    cols += [column(m) for m in TRIAL_METRICS]
+    names = view_metrics("wandb")  # the registry's headline and ``wandb`` view, in registry order
+    cols += [column(m) for m in names]
     cols += [
         "estimate_gib",
         "estimate_error",
@@ -125,7 +116,7 @@ def trial_rows(sweep: SweepData) -> tuple[list[str], list[list[Any]]]:
         est, peak = t.estimate_bytes, t.peak_bytes
         wb = t.meta.get("wandb") if isinstance(t.meta.get("wandb"), dict) else {}
         row = [t.number, t.status, _role(t)] + [_cell(t.knob_value(k)) for k in knobs]
-        row += list(metric_cells(t, TRIAL_METRICS).values())
+        row += list(metric_cells(t, names).values())
         row += [
             t.estimate_gib,
             (est / peak - 1.0) if est is not None and peak else None,
