@@ -397,13 +397,14 @@ def run_checks(cfg: DictConfig) -> tuple[list[Line], list[str]]:
     return lines, notes
 
 
-def checked_config(overrides: list[str]) -> DictConfig:
+def checked_config(overrides: list[str], *, say_data: bool = True) -> DictConfig:
     """``overrides`` composed and pre-flighted as ``vramsweep train`` does it (the machine's rules on the
-    proxy, which runs here); :class:`ConfigError` on bad input, before anything is built or written."""
+    proxy, which runs here); :class:`ConfigError` on bad input, before anything is built or written.
+    ``say_data=False``: without the pre-flight's data summary line (a sweep's pre-flight says its own)."""
     check_named_options(overrides)
     cfg = compose(overrides, rules="config")
     check_machine(proxy_config(cfg)[0])
-    preflight(cfg, overrides=overrides)
+    preflight(cfg, overrides=overrides, say_data=say_data)
     return cfg
 
 

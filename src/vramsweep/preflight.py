@@ -310,9 +310,11 @@ def preflight(
     results_dir: str | os.PathLike | None = None,
     n_trials: int = 1,
     key: str = "results_dir",
+    say_data: bool = True,
 ) -> None:
     """Every pre-flight check for a composed, validated ``cfg``; raise :class:`ConfigError` on the first
-    problem. ``results_dir`` defaults to ``cfg.results_dir`` (a sweep passes its sweep folder)."""
+    problem. ``results_dir`` defaults to ``cfg.results_dir`` (a sweep passes its sweep folder);
+    ``say_data=False``: the data summary line is not printed (a sweep's ``sweep.check`` on its baseline)."""
     _DATA_SUMMARY.clear()
     check_fault_env()
     check_named_options(overrides)
@@ -328,8 +330,12 @@ def preflight(
             check_model_folder(str(cfg.model.path), data_source=str(cfg.data.source))  # weights, tokenizer
         check_host_memory(cfg)
         note_embedded_build(cfg.model)
-    finally:  # what the data step built, said even when a later check fails (before its error line)
-        say_data_summary()
+    except BaseException:  # bad input is one error line (exit 2): the summary is not said before it
+        _DATA_SUMMARY.clear()
+        raise
+    if say_data:
+        say_data_summary()  # what the data step built, said once every check has passed
+    _DATA_SUMMARY.clear()
 
 
 def say_data_summary() -> None:
@@ -462,8 +468,8 @@ def preflight_sweep(
 
 
 def _check_sweep_data_and_models(plan: Any, cfg: Any, seen: set[tuple[str, str]]) -> None:
-    """What the sweep's data steps would fail on, then every model folder's weights and tokenizer; the data
-    summary line said before any later error's line."""
+    """What the sweep's data steps would fail on, then every model folder's weights and tokenizer (the data
+    summary lines are not said here: a later check's error stays the one line of a refused sweep)."""
     from omegaconf import OmegaConf
 
     _DATA_SUMMARY.clear()
@@ -474,8 +480,8 @@ def _check_sweep_data_and_models(plan: Any, cfg: Any, seen: set[tuple[str, str]]
                 check_model_folder(value, key=key, data_source=str(OmegaConf.select(cfg, "data.source")))
         if OmegaConf.select(cfg, "model") is not None:
             note_embedded_build(cfg.model)
-    finally:
-        say_data_summary()
+    finally:  # the sweep's checks go on after this (study, folder): each trial says its own data line
+        _DATA_SUMMARY.clear()
 
 
 # --- what the data step and the cache would fail on (issue 29.1, 29.6) ---------------------------------
@@ -602,7 +608,7 @@ def _check_splits_give_examples(d: Any, train: list[dict], held_out: list[dict],
         )
 
 
-def check_data(cfg: Any, reference: dict | None = None) -> None:
+def check_data(cfg: Any, reference: dict | None = None, *, build_documents: bool = True) -> None:
     """What the data step (:func:`vramsweep.data.prep.build_trial_data`) would raise on, found before the
     model is built: too few documents for a held-out split, train or eval documents that give no example
     (a single section each), ``context.max_tokens`` that leaves no room for a target, and with
@@ -634,6 +640,15 @@ def check_data(cfg: Any, reference: dict | None = None) -> None:
     _check_splits_give_examples(d, train, held_out, jsonl)
     if folder is None:
         return  # the embedded model is built for these dims first: its tokenizer does not exist yet
+    _check_documents_fit(cfg, folder, train, held_out)
+    if build_documents:  # a sweep's own process stays torch-free (the trials build them, once each)
+        check_records(cfg, folder, reference)  # the examples built once, through the cache the trials read
+
+
+def _check_documents_fit(cfg: Any, folder: Path, train: list[dict], held_out: list[dict]) -> None:
+    """Sectioned documents, counted with the trial's tokenizer read without transformers: an EOS token,
+    room for a target beside ``data.instructions``, and with ``context.truncation=none`` every example."""
+    d = cfg.data
     try:
         tok = _Tokens(folder)
     except Exception as exc:  # noqa: BLE001 - an unreadable tokenizer fails the trial the same way
@@ -660,7 +675,6 @@ def check_data(cfg: Any, reference: dict | None = None) -> None:
         check_sections_fit(
             [doc for doc in [*train, *held_out] if len(doc["sections"]) >= 2], tok, fixed, max_tokens
         )
-    check_records(cfg, folder, reference)  # the examples built once, through the cache the trials read
 
 
 def check_sections_fit(docs: list[dict], tok: Any, fixed: int, max_tokens: int) -> None:
@@ -862,7 +876,9 @@ def check_sweep_data(plan: Any, cfg: Any) -> None:
         for key, value in over.items():
             OmegaConf.update(variant, key, value, merge=False)
         try:
-            check_data(variant, getattr(plan, "eval_reference", None) or None)
+            # sectioned documents are checked without the transformers tokenizer here: it imports torch,
+            # which the sweeper's process never does (tests/sweeper/test_sweeper.py)
+            check_data(variant, getattr(plan, "eval_reference", None) or None, build_documents=False)
         except ConfigError as exc:
             if not over:
                 raise

@@ -403,10 +403,12 @@ def test_a_user_content_holding_the_opener_text_falls_back_to_prefix_rendering()
     assert texts(tok, e) == ["It opens a turn.\n<|im_end|>"]
 
 
-def test_the_preflight_prints_the_data_summary_line_before_a_later_error(tmp_path, monkeypatch, capsys):
-    """A check after the data step fails (here the host memory: this machine 'has' 1 MiB): the data summary
-    line is still on stderr, before the error propagates (the CLI prints the error line after it). Before,
-    the line was printed only once every check had passed, so the error hid what the data became."""
+def test_a_refused_preflight_says_only_its_error_and_a_passed_one_its_data_line(
+    tmp_path, monkeypatch, capsys
+):
+    """Bad input is one error line (exit 2): when a check after the data step fails (here the host memory:
+    this machine 'has' 1 MiB) the data summary line is not said before it, nor left over for the next
+    pre-flight; a pre-flight that passes says its data line once."""
     import json
 
     from vramsweep import preflight as pf
@@ -418,12 +420,18 @@ def test_the_preflight_prints_the_data_summary_line_before_a_later_error(tmp_pat
     p = tmp_path / "c.jsonl"
     p.write_text("".join(json.dumps({"messages": chat}) + "\n" for _ in range(10)))
     cfg = compose(["data=file", f"data.path={p}", f"results_dir={tmp_path / 'r'}"])
+    real = pf.available_host_bytes
     monkeypatch.setattr(pf, "available_host_bytes", lambda: 2**20)
     capsys.readouterr()
     with pytest.raises(ConfigError, match="RAM available on this machine"):
         pf.preflight(cfg)
+    assert not [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("data: ")]
+    monkeypatch.setattr(pf, "available_host_bytes", real)
+    pf.preflight(cfg)
     err = capsys.readouterr().err.splitlines()
-    assert [ln for ln in err if ln.startswith("data: ")] == [
-        ln for ln in err if ln.startswith("data: messages, train_on=assistant") and "train 9 records" in ln
-    ]
-    assert len([ln for ln in err if ln.startswith("data: ")]) == 1
+    said = [ln for ln in err if ln.startswith("data: ")]
+    assert (
+        len(said) == 1
+        and said[0].startswith("data: messages, train_on=assistant")
+        and "train 9 records" in said[0]
+    )

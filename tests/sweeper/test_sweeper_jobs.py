@@ -215,7 +215,7 @@ def test_jobs_that_could_not_be_cancelled_are_stopped_by_the_rerun_however_slow_
     threading.Thread(target=ctrl_c, daemon=True).start()
     assert Sweep(plan, runner=runner).run() == 1
     assert "ABORTED: interrupted (Ctrl-C); 3 trials left running" in capsys.readouterr().out
-    study = optuna.load_study(study_name="jobs", storage=f"sqlite:///{plan.sweep_dir / 'study.db'}")
+    study = optuna.load_study(study_name="jobs", storage=f"sqlite:///{plan.folder / 'study.db'}")
     left = [t for t in study.trials if t.state == TrialState.RUNNING]
     assert len(left) == 3, study.trials  # their jobs may still run: left for the re-run to stop
     from vramsweep.sweeper.storage import HEARTBEAT, OWNER
@@ -231,16 +231,40 @@ def test_jobs_that_could_not_be_cancelled_are_stopped_by_the_rerun_however_slow_
         log.append(("stop", rec["id"]))
         return True, None
 
-    monkeypatch.setattr("vramsweep.sweeper.study.stop_orphan", stop)
+    monkeypatch.setattr("vramsweep.sweeper.recovery.stop_orphan", stop)
+    states = {"700": "RUNNING", "701": "PENDING", "702": "PENDING"}  # one job runs, two wait for its node
+    monkeypatch.setattr("vramsweep.sweeper.orphans.slurm_state", lambda job_id: states.get(job_id))
     log.clear()
     plan = plan_from_args(
         [f"results_dir={tmp_path}", *ARGS, "hydra.sweeper.n_jobs=3", "hydra.sweeper.retry_stale=1"]
     )
-    assert Sweep(plan, runner=_Runner(False, plan.sweep_dir, log)).run() == 0
+    assert Sweep(plan, runner=_Runner(False, plan.folder, log)).run() == 0
     assert sorted(stopped) == ["700", "701", "702"], log  # every uncancelled job stopped ...
+    assert stopped[-1] == "700", stopped  # the PENDING ones before the RUNNING one (it would free the node)
     first_run = next(i for i, e in enumerate(log) if e[0] == "run")
     assert all(e[0] == "stop" for e in log[:first_run]) and len(log[:first_run]) == 3, log  # ... first
     assert len([e for e in log if e[0] == "run"]) == 3, log  # then each point once
-    study = optuna.load_study(study_name="jobs", storage=f"sqlite:///{plan.sweep_dir / 'study.db'}")
+    study = optuna.load_study(study_name="jobs", storage=f"sqlite:///{plan.folder / 'study.db'}")
     done = [t.params["adapter.r"] for t in study.trials if t.state == TrialState.COMPLETE]
     assert sorted(done) == [4, 8, 16]
+
+
+def test_a_rerun_stops_the_pending_jobs_before_the_running_one(tmp_path, monkeypatch):
+    """On the real cluster (tests/sweeper/test_sweeper_slurm.py) the re-run stopped the lost jobs in trial
+    order: cancelling the RUNNING one freed the node and SLURM started a PENDING one before its own cancel
+    came (a point started a second time, then cancelled). The PENDING ones are stopped first."""
+    monkeypatch.setenv("VRAMSWEEP_FAKE", "{}")
+    plan = plan_from_args([f"results_dir={tmp_path}", *ARGS])
+    log: list = []
+    Sweep(plan, runner=_Runner(True, plan.folder, log)).run()  # every job lost (retry_stale=0): left
+    states = {"700": "RUNNING", "701": "PENDING", "702": "PENDING"}
+    monkeypatch.setattr("vramsweep.sweeper.orphans.slurm_state", lambda job_id: states.get(job_id))
+    stopped: list = []
+
+    def stop(rec):
+        stopped.append(rec["id"])
+        return True, None
+
+    monkeypatch.setattr("vramsweep.sweeper.recovery.stop_orphan", stop)
+    assert Sweep(plan, runner=_Runner(False, plan.folder, [])).run() == 0
+    assert sorted(stopped[:2]) == ["701", "702"] and stopped[2:] == ["700"], stopped

@@ -70,6 +70,16 @@ def _stop_slurm(rec: dict[str, Any]) -> str | None:
     return f"job {job_id} still {state} {STOP_WAIT_S:.0f} s after scancel"
 
 
+def pending_first(rec: Any) -> int:
+    """Sort key for stopping several recorded jobs: a SLURM job still PENDING (0) before the others (1).
+    Stopping a RUNNING job first frees its node, and the scheduler may start a PENDING one of the same
+    sweep before its own ``scancel`` comes: its point would start a second time, only to be cancelled."""
+    if isinstance(rec, dict) and rec.get("kind") == "slurm" and "id" in rec:
+        state = slurm_state(str(rec["id"]))
+        return 0 if state is not None and state.split("+")[0] == "PENDING" else 1
+    return 1
+
+
 def stop_orphan(rec: Any) -> tuple[bool, str | None]:
     """Stop a recorded job that may still run: ``(was running, why it could not be stopped or None)``."""
     if not isinstance(rec, dict) or "id" not in rec:

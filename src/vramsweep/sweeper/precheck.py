@@ -42,7 +42,7 @@ def run_precheck(plan: Any, say: Callable[[str], None] = print) -> Any:
     )
 
     overrides = baseline_overrides(plan)
-    cfg = check.checked_config(overrides)
+    cfg = check.checked_config(overrides, say_data=False)  # a refused sweep: its one error line
     say(f"vramsweep: sweep.check: {check.headline(cfg)}")
     lines, notes = check.checks_on(cfg)
     for text in [f"note: {n}" for n in notes] + [str(x) for x in lines]:

@@ -19,7 +19,7 @@ from vramsweep.config.compose import ConfigError
 from vramsweep.record.result import write_result
 from vramsweep.sweeper.job import Job
 from vramsweep.sweeper.launch import JOB
-from vramsweep.sweeper.orphans import stop_orphan
+from vramsweep.sweeper.orphans import pending_first, stop_orphan
 from vramsweep.sweeper.outcome import Outcome
 from vramsweep.sweeper.storage import (
     HEARTBEAT,
@@ -52,9 +52,14 @@ class LostTrials:
 
         reaped = 0
         now = time.time()
-        for t in self.book.admin.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if t._trial_id in self.book.running or not is_stale(t, self.plan.grace_s, now):
-                continue
+        stale = [
+            t
+            for t in self.book.admin.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if t._trial_id not in self.book.running and is_stale(t, self.plan.grace_s, now)
+        ]
+        # their launcher jobs stopped PENDING first (:func:`pending_first`): a stopped RUNNING job frees its
+        # node, where the scheduler could start a PENDING one before it is stopped
+        for t in sorted(stale, key=lambda t: pending_first(t.system_attrs.get(JOB))):
             reaped += int(self._reap(t, now))
         return reaped
 
@@ -93,10 +98,14 @@ class LostTrials:
 
         stuck = []
         stopped = set(self.book.study.user_attrs.get(JOB_STOPPED) or [])  # a finished trial takes no attrs
-        for t in self.book.admin.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
-            rec = t.system_attrs.get(JOB)
-            if rec is None or not t.system_attrs.get(JOB_LOST) or t.number in stopped:
-                continue
+        lost = [
+            (t, t.system_attrs.get(JOB))
+            for t in self.book.admin.get_trials(deepcopy=False, states=(TrialState.FAIL,))
+            if t.system_attrs.get(JOB) is not None
+            and t.system_attrs.get(JOB_LOST)
+            and t.number not in stopped
+        ]
+        for t, rec in sorted(lost, key=lambda pair: pending_first(pair[1])):  # the PENDING ones first
             running, why = stop_orphan(rec)
             if why is not None:
                 stuck.append(f"trial {t.number:04d}'s job {rec.get('id')} ({why})")
