@@ -22,6 +22,14 @@ from vramsweep.production.owner import LOCK_FILE, RunFolderError, claim
 SRC = str(Path(__file__).parents[2] / "src")
 
 
+def _without_data_line(err: str) -> list[str]:
+    """stderr's lines but the pre-flight's one ``data:`` summary line: the pre-flight passed (it says the line
+    then), and the run folder's refusal comes after it."""
+    lines = err.strip().splitlines()
+    assert sum(ln.startswith("data: ") for ln in lines) == 1, lines
+    return [ln for ln in lines if not ln.startswith("data: ")]
+
+
 def _args(run: Path, *extra: str) -> list[str]:
     return ["train", *FAST, f"results_dir={run.parent}", f"train.output_dir={run}", *extra]
 
@@ -38,7 +46,7 @@ def test_a_finished_run_with_resume_never_is_refused_and_nothing_changes(finishe
     before = folder_hash(finished)
     capsys.readouterr()
     assert main(_args(finished, "train.save_every=2")) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = _without_data_line(capsys.readouterr().err)
     assert len(err) == 1 and err[0].startswith("vramsweep train: error:"), err
     assert (
         "holds a finished run" in err[0]
@@ -66,7 +74,7 @@ def test_a_stopped_run_with_resume_never_is_refused(tmp_path, capsys):
     (ckpt / "COMPLETE").write_text("step 2\n")
     before = folder_hash(run)
     assert main(_args(run)) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = _without_data_line(capsys.readouterr().err)
     assert len(err) == 1 and "holds a stopped run" in err[0] and str(ckpt) in err[0], err
     assert "train.resume=auto continues it" in err[0]
     assert folder_hash(run) == before
@@ -92,7 +100,7 @@ def test_a_second_start_while_a_run_holds_the_folder_exits_2_naming_the_holder(t
         before = folder_hash(run)
         for resume in ("never", "auto"):
             assert main(_args(run, f"train.resume={resume}")) == 2
-            err = capsys.readouterr().err.strip().splitlines()
+            err = _without_data_line(capsys.readouterr().err)
             assert len(err) == 1 and "is in use" in err[0], err
             assert f"pid {holder.pid} on host {socket.gethostname()} since " in err[0]
         assert folder_hash(run) == before
