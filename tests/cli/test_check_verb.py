@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from vramsweep import check, loop
 from vramsweep.cli import main
@@ -105,16 +104,9 @@ def _resume_figures(figure: str) -> tuple[int, float, float]:
 def test_a_resume_without_the_optimizer_state_fails_the_resume_check(capsys, monkeypatch):
     """A resume that loads the adapter and the scheduler but not the optimizer's moments (fresh AdamW
     state after the checkpoint): FAIL with the figure, exit 1; the other checks still pass."""
-    from vramsweep.production import checkpoint
+    from _resume import restore_without_optimizer_state
 
-    def weights_only(self, model, optimizer, scheduler):
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for n, t in self.tensors.items():
-                params[n].copy_(t)
-        scheduler.load_state_dict(self.torch_state["scheduler"])
-
-    monkeypatch.setattr(checkpoint.Resume, "apply", weights_only)
+    restore_without_optimizer_state(monkeypatch)
     code, lines, _ = _run(capsys)
     assert code == 1
     verdict, figure, tol = lines["resume"]

@@ -4,7 +4,6 @@ packing throughput pass of scripts/gpu_batch_check.py, and the smoke's plan and 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -12,30 +11,25 @@ from pathlib import Path
 
 import pytest
 
+from _scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 THIRD_CALL = ("packing_bf16", "resume", "nf4_use", "memprobe_grouped")
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def smoke():
-    return _load("gpu_smoke")
+    return load_script("gpu_smoke")
 
 
 @pytest.fixture(scope="module")
 def resume():
-    return _load("gpu_resume_check")
+    return load_script("gpu_resume_check")
 
 
 @pytest.fixture(scope="module")
 def use():
-    return _load("gpu_use_check")
+    return load_script("gpu_use_check")
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -196,7 +190,7 @@ def test_use_check_on_cpu_passes_and_fails_when_the_model_is_elsewhere(use, tmp_
 
 # --------------------------------------------------------------------------------------- packing throughput
 def test_throughput_batches_hold_the_same_real_tokens_packed_and_padded():
-    check = _load("gpu_batch_check")
+    check = load_script("gpu_batch_check")
     for device in ("cpu", "cuda"):
         packed, padded = check.throughput_batches(device)
         n, _, width, batch = check.THROUGHPUT[device][:4]
@@ -212,7 +206,7 @@ def test_throughput_batches_hold_the_same_real_tokens_packed_and_padded():
 def test_packing_throughput_on_cpu_records_both_modes(embedded_model_dir):
     import torch
 
-    check = _load("gpu_batch_check")
+    check = load_script("gpu_batch_check")
     base = ["hardware=cpu", "model=tiny", "quant=none", "train.dtype=bf16", "attention=sdpa"]
     r = check.packing_throughput(base, torch.device("cpu"))
     assert set(r["tokens_per_s"]) == {"packed", "padded"} and all(v > 0 for v in r["tokens_per_s"].values())
@@ -298,7 +292,7 @@ def test_a_check_whose_exit_was_cut_after_its_verdict_keeps_it(smoke):
     assert smoke._verdict_of("partial\n", -2, True)[0] == "not run"
 
 
-def test_the_dry_runs_budget_grows_with_the_cpu_load(smoke, monkeypatch, capsys):
+def test_the_dry_runs_budget_grows_with_the_cpuload_script(smoke, monkeypatch, capsys):
     """At load 13-19 on 2 cores the dry run's scaled caps cut checks that pass at a lower load; its budget
     (not the GPU's) is multiplied by the load over 2 per core, at least 1."""
     monkeypatch.setattr(smoke.os, "cpu_count", lambda: 2)

@@ -3,12 +3,13 @@ arithmetic, and the offline bundle's trimming and activation."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The line Liger 0.8.5 + Triton 3.6 printed on import in every trial on the H200 image (2026-12-01).
@@ -18,16 +19,9 @@ LIGER_NOISE = (
 )
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def smoke():
-    return _load("gpu_smoke")
+    return load_script("gpu_smoke")
 
 
 def test_liger_ascend_noise_is_filtered_and_nothing_else(smoke):
@@ -79,7 +73,7 @@ def test_run_logged_interrupts_over_budget(smoke, tmp_path):
 
 
 def test_profile_gpu_idle_fraction_from_a_trace():
-    prof = _load("gpu_profile")
+    prof = load_script("gpu_profile")
     trace = {
         "traceEvents": [
             {"name": "vramsweep_step_0", "cat": "user_annotation", "ts": 1000, "dur": 1000},
@@ -97,13 +91,13 @@ def test_profile_gpu_idle_fraction_from_a_trace():
     assert s1["gpu_idle_fraction"] == pytest.approx(0.0) and s1["kernels"] == 1
     cpu_only = prof.step_stats({"traceEvents": trace["traceEvents"][:2]})
     assert cpu_only[0]["gpu_idle_fraction"] is None
-    smoke = _load("gpu_smoke")
+    smoke = load_script("gpu_smoke")
     line = smoke.profile_summary({"tokens": 1024, "walls_s": [0.001, 0.0005], "steps": [s0, s1]})
     assert line == "1024 tokens: 1 ms/step, GPU idle 30%, 2 kernels/step"
 
 
 def test_bundle_trimming():
-    b = _load("gpu_bundle")
+    b = load_script("gpu_bundle")
     keep = [
         ("bitsandbytes", "bitsandbytes/libbitsandbytes_cuda130.so"),
         ("bitsandbytes", "bitsandbytes/libbitsandbytes_cpu.so"),
@@ -150,7 +144,7 @@ def _fake_bundle(root: Path, manifest_name: str, requires: str = "") -> Path:
 
 
 def test_bundle_activation_lets_the_image_copy_win(tmp_path, capsys):
-    b = _load("gpu_bundle")
+    b = load_script("gpu_bundle")
     site = _fake_bundle(tmp_path / "a", b.MANIFEST, "Requires-Dist: pytest>=1\n")
     assert b.main(["activate", str(site)]) == 0
     assert not (site / "pytest").exists() and (site.parent / "gpu_bundle.shadowed" / "pytest").is_dir()
@@ -310,7 +304,7 @@ def test_a_probe_point_out_of_time_is_not_run(smoke, tmp_path):
 
 
 def test_probe_row_records_the_allocators_figures():
-    probe = _load("gpu_memprobe")
+    probe = load_script("gpu_memprobe")
     result = {
         "status": "ok",
         "metrics": {
@@ -385,7 +379,7 @@ def test_batch_check_catches_the_mean_of_means(monkeypatch, embedded_model_dir, 
     """scripts/gpu_batch_check.py passes on CPU and fails when accumulation weighs micro-batches equally."""
     import vramsweep.loop as loop
 
-    check = _load("gpu_batch_check")
+    check = load_script("gpu_batch_check")
     assert check.main(["--device", "cpu"]) == 0
     monkeypatch.setattr(loop, "token_weights", lambda micro: [1.0 / len(micro)] * len(micro))
     assert check.main(["--device", "cpu"]) == 1
@@ -399,7 +393,7 @@ def test_batch_check_in_bf16_passes_and_fails_when_groups_cross_kv_heads(
     the kv heads' query heads (here: the groups' query heads reversed) fails it."""
     from vramsweep.longctx import attention as grouped
 
-    check = _load("gpu_batch_check")
+    check = load_script("gpu_batch_check")
     assert check.main(["--device", "cpu", "--dtype", "bf16", "--no-throughput"]) == 0
     assert '"bf16 packed, 2 head groups == packed"' in capsys.readouterr().out
     real = grouped.grouped_call
@@ -528,7 +522,7 @@ def test_carry_check_counts_the_tree_and_the_bundle(tmp_path):
     """What a device run carries: tracked + untracked-not-ignored files + the bundle, <= 64 MiB in all."""
     import subprocess
 
-    bundle = _load("gpu_bundle")
+    bundle = load_script("gpu_bundle")
     repo = tmp_path / "repo"
     repo.mkdir()
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
@@ -600,12 +594,12 @@ def _wanted_dists(b) -> dict[str, str]:
 
 
 def test_bundle_pins_what_the_fork_server_and_data_stack_import():
-    b = _load("gpu_bundle")
+    b = load_script("gpu_bundle")
     assert {"torchao==0.18.0", "datasets==4.8.5", "pyarrow==26.0.1"} <= set(b.WANTED)
 
 
 def test_bundle_manifest_is_checked_against_wanted(tmp_path, capsys):
-    b = _load("gpu_bundle")
+    b = load_script("gpu_bundle")
     good = _wanted_dists(b)
     assert b.manifest_mismatches({"dists": {b.norm(k): {"version": v} for k, v in good.items()}}) == []
     stale = {**good, "torchao": "0.17.0"}
@@ -631,7 +625,7 @@ def test_smoke_refuses_a_stale_bundle_before_anything_runs(tmp_path):
     exit 2 before extracting or running anything; --plan says the same without stopping."""
     import subprocess
 
-    b = _load("gpu_bundle")
+    b = load_script("gpu_bundle")
     stale = _packed_bundle(tmp_path / "stale.tar.xz", {**_wanted_dists(b), "torchao": "0.17.0"})
     env = {
         **__import__("os").environ,
@@ -657,7 +651,7 @@ def test_smoke_skips_plots_without_matplotlib_and_says_so(smoke):
 
 def test_a_probe_point_this_machine_cannot_run_is_unsupported_not_a_crash(capsys):
     """kernels=liger on a CPU: the probe prints an ``unsupported`` row (a result) instead of a traceback."""
-    probe = _load("gpu_memprobe")
+    probe = load_script("gpu_memprobe")
     assert probe.main(["model=tiny", "hardware=cpu", "kernels=liger", "context.max_tokens=256"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("PROBE "))
     row = json.loads(line[6:])
@@ -698,7 +692,7 @@ def test_a_failed_environment_probe_does_not_stop_the_smoke(smoke, tmp_path, mon
 
 
 def test_memsnapshot_replays_the_trace_to_its_peak_and_names_the_owners():
-    snap = _load("gpu_memsnapshot")
+    snap = load_script("gpu_memsnapshot")
     fr = lambda name, fn: [  # noqa: E731 - innermost first, as the allocator records them
         {"filename": "/x/torch/nn/modules/module.py", "line": 1, "name": "_call_impl"},
         {"filename": f"/x/vramsweep/{fn}.py", "line": 7, "name": name},

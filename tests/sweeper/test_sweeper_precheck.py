@@ -11,8 +11,8 @@ from pathlib import Path
 
 import optuna
 import pytest
-import torch
 
+from _resume import restore_without_optimizer_state
 from vramsweep.sweeper import run_multirun
 
 pytestmark = pytest.mark.usefixtures("embedded_model_dir")
@@ -23,20 +23,6 @@ LINES = {"accumulation", "eval_then_train", "packing", "resume", "stop_token"}
 
 def _sweep(tmp_path: Path, *args: str) -> int:
     return run_multirun([f"results_dir={tmp_path}", *FAKE, *args])
-
-
-def _break_resume(monkeypatch) -> None:
-    """A resume that restores the adapter and the scheduler but not the optimizer state."""
-    from vramsweep.production import checkpoint
-
-    def weights_only(self, model, optimizer, scheduler):
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for n, t in self.tensors.items():
-                params[n].copy_(t)
-        scheduler.load_state_dict(self.torch_state["scheduler"])
-
-    monkeypatch.setattr(checkpoint.Resume, "apply", weights_only)
 
 
 def test_the_check_runs_on_the_baseline_before_trial_0_and_is_recorded(tmp_path, capsys):
@@ -84,7 +70,7 @@ def test_a_failing_check_stops_the_sweep_before_any_trial_and_leaves_the_study(t
     before, trials = _files(folder), _trials(folder, "c2")
     assert len(trials) == 1 and "sweep.json" in before
     capsys.readouterr()
-    _break_resume(monkeypatch)
+    restore_without_optimizer_state(monkeypatch)
     assert _sweep(tmp_path, *search, "hydra.sweeper.n_trials=2", "+sweep.check=true") == 2
     out = capsys.readouterr()
     err = out.err.strip().splitlines()
