@@ -220,6 +220,21 @@ def test_live_progress_line_on_a_terminal_and_quiet_otherwise():
     assert " 5/20 trial 0000 ok" in log.text
 
 
+def test_progress_false_silences_trial_lines_but_never_a_note():
+    """hydra.sweeper.progress=false drops the per-trial lines and the bar; a note (a trial's error reason, a
+    job that could not be stopped, a GPU that failed its probe) is still printed."""
+    from vramsweep.sweeper.progress import Progress
+
+    tty, log = _Stream(True), _Stream(False)
+    for stream in (tty, log):
+        p = Progress(3, stream=stream, enabled=False)
+        p.say("vramsweep: 1 job could not be stopped")
+        p.finished("trial 0000 ok", wall_s=1.0, done=1)
+        p.update(running=1)
+        p.stop()
+        assert stream.text == "vramsweep: 1 job could not be stopped\n", stream.text
+
+
 def test_finished_study_rerun_is_fast_and_never_imports_torch(tmp_path):
     """A finished study re-run prints its summary without composing every point or starting the fork
     server (which imports torch)."""

@@ -123,7 +123,8 @@ class Progress:
     they are right when several workers share one study; otherwise they are counted locally. One line
     per finished trial, prefixed by a bar and ``done/total``; on a terminal also a live status line
     (``done, running, ETA, best so far``) redrawn in place every second. When the stream is not a TTY
-    (CI logs, pipes) there is no live line and the per-trial lines stay one line each.
+    (CI logs, pipes) there is no live line and the per-trial lines stay one line each. ``enabled=False``
+    (``hydra.sweeper.progress=false``) drops the per-trial and live lines, never a note (:meth:`say`).
     """
 
     def __init__(
@@ -214,8 +215,8 @@ class Progress:
                 self.stream.flush()
 
     def say(self, text: str) -> None:
-        if not self.enabled:
-            return
+        """A note (what runs, a trial's error, a job that could not be stopped): printed whether or not
+        progress is ``enabled``, which governs only the per-trial lines and the live line."""
         with self._lock:
             self._clear()
             print(text, file=self.stream, flush=True)

@@ -149,7 +149,7 @@ class SweeperConf:
             card, else 1. Throughput measured beside another trial is marked shared.
         gpu_reserve_gib: memory of each card left out of the ``trials_per_gpu=auto`` arithmetic.
         share_below: a trial whose memory estimate reaches this fraction of its cap runs alone on its GPU.
-        progress: print one line per finished trial plus a total progress bar.
+        progress: print one line per finished trial plus a total progress bar (notes print either way).
         custom_search_space: function mode only (any Hydra app): ``module.function(cfg, trial)`` that
             suggests more params, as in hydra-optuna-sweeper.
     """
