@@ -16,7 +16,11 @@ them alike. Printed per arm (medians over rounds):
 - ``max RSS vs off``: the process's peak resident memory (``wait4``'s ``ru_maxrss``) over the ``off`` arm's;
 - ``tracked peak vs off``: ``metrics.peak_memory_bytes`` (the CPU tensor tracker) over the ``off`` arm's.
 
-Run:  python bench/checkpoint_cost.py [--steps 60] [--every 10 30] [--rounds 2] [overrides ...]
+Every arm runs with its torch threads pinned (``--threads``, default 1: ``train.threads`` and the thread
+pools' environment), so a count torch picks from a busy machine is not a difference between arms; the wall
+ratio is printed as the median of the per-round ratios with their min-max.
+
+Run:  python bench/checkpoint_cost.py [--steps 60] [--every 10 30] [--rounds 2] [--threads 1] [overrides ...]
 Goal (issue 36): checkpointing <= 5 % of run time, saving does not raise the peak.
 """
 
@@ -31,8 +35,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _arms import child_env, spread
 
-def run_arm(out: Path, steps: int, every: int, cache: str, overrides: list[str]) -> dict:
+
+def run_arm(out: Path, steps: int, every: int, cache: str, overrides: list[str], threads: int = 1) -> dict:
     argv = [
         sys.executable,
         "-m",
@@ -44,9 +50,15 @@ def run_arm(out: Path, steps: int, every: int, cache: str, overrides: list[str])
         "train.keep_checkpoints=2",
         f"train.output_dir={out}",
         f"results_dir={out.parent}",
+        f"train.threads={threads}",
         *overrides,
     ]
-    env = {**os.environ, "VRAMSWEEP_CACHE": cache, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **child_env(threads),
+        "VRAMSWEEP_CACHE": cache,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _, status, usage = os.wait4(proc.pid, 0)
     err = proc.stderr.read() if proc.stderr else ""
@@ -72,6 +84,9 @@ def main() -> int:
     )
     ap.add_argument("--rounds", type=int, default=2, help="rounds of all arms (default: %(default)s)")
     ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads in every arm (default: %(default)s)"
+    )
+    ap.add_argument(
         "overrides",
         nargs="*",
         default=["context.max_tokens=256"],
@@ -85,7 +100,7 @@ def main() -> int:
         for r in range(args.rounds):
             order = arms if r % 2 == 0 else arms[::-1]
             for e in order:
-                got = run_arm(Path(tmp) / f"r{r}-e{e}", args.steps, e, cache, args.overrides)
+                got = run_arm(Path(tmp) / f"r{r}-e{e}", args.steps, e, cache, args.overrides, args.threads)
                 rows[e].append(got)
                 print(
                     f"round {r} save_every={e}: wall {got['wall_s']:.2f} s, checkpoints {got['count']} "
@@ -109,6 +124,9 @@ def main() -> int:
         peak = f"{statistics.median(peaks):.3f}x" if peaks else "n/a"
         name = "off" if e == 0 else f"every {e}"
         print(f"{name:<14}{rs[0]['count']:>6}{share:>16.2%} {wall:>12.3f}x{rss:>15.3f}x{peak:>21}")
+    for e in args.every:
+        walls = [x["wall_s"] / o["wall_s"] for x, o in zip(rows[e], off, strict=True)]
+        print(f"wall every {e} / off: {spread(walls)}; threads {args.threads} in every arm")
     return 0
 
 

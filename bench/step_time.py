@@ -16,7 +16,10 @@ the loop records around each phase (``meta.step_phases_s.device_s``; read after 
 Goal on a GPU (issue: H200, Qwen3-8B nf4_dq + LoRA + checkpointing: 0.70 s at 1,024 vs 0.75 s at 4,096):
 step(1,024) <= 0.35 x step(4,096).
 
-Run:  python bench/step_time.py [--short 256 --long 1024] [--rounds 2] [--steps 8] [overrides ...]
+Each run's torch threads are pinned (``--threads``, default 1; ``0``: the config's ``train.threads``), and
+the ratio is printed as the median of the per-round ratios with their min-max.
+
+Run:  python bench/step_time.py [--short 256 --long 1024] [--rounds 2] [--steps 8] [--threads 1] [overrides ...]
       python bench/step_time.py --short 1024 --long 4096 model=qwen3_8b quant=nf4_dq checkpointing=on \\
           hardware=h200_141gb train.micro_batch=1          # on a GPU
 """
@@ -28,6 +31,7 @@ import os
 import statistics
 import sys
 
+from _arms import child_env, paired_ratios, spread
 from _child import emit, run_child
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -100,18 +104,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per run (0: train.threads as set)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     if args.child:
         emit(one(args.overrides))
         return 0
-    base = [f"train.steps={args.steps}", "train.eval_batches=1", "logger=none", *args.overrides]
+    pinned = [f"train.threads={args.threads}"] if args.threads else []
+    base = [f"train.steps={args.steps}", "train.eval_batches=1", "logger=none", *pinned, *args.overrides]
     runs: dict[int, list[dict]] = {args.short: [], args.long: []}
     for r in range(args.rounds):
         for n in (args.short, args.long) if r % 2 == 0 else (args.long, args.short):
             over = [*base, f"context.max_tokens={n}"]
-            res, out = run_child([sys.executable, __file__, "--child", *over])
+            res, out = run_child(
+                [sys.executable, __file__, "--child", *over], env=child_env(args.threads or None)
+            )
             if res is None:
                 print(out.stdout[-2000:], out.stderr[-4000:], file=sys.stderr)
                 return 1
@@ -140,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         f"median step time: {args.short} tokens {short:.4f} s, {args.long} tokens {long:.4f} s; "
         f"ratio {short / long:.3f} (compute-bound ~{args.short / args.long:.2f}; goal <= 0.35 for 1,024/4,096)"
     )
+    per_round = paired_ratios(
+        [x["step_time_s"] for x in runs[args.short]], [x["step_time_s"] for x in runs[args.long]]
+    )
+    print(f"step({args.short}) / step({args.long}), per round: {spread(per_round)}")
     return 0
 
 

@@ -1152,7 +1152,7 @@ def phase_step_time(sm: Smoke) -> None:
     short, long_n = (max(128, n // divisor) for n in STEP_TIME_TOKENS)
     model = ["model=tiny", "hardware=cpu"] if sm.dry else ["model=qwen3_8b", "hardware=rtx4080_16gb"]
     cmd = [sm.python, str(ROOT / "bench" / "step_time.py"), "--short", str(short), "--long", str(long_n),
-           "--rounds", "1", "--steps", "3" if sm.dry else "6", *model,
+           "--rounds", "1", "--steps", "3" if sm.dry else "6", "--threads", "0", *model,
            "quant=nf4_dq", "attention=sdpa", "kernels=none", "checkpointing=on",
            *(STEP_TIME_DRY if sm.dry else STEP_TIME_GPU)]  # fmt: skip
     rc, to, text = sm.run("step_time", cmd, sm.cap("step_time"))

@@ -8,8 +8,9 @@
 * record: :func:`_finish` (status, the typed result, written atomically).
 
 The engine is a minimal PEFT loop (forward, backward, clip, optimizer step, scheduler) rather than
-TRL's SFTTrainer: not for speed (``bench/overhead.py``, 2026-12-01, CPU: ours / minimal loop 1.009, TRL 1.15
-SFTTrainer / minimal 1.084 tokens/s) but for what a trainer hides: tracked warm-up steps, the longest
+TRL's SFTTrainer: not for speed (``bench/overhead.py``, 2026-12-06, idle CPU, 8 rounds: ours / minimal loop
+0.907 [0.644-1.311], TRL 1.15 SFTTrainer / minimal 0.951 [0.653-1.196] tokens/s, within the machine's
+round-to-round spread: docs/TRIAL.md) but for what a trainer hides: tracked warm-up steps, the longest
 batch first, per-step pruning hooks and failures turned into statuses. Libraries still do what they
 do well: optimizers by name (torch/bitsandbytes/transformers), schedules (``transformers.get_scheduler``),
 gradient checkpointing (``gradient_checkpointing_enable``), adapters (PEFT) and tracking (W&B).

@@ -99,8 +99,10 @@ def test_readme_demo_headline_matches_its_worked_example_table():
 
 def test_demo_sweep_file_cites_readmes_idle_time():
     demo = (ROOT / "sweeps" / "demo.yaml").read_text()
-    idle = re.search(r"(\d+) s on 2 idle cores", demo)
-    assert idle and f"the same sweep took {idle.group(1)} s on the idle machine" in README
+    idle = re.search(r"took ([\d.]+) s on 2 idle cores", demo)
+    busy = re.search(r"and ([\d.]+) s beside a 2-thread matmul job", demo)
+    assert idle and f"**{idle.group(1)} s** on the idle machine" in README
+    assert busy and f"**{busy.group(1)} s** beside one job doing 2-thread matmuls" in README
 
 
 def test_readme_qwen3_8b_20k_estimates_are_what_the_estimator_says():
