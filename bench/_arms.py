@@ -6,9 +6,13 @@ several-fold effect of its own), and a ratio is printed with its spread: the med
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
-from collections.abc import Sequence
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
 
 #: Environment of a child process that pins its thread pools (torch reads these at import; the child also
 #: calls ``torch.set_num_threads``: :func:`pin_torch`).
@@ -53,3 +57,29 @@ def spread(values: Sequence[float], what: str = "round") -> str:
     return (
         f"{statistics.median(v):.3f} [{v[0]:.3f}-{v[-1]:.3f}] ({len(v)} {what}{'s' if len(v) != 1 else ''})"
     )
+
+
+#: A competing torch job: ``threads``-thread float32 matmuls until killed (another trial; any process doing
+#: multi-threaded matmuls on the same cores).
+COMPETITOR = """
+import sys, torch
+torch.set_num_threads(int(sys.argv[1]))
+a = torch.randn(768, 768)
+while True:
+    a = torch.tanh(a @ a)
+"""
+
+
+@contextlib.contextmanager
+def competitor(threads: int | None) -> Iterator[None]:
+    """Inside: a :data:`COMPETITOR` process of ``threads`` threads, computing before the body starts (3 s
+    head start) and killed when it ends; ``None``/``0``: nothing started."""
+    proc = subprocess.Popen([sys.executable, "-c", COMPETITOR, str(threads)]) if threads else None
+    try:
+        if proc is not None:
+            time.sleep(3.0)
+        yield
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()

@@ -26,13 +26,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
-from _arms import order, spread
+from _arms import competitor, order, spread
 from _child import emit, run_child
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -42,13 +40,6 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 DEMO = Path(__file__).resolve().parents[1] / "sweeps" / "demo.yaml"
 #: eval / whole trial: at most this (issue 52)
 TARGET = 0.25
-COMPETITOR = """
-import sys, torch
-torch.set_num_threads(int(sys.argv[1]))
-a = torch.randn(768, 768)
-while True:
-    a = torch.tanh(a @ a)
-"""
 
 
 def demo_overrides(path: Path = DEMO) -> list[str]:
@@ -99,13 +90,9 @@ def main() -> int:
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     arms = a.arms.split(",")
-    comp = None
-    if a.competitor:
-        comp = subprocess.Popen([sys.executable, "-c", COMPETITOR, str(a.competitor)])
-        time.sleep(3.0)
-    load0 = os.getloadavg()[0]
     rows: dict[str, list[dict]] = {arm: [] for arm in arms}
-    try:
+    with competitor(a.competitor):
+        load0 = os.getloadavg()[0]
         for rnd in range(a.rounds):
             for arm in order(arms, rnd):
                 argv = [sys.executable, __file__, "--child", *arm_overrides(arm, cores)]
@@ -119,10 +106,6 @@ def main() -> int:
                     f"of {r['wall_s']:.2f} s = {r['eval_s'] / r['wall_s']:.1%}",
                     flush=True,
                 )
-    finally:
-        if comp is not None:
-            comp.kill()
-            comp.wait()
     load1 = os.getloadavg()[0]
     print(
         f"\ndemo trial ({' '.join(demo_overrides())}), first trial of a sweep (computes its initial eval); "

@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-from _arms import order, paired_ratios, spread
+from _arms import competitor, order, paired_ratios, spread
 from _child import emit, run_child
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -42,14 +41,6 @@ TRIAL = [
 ]
 #: auto / best fixed: at most this much slower beside a competing job, and idle.
 TARGETS = {"busy": 1.30, "idle": 1.10}
-
-COMPETITOR = """
-import sys, torch
-torch.set_num_threads(int(sys.argv[1]))
-a = torch.randn(768, 768)
-while True:
-    a = torch.tanh(a @ a)
-"""
 
 
 def run_arm(threads: str, steps: int, overrides: list[str]) -> dict:
@@ -87,12 +78,8 @@ def verdict(ratios: list[float], target: float) -> str:
 
 def _condition(name: str, arms: list[str], a: argparse.Namespace) -> dict[str, list]:
     rows: dict[str, list] = {arm: [None] * a.rounds for arm in arms}
-    comp = None
-    if name == "busy":
-        comp = subprocess.Popen([sys.executable, "-c", COMPETITOR, str(a.competitor_threads)])
-        time.sleep(3.0)  # the competitor is computing before the first arm starts
-    load0 = os.getloadavg()[0]
-    try:
+    with competitor(a.competitor_threads if name == "busy" else None):
+        load0 = os.getloadavg()[0]
         for rnd in range(a.rounds):
             for arm in order(arms, rnd):
                 argv = [sys.executable, __file__, "--child", arm, "--steps", str(a.steps), *a.overrides]
@@ -107,10 +94,6 @@ def _condition(name: str, arms: list[str], a: argparse.Namespace) -> dict[str, l
                     f"{tps} tokens/s",
                     flush=True,
                 )
-    finally:
-        if comp is not None:
-            comp.kill()
-            comp.wait()
     print(f"[{name}] load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end", flush=True)
     if name == "idle" and load0 > 0.5 * max(1, len(os.sched_getaffinity(0))):
         print(f"[idle] WARNING: the machine is not idle (load {load0:.2f}): not an idle figure", flush=True)

@@ -38,6 +38,10 @@ def _write(data: Path, word: str) -> str:
     return hashlib.sha256(data.read_bytes()).hexdigest()
 
 
+def _study(folder: Path) -> optuna.Study:
+    return optuna.load_study(study_name="dat", storage=f"sqlite:///{folder / 'study.db'}")
+
+
 def test_a_sweep_re_run_on_changed_data_exits_2_naming_the_file_and_both_hashes(
     tmp_path, monkeypatch, capsys
 ):
@@ -49,7 +53,7 @@ def test_a_sweep_re_run_on_changed_data_exits_2_naming_the_file_and_both_hashes(
         run_multirun([*args, "hydra.sweeper.n_trials=1"]) == 0
     )  # one of two points: the sweep goes on later
     folder = tmp_path / "sweeps" / "dat"
-    study = optuna.load_study(study_name="dat", storage=f"sqlite:///{folder / 'study.db'}")
+    study = _study(folder)
     assert study.user_attrs["vramsweep:data"]["data.path"]["sha256"] == old
 
     new = _write(data, "b")
@@ -62,7 +66,7 @@ def test_a_sweep_re_run_on_changed_data_exits_2_naming_the_file_and_both_hashes(
     assert folder_hash(folder) == before, sorted((p.name, p.stat().st_mtime_ns) for p in folder.rglob("*"))
 
     assert run_multirun([*args, "train.resume_on_changed_data=true"]) == 0
-    study = optuna.load_study(study_name="dat", storage=f"sqlite:///{folder / 'study.db'}")
+    study = _study(folder)
     assert len([t for t in study.trials if t.state.is_finished()]) == 2
     [change] = study.user_attrs["vramsweep:data_changes"]
     assert (change["was"], change["now"]) == (old, new)
@@ -78,7 +82,7 @@ def _as_before_hashes(folder: Path) -> None:
 
 
 def _study_record(folder: Path) -> tuple:
-    study = optuna.load_study(study_name="dat", storage=f"sqlite:///{folder / 'study.db'}")
+    study = _study(folder)
     return study.user_attrs, [(t.number, t.state, t.params, t.values) for t in study.trials]
 
 
@@ -98,7 +102,7 @@ def test_a_study_from_before_data_hashes_says_it_cannot_verify_and_records_them_
         ln for ln in capsys.readouterr().err.splitlines() if "before vramsweep recorded data hashes" in ln
     ]
     assert len(said) == 1 and f"cannot verify that data.path={data}" in said[0], said
-    study = optuna.load_study(study_name="dat", storage=f"sqlite:///{folder / 'study.db'}")
+    study = _study(folder)
     assert study.user_attrs["vramsweep:data"]["data.path"]["sha256"] == sha  # recorded now: checked later
 
 
